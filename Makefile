@@ -1,0 +1,43 @@
+# margo-gitops: the two commands a newcomer needs are `make demo` and `make test`.
+# Everything they need is installed from here (virtual environment, Debian packages).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: all venv test lint schemas demo bench clean
+
+all: test
+
+venv: $(STAMP)
+
+# The venv is rebuilt when the project's dependencies change.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || \
+		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-venv)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m margo.schemas --check
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+schemas: venv
+	$(BIN)/python -m margo.schemas
+
+demo: venv
+	@PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
+
+bench: venv
+	$(BIN)/python bench/validate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `make demo`: validate the example fleet and show capability matching with explanations.
+# (Later stages of the project grow this into the full fleet loop.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+
+step "1. Validate the example applications and device capability reports (any spec shape)"
+margo validate examples/fleet/apps/*/margo.yaml examples/capabilities/*.json
+
+for app in gpu-inference hello-world line-monitor; do
+  step "2. Which devices can run examples/fleet/apps/$app?"
+  for caps in examples/capabilities/*.json; do
+    device=$(basename "$caps" .json)
+    if answer=$(margo match --capabilities "$caps" \
+                  --constraints "examples/fleet/apps/$app/margo.yaml"); then
+      printf '  %-22s %s\n' "$device" "$answer"
+    else
+      printf '  %-22s %s\n' "$device" "$(printf '%s' "$answer" | head -1)"
+      printf '%s\n' "$answer" | tail -n +2 | sed 's/^/                        /'
+    fi
+  done
+done
+
+step "3. The same answer as JSON, for tools"
+margo match --json --capabilities examples/capabilities/k8s-single-arm64.json \
+  --constraints examples/fleet/apps/gpu-inference/margo.yaml || true
+
+printf '\nLook next at: examples/fleet/apps/*/margo.yaml, examples/capabilities/, docs/documents.md\n'

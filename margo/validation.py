@@ -1,0 +1,232 @@
+"""Validate any Margo document the way a standards body would, with located problems.
+
+Pipeline: load (safe, bounded) → detect kind and shape → JSON Schema of that shape →
+semantic checks the schema cannot express (`margo.semantics`) → normalise to the internal
+model. Every problem found is reported, each with file, line, column and JSON path; a
+document is returned as a model only when it has none.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jsonschema.exceptions import ValidationError, best_match
+
+from margo.errors import DocumentError, Path, Problem, short_repr
+from margo.kinds import Kind, Shape, detect
+from margo.loading import Limits, LoadedDocument, load_document, load_path
+from margo.normalize import normalise
+from margo.schemas import validator_for
+from margo.schemas.source import APP_ID, COMPONENT_NAME, DEVICE_ID, SEMVER_UNDERSCORE, UUID
+from margo.semantics import semantic_problems
+
+__all__ = ["ValidationReport", "validate_document", "validate_file", "validate_loaded",
+           "validate_value"]
+
+_EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions$")
+_PATTERN_NAMES = {
+    APP_ID: "an id of lower-case letters, digits and dashes (at most 200 characters)",
+    COMPONENT_NAME: "a name of lower-case letters, digits and dashes",
+    DEVICE_ID: "a device id of RFC 3986 unreserved characters, '/' between hierarchy levels",
+    SEMVER_UNDERSCORE: "a SemVer 2.0 revision without leading 'v', build metadata after '_'",
+    UUID: "a UUID",
+    r"^\d+m\d+s$": "a timeout written as ##m##s, e.g. 8m30s",
+    r"^oci://.+": "an OCI reference starting with oci://",
+}
+_TYPE_NAMES = {"object": "an object", "array": "a list", "string": "a string",
+               "number": "a number", "integer": "an integer", "boolean": "true or false",
+               "null": "null"}
+
+
+@dataclass
+class ValidationReport:
+    """What `margo validate` prints for one document."""
+
+    file: str | None
+    kind: Kind | None
+    shape: Shape | None
+    problems: list[Problem] = field(default_factory=list)
+    model: Any = None
+    document: Any = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.file,
+            "kind": str(self.kind) if self.kind else None,
+            "shape": str(self.shape) if self.shape else None,
+            "valid": self.valid,
+            "errors": [p.to_json() for p in self.problems],
+        }
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _unknown_keys(error: ValidationError) -> list[str]:
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    known = set(schema.get("properties", {}))
+    patterns = [re.compile(p) for p in schema.get("patternProperties", {})]
+    instance = error.instance if isinstance(error.instance, dict) else {}
+    return [k for k in instance if k not in known and not any(p.search(k) for p in patterns)]
+
+
+def _unknown_key_message(key: str, known: Iterable[str], extensions_allowed: bool) -> str:
+    message = f"unknown field {key!r}"
+    close = difflib.get_close_matches(key, list(known), n=1)
+    if close:
+        return f"{message} (did you mean {close[0]!r}?)"
+    if key.startswith("x-") and extensions_allowed:
+        return (f"{message}: extensions must be named x-<name>-extensions with <name> "
+                "[a-z][a-z0-9-]*")
+    if key.startswith("x-"):
+        return f"{message}: this object does not allow extensions"
+    return message
+
+
+def _closest_branch(context: list[ValidationError]) -> list[ValidationError]:
+    """The errors of the anyOf/oneOf branch the instance came closest to matching: branches
+    whose type does not even fit are dropped, then the one with the fewest errors wins."""
+    branches: dict[Any, list[ValidationError]] = {}
+    for error in context:
+        branches.setdefault(error.relative_schema_path[0], []).append(error)
+    fitting = [errors for errors in branches.values()
+               if not any(e.validator == "type" and not e.relative_path for e in errors)]
+    if not fitting:
+        return [best_match(context)]
+    return min(fitting, key=lambda errors: (len(errors),
+                                            -max(len(e.relative_path) for e in errors)))
+
+
+def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
+    path: Path = tuple(error.absolute_path)
+    validator = error.validator
+    instance = error.instance
+    value = error.validator_value
+    if validator in ("anyOf", "oneOf") and error.context:
+        if validator == "oneOf" and path and "labels" in path:
+            return [(Problem(path, "a label value must be a string, number, boolean, or a list "
+                                   "of strings or of numbers", expected="label value",
+                             found=short_repr(instance)), False)]
+        return [found for branch_error in _closest_branch(error.context)
+                for found in _problems_from_error(branch_error)]
+    if validator == "additionalProperties":
+        schema = error.schema if isinstance(error.schema, dict) else {}
+        known = schema.get("properties", {})
+        extensions_allowed = bool(schema.get("patternProperties"))
+        return [(Problem((*path, key), _unknown_key_message(key, known, extensions_allowed),
+                         expected="one of " + ", ".join(sorted(known)) if known else None,
+                         found=key), True)
+                for key in _unknown_keys(error)]
+    if validator == "required":
+        missing = [k for k in value if isinstance(instance, dict) and k not in instance]
+        return [(Problem(path, f"missing required field {k!r}", expected=k, found=None), False)
+                for k in missing]
+    if validator == "const":
+        message = f"expected {value!r}, found {short_repr(instance)}"
+        return [(Problem(path, message, expected=repr(value), found=short_repr(instance)), False)]
+    if validator == "enum":
+        allowed = ", ".join(repr(v) for v in value)
+        return [(Problem(path, f"expected one of {allowed}, found {short_repr(instance)}",
+                         expected=allowed, found=short_repr(instance)), False)]
+    if validator == "type":
+        types = value if isinstance(value, list) else [value]
+        expected = " or ".join(_TYPE_NAMES.get(t, t) for t in types)
+        found = _TYPE_NAMES.get(_json_type(instance), _json_type(instance))
+        return [(Problem(path, f"expected {expected}, found {found} ({short_repr(instance)})",
+                         expected=expected, found=short_repr(instance)), False)]
+    if validator == "pattern":
+        expected = _PATTERN_NAMES.get(value, f"a string matching {value}")
+        return [(Problem(path, f"expected {expected}, found {short_repr(instance)}",
+                         expected=expected, found=short_repr(instance)), False)]
+    if validator in ("minItems", "maxItems"):
+        bound = "at least" if validator == "minItems" else "at most"
+        return [(Problem(path, f"expected {bound} {value} item(s), found {len(instance)}",
+                         expected=f"{bound} {value}", found=str(len(instance))), False)]
+    return [(Problem(path, error.message, found=short_repr(instance)), False)]
+
+
+def schema_problems(instance: Any, kind: Kind, shape: Shape) -> list[tuple[Problem, bool]]:
+    """Every schema violation as (problem, located-at-key) pairs, in document order."""
+    validator = validator_for(str(kind), str(shape))
+    out: list[tuple[Problem, bool]] = []
+    for error in validator.iter_errors(instance):
+        out.extend(_problems_from_error(error))
+    return out
+
+
+def validate_loaded(loaded: LoadedDocument, *, expect: Kind | None = None) -> ValidationReport:
+    """Validate an already-parsed document; never raises for bad content."""
+    doc = loaded.value
+    detection = detect(doc, expect=expect)
+    report = ValidationReport(loaded.file, detection.kind, detection.shape, document=doc)
+    if detection.kind is None or detection.shape is None:
+        report.problems.append(loaded.locate(Problem((), detection.reason)))
+        return report
+    located = schema_problems(doc, detection.kind, detection.shape)
+    if not located:
+        located = [(p, False) for p in semantic_problems(detection.kind, detection.shape, doc)]
+    seen: set[tuple[Path, str]] = set()
+    for problem, at_key in located:
+        if (problem.path, problem.message) in seen:
+            continue
+        seen.add((problem.path, problem.message))
+        report.problems.append(loaded.locate(problem, at_key=at_key))
+    report.problems.sort(key=lambda p: (p.line or 0, p.column or 0, p.json_path))
+    if not report.problems:
+        report.model = normalise(detection.kind, detection.shape, doc)
+    return report
+
+
+def validate_document(data: bytes | str, *, file: str | None = None,
+                      expect: Kind | None = None, limits: Limits | None = None) -> ValidationReport:
+    """Parse and validate bytes; unparsable input is reported as problems, not raised."""
+    try:
+        loaded = load_document(data, file=file, **({"limits": limits} if limits else {}))
+    except DocumentError as exc:
+        return ValidationReport(file, None, None, list(exc.problems))
+    return validate_loaded(loaded, expect=expect)
+
+
+def validate_file(path: str, *, expect: Kind | None = None) -> ValidationReport:
+    """Validate a file; `OSError` propagates (unreadable is not the same as invalid)."""
+    try:
+        loaded = load_path(path)
+    except DocumentError as exc:
+        return ValidationReport(path, None, None, list(exc.problems))
+    return validate_loaded(loaded, expect=expect)
+
+
+def validate_value(doc: Any, *, expect: Kind | None = None, file: str | None = None) -> Any:
+    """Validate already-decoded data (e.g. a JSON request body) and return its model;
+    raise `DocumentError` (unlocated paths) when invalid."""
+    report = validate_loaded(LoadedDocument(doc, file, _NO_SOURCE), expect=expect)
+    if report.problems:
+        raise DocumentError(report.problems)
+    return report.model
+
+
+class _NoSource:
+    def value_position(self, path: Path) -> None:
+        return None
+
+    def key_position(self, path: Path) -> None:
+        return None
+
+
+_NO_SOURCE: Any = _NoSource()

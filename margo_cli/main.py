@@ -1,0 +1,39 @@
+"""`margo` entry point: one command, one subcommand module per verb.
+
+Exit codes are part of the interface other tools rely on: 0 success, 1 a negative answer
+(invalid document, not eligible, a device had errors), 2 unusable input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from margo_cli import match_command, validate_command
+
+__all__ = ["main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="margo",
+        description="margo-gitops: Margo documents, fleet compiler, fleet server and device "
+                    "reconciler.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    validate_command.register(commands)
+    match_command.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except BrokenPipeError:  # e.g. `margo validate ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

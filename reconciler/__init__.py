@@ -1,0 +1,1 @@
+"""reconciler: device client (pull desired state, converge releases, report); to come."""

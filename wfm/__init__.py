@@ -1,0 +1,1 @@
+"""wfm: Workload Fleet Manager server (Margo API, Git hosting, webhooks); to come."""

@@ -617,6 +617,13 @@ class CompiledConstraints:
             return True
         return any(rule.passes(properties, labels) for rule in self.rules)
 
+    def is_eligible(
+        self, properties: Mapping[str, Any] | None, labels: Mapping[str, Any] | None
+    ) -> bool:
+        """The verdict alone, for callers that explain only on demand (fleet compiles)."""
+        return self._passes(_EMPTY if properties is None else properties,
+                            _EMPTY if labels is None else labels)
+
     def evaluate(
         self, properties: Mapping[str, Any] | None, labels: Mapping[str, Any] | None
     ) -> MatchResult:

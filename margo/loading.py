@@ -386,9 +386,7 @@ def load_document(
         if text.lstrip()[:1] in ("{", "["):
             value = _load_json(text, limits)
             return LoadedDocument(value, file, SourceMap(text))
-        positions: dict[Path, tuple[int, int]] = {}
-        keys: dict[Path, tuple[int, int]] = {}
-        documents = _build_from_events(text, limits, positions, keys)
+        documents = _build_from_events(text, limits, None, None)
     except _LoadFailure as exc:
         raise DocumentError([Problem(exc.path, exc.message, file, exc.line, exc.column)]) from None
     except yaml.MarkedYAMLError as exc:
@@ -402,8 +400,7 @@ def load_document(
         found = "no document" if not documents else f"{len(documents)} documents"
         raise DocumentError([Problem((), f"expected exactly one document, found {found}",
                                      file, 1, 1)])
-    source = SourceMap(text, positions, keys)
-    return LoadedDocument(documents[0], file, source)
+    return LoadedDocument(documents[0], file, SourceMap(text))
 
 
 def load_path(path: str, *, limits: Limits = DEFAULT_LIMITS) -> LoadedDocument:

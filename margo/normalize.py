@@ -11,16 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from margo import models as m
+from margo.constraints import ARCHITECTURE_ALIASES
 from margo.kinds import Kind, Shape
 
-__all__ = ["ARCHITECTURE_ALIASES", "normalise", "normalise_architecture"]
+__all__ = ["normalise", "normalise_architecture"]
 
 _EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions$")
 
 PROFILE_TYPES = {"helm": m.ProfileType.HELM, "helm.v3": m.ProfileType.HELM,
                  "compose": m.ProfileType.COMPOSE, "docker-compose": m.ProfileType.COMPOSE,
                  "custom": m.ProfileType.CUSTOM}
-ARCHITECTURE_ALIASES = {"x86_64": "amd64", "aarch64": "arm64"}
 ROLE_DEPLOYMENT_TYPES = {"Standalone Cluster": "helm", "Cluster Leader": "helm",
                          "Cluster Worker": "helm", "Standalone Device": "compose"}
 

@@ -14,13 +14,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastjsonschema import JsonSchemaException
 from jsonschema.exceptions import ValidationError, best_match
 
 from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.kinds import Kind, Shape, detect
 from margo.loading import Limits, LoadedDocument, load_document, load_path
 from margo.normalize import normalise
-from margo.schemas import validator_for
+from margo.schemas import fast_check_for, validator_for
 from margo.schemas.source import APP_ID, COMPONENT_NAME, DEVICE_ID, SEMVER_UNDERSCORE, UUID
 from margo.semantics import semantic_problems
 
@@ -135,7 +136,8 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
                 for key in _unknown_keys(error)]
     if validator == "required":
         missing = [k for k in value if isinstance(instance, dict) and k not in instance]
-        return [(Problem(path, f"missing required field {k!r}", expected=k, found=None), False)
+        # Point at the key that introduces the incomplete object, not at its first child.
+        return [(Problem(path, f"missing required field {k!r}", expected=k, found=None), True)
                 for k in missing]
     if validator == "const":
         message = f"expected {value!r}, found {short_repr(instance)}"
@@ -163,6 +165,11 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
 
 def schema_problems(instance: Any, kind: Kind, shape: Shape) -> list[tuple[Problem, bool]]:
     """Every schema violation as (problem, located-at-key) pairs, in document order."""
+    try:
+        fast_check_for(str(kind), str(shape))(instance)
+        return []
+    except JsonSchemaException:
+        pass  # fall through to the validator that explains every problem
     validator = validator_for(str(kind), str(shape))
     out: list[tuple[Problem, bool]] = []
     for error in validator.iter_errors(instance):

@@ -34,7 +34,7 @@ SEMVER_UNDERSCORE = (
 )
 TIMEOUT = r"^\d+m\d+s$"
 DIGEST_SHA256 = r"^sha256:[0-9a-f]{64}$"
-RELATIVE_URL = r"^/[a-zA-Z0-9\-._~:/?#\[\]@!$&'()*+,;=]+$"
+RELATIVE_URL = r"^/[a-zA-Z0-9\-._~:/?#\[\]@!\x24&'()*+,;=]+$"  # \x24 is '$'
 BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
 
 STATES = ["pending", "installing", "installed", "failed", "removing", "removed"]

@@ -871,3 +871,20 @@ def test_required_resources_problem_location(kwargs: dict[str, Any],
     with pytest.raises(DocumentError) as info:
         compile_constraints(None, required_resources={"storage": "x"}, **kwargs)
     assert [p.path for p in info.value.problems] == [(*expected, "storage")]
+
+
+def test_is_eligible_agrees_with_evaluate() -> None:
+    constraints = compile_constraints({
+        "capacityRequirements": {"cpu": {"cores": 2}, "memory": "4Gi"},
+        "eligibilityRules": [{"labelSelector": {"matchExpressions": [
+            {"key": "zone", "operator": "In", "values": ["a"]}]}}]})
+    devices = [
+        ({"cpus": [{"cores": 4}], "memory": "8Gi"}, {"zone": "a"}),
+        ({"cpus": [{"cores": 4}], "memory": "8Gi"}, {"zone": "b"}),
+        ({"cpus": [{"cores": 1}, {"cores": 1}], "memory": "8Gi"}, {"zone": "a"}),
+        ({}, {}),
+        (None, None),
+    ]
+    for properties, labels in devices:
+        assert constraints.is_eligible(properties, labels) == constraints.evaluate(
+            properties, labels).eligible

@@ -289,3 +289,11 @@ def test_deployments_emit_newest_and_oct_2024_shapes_that_validate() -> None:
     placed = dataclasses.replace(model, device_id="dev-1")
     assert deployment_yaml(placed) == deployment_yaml(validate(deployment_document(placed)).model)
     assert deployment_yaml(placed) == canonical_yaml(deployment_document(placed))
+
+
+def test_problem_detail_formats_are_checked() -> None:
+    good = {"type": "https://docs.margo.org/specification/problem-types#invalid-request",
+            "title": "Invalid Request", "status": 400, "vendor_code": "E1"}
+    assert validate(good).valid
+    found = messages({**good, "type": "http://a b"})
+    assert any("$.type" in m and "uri-reference" in m for m in found), found

@@ -1,0 +1,77 @@
+"""`margo validate`: the exact output and exit codes other tools rely on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "tests" / "fixtures" / "spec-examples"
+
+
+def margo(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, input=stdin, check=False, timeout=60)
+
+
+def test_all_valid_exits_zero() -> None:
+    result = margo("validate", *map(str, sorted((EXAMPLES / "valid").iterdir())))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "valid ApplicationDescription (rc.3 shape)" in result.stdout
+
+
+def test_any_invalid_exits_one_with_one_located_line_per_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: margo.org/v1-alpha1\nkind: ApplicationDescription\n"
+                   "id: Bad_Id\nmetadata:\n  name: x\n")
+    result = margo("validate", str(EXAMPLES / "valid" / "gateway-directed.yaml"), str(bad))
+    assert result.returncode == 1
+    lines = [line for line in result.stdout.splitlines() if line.startswith(str(bad))]
+    assert any(f"{bad}:3:5: $.id: expected an id of lower-case letters" in line
+               for line in lines)
+    assert any(f"{bad}:4:1: $.metadata: missing required field 'version'" in line
+               for line in lines)
+    assert any("missing required field 'deploymentProfiles'" in line for line in lines)
+
+
+def test_unreadable_input_exits_two(tmp_path: Path) -> None:
+    result = margo("validate", str(tmp_path / "missing.yaml"),
+                   str(EXAMPLES / "valid" / "gateway-directed.yaml"))
+    assert result.returncode == 2
+    assert "missing.yaml: cannot read" in result.stderr
+    directory = margo("validate", str(tmp_path))
+    assert directory.returncode == 2
+
+
+def test_json_output(tmp_path: Path) -> None:
+    bad = tmp_path / "caps.json"
+    text = json.dumps({"properties": {"id": "d", "vendor": "v", "modelNumber": "m",
+                                      "serialNumber": "s", "memory": 5}})
+    bad.write_text(text)
+    result = margo("validate", "--json", str(EXAMPLES / "invalid" / "DesiredState-004.yaml"),
+                   str(bad), str(EXAMPLES / "valid" / "ProblemDetail-001.yaml"))
+    assert result.returncode == 1
+    reports = json.loads(result.stdout)
+    assert [r["valid"] for r in reports] == [False, False, True]
+    assert reports[0]["kind"] == "ApplicationDeployment"
+    assert reports[0]["errors"][0]["path"] == "$.id"
+    assert reports[1]["errors"][0] == {
+        "file": str(bad), "line": 1, "column": text.index("5}") + 1, "path": "$.properties.memory",
+        "message": "expected a string, found an integer (5)", "expected": "a string",
+        "found": "5"}
+    assert set(reports[2]) == {"path", "kind", "shape", "valid", "errors"}
+
+
+def test_hostile_input_is_a_clean_error(tmp_path: Path) -> None:
+    bomb = tmp_path / "bomb.yaml"
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    bomb.write_text("\n".join(lines))
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    result = margo("validate", str(bomb), str(binary))
+    assert result.returncode == 1
+    assert "alias bomb" in result.stdout and "not valid UTF-8" in result.stdout
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,80 @@
+"""The exported schemas: in sync with their source, well-formed, and the fast gate agrees
+with the explaining validator on every document we can think of."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastjsonschema import JsonSchemaException
+from jsonschema import Draft202012Validator
+
+from margo.kinds import detect
+from margo.loading import load_path
+from margo.schemas import KINDS_AND_SHAPES, fast_check_for, load_schema, validator_for
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "spec-examples"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_exported_files_match_the_source() -> None:
+    result = subprocess.run([sys.executable, "-m", "margo.schemas", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("kind", "shape"), KINDS_AND_SHAPES, ids="/".join)
+def test_schemas_are_valid_2020_12(kind: str, shape: str) -> None:
+    Draft202012Validator.check_schema(load_schema(kind, shape))
+
+
+def _mutations(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
+    """Each variant changes one thing: drop a key, add an unknown key, retype a value."""
+    if isinstance(doc, dict):
+        for key in list(doc):
+            yield f"{path}-drop-{key}", _replace(doc, key, None, drop=True)
+            for variant, value in _mutations(doc[key], (*path, key)):
+                yield variant, _replace(doc, key, value)
+        yield f"{path}-extra", {**doc, "unexpectedField": 1}
+    elif isinstance(doc, list):
+        for index, item in enumerate(doc[:1]):
+            for variant, value in _mutations(item, (*path, index)):
+                changed = list(doc)
+                changed[index] = value
+                yield variant, changed
+    for other in ("", -1, 1.5, True, None, [], {}, "x" * 300):
+        if type(other) is not type(doc) or other != doc:
+            yield f"{path}-as-{other!r:.12}", copy.deepcopy(other)
+
+
+def _replace(doc: dict[str, Any], key: str, value: Any, *, drop: bool = False) -> dict[str, Any]:
+    out = dict(doc)
+    if drop:
+        del out[key]
+    else:
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*/*")), ids=lambda p: p.name)
+def test_fast_gate_agrees_with_the_full_validator(path: Path) -> None:
+    original = load_path(str(path)).value
+    detection = detect(original)
+    assert detection.kind is not None and detection.shape is not None
+    kind, shape = str(detection.kind), str(detection.shape)
+    fast, full = fast_check_for(kind, shape), validator_for(kind, shape)
+    checked = 0
+    for name, variant in _mutations(original):
+        try:
+            fast(variant)
+            fast_ok = True
+        except JsonSchemaException:
+            fast_ok = False
+        assert fast_ok == full.is_valid(variant), name
+        checked += 1
+    assert checked > 20

@@ -8,9 +8,10 @@ serializers here are deterministic by construction:
   2^53 (manifest versions are uint64), which is the one deliberate deviation from JCS.
 * `pretty_json`: sorted keys, two-space indent, trailing newline — for files people read.
 * `canonical_yaml`: block style, two-space indent, keys in the order given (documents are
-  built in a fixed field order; free-form maps are sorted by `sorted_tree`), no line
-  folding, and any string that a YAML 1.1 *or* 1.2 reader would take for another type is
-  quoted. `serialize(parse(serialize(x)))` is byte-identical.
+  built in a fixed field order; free-form maps are sorted by `sorted_tree`), one line per
+  scalar, and any string that a YAML 1.1 *or* 1.2 reader could take for another type is
+  double-quoted. `serialize(parse(serialize(x)))` is byte-identical. A small emitter of our
+  own (rather than PyYAML's) because it is ~10x faster and its output is easy to specify.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import json
 import math
 import re
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any
 
 import yaml
 
-from margo.loading import load_document
+from margo.loading import load_document, resolve_plain_scalar
 
 __all__ = ["canonical_json", "canonical_yaml", "format_number", "pretty_json", "sorted_tree"]
 
@@ -113,53 +115,100 @@ def sorted_tree(value: Any) -> Any:
     return value
 
 
-_BaseDumper: type = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_PLAIN_CANDIDATE = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./@+~:=, -]*$")
+_NEEDS_ESCAPE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff]")
+_YAML11 = yaml.resolver.Resolver()
 
 
-class _CanonicalDumper(_BaseDumper):  # type: ignore[misc,valid-type]
-    """SafeDumper that also quotes strings a YAML 1.2 core-schema reader would retype."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-# Plain scalars matching any of these are quoted on output (YAML 1.2 core additions to the
-# 1.1 resolvers PyYAML already applies).
-_CanonicalDumper.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-    list("-+0123456789"))
-_CanonicalDumper.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+.0123456789"))
+@lru_cache(maxsize=65536)
+def _yaml_string(text: str) -> str:
+    """A string as a YAML scalar: plain when no YAML 1.1 or 1.2 reader could mistake it for
+    anything else, double-quoted (JSON escapes, valid YAML) otherwise."""
+    if (
+        _PLAIN_CANDIDATE.match(text)
+        and not text.endswith((" ", ":", ","))
+        and ": " not in text
+        and not text.startswith(("...", "---"))
+        and isinstance(resolve_plain_scalar_safe(text), str)
+        and _YAML11.resolve(yaml.ScalarNode, text, (True, False)) == "tag:yaml.org,2002:str"
+    ):
+        return text
+    quoted = json.dumps(text, ensure_ascii=False)
+    return _NEEDS_ESCAPE.sub(lambda m: f"\\u{ord(m.group()):04x}", quoted)
 
 
-def _represent_float(dumper: yaml.SafeDumper, value: float) -> yaml.ScalarNode:
-    if not math.isfinite(value):
-        raise ValueError(f"{value!r} cannot be represented in JSON-compatible YAML")
-    text = repr(value)
-    if "." not in text and "e" not in text:
-        text += ".0"
-    return dumper.represent_scalar("tag:yaml.org,2002:float", text)
+def resolve_plain_scalar_safe(text: str) -> Any:
+    try:
+        return resolve_plain_scalar(text)
+    except ValueError:  # .nan / .inf: not a string either
+        return None
 
 
-_CanonicalDumper.add_representer(float, _represent_float)
+def _yaml_scalar(value: Any) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} cannot be represented in JSON-compatible YAML")
+        # YAML 1.1 readers (PyYAML) need a "." in the mantissa to see a float.
+        mantissa, e, exponent = repr(value).partition("e")
+        if "." not in mantissa:
+            mantissa += ".0"
+        return mantissa + e + exponent
+    if isinstance(value, str):
+        return _yaml_string(value)
+    raise TypeError(f"cannot serialize {type(value).__name__} as YAML")
+
+
+def _emit(value: Any, indent: str, out: list[str]) -> None:
+    """Append the block-style lines of a non-empty collection at `indent`."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"mapping keys must be strings, found {key!r}")
+            head = f"{indent}{_yaml_string(key)}:"
+            if isinstance(item, (dict, list, tuple)) and item:
+                out.append(head + "\n")
+                _emit(item, indent + "  ", out)
+            else:
+                out.append(f"{head} {_inline(item)}\n")
+    else:
+        for item in value:
+            if isinstance(item, (dict, list, tuple)) and item:
+                # The first line of a nested collection shares the "- " line.
+                nested: list[str] = []
+                _emit(item, indent + "  ", nested)
+                out.append(f"{indent}- {nested[0][len(indent) + 2:]}")
+                out.extend(nested[1:])
+            else:
+                out.append(f"{indent}- {_inline(item)}\n")
+
+
+def _inline(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
+    if isinstance(value, (list, tuple)):
+        return "[]"
+    return _yaml_scalar(value)
 
 
 def canonical_yaml(value: Any) -> bytes:
-    """Deterministic block-style YAML bytes, ending in exactly one newline."""
-    text = yaml.dump(
-        value,
-        Dumper=_CanonicalDumper,
-        sort_keys=False,
-        default_flow_style=False,
-        allow_unicode=True,
-        indent=2,
-        width=1_000_000,
-        explicit_start=False,
-    )
-    return text.encode("utf-8")
+    """Deterministic block-style YAML bytes, ending in exactly one newline.
+
+    Mappings keep the given key order; sequences are indented under their key; strings are
+    plain unless that could change their type in a YAML 1.1 or 1.2 reader.
+    """
+    if isinstance(value, (dict, list, tuple)) and value:
+        out: list[str] = []
+        _emit(value, "", out)
+        return "".join(out).encode("utf-8")
+    return (_inline(value) + "\n").encode("utf-8")
 
 
 def parse_canonical_yaml(data: bytes) -> Any:

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -77,9 +78,18 @@ def test_non_finite_numbers_are_refused() -> None:
 
 def test_yaml_keeps_document_order_and_quotes_ambiguous_strings() -> None:
     text = canonical_yaml({"id": "x", "metadata": {"name": "n", "version": "1.0"},
-                           "flags": ["yes", "0o17", True]}).decode()
-    assert text == ("id: x\nmetadata:\n  name: n\n  version: '1.0'\nflags:\n- 'yes'\n- '0o17'\n"
-                    "- true\n")
+                           "flags": ["yes", "0o17", True, 1e20, "oci://r/c", "a: b"],
+                           "empty": {}, "none": []}).decode()
+    assert text == ('id: x\nmetadata:\n  name: n\n  version: "1.0"\nflags:\n  - "yes"\n'
+                    '  - "0o17"\n  - true\n  - 1.0e+20\n  - oci://r/c\n  - "a: b"\n'
+                    'empty: {}\nnone: []\n')
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_data)
+def test_yaml_1_1_readers_see_the_same_data(value: object) -> None:
+    """PyYAML (YAML 1.1) must read our YAML exactly as our 1.2 reader does."""
+    assert yaml.safe_load(canonical_yaml(value)) == load_document(canonical_yaml(value)).value
 
 
 def test_long_strings_are_never_folded() -> None:

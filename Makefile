@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required"'
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-venv)
+	@command -v git >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q git)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
@@ -38,6 +39,7 @@ demo: venv
 
 bench: venv
 	$(BIN)/python bench/validate.py
+	$(BIN)/python bench/compile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -9,7 +9,7 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 step "1. Validate the example applications and device capability reports (any spec shape)"
 margo validate examples/fleet/apps/*/margo.yaml examples/capabilities/*.json
 
-for app in gpu-inference hello-world line-monitor; do
+for app in com-example-gpu-inference com-example-hello-world com-example-line-monitor; do
   step "2. Which devices can run examples/fleet/apps/$app?"
   for caps in examples/capabilities/*.json; do
     device=$(basename "$caps" .json)
@@ -25,6 +25,6 @@ done
 
 step "3. The same answer as JSON, for tools"
 margo match --json --capabilities examples/capabilities/k8s-single-arm64.json \
-  --constraints examples/fleet/apps/gpu-inference/margo.yaml || true
+  --constraints examples/fleet/apps/com-example-gpu-inference/margo.yaml || true
 
 printf '\nLook next at: examples/fleet/apps/*/margo.yaml, examples/capabilities/, docs/documents.md\n'

@@ -27,7 +27,8 @@ import yaml
 
 from margo.loading import load_document, resolve_plain_scalar
 
-__all__ = ["canonical_json", "canonical_yaml", "format_number", "pretty_json", "sorted_tree"]
+__all__ = ["Cached", "canonical_json", "canonical_yaml", "format_number", "pretty_json",
+           "sorted_tree"]
 
 
 def format_number(value: int | float) -> str:
@@ -166,9 +167,43 @@ def _yaml_scalar(value: Any) -> str:
     raise TypeError(f"cannot serialize {type(value).__name__} as YAML")
 
 
+class Cached(dict):  # type: ignore[type-arg]
+    """A mapping whose YAML text is memoised under `key` (per indentation).
+
+    For documents that repeat a large identical section (every device's deployment of one
+    application profile): the text is produced by the same emitter the first time and
+    reused after, so the output is byte-identical to serializing it afresh. `key` must
+    identify the content (e.g. a digest of its source).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any, content: dict[str, Any]):
+        super().__init__(content)
+        self.key = key
+
+
+_FRAGMENTS: dict[tuple[Any, str], list[str]] = {}
+_FRAGMENT_LIMIT = 4096
+
+
+def _emit_cached(value: Cached, indent: str, out: list[str]) -> None:
+    key = (value.key, indent)
+    lines = _FRAGMENTS.get(key)
+    if lines is None:
+        lines = []
+        _emit(dict(value), indent, lines)
+        if len(_FRAGMENTS) >= _FRAGMENT_LIMIT:
+            _FRAGMENTS.clear()
+        _FRAGMENTS[key] = lines
+    out.extend(lines)
+
+
 def _emit(value: Any, indent: str, out: list[str]) -> None:
     """Append the block-style lines of a non-empty collection at `indent`."""
-    if isinstance(value, dict):
+    if type(value) is Cached:
+        _emit_cached(value, indent, out)
+    elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"mapping keys must be strings, found {key!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from margo import models as m
-from margo.canonical import canonical_json, canonical_yaml
+from margo.canonical import Cached, canonical_json, canonical_yaml
 
 __all__ = [
     "OCT_2024_DEPLOYMENT_API_VERSION",
@@ -61,9 +61,14 @@ def _parameters(parameters: dict[str, m.Parameter] | Any) -> dict[str, Any]:
     return out
 
 
-def deployment_document(deployment: m.ApplicationDeployment, *,
-                        shape: str = "rc.3") -> dict[str, Any]:
-    """An ApplicationDeployment as a dict: `rc.3` (default) or `oct-2024` for old devices."""
+def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
+                        profile_key: Any = None) -> dict[str, Any]:
+    """An ApplicationDeployment as a dict: `rc.3` (default) or `oct-2024` for old devices.
+
+    `profile_key`, when given, must identify the profile's content (e.g. the digest of the
+    description it came from plus the profile id): its YAML text is then produced once and
+    reused for every device (see `margo.canonical.Cached`).
+    """
     profile = deployment.profile
     if shape == "oct-2024":
         if profile.type not in _OCT_2024_TYPES:
@@ -74,10 +79,12 @@ def deployment_document(deployment: m.ApplicationDeployment, *,
                                     "namespace": deployment.namespace}
         if deployment.labels:
             metadata["labels"] = dict(sorted(deployment.labels.items()))
-        spec: dict[str, Any] = {"deploymentProfile": {
+        oct_profile: dict[str, Any] = {
             "type": _OCT_2024_TYPES[profile.type],
             "components": [_component(c, extensions=False) for c in profile.components],
-        }}
+        }
+        spec: dict[str, Any] = {"deploymentProfile": _maybe_cached(
+            oct_profile, profile_key, shape)}
         if deployment.parameters:
             spec["parameters"] = _parameters(deployment.parameters)
         return {"apiVersion": OCT_2024_DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
@@ -98,16 +105,22 @@ def deployment_document(deployment: m.ApplicationDeployment, *,
     if profile.device_constraints is not None:
         profile_doc["deviceConstraints"] = profile.device_constraints
     profile_doc.update(profile.extensions)
-    spec = {"applicationId": deployment.application_id, "deploymentProfile": profile_doc}
+    spec = {"applicationId": deployment.application_id,
+            "deploymentProfile": _maybe_cached(profile_doc, profile_key, shape)}
     if deployment.parameters:
         spec["parameters"] = _parameters(deployment.parameters)
     spec.update(deployment.extensions)
     return {"id": deployment.id, "metadata": metadata, "spec": spec}
 
 
-def deployment_yaml(deployment: m.ApplicationDeployment, *, shape: str = "rc.3") -> bytes:
+def _maybe_cached(profile_doc: dict[str, Any], key: Any, shape: str) -> dict[str, Any]:
+    return profile_doc if key is None else Cached(("deploymentProfile", shape, key), profile_doc)
+
+
+def deployment_yaml(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
+                    profile_key: Any = None) -> bytes:
     """Canonical YAML bytes of an ApplicationDeployment (what digests are computed over)."""
-    return canonical_yaml(deployment_document(deployment, shape=shape))
+    return canonical_yaml(deployment_document(deployment, shape=shape, profile_key=profile_key))
 
 
 def capabilities_document(caps: m.DeviceCapabilities) -> dict[str, Any]:

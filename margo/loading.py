@@ -163,6 +163,16 @@ class SourceMap:
         return self._keys.get(tuple(path)) or self.value_position(path)
 
 
+class _NoPositions:
+    """The source map of data that never was text (e.g. an already-decoded request body)."""
+
+    def value_position(self, path: Path) -> None:
+        return None
+
+    def key_position(self, path: Path) -> None:
+        return None
+
+
 @dataclass
 class LoadedDocument:
     """A parsed document plus what is needed to point at any part of it."""
@@ -179,6 +189,11 @@ class LoadedDocument:
         )
         line, column = position if position else (None, None)
         return problem.located(file=self.file, line=line, column=column)
+
+    @classmethod
+    def unlocated(cls, value: Any, file: str | None = None) -> LoadedDocument:
+        """Wrap decoded data; its problems carry paths but no line/column."""
+        return cls(value, file, _NoPositions())  # type: ignore[arg-type]
 
 
 def _build_from_events(

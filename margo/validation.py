@@ -16,6 +16,7 @@ from typing import Any
 
 from fastjsonschema import JsonSchemaException
 from jsonschema.exceptions import ValidationError, best_match
+from jsonschema.protocols import Validator
 
 from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.kinds import Kind, Shape, detect
@@ -25,8 +26,8 @@ from margo.schemas import fast_check_for, validator_for
 from margo.schemas.source import APP_ID, COMPONENT_NAME, DEVICE_ID, SEMVER_UNDERSCORE, UUID
 from margo.semantics import semantic_problems
 
-__all__ = ["ValidationReport", "validate_document", "validate_file", "validate_loaded",
-           "validate_value"]
+__all__ = ["ValidationReport", "explain_schema_errors", "validate_document", "validate_file",
+           "validate_loaded", "validate_value"]
 
 _EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions$")
 _PATTERN_NAMES = {
@@ -120,7 +121,7 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
     instance = error.instance
     value = error.validator_value
     if validator in ("anyOf", "oneOf") and error.context:
-        if validator == "oneOf" and path and "labels" in path:
+        if path and path[0] == "labels":
             return [(Problem(path, "a label value must be a string, number, boolean, or a list "
                                    "of strings or of numbers", expected="label value",
                              found=short_repr(instance)), False)]
@@ -170,7 +171,12 @@ def schema_problems(instance: Any, kind: Kind, shape: Shape) -> list[tuple[Probl
         return []
     except JsonSchemaException:
         pass  # fall through to the validator that explains every problem
-    validator = validator_for(str(kind), str(shape))
+    return explain_schema_errors(validator_for(str(kind), str(shape)), instance)
+
+
+def explain_schema_errors(validator: Validator, instance: Any) -> list[tuple[Problem, bool]]:
+    """Every violation of any JSON Schema as (problem, located-at-key) pairs; also used for
+    the project's own document kinds (deployment intents)."""
     out: list[tuple[Problem, bool]] = []
     for error in validator.iter_errors(instance):
         out.extend(_problems_from_error(error))
@@ -222,18 +228,7 @@ def validate_file(path: str, *, expect: Kind | None = None) -> ValidationReport:
 def validate_value(doc: Any, *, expect: Kind | None = None, file: str | None = None) -> Any:
     """Validate already-decoded data (e.g. a JSON request body) and return its model;
     raise `DocumentError` (unlocated paths) when invalid."""
-    report = validate_loaded(LoadedDocument(doc, file, _NO_SOURCE), expect=expect)
+    report = validate_loaded(LoadedDocument.unlocated(doc, file), expect=expect)
     if report.problems:
         raise DocumentError(report.problems)
     return report.model
-
-
-class _NoSource:
-    def value_position(self, path: Path) -> None:
-        return None
-
-    def key_position(self, path: Path) -> None:
-        return None
-
-
-_NO_SOURCE: Any = _NoSource()

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from margo_cli import match_command, validate_command
+from margo_cli import compile_command, match_command, validate_command
 
 __all__ = ["main"]
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     validate_command.register(commands)
     match_command.register(commands)
+    compile_command.register(commands)
     return parser
 
 

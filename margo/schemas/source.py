@@ -334,7 +334,7 @@ def application_deployment(shape: str) -> Schema:
 PERIPHERAL: Schema = closed({"type": {"enum": PERIPHERALS}, "manufacturer": string(),
                              "model": string()}, ["type"])
 INTERFACE: Schema = closed({"type": {"enum": INTERFACES}}, ["type"])
-LABEL_VALUE: Schema = {"oneOf": [
+LABEL_VALUE: Schema = {"anyOf": [  # the branches exclude each other: anyOf stops earlier
     string(), {"type": "number"}, {"type": "boolean"},
     array(string()), array({"type": "number"}),
 ]}

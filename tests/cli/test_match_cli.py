@@ -20,13 +20,13 @@ def margo(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[s
 
 def test_eligible_device_exits_zero() -> None:
     result = margo("match", "--capabilities", str(CAPS / "k8s-cluster-gpu.json"),
-                   "--constraints", str(APPS / "gpu-inference" / "margo.yaml"))
+                   "--constraints", str(APPS / "com-example-gpu-inference" / "margo.yaml"))
     assert (result.returncode, result.stdout) == (0, "eligible\n")
 
 
 def test_ineligible_device_lists_every_failing_clause_as_json() -> None:
     result = margo("match", "--json", "--capabilities", str(CAPS / "compose-box-arm64.json"),
-                   "--constraints", str(APPS / "gpu-inference" / "margo.yaml"))
+                   "--constraints", str(APPS / "com-example-gpu-inference" / "margo.yaml"))
     assert result.returncode == 1
     answer = json.loads(result.stdout)
     assert answer["eligible"] is False
@@ -41,11 +41,11 @@ def test_ineligible_device_lists_every_failing_clause_as_json() -> None:
 
 def test_profile_selection_and_bare_constraints(tmp_path: Path) -> None:
     compose = margo("match", "--capabilities", str(CAPS / "compose-box-amd64.json"),
-                    "--constraints", str(APPS / "hello-world" / "margo.yaml"),
+                    "--constraints", str(APPS / "com-example-hello-world" / "margo.yaml"),
                     "--profile", "hello-world-compose")
     assert compose.returncode == 0
     missing = margo("match", "--capabilities", str(CAPS / "compose-box-amd64.json"),
-                    "--constraints", str(APPS / "hello-world" / "margo.yaml"),
+                    "--constraints", str(APPS / "com-example-hello-world" / "margo.yaml"),
                     "--profile", "nope")
     assert missing.returncode == 2 and "no deployment profile 'nope'" in missing.stderr
     bare = tmp_path / "constraints.yaml"

@@ -1,0 +1,210 @@
+"""Benchmark: compiling a synthetic fleet into device branches.
+
+    .venv/bin/python bench/compile.py [--devices 10000] [--apps 20] [--intents 30]
+
+Generates a fleet source (applications with Helm and Compose profiles, constraints and
+configuration schemas; intents with label/property selectors, literal and expression
+parameters) and a capability snapshot, then prints:
+
+* full compile seconds and devices per second (first compile: every branch is created);
+* no-op recompile seconds (nothing changed);
+* incremental seconds after one intent's parameter change that affects about 10% of the
+  devices, and the ratio to the full compile;
+* the same trees and commits written by `git fast-import` from a prepared stream (the
+  practical lower bound for writing them), and the ratio of the full compile to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from compiler.compilation import CompileReport, compile_fleet
+from compiler.gitstore import DeviceStore, device_ref
+from compiler.snapshot import load_snapshot
+from compiler.source import load_source
+from compiler.state import CompilerState
+from margo.canonical import canonical_yaml
+
+ZONES = [f"zone-{i}" for i in range(10)]
+TIERS = ["bronze", "silver", "gold", "platinum", "lab"]
+
+
+def application(index: int, rng: random.Random) -> dict[str, Any]:
+    app_id = f"com-example-app-{index:02d}"
+    components = [f"part-{c}" for c in range(rng.randint(1, 3))]
+    parameters = {
+        "replicas": {"value": 1, "targets": [{"pointer": "replicaCount",
+                                              "components": [components[0]]}]},
+        "logLevel": {"value": "info", "targets": [
+            {"pointer": "log.level", "components": components},
+            {"pointer": "LOG_LEVEL", "components": ["compose-part"]}]},
+        "site": {"value": "unknown", "targets": [{"pointer": "global.site",
+                                                  "components": components}]},
+    }
+    return {
+        "apiVersion": "margo.org/v1-alpha1", "kind": "ApplicationDescription", "id": app_id,
+        "metadata": {"name": f"App {index}", "version": "1.0.0",
+                     "catalog": {"organization": [{"name": "Example"}]}},
+        "deploymentProfiles": [
+            {"type": "helm", "id": f"{app_id}-helm",
+             "components": [{"name": c, "properties": {
+                 "repository": f"oci://registry.example.com/charts/{app_id}-{c}",
+                 "revision": f"1.{index}.0", "wait": True}} for c in components],
+             "deviceConstraints": {"capacityRequirements": {
+                 "cpu": {"cores": rng.choice([0.5, 1, 2])}, "memory": rng.choice(
+                     ["256Mi", "512Mi", "1Gi"])}}},
+            {"type": "compose", "id": f"{app_id}-compose",
+             "components": [{"name": "compose-part", "properties": {
+                 "repository": f"oci://registry.example.com/compose/{app_id}",
+                 "revision": f"1.{index}.0"}}]},
+        ],
+        "parameters": parameters,
+        "configuration": {
+            "sections": [{"name": "General", "settings": [
+                {"parameter": "replicas", "name": "Replicas", "schema": "replicas"},
+                {"parameter": "logLevel", "name": "Log level", "schema": "level"},
+                {"parameter": "site", "name": "Site", "schema": "text"}]}],
+            "schema": [
+                {"name": "replicas", "dataType": "integer", "minValue": 1, "maxValue": 5},
+                {"name": "level", "dataType": "string", "options": ["debug", "info", "warn"]},
+                {"name": "text", "dataType": "string", "maxLength": 64}],
+        },
+    }
+
+
+def intent(index: int, apps: int, rng: random.Random) -> dict[str, Any]:
+    # Intent 0 targets one zone of ten (about 10% of the fleet); the others two zones,
+    # some narrowed by tier, so a device gets about six deployments.
+    zones = [ZONES[0]] if index == 0 else rng.sample(ZONES, 2)
+    selector: dict[str, Any] = {"labelSelector": {"matchExpressions": [
+        {"key": "example.com/zone", "operator": "In", "values": zones}]}}
+    if index % 3 == 2:
+        selector["labelSelector"]["matchExpressions"].append(
+            {"key": "example.com/tier", "operator": "NotIn", "values": ["lab"]})
+    spec: dict[str, Any] = {
+        "application": {"id": f"com-example-app-{index % apps:02d}"},
+        "namespace": f"ns-{index}",
+        "targets": {"selectors": [selector]},
+        "parameters": {"logLevel": "info" if index % 2 else "warn"},
+    }
+    if index % 4 == 0:
+        spec["parameters"]["site"] = "{{ device.labels['example.com/zone'] }}"
+    if index % 5 == 0:
+        spec["parameters"]["replicas"] = (
+            "{{ [device.labels['example.com/nodes'] | default(1), 3] | min }}")
+    return {"apiVersion": "margo-gitops.dev/v1alpha1", "kind": "DeploymentIntent",
+            "metadata": {"name": f"intent-{index:02d}"}, "spec": spec}
+
+
+def capabilities(index: int, rng: random.Random) -> dict[str, Any]:
+    kubernetes = rng.random() < 0.7
+    labels: dict[str, Any] = {"example.com/zone": rng.choice(ZONES),
+                              "example.com/tier": rng.choice(TIERS)}
+    if kubernetes:
+        labels["example.com/nodes"] = rng.choice([1, 1, 1, 3, 5])
+    return {"properties": {
+        "id": f"device-{index:05d}", "vendor": "Example", "modelNumber": "E1",
+        "serialNumber": f"SN{index:07d}",
+        "cpus": [{"cores": rng.choice([2, 4, 8]), "architecture": rng.choice(
+            ["amd64", "arm64"])}],
+        "memory": f"{rng.choice([2, 4, 8, 16])}Gi", "storage": "64Gi", "peripherals": [],
+        "interfaces": [{"type": "ethernet"}], "otelCollector": True,
+        "supportedRuntimes": ["oci"],
+        "supportedDeploymentTypes": ["helm"] if kubernetes else ["compose"]},
+        "labels": labels}
+
+
+def generate(root: Path, devices: int, apps: int, intents: int) -> tuple[Path, Path]:
+    rng = random.Random(2026)
+    source = root / "source"
+    for index in range(apps):
+        doc = application(index, rng)
+        (source / "apps" / doc["id"]).mkdir(parents=True)
+        (source / "apps" / doc["id"] / "margo.yaml").write_bytes(canonical_yaml(doc))
+    (source / "deployments").mkdir(parents=True)
+    for index in range(intents):
+        doc = intent(index, apps, rng)
+        (source / "deployments" / f"{doc['metadata']['name']}.yaml").write_bytes(
+            canonical_yaml(doc))
+    caps = root / "capabilities.json"
+    caps.write_text(json.dumps({f"device-{i:05d}": capabilities(i, rng)
+                                for i in range(devices)}))
+    return source, caps
+
+
+def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[CompileReport,
+                                                                            float]:
+    start = time.perf_counter()
+    state = CompilerState(repos / "compiler-state.sqlite")
+    try:
+        report = compile_fleet(load_source(source), load_snapshot(caps), DeviceStore(repos),
+                               state, now=now)
+    finally:
+        state.close()
+    return report, time.perf_counter() - start
+
+
+def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:
+    """Write every device's first commit (same tree, same message) with git fast-import."""
+    subprocess.run(["git", "init", "-q", "--bare", str(target)], check=True)
+    chunks: list[bytes] = []
+    for device_id in store.device_ids():
+        first = store.history(device_id, limit=1000)[-1]
+        files = store.read_files(device_id, first.id) or {}
+        message = first.message.encode()
+        chunks.append(f"commit {device_ref(device_id)}\n".encode())
+        chunks.append(f"committer bench <bench@example.invalid> {first.timestamp} +0000\n"
+                      .encode())
+        chunks.append(b"data %d\n%s\n" % (len(message), message))
+        for name in sorted(files):
+            chunks.append(b"M 100644 inline %s\ndata %d\n%s\n" % (
+                name.encode(), len(files[name]), files[name]))
+        chunks.append(b"\n")
+    stream = b"".join(chunks) + b"done\n"
+    start = time.perf_counter()
+    subprocess.run(["git", "--git-dir", str(target), "fast-import", "--quiet", "--done"],
+                   input=stream, check=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=10_000)
+    parser.add_argument("--apps", type=int, default=20)
+    parser.add_argument("--intents", type=int, default=30)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="margo-bench-") as tmp:
+        root = Path(tmp)
+        source, caps = generate(root, args.devices, args.apps, args.intents)
+        repos = root / "repos"
+        repos.mkdir()
+        report, full = run_compile(source, caps, repos, now=1_800_000_000)
+        assert not report.errors, report.errors[:3]
+        print(f"full compile: {full:.1f} s, {args.devices / full:,.0f} devices/s "
+              f"({report.devices} devices, {report.deployments} deployments, "
+              f"{report.commits} commits)")
+        report, noop = run_compile(source, caps, repos, now=1_800_000_100)
+        print(f"no-op recompile: {noop:.2f} s ({report.commits} commits, "
+              f"{report.unchanged} unchanged)")
+        intent_file = source / "deployments" / "intent-00.yaml"
+        intent_file.write_text(intent_file.read_text().replace("logLevel: warn",
+                                                               "logLevel: debug"))
+        report, incremental = run_compile(source, caps, repos, now=1_800_000_200)
+        print(f"incremental (one intent's parameter, {report.commits} devices = "
+              f"{report.commits / args.devices:.0%}): {incremental:.2f} s, "
+              f"{incremental / full:.3f} of full")
+        lower = fast_import_lower_bound(DeviceStore(repos), root / "fast-import.git")
+        print(f"git fast-import of the same trees and commits: {lower:.1f} s; "
+              f"full compile / fast-import = {full / lower:.2f}")
+
+
+if __name__ == "__main__":
+    main()

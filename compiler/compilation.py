@@ -1,0 +1,360 @@
+"""Compile a fleet: source x capability snapshot → one commit per changed device branch.
+
+For every device in the snapshot this decides which deployment files its tree must hold
+(`placement` + `render`), compares with the branch tip, and commits only real changes,
+with a message that says why. It is incremental: a device whose capabilities did not
+change and that no changed intent targets (now or before) is skipped without rendering,
+so a no-op recompile of 10,000 devices only hashes their capability documents.
+
+Failure containment, so that nothing already committed is lost:
+* a broken intent file, or an intent whose application is broken or missing, is *frozen*:
+  every device keeps that intent's current file as it is;
+* a device whose rendering fails (bad parameter value, failing expression, immutable
+  change) keeps its whole previous tree, and its problems are reported;
+* a broken capability document leaves its device untouched; devices absent from the
+  snapshot are left untouched too (absence is not evidence of anything).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from compiler.gitstore import DeviceCommit, DeviceStore, blob_id
+from compiler.intents import Intent
+from compiler.messages import Change, commit_message
+from compiler.placement import Placement, ProfileConstraints, place
+from compiler.render import RenderCache, RenderError, file_name, render
+from compiler.snapshot import Device, Snapshot
+from compiler.source import AppVersion, FleetSource
+from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
+from margo.errors import Problem
+
+__all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
+
+#: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
+COMPILER_VERSION = "1"
+_SUFFIX = ".yaml"
+_FAST_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@dataclass
+class DeviceResult:
+    device_id: str
+    status: str  # committed | unchanged | error
+    changes: list[Change] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    commit: str | None = None
+    notes: list[str] = field(default_factory=list)  # e.g. deployments kept for a grace period
+
+
+@dataclass
+class CompileReport:
+    revision: str
+    devices: int = 0
+    deployments: int = 0
+    commits: int = 0
+    unchanged: int = 0
+    errors: list[tuple[str | None, Problem]] = field(default_factory=list)  # (device, problem)
+    results: list[DeviceResult] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "devices": self.devices, "deployments": self.deployments, "commits": self.commits,
+            "unchanged": self.unchanged,
+            "errors": [{"device": device, **problem.to_json()} for device, problem in self.errors],
+        }
+
+
+@dataclass
+class ResolvedIntents:
+    usable: dict[str, tuple[Intent, AppVersion]]
+    frozen: set[str]
+    problems: list[Problem]
+
+    def record(self, name: str) -> IntentRecord:
+        intent, app = self.usable[name]
+        return IntentRecord(name, intent.digest, app.description.id, app.description.version,
+                            app.digest)
+
+
+def resolve_intents(source: FleetSource) -> ResolvedIntents:
+    """Pair each intent with its application version; freeze those that cannot be used."""
+    usable: dict[str, tuple[Intent, AppVersion]] = {}
+    frozen = set(source.broken_intents)
+    problems: list[Problem] = []
+    for name, intent in sorted(source.intents.items()):
+        app = source.application(intent.application_id, intent.application_version)
+        if intent.application_id in source.broken_apps:
+            frozen.add(name)
+            problems.append(intent.locate(Problem(
+                ("spec", "application"), f"application {intent.application_id} has errors; "
+                "devices keep this intent's previous deployments")))
+            continue
+        if app is None:
+            frozen.add(name)
+            wanted = intent.application_id + (f" version {intent.application_version}"
+                                               if intent.application_version else "")
+            known = ", ".join(sorted(source.applications.get(intent.application_id, {})))
+            problems.append(intent.locate(Problem(
+                ("spec", "application"), f"no application {wanted} in the fleet source"
+                + (f" (versions: {known})" if known else ""))))
+            continue
+        unknown = sorted(set(intent.parameters) - set(app.description.parameters))
+        if unknown:
+            frozen.add(name)
+            known_parameters = "one of " + ", ".join(sorted(app.description.parameters))
+            problems.extend(intent.locate(Problem(
+                ("spec", "parameters", p), f"application {app.description.id} "
+                f"{app.description.version} has no parameter {p!r}",
+                expected=known_parameters)) for p in unknown)
+            continue
+        usable[name] = (intent, app)
+    return ResolvedIntents(usable, frozen, problems)
+
+
+def _parse_previous(data: bytes) -> dict[str, Any] | None:
+    """A file this compiler wrote earlier, as data. Our canonical YAML reads the same in
+    YAML 1.1 and 1.2 (a tested property), so libyaml's fast loader is safe here."""
+    try:
+        document = yaml.load(data, Loader=_FAST_LOADER)
+    except yaml.YAMLError:
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _classify(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+    """`reconfigure` when only parameter values changed, `update` otherwise."""
+    if old is None:
+        return "update"
+    old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
+    if old_spec.get("deploymentProfile") != new_spec.get("deploymentProfile"):
+        return "update"
+    if old_spec.get("parameters") != new_spec.get("parameters"):
+        return "reconfigure"
+    return "update"
+
+
+@dataclass
+class _Context:
+    """Everything one compile shares across devices."""
+
+    source: FleetSource
+    intents: ResolvedIntents
+    previous_intents: dict[str, IntentRecord]
+    changed: set[str]
+    constraints: ProfileConstraints
+    now: float
+    renders: RenderCache = field(default_factory=RenderCache)
+
+
+def _change_reasons(ctx: _Context, name: str, caps_changed: bool) -> tuple[str, ...]:
+    previous = ctx.previous_intents.get(name)
+    current = ctx.intents.record(name)
+    reasons = []
+    if previous is not None and previous.digest != current.digest:
+        reasons.append("intent edited")
+    if previous is not None and previous.app_version != current.app_version:
+        reasons.append(f"application version {previous.app_version} -> {current.app_version}")
+    elif previous is not None and previous.app_digest != current.app_digest:
+        reasons.append("application description changed")
+    if caps_changed:
+        reasons.append("capabilities changed")
+    return tuple(reasons) or ("re-rendered",)
+
+
+def _add_reason(ctx: _Context, name: str, previous: PlacementRecord | None) -> str:
+    if previous is not None and not previous.eligible:
+        return "device became eligible"
+    if name not in ctx.previous_intents:
+        return "intent added"
+    return "device now targeted"
+
+
+@dataclass
+class _DeviceOutcome:
+    files: dict[str, bytes]
+    placements: list[PlacementRecord]
+    changes: list[Change]
+    problems: list[Problem]
+    notes: list[str]
+
+
+def _compile_device(ctx: _Context, device: Device, current: dict[str, bytes],
+                    previous: dict[str, PlacementRecord], caps_changed: bool) -> _DeviceOutcome:
+    out = _DeviceOutcome({}, [], [], [], [])
+    names = set(ctx.intents.usable) | ctx.intents.frozen | {
+        f[: -len(_SUFFIX)] for f in current if f.endswith(_SUFFIX)}
+    for name in sorted(names):
+        fname = file_name(name)
+        had = fname in current
+        if name in ctx.intents.frozen:
+            if had:
+                out.files[fname] = current[fname]
+            if name in previous:
+                out.placements.append(previous[name])
+            continue
+        if name not in ctx.intents.usable:
+            if had:
+                out.changes.append(Change(fname, name, "remove", ("intent deleted",)))
+            continue
+        intent, app = ctx.intents.usable[name]
+        placement = place(intent, app, device, ctx.constraints)
+        if not placement.targeted:
+            if had:
+                out.changes.append(Change(fname, name, "remove",
+                                          ("device no longer targeted by the intent",)))
+            continue
+        if placement.eligible:
+            _place_eligible(ctx, out, intent, app, placement, device, current, previous,
+                            caps_changed)
+        else:
+            _place_ineligible(ctx, out, intent, app, device, current, previous.get(name))
+    return out
+
+
+def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
+                    placement: Placement, device: Device, current: dict[str, bytes],
+                    previous: dict[str, PlacementRecord], caps_changed: bool) -> None:
+    fname = file_name(intent.name)
+    old = None
+    if fname in current and any(s.immutable for s in app.description.settings().values()):
+        old = _parse_previous(current[fname])
+    assert placement.profile is not None
+    try:
+        rendered = render(intent, app, placement.profile, device, previous=old,
+                          cache=ctx.renders)
+    except RenderError as exc:
+        out.problems.extend(exc.problems)
+        return
+    out.files[fname] = rendered.data
+    out.placements.append(PlacementRecord(device.id, intent.name, True, True, None))
+    if fname not in current:
+        out.changes.append(Change(fname, intent.name, "add",
+                                  (_add_reason(ctx, intent.name, previous.get(intent.name)),)))
+    elif current[fname] != rendered.data:
+        if old is None:
+            old = _parse_previous(current[fname])
+        out.changes.append(Change(fname, intent.name, _classify(old, rendered.document),
+                                  _change_reasons(ctx, intent.name, caps_changed)))
+
+
+def _place_ineligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
+                      device: Device, current: dict[str, bytes],
+                      previous: PlacementRecord | None) -> None:
+    fname = file_name(intent.name)
+    since = previous.ineligible_since if previous and previous.ineligible_since else ctx.now
+    explained = place(intent, app, device, ctx.constraints, explain=True)
+    why = "; ".join(explained.failure_messages()[:3]) or "no profile fits"
+    if fname in current and intent.grace_seconds and ctx.now - since < intent.grace_seconds:
+        left = int(intent.grace_seconds - (ctx.now - since))
+        out.files[fname] = current[fname]
+        out.placements.append(PlacementRecord(device.id, intent.name, False, True, since))
+        out.notes.append(f"{intent.name}: not eligible ({why}); kept for the grace period, "
+                         f"{left}s left")
+        return
+    out.placements.append(PlacementRecord(device.id, intent.name, False, False, None))
+    if fname in current:
+        reason = f"device no longer eligible: {why}"
+        if intent.grace_seconds:
+            reason += f" (grace period of {intent.grace_seconds}s expired)"
+        out.changes.append(Change(fname, intent.name, "remove", (reason,)))
+
+
+def _inputs_digest(ctx: _Context, device: Device, placements: Iterable[PlacementRecord]) -> str:
+    h = hashlib.sha256(f"compiler {COMPILER_VERSION}\ncaps {device.digest}\n".encode())
+    for record in sorted(placements, key=lambda p: p.intent):
+        if record.intent in ctx.intents.usable:
+            intent_record = ctx.intents.record(record.intent)
+            h.update(f"{record.intent} {intent_record.digest} {intent_record.app_digest}\n"
+                     .encode())
+    return "sha256:" + h.hexdigest()
+
+
+def _needs_compile(ctx: _Context, device: Device, record: DeviceRecord | None,
+                   previous: dict[str, PlacementRecord], has_branch: bool) -> bool:
+    if record is None or not has_branch or record.caps_digest != device.digest:
+        return True
+    if any(p.ineligible_since is not None for p in previous.values()):
+        return True  # a grace period may have run out
+    for name in ctx.changed:
+        if name in previous:
+            return True
+        usable = ctx.intents.usable.get(name)
+        if usable and usable[0].targets(device.id, device.properties, device.labels):
+            return True
+    return False
+
+
+def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
+                  state: CompilerState, *, now: float | None = None, dry_run: bool = False,
+                  progress: Callable[[Iterable[str]], Iterable[str]] | None = None,
+                  ) -> CompileReport:
+    """Compile every device of the snapshot; commit (unless `dry_run`) and report."""
+    now = time.time() if now is None else now
+    intents = resolve_intents(source)
+    previous_intents = state.intents()
+    current_records = {name: intents.record(name) for name in intents.usable}
+    changed = {n for n, r in current_records.items() if previous_intents.get(n) != r}
+    changed |= {n for n in previous_intents if n not in current_records
+                and n not in intents.frozen}
+    ctx = _Context(source, intents, previous_intents, changed, ProfileConstraints(), now)
+    report = CompileReport(source.revision, devices=len(snapshot.devices))
+    report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
+                                            *snapshot.problems])
+    previous_devices, previous_placements = state.devices(), state.placements()
+    commits: list[DeviceCommit] = []
+    device_records: list[DeviceRecord] = []
+    placement_records: list[PlacementRecord] = []
+    forget: list[str] = []
+    ids: Iterable[str] = sorted(snapshot.devices)
+    for device_id in progress(ids) if progress else ids:
+        device = snapshot.devices[device_id]
+        previous = previous_placements.get(device_id, {})
+        tree = store.tree_ids(device_id)
+        record = previous_devices.get(device_id)
+        if not _needs_compile(ctx, device, record, previous, tree is not None):
+            report.unchanged += 1
+            report.deployments += len(tree or {})
+            continue
+        current = store.read_files(device_id) or {}
+        caps_changed = record is not None and record.caps_digest != device.digest
+        outcome = _compile_device(ctx, device, current, previous, caps_changed)
+        result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
+                              notes=outcome.notes)
+        report.results.append(result)
+        if outcome.problems:
+            result.status, result.changes = "error", []
+            report.errors.extend((device_id, p) for p in outcome.problems)
+            report.deployments += len(current)
+            forget.append(device_id)
+            continue
+        report.deployments += len(outcome.files)
+        device_records.append(DeviceRecord(device_id, device.digest, now))
+        placement_records.extend(outcome.placements)
+        if tree is not None and {f: blob_id(d) for f, d in outcome.files.items()} == tree:
+            report.unchanged += 1
+            continue
+        trailers = {"Fleet-Source": source.revision, "Capabilities-Digest": device.digest,
+                    "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
+        message = commit_message(device_id, outcome.changes, trailers)
+        commits.append(DeviceCommit(device_id, outcome.files, message, int(now)))
+        result.status = "committed"
+        report.commits += 1
+    if dry_run:
+        return report
+    if commits:
+        with store.lock():
+            tips = store.write(commits)
+        for result in report.results:
+            result.commit = tips.get(result.device_id, result.commit)
+    state.save(intents=current_records.values(),
+               forget_intents=[n for n in previous_intents if n not in current_records
+                               and n not in intents.frozen],
+               devices=device_records, placements=placement_records, forget_devices=forget)
+    return report

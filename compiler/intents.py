@@ -1,0 +1,195 @@
+"""Deployment intents: "run this application, configured like this, on these devices".
+
+An intent is a small document kind of ours (`kind: DeploymentIntent`, see
+`docs/intents.md`), one per file `deployments/<name>.yaml`. Loading validates it against
+its JSON Schema, compiles its target selectors, extra constraints and parameter
+expressions once, and keeps its source so any later problem (an expression that fails on
+one device) can still be reported with file, line and path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from jsonschema import Draft202012Validator
+
+from compiler.expressions import CompiledValue, ExpressionError, compile_value
+from margo.constraints import CompiledConstraints, compile_constraints
+from margo.errors import DocumentError, Problem
+from margo.loading import LoadedDocument
+from margo.models import ProfileType
+from margo.schemas.source import APP_ID, CONSTRAINT_DEFS, DEVICE_ID, closed
+from margo.validation import explain_schema_errors
+
+__all__ = ["INTENT_API_VERSION", "Intent", "intent_schema", "load_intent", "parse_duration"]
+
+INTENT_API_VERSION = "margo-gitops.dev/v1alpha1"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+DURATION = r"^(?=\d)(\d+d)?(\d+h)?(\d+m)?(\d+s)?$"
+_DURATION_PARTS = re.compile(r"(\d+)([dhms])")
+_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+@cache
+def intent_schema() -> dict[str, Any]:
+    """JSON Schema of a DeploymentIntent (2020-12)."""
+    rule = closed({"propertySelector": {"$ref": "#/$defs/selector"},
+                   "labelSelector": {"$ref": "#/$defs/selector"}}, minProperties=1)
+    spec = closed({
+        "application": closed({"id": {"type": "string", "pattern": APP_ID},
+                               "version": {"type": ["string", "number"]}}, ["id"]),
+        "profile": closed({"id": {"type": "string", "minLength": 1},
+                           "type": {"enum": [str(t) for t in ProfileType]}}, maxProperties=1),
+        "namespace": {"type": "string", "pattern": DNS_LABEL},
+        "parameters": {"type": "object"},
+        "targets": closed({
+            "devices": {"type": "array", "uniqueItems": True,
+                        "items": {"type": "string", "pattern": DEVICE_ID}},
+            "selectors": {"type": "array", "items": rule},
+        }),
+        "constraints": {"$ref": "#/$defs/deviceConstraints"},
+        "gracePeriod": {"type": "string", "pattern": DURATION},
+        "outputShape": {"enum": ["rc.3", "oct-2024"]},
+    }, ["application"])
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "margo-gitops DeploymentIntent",
+        **closed({
+            "apiVersion": {"const": INTENT_API_VERSION},
+            "kind": {"const": "DeploymentIntent"},
+            "metadata": closed({"name": {"type": "string", "pattern": DNS_LABEL},
+                                "description": {"type": "string"},
+                                "labels": {"type": "object",
+                                           "additionalProperties": {"type": "string"}}},
+                               ["name"]),
+            "spec": spec,
+        }, ["apiVersion", "kind", "metadata", "spec"]),
+        "$defs": CONSTRAINT_DEFS,
+    }
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(intent_schema())
+
+
+def parse_duration(text: str) -> int:
+    """`1d2h30m10s` style durations in seconds."""
+    return sum(int(n) * _SECONDS[unit] for n, unit in _DURATION_PARTS.findall(text))
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """A validated, compiled intent."""
+
+    name: str
+    file: str
+    application_id: str
+    application_version: str | None
+    profile_id: str | None
+    profile_type: ProfileType | None
+    namespace: str | None
+    parameters: Mapping[str, CompiledValue]
+    devices: frozenset[str] | None  # None: no explicit list
+    selector: CompiledConstraints | None  # None: no selectors
+    constraints: CompiledConstraints | None
+    grace_seconds: int
+    output_shape: str
+    digest: str
+    document: LoadedDocument = field(repr=False, compare=False)
+
+    @property
+    def targets_everything(self) -> bool:
+        return self.devices is None and self.selector is None
+
+    def targets(self, device_id: str, properties: Mapping[str, Any],
+                labels: Mapping[str, Any]) -> bool:
+        """Whether the intent's targets select a device (eligibility is decided later)."""
+        if self.targets_everything:
+            return True
+        if self.devices is not None and device_id in self.devices:
+            return True
+        return self.selector is not None and self.selector.is_eligible(properties, labels)
+
+    def locate(self, problem: Problem) -> Problem:
+        return self.document.locate(problem)
+
+
+def _digest(doc: Any) -> str:
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def _compile_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, CompiledValue],
+                                                                  list[Problem]]:
+    compiled: dict[str, CompiledValue] = {}
+    problems: list[Problem] = []
+    for name, value in parameters.items():
+        try:
+            compiled[name] = compile_value(value)
+        except ExpressionError as exc:
+            problems.append(Problem(("spec", "parameters", name), f"invalid expression: {exc}",
+                                    found=repr(value)))
+    return compiled, problems
+
+
+def _compile_optional(raw: Any, path: tuple[str, ...]) -> tuple[CompiledConstraints | None,
+                                                                 list[Problem]]:
+    if raw is None:
+        return None, []
+    try:
+        return compile_constraints(raw, path=path), []
+    except DocumentError as exc:
+        return None, exc.problems
+
+
+def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> Intent:
+    """Validate and compile one intent; raise `DocumentError` with located problems."""
+    doc = loaded.value
+    problems = [loaded.locate(p, at_key=at_key)
+                for p, at_key in explain_schema_errors(_validator(), doc)]
+    if problems:
+        raise DocumentError(problems)
+    spec = doc["spec"]
+    name = doc["metadata"]["name"]
+    found: list[Problem] = []
+    if expected_name is not None and name != expected_name:
+        found.append(Problem(("metadata", "name"), f"the intent in {expected_name}.yaml must be "
+                             f"named {expected_name!r}", expected=expected_name, found=name))
+    targets = spec.get("targets", {})
+    selectors = targets.get("selectors")
+    selector, selector_problems = _compile_optional(
+        {"eligibilityRules": selectors} if selectors is not None else None,
+        ("spec", "targets", "selectors"))
+    constraints, constraint_problems = _compile_optional(spec.get("constraints"),
+                                                         ("spec", "constraints"))
+    parameters, parameter_problems = _compile_parameters(spec.get("parameters", {}))
+    found += selector_problems + constraint_problems + parameter_problems
+    if found:
+        raise DocumentError([loaded.locate(p) for p in found])
+    profile = spec.get("profile", {})
+    version = spec["application"].get("version")
+    return Intent(
+        name=name,
+        file=loaded.file or name,
+        application_id=spec["application"]["id"],
+        application_version=None if version is None else str(version),
+        profile_id=profile.get("id"),
+        profile_type=ProfileType(profile["type"]) if "type" in profile else None,
+        namespace=spec.get("namespace"),
+        parameters=parameters,
+        devices=(frozenset(targets.get("devices", ()))
+                 if "devices" in targets or selectors == [] else None),
+        selector=selector if selectors else None,  # an empty list selects nothing
+        constraints=constraints,
+        grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
+        output_shape=spec.get("outputShape", "rc.3"),
+        digest=_digest(doc),
+        document=loaded,
+    )

@@ -1,0 +1,140 @@
+"""The capability snapshot: the latest DeviceCapabilitiesManifest of every device.
+
+Offline compiles read it from a directory (one document per file, any spec shape) or from
+one YAML/JSON file keyed by device id; the fleet server builds the same from its database
+with `snapshot_from_documents`. A broken document is a located problem and its device is
+left alone (its previous desired state stays), never dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from margo.errors import DocumentError, Problem
+from margo.kinds import Kind
+from margo.loading import LoadedDocument, load_path
+from margo.models import DeviceCapabilities
+from margo.validation import validate_loaded
+
+__all__ = ["Device", "Snapshot", "SnapshotError", "load_snapshot", "snapshot_from_documents"]
+
+_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class SnapshotError(RuntimeError):
+    """The snapshot as a whole cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    id: str
+    capabilities: DeviceCapabilities
+    digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
+    file: str | None = None
+
+    @property
+    def properties(self) -> Mapping[str, Any]:
+        return self.capabilities.properties
+
+    @property
+    def labels(self) -> Mapping[str, Any]:
+        return self.capabilities.labels
+
+
+@dataclass
+class Snapshot:
+    devices: dict[str, Device] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+    broken: set[str] = field(default_factory=set)  # device ids (or file stems) not usable
+
+    @property
+    def digest(self) -> str:
+        """One digest over every device's document digest (for commit trailers)."""
+        h = hashlib.sha256()
+        for device_id in sorted(self.devices):
+            h.update(f"{device_id}\0{self.devices[device_id].digest}\n".encode())
+        return "sha256:" + h.hexdigest()
+
+
+def document_digest(doc: Any) -> str:
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
+
+
+def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None) -> None:
+    report = validate_loaded(loaded, expect=Kind.DEVICE_CAPABILITIES)
+    if not report.valid:
+        snapshot.problems.extend(report.problems)
+        claimed = loaded.value.get("properties", {}).get("id") if isinstance(
+            loaded.value, dict) and isinstance(loaded.value.get("properties"), dict) else None
+        snapshot.broken.add(str(claimed or key))
+        return
+    caps: DeviceCapabilities = report.model
+    if key is not None and key != caps.device_id:
+        snapshot.problems.append(loaded.locate(Problem(
+            ("properties", "id"), f"filed under {key!r} but reports id {caps.device_id!r}",
+            expected=key, found=caps.device_id)))
+        snapshot.broken.add(key)
+        return
+    if caps.device_id in snapshot.devices:
+        snapshot.problems.append(loaded.locate(Problem(
+            ("properties", "id"), f"device {caps.device_id!r} is reported twice (also in "
+                                  f"{snapshot.devices[caps.device_id].file})")))
+        snapshot.broken.add(caps.device_id)
+        return
+    snapshot.devices[caps.device_id] = Device(caps.device_id, caps,
+                                              document_digest(loaded.value), loaded.file)
+
+
+def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None) -> Snapshot:
+    """A snapshot from already-decoded documents keyed by device id (e.g. the WFM's store)."""
+    snapshot = Snapshot()
+    for key in sorted(documents):
+        _add(snapshot, LoadedDocument.unlocated(documents[key], file), key)
+    return snapshot
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
+    """A directory of capability documents, or one file mapping device id -> document."""
+    root = Path(path)
+    snapshot = Snapshot()
+    try:
+        if root.is_dir():
+            for file in sorted(p for p in root.iterdir() if p.suffix in _SUFFIXES):
+                try:
+                    _add(snapshot, load_path(str(file)), None)
+                except DocumentError as exc:
+                    snapshot.problems.extend(exc.problems)
+                    snapshot.broken.add(file.stem)
+            return snapshot
+        loaded = load_path(str(root))
+    except DocumentError as exc:
+        raise SnapshotError("\n".join(p.format() for p in exc.problems)) from None
+    except OSError as exc:
+        raise SnapshotError(f"{root}: cannot read: {exc.strerror or exc}") from None
+    if not isinstance(loaded.value, dict):
+        raise SnapshotError(f"{root}: expected a mapping of device id to capabilities document")
+    for key in sorted(loaded.value):
+        sub = LoadedDocument(loaded.value[key], loaded.file,
+                             _Shifted(loaded, key))  # type: ignore[arg-type]
+        _add(snapshot, sub, key)
+    return snapshot
+
+
+class _Shifted:
+    """Positions of a sub-document inside a keyed snapshot file."""
+
+    def __init__(self, parent: LoadedDocument, key: str):
+        self.parent, self.key = parent, key
+
+    def value_position(self, path: Any) -> tuple[int, int] | None:
+        return self.parent.source.value_position((self.key, *path))
+
+    def key_position(self, path: Any) -> tuple[int, int] | None:
+        return self.parent.source.key_position((self.key, *path))

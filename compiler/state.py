@@ -1,0 +1,134 @@
+"""What the compiler remembers between runs (SQLite beside the repository).
+
+It is a cache plus a few timers, never a source of truth: the device branches are. Losing
+it costs one full recompile (which commits nothing, since trees are unchanged) and restarts
+running grace periods. It holds:
+
+* per intent, the digests of the intent and of the application version it used, so the
+  next run knows which intents changed and whom they targeted;
+* per device, the digest of its capability document and whether its last compile
+  succeeded, so an untouched device is skipped without rendering;
+* per (device, intent), whether the device was targeted, eligible and deployed, and since
+  when it has been ineligible (grace periods), which also lets commit messages say *why*.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord"]
+
+SCHEMA_VERSION = "1"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS intents (
+    name TEXT PRIMARY KEY, digest TEXT NOT NULL, app_id TEXT NOT NULL,
+    app_version TEXT NOT NULL, app_digest TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS devices (
+    device_id TEXT PRIMARY KEY, caps_digest TEXT NOT NULL, compiled_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS placements (
+    device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
+    deployed INTEGER NOT NULL, ineligible_since REAL,
+    PRIMARY KEY (device_id, intent));
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class IntentRecord:
+    name: str
+    digest: str
+    app_id: str
+    app_version: str
+    app_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRecord:
+    device_id: str
+    caps_digest: str
+    compiled_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRecord:
+    device_id: str
+    intent: str
+    eligible: bool
+    deployed: bool
+    ineligible_since: float | None
+
+
+class CompilerState:
+    """Read everything at the start of a compile, write one transaction at the end."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._db = sqlite3.connect(self.path, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        version = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        if version is None:
+            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        elif version[0] != SCHEMA_VERSION:  # a cache: start over rather than migrate
+            self._db.executescript("DELETE FROM intents; DELETE FROM devices; "
+                                   "DELETE FROM placements;")
+            self._db.execute("UPDATE meta SET value=? WHERE key='schema'", (SCHEMA_VERSION,))
+
+    def close(self) -> None:
+        self._db.close()
+
+    def intents(self) -> dict[str, IntentRecord]:
+        rows = self._db.execute("SELECT name, digest, app_id, app_version, app_digest "
+                                "FROM intents")
+        return {r[0]: IntentRecord(*r) for r in rows}
+
+    def devices(self) -> dict[str, DeviceRecord]:
+        rows = self._db.execute("SELECT device_id, caps_digest, compiled_at FROM devices")
+        return {r[0]: DeviceRecord(*r) for r in rows}
+
+    def placements(self) -> dict[str, dict[str, PlacementRecord]]:
+        out: dict[str, dict[str, PlacementRecord]] = {}
+        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since "
+                                "FROM placements")
+        for device_id, intent, eligible, deployed, since in rows:
+            out.setdefault(device_id, {})[intent] = PlacementRecord(
+                device_id, intent, bool(eligible), bool(deployed), since)
+        return out
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def save(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
+             devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
+             forget_devices: Iterable[str]) -> None:
+        """Record one compile's outcome atomically. `devices` lists the devices whose
+        placements are replaced by `placements`; `forget_devices` must be fully recompiled
+        next time (e.g. they had errors)."""
+        device_list = list(devices)
+        with self.transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?)",
+                           [(i.name, i.digest, i.app_id, i.app_version, i.app_digest)
+                            for i in intents])
+            db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
+            db.executemany("DELETE FROM placements WHERE device_id=?",
+                           [(d.device_id,) for d in device_list])
+            db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?)",
+                           [(d.device_id, d.caps_digest, d.compiled_at) for d in device_list])
+            db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?)",
+                           [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
+                             p.ineligible_since) for p in placements])
+            forget = [(d,) for d in forget_devices]
+            db.executemany("DELETE FROM devices WHERE device_id=?", forget)

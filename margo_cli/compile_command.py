@@ -1,0 +1,212 @@
+"""`margo compile`, `margo plan`, `margo explain`: the fleet compiler's commands.
+
+All three take the same inputs: `--source` (a fleet directory, or a Git repository with
+`--ref`), `--capabilities` (a directory of capability documents or one keyed file) and
+`--repos` (where `fleet-state.git` and the compiler's state live).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from compiler.compilation import CompileReport, compile_fleet
+from compiler.explain import explain_device
+from compiler.gitstore import DeviceStore, GitStoreError
+from compiler.snapshot import SnapshotError, load_snapshot
+from compiler.source import SourceError, load_source
+from compiler.state import CompilerState
+
+EXIT_OK, EXIT_ERRORS, EXIT_BAD_INPUT = 0, 1, 2
+STATE_FILE = "compiler-state.sqlite"
+
+
+def _inputs(parser: argparse.ArgumentParser, *, repos_required: bool = True) -> None:
+    parser.add_argument("--source", required=True, metavar="SRC",
+                        help="fleet source directory, or Git repository (see --ref)")
+    parser.add_argument("--ref", help="Git ref to read the source from (default: the "
+                                      "directory as it is; HEAD for bare repositories)")
+    parser.add_argument("--capabilities", required=True, metavar="CAPS",
+                        help="directory of capability documents, or one file keyed by id")
+    parser.add_argument("--repos", required=repos_required, metavar="DIR",
+                        help="where fleet-state.git and the compiler state live")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def register(commands: Any) -> None:
+    compile_parser = commands.add_parser(
+        "compile", help="compile the fleet into per-device desired state in Git",
+        description="Exit 0, or 1 when any device or source file had errors (the other "
+                    "devices are still committed), 2 on unusable input.")
+    _inputs(compile_parser)
+    compile_parser.add_argument("--watch", action="store_true",
+                                help="recompile whenever SRC or CAPS change")
+    compile_parser.set_defaults(run=run_compile)
+    plan_parser = commands.add_parser(
+        "plan", help="show what a compile would change per device, writing nothing")
+    _inputs(plan_parser)
+    plan_parser.set_defaults(run=run_plan)
+    explain_parser = commands.add_parser(
+        "explain", help="why each intent does or does not deploy on a device")
+    _inputs(explain_parser, repos_required=False)
+    explain_parser.add_argument("--device", required=True, metavar="ID")
+    explain_parser.add_argument("--intent", metavar="NAME")
+    explain_parser.set_defaults(run=run_explain)
+
+
+class _BadInput(Exception):
+    pass
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, Any]:
+    try:
+        return load_source(args.source, ref=args.ref), load_snapshot(args.capabilities)
+    except (SourceError, SnapshotError) as exc:
+        raise _BadInput(str(exc)) from None
+
+
+def _store(args: argparse.Namespace) -> tuple[DeviceStore, CompilerState]:
+    repos = Path(args.repos)
+    repos.mkdir(parents=True, exist_ok=True)
+    return DeviceStore(repos), CompilerState(repos / STATE_FILE)
+
+
+def _progress(items: Iterable[str]) -> Iterable[str]:
+    items = list(items)
+    if not sys.stderr.isatty() or len(items) < 200:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="devices", unit="dev", leave=False, file=sys.stderr)
+
+
+def _print_errors(report: CompileReport) -> None:
+    for device, problem in report.errors:
+        prefix = f"[{device}] " if device else ""
+        print(f"error: {prefix}{problem.format()}", file=sys.stderr)
+
+
+def _summary(report: CompileReport, elapsed: float) -> str:
+    return (f"{report.devices} devices, {report.deployments} deployments, {report.commits} "
+            f"commits, {report.unchanged} unchanged, {len(report.errors)} errors "
+            f"({elapsed:.2f}s, source {report.revision})")
+
+
+def _compile_once(args: argparse.Namespace, *, dry_run: bool) -> tuple[CompileReport, float]:
+    start = time.monotonic()
+    source, snapshot = _open(args)
+    store, state = _store(args)
+    try:
+        report = compile_fleet(source, snapshot, store, state, dry_run=dry_run,
+                               progress=_progress)
+    finally:
+        state.close()
+    return report, time.monotonic() - start
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    try:
+        report, elapsed = _compile_once(args, dry_run=False)
+        _print_compile(args, report, elapsed)
+        if args.watch:
+            return _watch(args)
+    except _BadInput as exc:
+        print(f"margo compile: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except GitStoreError as exc:
+        print(f"margo compile: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_ERRORS if report.errors else EXIT_OK
+
+
+def _print_compile(args: argparse.Namespace, report: CompileReport, elapsed: float) -> None:
+    if args.json:
+        print(json.dumps(report.to_json(), ensure_ascii=False), flush=True)
+        return
+    _print_errors(report)
+    for result in report.results:
+        if result.status == "committed":
+            actions = ", ".join(f"{c.action} {c.intent}" for c in result.changes) or "created"
+            print(f"{result.device_id}: {actions}")
+        for note in result.notes:
+            print(f"{result.device_id}: {note}")
+    print(_summary(report, elapsed), flush=True)
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from watchfiles import watch
+
+    print(f"watching {args.source} and {args.capabilities} (Ctrl-C to stop)", flush=True)
+    try:
+        for _changes in watch(args.source, args.capabilities, debounce=200, step=20):
+            try:
+                report, elapsed = _compile_once(args, dry_run=False)
+                _print_compile(args, report, elapsed)
+            except (_BadInput, GitStoreError) as exc:
+                print(f"margo compile: {exc}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        report, _ = _compile_once(args, dry_run=True)
+    except (_BadInput, GitStoreError) as exc:
+        print(f"margo plan: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    changed = [r for r in report.results if r.changes or r.status == "committed"]
+    if args.json:
+        print(json.dumps({
+            "devices": [{"device": r.device_id,
+                         "changes": [{"file": c.file, "intent": c.intent, "action": c.action,
+                                      "reasons": list(c.reasons)} for c in r.changes]}
+                        for r in changed],
+            **{k: v for k, v in report.to_json().items() if k == "errors"},
+        }, ensure_ascii=False))
+    else:
+        _print_errors(report)
+        for result in changed:
+            print(f"{result.device_id}:")
+            for change in result.changes:
+                reasons = f" ({'; '.join(change.reasons)})" if change.reasons else ""
+                print(f"  {change.action:<11} {change.file}{reasons}")
+            if not result.changes:
+                print("  create     (empty desired state)")
+        if not changed:
+            print("no changes")
+    return EXIT_ERRORS if report.errors else EXIT_OK
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    try:
+        source, snapshot = _open(args)
+    except _BadInput as exc:
+        print(f"margo explain: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    placements = None
+    if args.repos and (Path(args.repos) / STATE_FILE).exists():
+        state = CompilerState(Path(args.repos) / STATE_FILE)
+        placements = state.placements().get(args.device)
+        state.close()
+    try:
+        explanations = explain_device(source, snapshot, args.device, intent_name=args.intent,
+                                      placements=placements, now=time.time())
+    except KeyError as exc:
+        what = "device" if exc.args[0] == args.device else "intent"
+        print(f"margo explain: no {what} {exc.args[0]!r} in the inputs", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps({"device": args.device,
+                          "intents": [e.to_json() for e in explanations]}, ensure_ascii=False))
+    else:
+        print(f"device {args.device}:")
+        for explanation in explanations:
+            for line in explanation.lines():
+                print(f"  {line}")
+    return EXIT_OK

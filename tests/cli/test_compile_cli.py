@@ -1,0 +1,147 @@
+"""`margo compile / plan / explain` as a user runs them, on the example fleet."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pygit2
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def margo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, check=False, timeout=timeout)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> tuple[Path, Path, Path]:
+    source, caps = tmp_path / "fleet", tmp_path / "caps"
+    shutil.copytree(EXAMPLES / "fleet", source)
+    shutil.copytree(EXAMPLES / "capabilities", caps)
+    return source, caps, tmp_path / "repos"
+
+
+def inputs(fleet: tuple[Path, Path, Path]) -> list[str]:
+    source, caps, repos = fleet
+    return ["--source", str(source), "--capabilities", str(caps), "--repos", str(repos)]
+
+
+def test_compile_from_the_repository_root_as_documented(tmp_path: Path) -> None:
+    result = margo("compile", "--source", "examples/fleet", "--capabilities",
+                   "examples/capabilities", "--repos", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"devices": 6, "deployments": 10, "commits": 6,
+                                         "unchanged": 0, "errors": []}
+    again = json.loads(margo("compile", "--source", "examples/fleet", "--capabilities",
+                             "examples/capabilities", "--repos", str(tmp_path),
+                             "--json").stdout)
+    assert (again["commits"], again["unchanged"]) == (0, 6)
+
+
+def test_errors_exit_one_but_other_devices_are_committed(fleet: tuple[Path, Path, Path]) -> None:
+    source, _caps, _ = fleet
+    (source / "deployments" / "broken.yaml").write_text("kind: DeploymentIntent\n")
+    result = margo("compile", *inputs(fleet), "--json")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert report["commits"] == 6
+    assert {e["message"] for e in report["errors"]} == {
+        "missing required field 'apiVersion'", "missing required field 'metadata'",
+        "missing required field 'spec'"}
+    assert all(e["file"].endswith("deployments/broken.yaml") and e["line"] == 1
+               for e in report["errors"])
+    human = margo("compile", *inputs(fleet))
+    assert human.returncode == 1 and "broken.yaml:1:1" in human.stderr
+
+
+def test_plan_and_explain(fleet: tuple[Path, Path, Path]) -> None:
+    source, _caps, _ = fleet
+    assert margo("compile", *inputs(fleet)).returncode == 0
+    intent = source / "deployments" / "hello-everywhere.yaml"
+    intent.write_text(intent.read_text().replace("namespace: hello", "namespace: greetings"))
+    plan = margo("plan", *inputs(fleet), "--json")
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)["devices"]
+    assert len(planned) == 6
+    assert planned[0]["changes"] == [{"file": "hello-everywhere.yaml",
+                                      "intent": "hello-everywhere", "action": "update",
+                                      "reasons": ["intent edited"]}]
+    human = margo("plan", *inputs(fleet))
+    assert "  update      hello-everywhere.yaml (intent edited)" in human.stdout
+    explain = margo("explain", *inputs(fleet), "--device", "compose-box-arm64")
+    assert explain.returncode == 0, explain.stderr
+    assert "vision-plant-a: not targeted" in explain.stdout
+    assert "line-monitor: not targeted" in explain.stdout
+    as_json = json.loads(margo("explain", *inputs(fleet), "--device", "k8s-single-arm64",
+                               "--intent", "vision-plant-a", "--json").stdout)
+    [entry] = as_json["intents"]
+    assert entry["status"] == "not targeted"
+    assert entry["targeting"][0]["actual"] == "plant-b"
+    missing = margo("explain", *inputs(fleet), "--device", "nope")
+    assert missing.returncode == 2 and "no device 'nope'" in missing.stderr
+
+
+def test_explain_shows_near_misses(fleet: tuple[Path, Path, Path]) -> None:
+    source, _caps, _ = fleet
+    intent = source / "deployments" / "vision-plant-a.yaml"
+    intent.write_text(intent.read_text().replace("values: [plant-a]",
+                                                 "values: [plant-a, plant-b]"))
+    result = margo("explain", *inputs(fleet), "--device", "k8s-single-arm64",
+                   "--intent", "vision-plant-a")
+    assert "not eligible" in result.stdout
+    assert "needs 8Gi memory, has 7.5Gi" in result.stdout
+    assert "architecture in ['amd64']" in result.stdout
+
+
+def test_compile_from_a_git_ref(fleet: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    source, caps, repos = fleet
+    repo = pygit2.init_repository(str(source))
+    repo.index.add_all()
+    repo.index.write()
+    signature = pygit2.Signature("Platform", "platform@example.com", 1_800_000_000, 0)
+    tree = repo.index.write_tree()
+    repo.create_commit("HEAD", signature, signature, "fleet", tree, [])
+    (source / "deployments" / "line-monitor.yaml").unlink()  # not committed: ignored at a ref
+    result = margo("compile", "--source", str(source), "--ref", "HEAD", "--capabilities",
+                   str(caps), "--repos", str(repos), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["deployments"] == 10
+    history = margo("compile", "--source", str(source), "--ref", "no-such-ref",
+                    "--capabilities", str(caps), "--repos", str(repos))
+    assert history.returncode == 2 and "cannot resolve 'no-such-ref'" in history.stderr
+
+
+def test_watch_recompiles_after_a_change(fleet: tuple[Path, Path, Path]) -> None:
+    _source, caps, _ = fleet
+    with subprocess.Popen(
+            [sys.executable, "-m", "margo_cli.main", "compile", *inputs(fleet), "--watch"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as process:
+        try:
+            assert process.stdout is not None
+            lines = []
+            while "watching" not in "".join(lines):
+                lines.append(process.stdout.readline())
+            time.sleep(0.3)
+            caps_file = caps / "compose-box-amd64.json"
+            doc = json.loads(caps_file.read_text())
+            doc["labels"]["example.com/site"] = "plant-z"
+            caps_file.write_text(json.dumps(doc))
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                line = process.stdout.readline()
+                lines.append(line)
+                if "1 commits" in line:
+                    break
+            assert any("compose-box-amd64: reconfigure hello-everywhere" in line
+                       for line in lines), lines
+        finally:
+            process.terminate()
+            process.wait(timeout=10)

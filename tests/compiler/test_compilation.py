@@ -1,0 +1,311 @@
+"""The compiler end to end, through real files, the real Git store and SQLite state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from fleetkit import Fleet, app, device, intent
+
+from compiler.render import deployment_id
+from margo.validation import validate_document
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden-fleet"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Fleet:
+    f = Fleet(tmp_path)
+    f.apps["com-example-app"] = app(constraints={"capacityRequirements": {"memory": "4Gi"}})
+    f.intents["everywhere"] = intent("everywhere", namespace="demo")
+    f.devices["k8s-a"] = device("k8s-a", labels={"site": "a"})
+    f.devices["k8s-b"] = device("k8s-b", memory="2Gi", labels={"site": "b"})
+    f.devices["box-c"] = device("box-c", types=("compose",), labels={"site": "c"})
+    return f
+
+
+def test_example_fleet_matches_the_golden_trees(tmp_path: Path) -> None:
+    """The example fleet compiles to exactly the committed trees, byte for byte."""
+    fleet = Fleet(tmp_path)
+    store_root = tmp_path / "repos"
+    result = subprocess.run(
+        [".venv/bin/margo" if Path(".venv/bin/margo").exists() else "margo", "compile",
+         "--source", str(EXAMPLES / "fleet"), "--capabilities", str(EXAMPLES / "capabilities"),
+         "--repos", str(store_root)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2], check=False)
+    assert result.returncode == 0, result.stderr
+    store = fleet.store
+    actual = {d: store.read_files(d) or {} for d in store.device_ids()}
+    if os.environ.get("UPDATE_GOLDEN"):
+        shutil.rmtree(GOLDEN, ignore_errors=True)
+        for device_id, files in actual.items():
+            (GOLDEN / device_id).mkdir(parents=True)
+            (GOLDEN / device_id / ".keep").write_text("")
+            for name, data in files.items():
+                (GOLDEN / device_id / name).write_bytes(data)
+    expected = {d.name: {f.name: f.read_bytes() for f in d.iterdir() if f.name != ".keep"}
+                for d in GOLDEN.iterdir()}
+    assert actual == expected
+    for files in actual.values():
+        for name, data in files.items():
+            assert validate_document(data, file=name).valid
+
+
+def test_two_compiles_of_the_same_inputs_give_identical_trees(tmp_path: Path) -> None:
+    trees = []
+    for attempt in ("one", "two"):
+        fleet = Fleet(tmp_path / attempt)
+        fleet.apps["com-example-app"] = app()
+        fleet.intents["everywhere"] = intent("everywhere", parameters={
+            "greeting": "hi {{ device.labels['site'] }}"})
+        for i in range(5):
+            fleet.devices[f"d{i}"] = device(f"d{i}", labels={"site": f"s{i}"})
+        fleet.compile(now=1_000_000 + (attempt == "two") * 5000)
+        trees.append({d: (fleet.store.tree_ids(d)) for d in fleet.store.device_ids()})
+    assert trees[0] == trees[1]
+
+
+def test_profiles_follow_the_device_type_and_constraints(fleet: Fleet) -> None:
+    report = fleet.compile()
+    assert (report.devices, report.commits, report.errors) == (3, 3, [])
+    assert fleet.deployment("k8s-a", "everywhere")["spec"]["deploymentProfile"]["type"] == "helm"
+    compose = fleet.deployment("box-c", "everywhere")
+    assert compose["spec"]["deploymentProfile"]["type"] == "compose"
+    assert compose["spec"]["parameters"]["greeting"]["targets"] == [
+        {"pointer": "GREETING", "components": ["web-compose"]}]
+    assert fleet.tree("k8s-b") == {}  # not enough memory: nothing, but the branch exists
+    doc = fleet.deployment("k8s-a", "everywhere")
+    assert doc["id"] == deployment_id("everywhere", "k8s-a")
+    assert doc["metadata"] == {"name": "everywhere", "namespace": "demo", "deviceId": "k8s-a",
+                               "labels": {"margo-gitops.dev/intent": "everywhere"}}
+    assert doc["spec"]["deploymentProfile"]["deviceConstraints"] == {
+        "capacityRequirements": {"memory": "4Gi"}}
+
+
+def test_no_op_recompile_commits_nothing_and_skips_every_device(fleet: Fleet) -> None:
+    fleet.compile()
+    tips = {d: fleet.store.tip(d) for d in fleet.store.device_ids()}
+    report = fleet.compile(now=2_000_000)
+    assert (report.commits, report.unchanged, report.results) == (0, 3, [])
+    assert {d: fleet.store.tip(d) for d in fleet.store.device_ids()} == tips
+
+
+def test_editing_an_intent_updates_the_same_deployment(fleet: Fleet) -> None:
+    fleet.compile()
+    before = fleet.deployment("k8s-a", "everywhere")
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "bonjour"}
+    report = fleet.compile(now=2_000_000)
+    after = fleet.deployment("k8s-a", "everywhere")
+    assert after["id"] == before["id"]
+    assert after["spec"]["parameters"]["greeting"]["value"] == "bonjour"
+    change = next(r for r in report.results if r.device_id == "k8s-a").changes[0]
+    assert (change.action, change.reasons) == ("reconfigure", ("intent edited",))
+    history = fleet.store.history("k8s-a")
+    assert len(history) == 2 and history[0].parent == history[1].id
+    assert "reconfigure everywhere" in history[0].message
+    assert "- everywhere.yaml: reconfigure (intent edited)" in history[0].message
+
+
+def test_a_new_application_version_is_an_update_with_its_reason(fleet: Fleet) -> None:
+    fleet.compile()
+    fleet.apps["com-example-app"] = app(version="1.1.0", revision="1.1.0",
+                                        constraints={"capacityRequirements": {"memory": "4Gi"}})
+    report = fleet.compile(now=2_000_000)
+    change = next(r for r in report.results if r.device_id == "k8s-a").changes[0]
+    assert change.action == "update"
+    assert change.reasons == ("application version 1.0.0 -> 1.1.0",)
+    components = fleet.deployment("k8s-a", "everywhere")["spec"]["deploymentProfile"]
+    assert components["components"][0]["properties"]["revision"] == "1.1.0"
+
+
+def test_capability_changes_add_and_remove_deployments(fleet: Fleet) -> None:
+    fleet.compile()
+    fleet.devices["k8s-b"] = device("k8s-b", memory="16Gi", labels={"site": "b"})
+    report = fleet.compile(now=2_000_000)
+    [result] = report.results
+    assert result.device_id == "k8s-b"
+    assert [(c.action, c.reasons) for c in result.changes] == [
+        ("add", ("device became eligible",))]
+    fleet.devices["k8s-b"] = device("k8s-b", memory="3.5Gi", labels={"site": "b"})
+    report = fleet.compile(now=3_000_000)
+    [change] = report.results[0].changes
+    assert change.action == "remove"
+    assert "device no longer eligible" in change.reasons[0]
+    assert "needs 4Gi memory, has 3.5Gi" in change.reasons[0]
+    assert fleet.tree("k8s-b") == {}
+    assert "needs 4Gi memory, has 3.5Gi" in fleet.store.history("k8s-b")[0].message
+
+
+def test_grace_period_keeps_a_deployment_while_capabilities_flap(fleet: Fleet) -> None:
+    fleet.intents["everywhere"]["spec"]["gracePeriod"] = "10m"
+    fleet.compile(now=1_000_000)
+    fleet.devices["k8s-a"] = device("k8s-a", memory="2Gi", labels={"site": "a"})
+    report = fleet.compile(now=1_000_100)
+    assert "everywhere.yaml" in fleet.tree("k8s-a")
+    [result] = report.results
+    assert result.notes and "kept for the grace period, 600s left" in result.notes[0]
+    assert report.commits == 0
+    # Still within the grace period: still there, and re-evaluated every compile.
+    report = fleet.compile(now=1_000_500)
+    assert "everywhere.yaml" in fleet.tree("k8s-a")
+    # Expired: removed, and the message says why.
+    report = fleet.compile(now=1_000_700)
+    assert "everywhere.yaml" not in fleet.tree("k8s-a")
+    assert "grace period of 600s expired" in report.results[0].changes[0].reasons[0]
+
+
+def test_grace_period_ends_when_the_device_recovers(fleet: Fleet) -> None:
+    fleet.intents["everywhere"]["spec"]["gracePeriod"] = "10m"
+    fleet.compile(now=1_000_000)
+    fleet.devices["k8s-a"] = device("k8s-a", memory="2Gi", labels={"site": "a"})
+    fleet.compile(now=1_000_100)
+    fleet.devices["k8s-a"] = device("k8s-a", memory="8Gi", labels={"site": "a"})
+    fleet.compile(now=1_000_200)
+    fleet.devices["k8s-a"] = device("k8s-a", memory="2Gi", labels={"site": "a"})
+    fleet.compile(now=1_000_650)  # a new flap: its own full grace period starts now
+    assert "everywhere.yaml" in fleet.tree("k8s-a")
+
+
+def test_targets_by_id_and_selector(fleet: Fleet) -> None:
+    fleet.intents["pinned"] = intent("pinned", targets={"devices": ["k8s-b"]},
+                                     profile={"type": "helm"})
+    fleet.apps["com-example-app"] = app()  # no constraints
+    fleet.intents["site-a"] = intent("site-a", targets={"selectors": [{"labelSelector": {
+        "matchExpressions": [{"key": "site", "operator": "In", "values": ["a"]}]}}]})
+    fleet.compile()
+    assert set(fleet.tree("k8s-b")) == {"everywhere.yaml", "pinned.yaml"}
+    assert set(fleet.tree("k8s-a")) == {"everywhere.yaml", "site-a.yaml"}
+    assert set(fleet.tree("box-c")) == {"everywhere.yaml"}
+    del fleet.intents["site-a"]
+    report = fleet.compile(now=2_000_000)
+    assert [(r.device_id, [(c.action, c.reasons) for c in r.changes]) for r in report.results
+            if r.changes] == [("k8s-a", [("remove", ("intent deleted",))])]
+
+
+def test_expressions_are_evaluated_per_device(fleet: Fleet) -> None:
+    fleet.intents["everywhere"]["spec"]["parameters"] = {
+        "greeting": "hello {{ device.labels['site'] | upper }} ({{ device.id }})"}
+    fleet.compile()
+    value = fleet.deployment("box-c", "everywhere")["spec"]["parameters"]["greeting"]["value"]
+    assert value == "hello C (box-c)"
+
+
+def test_invalid_parameter_values_keep_the_device_state(fleet: Fleet) -> None:
+    schema = [{"name": "short", "dataType": "string", "maxLength": 8}]
+    settings = [{"parameter": "greeting", "name": "Greeting", "schema": "short"}]
+    fleet.apps["com-example-app"] = app(schema=schema, settings=settings)
+    fleet.intents["everywhere"]["spec"]["parameters"] = {
+        "greeting": "hi {{ device.labels['site'] }}"}
+    fleet.compile()
+    before = fleet.tree("k8s-a")
+    fleet.devices["k8s-a"]["labels"] = {"site": "a-site-with-a-long-name"}
+    fleet.devices["k8s-b"]["labels"] = {"site": "b2"}
+    report = fleet.compile(now=2_000_000)
+    assert fleet.tree("k8s-a") == before
+    [(device_id, problem)] = report.errors
+    assert device_id == "k8s-a"
+    assert problem.file and problem.file.endswith("deployments/everywhere.yaml")
+    assert problem.line and problem.json_path == "$.spec.parameters.greeting"
+    assert "on device k8s-a" in problem.message and "at most 8" in problem.message
+    assert fleet.deployment("k8s-b", "everywhere")["spec"]["parameters"]["greeting"][
+        "value"] == "hi b2"
+    # The failed device is retried on the next compile, and recovers when fixed.
+    fleet.devices["k8s-a"]["labels"] = {"site": "a2"}
+    report = fleet.compile(now=3_000_000)
+    assert report.errors == []
+    assert fleet.deployment("k8s-a", "everywhere")["spec"]["parameters"]["greeting"][
+        "value"] == "hi a2"
+
+
+def test_immutable_settings_cannot_change_once_deployed(fleet: Fleet) -> None:
+    schema = [{"name": "text", "dataType": "string"}]
+    settings = [{"parameter": "greeting", "name": "Greeting", "schema": "text",
+                 "immutable": True}]
+    fleet.apps["com-example-app"] = app(schema=schema, settings=settings)
+    fleet.compile()
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "changed"}
+    report = fleet.compile(now=2_000_000)
+    assert {d for d, _ in report.errors} == {"k8s-a", "k8s-b", "box-c"}
+    assert "immutable" in report.errors[0][1].message
+    assert fleet.deployment("k8s-a", "everywhere")["spec"]["parameters"]["greeting"][
+        "value"] == "hello"
+
+
+def test_a_broken_intent_keeps_its_deployments_and_the_rest_compiles(fleet: Fleet) -> None:
+    fleet.intents["other"] = intent("other")
+    fleet.compile()
+    everywhere = fleet.tree("k8s-a")["everywhere.yaml"]
+    del fleet.intents["everywhere"]
+    fleet.raw_files["deployments/everywhere.yaml"] = "apiVersion: [unclosed\n"
+    fleet.intents["other"]["spec"]["namespace"] = "other-ns"
+    report = fleet.compile(now=2_000_000)
+    assert fleet.tree("k8s-a")["everywhere.yaml"] == everywhere
+    assert yaml.safe_load(fleet.tree("k8s-a")["other.yaml"])["metadata"]["namespace"] == (
+        "other-ns")
+    [(device_id, problem)] = report.errors
+    assert device_id is None and problem.file.endswith("deployments/everywhere.yaml")
+    assert problem.line == 2 and "invalid YAML" in problem.message
+
+
+def test_a_broken_descriptor_freezes_its_intents(fleet: Fleet) -> None:
+    fleet.compile()
+    before = fleet.tree("k8s-a")
+    fleet.apps["com-example-app"]["deploymentProfiles"][0]["components"][0]["properties"][
+        "revision"] = "v2"
+    report = fleet.compile(now=2_000_000)
+    assert fleet.tree("k8s-a") == before
+    messages = [p.format() for _, p in report.errors]
+    assert any("apps/com-example-app/margo.yaml:" in m and "revision" in m for m in messages)
+    assert any("deployments/everywhere.yaml" in m and "has errors" in m for m in messages)
+
+
+def test_unknown_parameters_and_applications_are_located_errors(fleet: Fleet) -> None:
+    fleet.intents["typo"] = intent("typo", parameters={"greting": "x"})
+    fleet.intents["missing"] = intent("missing", app_id="com-example-nope")
+    report = fleet.compile()
+    messages = [p.format() for _, p in report.errors]
+    assert any("typo.yaml:" in m and "$.spec.parameters.greting" in m and
+               "has no parameter 'greting'" in m for m in messages)
+    assert any("missing.yaml:" in m and "no application com-example-nope" in m
+               for m in messages)
+    assert set(fleet.tree("k8s-a")) == {"everywhere.yaml"}
+
+
+def test_broken_capabilities_leave_the_device_alone(fleet: Fleet) -> None:
+    fleet.compile()
+    before = fleet.tree("k8s-a")
+    fleet.devices["k8s-a"]["properties"]["memory"] = "plenty"
+    report = fleet.compile(now=2_000_000)
+    assert fleet.tree("k8s-a") == before
+    assert any("memory" in p.json_path for _, p in report.errors)
+
+
+def test_plan_writes_nothing(fleet: Fleet) -> None:
+    fleet.compile()
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "plan"}
+    tips = {d: fleet.store.tip(d) for d in fleet.store.device_ids()}
+    report = fleet.compile(now=2_000_000, dry_run=True)
+    assert {r.device_id for r in report.results if r.changes} == {"k8s-a", "box-c"}
+    assert {d: fleet.store.tip(d) for d in fleet.store.device_ids()} == tips
+    assert fleet.compile(now=3_000_000).commits == 2  # state was not advanced by the plan
+
+
+def test_oct_2024_output_for_older_devices(fleet: Fleet) -> None:
+    fleet.intents["everywhere"]["spec"]["outputShape"] = "oct-2024"
+    fleet.compile()
+    doc = fleet.deployment("k8s-a", "everywhere")
+    assert doc["apiVersion"] == "application.margo.org/v1alpha1"
+    assert doc["metadata"]["annotations"]["id"] == deployment_id("everywhere", "k8s-a")
+    assert doc["spec"]["deploymentProfile"]["type"] == "helm.v3"
+
+
+def test_losing_the_state_recompiles_without_new_commits(fleet: Fleet) -> None:
+    fleet.compile()
+    (fleet.repos / "compiler-state.sqlite").unlink()
+    report = fleet.compile(now=2_000_000)
+    assert (report.commits, report.unchanged) == (0, 3)

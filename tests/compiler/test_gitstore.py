@@ -1,0 +1,404 @@
+"""The shared fleet-state repository: ref encoding, fast-import writes, reads, lock, clients."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pygit2
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compiler.gitstore import (
+    DEVICE_ID_PATTERN,
+    LOCK_FILE_NAME,
+    CommitInfo,
+    DeviceCommit,
+    DeviceStore,
+    GitStoreError,
+    InvalidCommitError,
+    blob_id,
+    device_id_from_ref,
+    device_ref,
+)
+
+TS = 1_760_000_000
+MESSAGE = ("Deploy grafana 1.2.0 to gw1\n\nSome body text — ünïcödé.\n\n"
+           "Fleet-Source: 0123456789abcdef\nInputs-Digest: sha256:abc\n")
+
+# Atoms that exercise every encoding rule: dots in all positions, '~', '.lock' endings.
+_ATOMS = st.sampled_from(["a", "Z", "9", "_", "-", "~", ".", "..", "lock", ".lock", "x.y"])
+_SEGMENTS = st.lists(_ATOMS, min_size=1, max_size=6).map("".join)
+DEVICE_IDS = st.one_of(
+    st.lists(_SEGMENTS, min_size=1, max_size=4).map("/".join),
+    st.from_regex(rf"\A{DEVICE_ID_PATTERN}\Z", fullmatch=True),
+)
+
+
+def files(n: int = 3, tag: str = "") -> dict[str, bytes]:
+    return {f"app-{i}.yaml": f"kind: ApplicationDeployment\nname: app-{i}{tag}\n".encode()
+            for i in range(n)}
+
+
+def git(*args: str, cwd: Path | None = None) -> str:
+    result = subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
+    return result.stdout
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> DeviceStore:
+    return DeviceStore(tmp_path / "repos")
+
+
+# --- ref encoding --------------------------------------------------------------------------
+
+
+@given(DEVICE_IDS)
+def test_device_ref_round_trips_and_is_a_valid_ref_name(device_id: str) -> None:
+    ref = device_ref(device_id)
+    assert pygit2.reference_is_valid_name(ref)
+    assert ref.count("/") == 3  # one component: gw and gw/child can coexist
+    assert device_id_from_ref(ref) == device_id
+
+
+@given(DEVICE_IDS, DEVICE_IDS)
+def test_distinct_device_ids_never_share_a_ref(a: str, b: str) -> None:
+    assert (device_ref(a) == device_ref(b)) == (a == b)
+
+
+@pytest.mark.parametrize(
+    ("device_id", "encoded"),
+    [("gw1", "gw1"), ("gw1/child", "gw1%2Fchild"), ("a.b", "a.b"), (".a", "%2Ea"),
+     ("a.", "a%2E"), ("a..b", "a.%2Eb"), ("...", "%2E%2E%2E"), ("x~1", "x%7E1"),
+     ("dev.lock", "dev%2Elock"), ("dev.lock/x", "dev.lock%2Fx"), ("a/.lock", "a%2F%2Elock")],
+)
+def test_encoding_examples_are_accepted_by_git(device_id: str, encoded: str) -> None:
+    ref = device_ref(device_id)
+    assert ref == "refs/heads/devices/" + encoded
+    git("check-ref-format", ref)
+
+
+@pytest.mark.parametrize("device_id", ["", "a//b", "/a", "a/", "a b", "ü", "a%b", "a:b"])
+def test_device_ref_rejects_ids_outside_the_margo_grammar(device_id: str) -> None:
+    with pytest.raises(ValueError, match="not a Margo device id"):
+        device_ref(device_id)
+
+
+@pytest.mark.parametrize(
+    "ref",
+    ["refs/heads/main", "refs/tags/devices/x", "refs/heads/devices/", "refs/heads/devices/a/b",
+     "refs/heads/devices/a%2fb", "refs/heads/devices/%41", "refs/heads/devices/a%2E%2E",
+     "refs/heads/devices/%FF", "refs/heads/devices/a%2"],
+)
+def test_refs_that_are_not_canonical_device_branches_decode_to_none(ref: str) -> None:
+    assert device_id_from_ref(ref) is None
+
+
+def test_blob_id_is_gits_blob_id() -> None:
+    data = b"\x00\xffbinary\n"
+    hashed = subprocess.run(["git", "hash-object", "--stdin"], input=data, check=True,
+                            capture_output=True).stdout.decode().strip()
+    assert blob_id(data) == hashed
+
+
+# --- creating and configuring ---------------------------------------------------------------
+
+
+def test_create_makes_a_configured_bare_repository(tmp_path: Path) -> None:
+    store = DeviceStore(tmp_path / "repos")
+    assert store.path == tmp_path / "repos" / "fleet-state.git"
+    repo = pygit2.Repository(str(store.path))
+    assert repo.is_bare
+    assert repo.config["uploadpack.allowFilter"] == "true"
+    assert repo.config["uploadpack.allowAnySHA1InWant"] == "false"
+    assert repo.config["receive.denyNonFastForwards"] == "true"
+    assert repo.config["core.logAllRefUpdates"] == "false"
+    assert repo.config["gc.auto"] == "0"
+    assert store.device_ids() == []
+    assert DeviceStore(tmp_path / "repos", create=False).path == store.path
+
+
+def test_open_without_create_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(GitStoreError, match="no fleet-state repository"):
+        DeviceStore(tmp_path, create=False)
+    (tmp_path / "fleet-state.git").mkdir()
+    with pytest.raises(GitStoreError, match="not a Git repository"):
+        DeviceStore(tmp_path)
+
+
+# --- writing and reading ---------------------------------------------------------------------
+
+
+def test_write_three_devices_and_read_them_back(store: DeviceStore) -> None:
+    content = {d: files(3, tag=d) for d in ("dev-a", "dev-b", "dev-c")}
+    tips = store.write(DeviceCommit(d, f, f"compile {d}\n", TS) for d, f in content.items())
+    assert set(tips) == set(content)
+    assert store.device_ids() == ["dev-a", "dev-b", "dev-c"]
+    for device_id, expected in content.items():
+        assert store.tip(device_id) == tips[device_id]
+        assert store.read_files(device_id) == expected
+        assert store.tree_ids(device_id) == {n: blob_id(d) for n, d in expected.items()}
+        assert store.history(device_id) == [
+            CommitInfo(tips[device_id], TS, f"compile {device_id}\n", None)]
+        commit = pygit2.Repository(str(store.path))[tips[device_id]]
+        assert (commit.author.name, commit.author.email) == DeviceStore.AUTHOR
+        assert (commit.committer.name, commit.committer.email) == DeviceStore.AUTHOR
+        assert (commit.author.time, commit.author.offset) == (TS, 0)
+        assert commit.commit_time == TS
+
+
+def test_unknown_device_reads_as_absent(store: DeviceStore) -> None:
+    assert store.tip("nobody") is None
+    assert store.tree_ids("nobody") is None
+    assert store.read_files("nobody") is None
+    assert store.history("nobody") == []
+    assert store.write([]) == {}
+
+
+def test_second_write_appends_a_linear_commit(store: DeviceStore) -> None:
+    first = store.write([DeviceCommit("dev", files(2), "one\n", TS)])["dev"]
+    changed = {**files(2), "app-1.yaml": b"changed\n"}
+    second = store.write([DeviceCommit("dev", changed, "two\n", TS + 60)])["dev"]
+    assert second != first
+    assert store.read_files("dev") == changed
+    assert store.read_files("dev", first) == files(2)
+    assert [(c.id, c.parent, c.message) for c in store.history("dev")] == [
+        (second, first, "two\n"), (first, None, "one\n")]
+    assert store.history("dev", limit=1) == store.history("dev")[:1]
+    assert git(f"--git-dir={store.path}", "rev-list", "--count", device_ref("dev")) == "2\n"
+
+
+def test_smaller_files_really_remove_a_file(store: DeviceStore) -> None:
+    store.write([DeviceCommit("dev", files(3), "three\n", TS)])
+    store.write([DeviceCommit("dev", files(1), "one\n", TS)])
+    assert store.read_files("dev") == files(1)
+    store.write([DeviceCommit("dev", {}, "nothing deployed\n", TS)])
+    assert store.read_files("dev") == {}
+    assert store.tree_ids("dev") == {}
+
+
+def test_unchanged_tree_is_still_written_when_asked(store: DeviceStore) -> None:
+    first = store.write([DeviceCommit("dev", files(2), "one\n", TS)])["dev"]
+    second = store.write([DeviceCommit("dev", files(2), "again\n", TS + 1)])["dev"]
+    assert second != first
+    assert store.history("dev")[0].parent == first
+
+
+def test_several_commits_for_one_device_in_one_write_are_chained(store: DeviceStore) -> None:
+    tips = store.write([DeviceCommit("dev", files(1), "one\n", TS),
+                        DeviceCommit("other", files(1), "other\n", TS),
+                        DeviceCommit("dev", files(2), "two\n", TS + 1)])
+    assert [c.message for c in store.history("dev")] == ["two\n", "one\n"]
+    assert tips["dev"] == store.tip("dev")
+    assert store.read_files("dev") == files(2)
+
+
+def test_gateway_and_child_branches_coexist(store: DeviceStore) -> None:
+    ids = ["gw1", "gw1/child", "gw1/child/leaf", ".hidden", "x..y.lock", "t~1."]
+    store.write(DeviceCommit(d, {"id.txt": d.encode()}, f"{d}\n", TS) for d in ids)
+    assert store.device_ids() == sorted(ids)
+    for device_id in ids:
+        assert store.read_files(device_id) == {"id.txt": device_id.encode()}
+
+
+def test_tree_id_is_independent_of_dict_order_and_matches_pygit2(store: DeviceStore,
+                                                                  tmp_path: Path) -> None:
+    content = {"b.yaml": b"b\n", "a.yaml": b"a\n", "a-b.yaml": b"ab\n", "a": b"x", "Z": b"z",
+               '"quoted"': b"q", "sp ace.yaml": b"s"}
+    reversed_order = dict(reversed(list(content.items())))
+    store.write([DeviceCommit("one", content, "m\n", TS),
+                 DeviceCommit("two", reversed_order, "m\n", TS)])
+    repo = pygit2.Repository(str(store.path))
+    tree_one = repo[store.tip("one")].tree.id
+    assert repo[store.tip("two")].tree.id == tree_one
+    assert store.tip("one") == store.tip("two")  # same tree, message, time, no parent
+
+    scratch = pygit2.init_repository(str(tmp_path / "scratch.git"), bare=True)
+    builder = scratch.TreeBuilder()
+    for name, data in content.items():
+        builder.insert(name, scratch.create_blob(data), pygit2.GIT_FILEMODE_BLOB)
+    assert builder.write() == tree_one
+    assert store.read_files("one") == content
+
+
+def test_binary_content_and_utf8_messages_round_trip_exactly(store: DeviceStore) -> None:
+    content = {"blob.bin": bytes(range(256)) * 3, "empty": b"", "crlf.txt": b"a\r\nb\r\n",
+               "latin1.txt": "é".encode("latin-1"), "no-newline": b"data 5\nM x"}
+    message = MESSAGE + "Trailer-With-Colon: a: b\n\n\n"
+    tip = store.write([DeviceCommit("dev", content, message, TS)])["dev"]
+    assert store.read_files("dev") == content
+    repo = pygit2.Repository(str(store.path))
+    assert repo[tip].raw_message == message.encode("utf-8")
+    assert store.history("dev")[0].message == message
+    assert git(f"--git-dir={store.path}", "log", "-1", "--format=%B", tip) == message + "\n"
+
+
+def test_read_files_refuses_a_commit_of_another_device(store: DeviceStore) -> None:
+    tips = store.write([DeviceCommit("a", files(1), "a\n", TS),
+                        DeviceCommit("b", files(2), "b\n", TS)])
+    with pytest.raises(GitStoreError, match="not on the branch of device 'a'"):
+        store.read_files("a", tips["b"])
+    with pytest.raises(GitStoreError, match="not on the branch of device 'a'"):
+        store.read_files("a", "0" * 40)
+    with pytest.raises(GitStoreError, match="not a full commit id"):
+        store.read_files("a", tips["a"][:12])
+
+
+def test_foreign_refs_are_not_devices(store: DeviceStore) -> None:
+    tip = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+    repo = pygit2.Repository(str(store.path))
+    repo.references.create("refs/heads/main", tip)
+    repo.references.create("refs/heads/devices/%41", tip)
+    assert store.device_ids() == ["dev"]
+
+
+# --- validation and failures -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [("", "non-empty"), ("a/b", "contains"), ("a\nb", "contains"), ("a\0b", "contains"),
+     (".", "cannot be a file name"), ("..", "cannot be a file name"),
+     (".GIT", "cannot be a file name"), ("\udcff", "UTF-8")],
+)
+def test_invalid_file_names_are_rejected_before_anything_is_written(
+        store: DeviceStore, name: str, reason: str) -> None:
+    batch = [DeviceCommit("first", files(1), "m\n", TS),
+             DeviceCommit("second", {**files(1), name: b"x"}, "m\n", TS)]
+    with pytest.raises(InvalidCommitError, match=reason):
+        store.write(batch)
+    assert store.device_ids() == []
+    assert git(f"--git-dir={store.path}", "count-objects", "-v").startswith("count: 0\n")
+    assert "in-pack: 0\n" in git(f"--git-dir={store.path}", "count-objects", "-v")
+
+
+@pytest.mark.parametrize(
+    ("commit", "reason"),
+    [(DeviceCommit("bad id", {}, "m", TS), "not a Margo device id"),
+     (DeviceCommit("d", {"a": "text"}, "m", TS), "must be bytes"),  # type: ignore[dict-item]
+     (DeviceCommit("d", {}, "m", -1), "negative"),
+     (DeviceCommit("d", {}, "m", 1.5), "must be an int"),  # type: ignore[arg-type]
+     (DeviceCommit("d", {}, "\udc80", TS), "UTF-8")],
+)
+def test_malformed_commits_are_rejected(store: DeviceStore, commit: DeviceCommit,
+                                        reason: str) -> None:
+    with pytest.raises(InvalidCommitError, match=reason):
+        store.write([commit])
+    assert isinstance(InvalidCommitError("x"), ValueError)
+
+
+def test_fast_import_failure_leaves_tips_unchanged(store: DeviceStore) -> None:
+    before = store.write([DeviceCommit("dev", files(1), "m\n", TS)])
+    store.git_executable = "false"
+    with pytest.raises(GitStoreError, match=r"git fast-import failed .*exit status 1"):
+        store.write([DeviceCommit("dev", files(2), "m\n", TS),
+                     DeviceCommit("new", files(2), "m\n", TS)])
+    assert store.tip("dev") == before["dev"]
+    assert store.tip("new") is None
+
+
+def test_missing_git_program_is_reported(store: DeviceStore, tmp_path: Path) -> None:
+    store.git_executable = str(tmp_path / "no-such-git")
+    with pytest.raises(GitStoreError, match="cannot run"):
+        store.write([DeviceCommit("dev", files(1), "m\n", TS)])
+
+
+def test_fast_import_rejecting_the_stream_leaves_tips_unchanged(
+        store: DeviceStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+    monkeypatch.setattr(store, "tip", lambda device_id: "1" * 40)  # a parent that does not exist
+    with pytest.raises(GitStoreError, match="fast-import failed") as failure:
+        store.write([DeviceCommit("dev", files(2), "m\n", TS)])
+    assert "1" * 40 in str(failure.value)  # git's own explanation is passed on
+    monkeypatch.undo()
+    assert store.tip("dev") == before
+
+
+def test_a_branch_moved_behind_our_back_aborts_the_whole_write(
+        store: DeviceStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
+    real_tip = DeviceStore.tip
+    monkeypatch.setattr(store, "tip",
+                        lambda d: stale if d == "dev" else real_tip(store, d))
+    with pytest.raises(GitStoreError, match="update-ref failed"):
+        store.write([DeviceCommit("new", files(1), "m\n", TS),
+                     DeviceCommit("dev", files(3), "three\n", TS)])
+    monkeypatch.undo()
+    assert store.tip("dev") == current
+    assert store.tip("new") is None  # all or nothing
+
+
+# --- the compile lock ------------------------------------------------------------------------
+
+
+def test_lock_is_exclusive_and_released(store: DeviceStore, tmp_path: Path) -> None:
+    other = DeviceStore(tmp_path / "repos")
+    with store.lock():
+        with pytest.raises(GitStoreError, match=rf"locked by process {os.getpid()}"), \
+                other.lock():
+            pass
+        started = time.monotonic()
+        with pytest.raises(GitStoreError, match="another compiler"), other.lock(timeout=0.2):
+            pass
+        assert time.monotonic() - started >= 0.2
+        store.write([DeviceCommit("dev", files(1), "m\n", TS)])
+    with other.lock():
+        assert (other.path / LOCK_FILE_NAME).exists()
+
+
+def test_lock_is_held_against_another_process(store: DeviceStore) -> None:
+    with subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(store.path / LOCK_FILE_NAME)],
+                          stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == "locked\n"
+            with pytest.raises(GitStoreError, match="another compiler"), store.lock():
+                pass
+        finally:
+            holder.kill()
+    with store.lock():
+        pass
+
+
+_HOLD_LOCK = """
+import fcntl, sys, time
+with open(sys.argv[1], "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
+# --- ordinary clients and scale ----------------------------------------------------------
+
+
+def test_a_device_branch_clones_with_the_git_cli(store: DeviceStore, tmp_path: Path) -> None:
+    content = {"grafana.yaml": b"kind: ApplicationDeployment\n", "bin": b"\x00\x01"}
+    store.write([DeviceCommit("gw1/child.x", content, MESSAGE, TS),
+                 DeviceCommit("gw1", files(2), "gw\n", TS)])
+    branch = device_ref("gw1/child.x").removeprefix("refs/heads/")
+    clone = tmp_path / "clone"
+    git("clone", "--quiet", "--single-branch", "--branch", branch, f"file://{store.path}",
+        str(clone))
+    assert {p.name: p.read_bytes() for p in clone.iterdir() if p.name != ".git"} == content
+    assert git("branch", "--remotes", cwd=clone).split() == [f"origin/{branch}"]
+    assert git("log", "--format=%B", cwd=clone) == MESSAGE + "\n"
+
+
+def test_two_thousand_devices_in_one_write(store: DeviceStore) -> None:
+    batch = [DeviceCommit(f"site-{i // 100}/dev-{i:04d}", files(6, tag=str(i)), f"d{i}\n", TS)
+             for i in range(2000)]
+    started = time.perf_counter()
+    tips = store.write(batch)
+    written = time.perf_counter() - started
+    started = time.perf_counter()
+    trees = {d: store.tree_ids(d) for d in store.device_ids()}
+    read = time.perf_counter() - started
+    print(f"\n2,000 devices x 6 files: write {written:.2f} s, tree_ids for all {read:.3f} s")
+    assert len(tips) == len(trees) == 2000
+    assert trees["site-7/dev-0777"] == {n: blob_id(d) for n, d in files(6, tag="777").items()}

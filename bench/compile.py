@@ -143,9 +143,11 @@ def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[Comp
                                                                             float]:
     start = time.perf_counter()
     state = CompilerState(repos / "compiler-state.sqlite")
+    store = DeviceStore(repos)
     try:
-        report = compile_fleet(load_source(source), load_snapshot(caps), DeviceStore(repos),
-                               state, now=now)
+        state.bind(store.identity)
+        snapshot = load_snapshot(caps, trusted=state.trusted_digests())
+        report = compile_fleet(load_source(source), snapshot, store, state, now=now)
     finally:
         state.close()
     return report, time.perf_counter() - start

@@ -33,6 +33,7 @@ from compiler.render import RenderCache, RenderError, file_name, render
 from compiler.snapshot import Device, Snapshot
 from compiler.source import AppVersion, FleetSource
 from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
+from compiler.targeting import TargetIndex
 from margo.errors import Problem
 
 __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
@@ -128,16 +129,37 @@ def _parse_previous(data: bytes) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _classify(old: dict[str, Any] | None, new: dict[str, Any]) -> str:
+def _spec_sections(data: bytes) -> dict[bytes, bytes]:
+    """The text of each `spec` member of a canonical deployment document.
+
+    Canonical YAML puts every key on its own line at a fixed indentation, so the members of
+    `spec` are the lines indented by exactly two spaces inside the `spec:` block; comparing
+    their text is comparing their data, without parsing.
+    """
+    lines = data.split(b"\n")
+    sections: dict[bytes, bytes] = {}
+    name: bytes | None = None
+    start, end, inside = 0, len(lines), False
+    for index, line in enumerate(lines):
+        if not line.startswith(b" "):
+            if inside:
+                end = index
+                break
+            inside = line == b"spec:"
+        elif inside and line[2:3] != b" ":
+            if name is not None:
+                sections[name] = b"\n".join(lines[start:index])
+            name, start = line[2:].split(b":", 1)[0], index
+    if name is not None:
+        sections[name] = b"\n".join(lines[start:end])
+    return sections
+
+
+def _classify(old: bytes, new: bytes) -> str:
     """`reconfigure` when only parameter values changed, `update` otherwise."""
-    if old is None:
-        return "update"
-    old_spec, new_spec = old.get("spec") or {}, new.get("spec") or {}
-    if old_spec.get("deploymentProfile") != new_spec.get("deploymentProfile"):
-        return "update"
-    if old_spec.get("parameters") != new_spec.get("parameters"):
-        return "reconfigure"
-    return "update"
+    before, after = _spec_sections(old), _spec_sections(new)
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    return "reconfigure" if before and after and changed == {b"parameters"} else "update"
 
 
 @dataclass
@@ -150,6 +172,7 @@ class _Context:
     changed: set[str]
     constraints: ProfileConstraints
     now: float
+    targets: TargetIndex
     renders: RenderCache = field(default_factory=RenderCache)
 
 
@@ -185,12 +208,37 @@ class _DeviceOutcome:
     notes: list[str]
 
 
+def _unchanged_placement(ctx: _Context, name: str, previous: dict[str, PlacementRecord],
+                         current: dict[str, bytes], out: _DeviceOutcome) -> bool:
+    """With unchanged capabilities, an unchanged intent decides exactly as last time: keep
+    its file (or its absence) and its record instead of evaluating and rendering again.
+    Placements in a grace period are always re-evaluated, since time is an input."""
+    if name in ctx.changed or name in ctx.intents.frozen:
+        return False
+    record = previous.get(name)
+    fname = file_name(name)
+    if record is None:
+        return fname not in current  # not targeted before, so not now
+    if record.ineligible_since is not None:
+        return False
+    if fname in current:
+        out.files[fname] = current[fname]
+    out.placements.append(record)
+    return True
+
+
 def _compile_device(ctx: _Context, device: Device, current: dict[str, bytes],
-                    previous: dict[str, PlacementRecord], caps_changed: bool) -> _DeviceOutcome:
+                    previous: dict[str, PlacementRecord], caps_changed: bool, *,
+                    reuse: bool = False) -> _DeviceOutcome:
+    """The device's new tree. With `reuse` (its capabilities and last compile are known to
+    be unchanged), only the intents that changed are evaluated again."""
     out = _DeviceOutcome({}, [], [], [], [])
     names = set(ctx.intents.usable) | ctx.intents.frozen | {
         f[: -len(_SUFFIX)] for f in current if f.endswith(_SUFFIX)}
     for name in sorted(names):
+        if reuse and name in ctx.intents.usable and _unchanged_placement(
+                ctx, name, previous, current, out):
+            continue
         fname = file_name(name)
         had = fname in current
         if name in ctx.intents.frozen:
@@ -204,7 +252,8 @@ def _compile_device(ctx: _Context, device: Device, current: dict[str, bytes],
                 out.changes.append(Change(fname, name, "remove", ("intent deleted",)))
             continue
         intent, app = ctx.intents.usable[name]
-        placement = place(intent, app, device, ctx.constraints)
+        placement = place(intent, app, device, ctx.constraints,
+                          targeted=ctx.targets.targets(intent, device.id))
         if not placement.targeted:
             if had:
                 out.changes.append(Change(fname, name, "remove",
@@ -238,9 +287,7 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
         out.changes.append(Change(fname, intent.name, "add",
                                   (_add_reason(ctx, intent.name, previous.get(intent.name)),)))
     elif current[fname] != rendered.data:
-        if old is None:
-            old = _parse_previous(current[fname])
-        out.changes.append(Change(fname, intent.name, _classify(old, rendered.document),
+        out.changes.append(Change(fname, intent.name, _classify(current[fname], rendered.data),
                                   _change_reasons(ctx, intent.name, caps_changed)))
 
 
@@ -277,18 +324,16 @@ def _inputs_digest(ctx: _Context, device: Device, placements: Iterable[Placement
 
 
 def _needs_compile(ctx: _Context, device: Device, record: DeviceRecord | None,
-                   previous: dict[str, PlacementRecord], has_branch: bool) -> bool:
-    if record is None or not has_branch or record.caps_digest != device.digest:
+                   in_grace: set[str], placed_by_changed: set[str]) -> bool:
+    """Whether anything that decides this device's tree may have changed."""
+    if record is None or record.caps_digest != device.digest:
         return True
-    if any(p.ineligible_since is not None for p in previous.values()):
-        return True  # a grace period may have run out
-    for name in ctx.changed:
-        if name in previous:
-            return True
-        usable = ctx.intents.usable.get(name)
-        if usable and usable[0].targets(device.id, device.properties, device.labels):
-            return True
-    return False
+    if device.id in in_grace or device.id in placed_by_changed:
+        return True  # a grace period may have run out / a changed intent placed it before
+    return any(
+        (usable := ctx.intents.usable.get(name)) is not None
+        and ctx.targets.targets(usable[0], device.id)
+        for name in ctx.changed)
 
 
 def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
@@ -303,28 +348,33 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     changed = {n for n, r in current_records.items() if previous_intents.get(n) != r}
     changed |= {n for n in previous_intents if n not in current_records
                 and n not in intents.frozen}
-    ctx = _Context(source, intents, previous_intents, changed, ProfileConstraints(), now)
+    ctx = _Context(source, intents, previous_intents, changed, ProfileConstraints(), now,
+                   TargetIndex(snapshot.devices))
     report = CompileReport(source.revision, devices=len(snapshot.devices))
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
                                             *snapshot.problems])
-    previous_devices, previous_placements = state.devices(), state.placements()
+    state.bind(store.identity)
+    previous_devices = state.devices()
+    in_grace, placed_by_changed = state.devices_in_grace(), state.devices_placed_by(changed)
     commits: list[DeviceCommit] = []
-    device_records: list[DeviceRecord] = []
+    device_records: dict[str, DeviceRecord] = {}
     placement_records: list[PlacementRecord] = []
     forget: list[str] = []
     ids: Iterable[str] = sorted(snapshot.devices)
     for device_id in progress(ids) if progress else ids:
         device = snapshot.devices[device_id]
-        previous = previous_placements.get(device_id, {})
-        tree = store.tree_ids(device_id)
         record = previous_devices.get(device_id)
-        if not _needs_compile(ctx, device, record, previous, tree is not None):
+        if not _needs_compile(ctx, device, record, in_grace, placed_by_changed):
             report.unchanged += 1
-            report.deployments += len(tree or {})
+            report.deployments += record.deployments if record else 0
             continue
-        current = store.read_files(device_id) or {}
+        previous = state.placements_for(device_id)
+        tree = store.tree_ids(device_id)
+        current = store.read_files(device_id) or {} if tree is not None else {}
         caps_changed = record is not None and record.caps_digest != device.digest
-        outcome = _compile_device(ctx, device, current, previous, caps_changed)
+        reuse = record is not None and not caps_changed and tree is not None and (
+            record.tree == store.tree_id(device_id))
+        outcome = _compile_device(ctx, device, current, previous, caps_changed, reuse=reuse)
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
                               notes=outcome.notes)
         report.results.append(result)
@@ -335,7 +385,9 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
             forget.append(device_id)
             continue
         report.deployments += len(outcome.files)
-        device_records.append(DeviceRecord(device_id, device.digest, now))
+        device_records[device_id] = DeviceRecord(device_id, device.digest, now,
+                                                 store.tree_id(device_id) or "",
+                                                 len(outcome.files))
         placement_records.extend(outcome.placements)
         if tree is not None and {f: blob_id(d) for f, d in outcome.files.items()} == tree:
             report.unchanged += 1
@@ -353,8 +405,14 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
             tips = store.write(commits)
         for result in report.results:
             result.commit = tips.get(result.device_id, result.commit)
+        for device_id in tips:
+            record = device_records[device_id]
+            device_records[device_id] = DeviceRecord(
+                device_id, record.caps_digest, record.compiled_at,
+                store.tree_id(device_id) or "", record.deployments)
     state.save(intents=current_records.values(),
                forget_intents=[n for n in previous_intents if n not in current_records
                                and n not in intents.frozen],
-               devices=device_records, placements=placement_records, forget_devices=forget)
+               devices=device_records.values(), placements=placement_records,
+               forget_devices=forget)
     return report

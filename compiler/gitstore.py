@@ -37,6 +37,7 @@ import subprocess
 import tempfile
 import time
 import urllib.parse
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,8 @@ __all__ = [
 ]
 
 REPOSITORY_NAME = "fleet-state.git"
+#: Git config key holding the repository's random identity (see `DeviceStore.identity`).
+IDENTITY_KEY = "margo.repositoryid"
 DEVICE_REF_PREFIX = "refs/heads/devices/"
 LOCK_FILE_NAME = "margo-compile.lock"
 DEVICE_ID_PATTERN = r"[A-Za-z0-9._~-]+(?:/[A-Za-z0-9._~-]+)*"
@@ -277,6 +280,15 @@ class DeviceStore:
             if key not in config or config[key] != value:
                 config[key] = value
 
+    @property
+    def identity(self) -> str:
+        """A random id given to this repository when it was first opened: caches keyed on
+        the repository (the compiler's state) notice when it was replaced."""
+        config = self._repo.config
+        if IDENTITY_KEY not in config:
+            config[IDENTITY_KEY] = str(uuid.uuid4())
+        return str(config[IDENTITY_KEY])
+
     # --- reading -------------------------------------------------------------------------
 
     def device_ids(self) -> list[str]:
@@ -289,6 +301,11 @@ class DeviceStore:
         """The id of the newest commit of the device's branch; None when it has none."""
         commit = self._tip_commit(device_id)
         return None if commit is None else str(commit.id)
+
+    def tree_id(self, device_id: str) -> str | None:
+        """The id of the tree at the tip (what the compiler remembers), or None."""
+        commit = self._tip_commit(device_id)
+        return None if commit is None else str(commit.tree_id)
 
     def tree_ids(self, device_id: str) -> dict[str, str] | None:
         """File name -> blob id at the tip, read without loading any blob (cheap enough to

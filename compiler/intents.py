@@ -9,6 +9,7 @@ one device) can still be reported with file, line and path.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -149,6 +150,12 @@ def _compile_optional(raw: Any, path: tuple[str, ...]) -> tuple[CompiledConstrai
         return None, exc.problems
 
 
+def _without_rules_key(path: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    if path[3:4] == ("eligibilityRules",):
+        return path[:3] + path[4:]
+    return path
+
+
 def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> Intent:
     """Validate and compile one intent; raise `DocumentError` with located problems."""
     doc = loaded.value
@@ -167,6 +174,9 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
     selector, selector_problems = _compile_optional(
         {"eligibilityRules": selectors} if selectors is not None else None,
         ("spec", "targets", "selectors"))
+    # The selectors were compiled as eligibility rules: point at the intent's own field.
+    selector_problems = [dataclasses.replace(p, path=_without_rules_key(p.path))
+                         for p in selector_problems]
     constraints, constraint_problems = _compile_optional(spec.get("constraints"),
                                                          ("spec", "constraints"))
     parameters, parameter_problems = _compile_parameters(spec.get("parameters", {}))

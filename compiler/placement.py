@@ -105,10 +105,13 @@ def targeting_failures(intent: Intent, device: Device) -> tuple[Failure, ...]:
 
 
 def place(intent: Intent, app: AppVersion, device: Device, constraints: ProfileConstraints, *,
-          explain: bool = False) -> Placement:
-    """Decide targeting and profile; with `explain`, collect every failing clause."""
+          explain: bool = False, targeted: bool | None = None) -> Placement:
+    """Decide targeting (unless the caller already knows it) and profile; with `explain`,
+    collect every failing clause."""
     properties, labels = device.properties, device.labels
-    if not intent.targets(device.id, properties, labels):
+    if targeted is None:
+        targeted = intent.targets(device.id, properties, labels)
+    if not targeted:
         return Placement(False, not_targeted_because=targeting_failures(intent, device)
                          if explain else ())
     attempts: list[Attempt] = []

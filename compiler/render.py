@@ -71,16 +71,52 @@ def _targets_in(parameter: Parameter, components: set[str]) -> tuple[ParameterTa
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
+class _ProfilePlan:
+    """What every rendering of one application profile shares, worked out once."""
+
+    profile: DeploymentProfile
+    targets: dict[str, tuple[ParameterTarget, ...]]  # parameters reaching this profile
+    rules: tuple[tuple[str, Mapping[str, Any]], ...]  # (parameter, configuration rule)
+    immutable: tuple[str, ...]
+
+
+def _plan(app: AppVersion, profile: DeploymentProfile) -> _ProfilePlan:
+    description = app.description
+    components = {c.name for c in profile.components}
+    targets = {name: t for name, p in description.parameters.items()
+               if (t := _targets_in(p, components))}
+    settings = description.settings()
+    rules = tuple((name, description.schemas[s.schema]) for name, s in settings.items()
+                  if s.schema in description.schemas)
+    return _ProfilePlan(
+        profile=DeploymentProfile(type=profile.type, components=profile.components,
+                                  device_constraints=profile.device_constraints,
+                                  extensions=profile.extensions),
+        targets=targets, rules=rules,
+        immutable=tuple(n for n, s in settings.items() if s.immutable))
+
+
 class RenderCache:
-    """Per-compile memo: one device context per device, one validation per distinct value.
+    """Per-compile memo: profile plans, one device context per device, one validation per
+    distinct (application, parameter, value).
 
     Most values are literals shared by thousands of devices; validating each distinct
-    (application, parameter, value) once keeps rendering cheap without skipping any check.
+    value once keeps rendering cheap without skipping any check.
     """
 
     def __init__(self) -> None:
         self._device: tuple[str, dict[str, Any]] | None = None
         self._checked: dict[tuple[str, str, str], list[Problem]] = {}
+        self._plans: dict[tuple[str, str | None], _ProfilePlan] = {}
+        self._keys: dict[tuple[str, str, int], str] = {}
+
+    def plan(self, app: AppVersion, profile: DeploymentProfile) -> _ProfilePlan:
+        key = (app.digest, profile.id)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _plan(app, profile)
+        return plan
 
     def context(self, device: Device) -> dict[str, Any]:
         if self._device is None or self._device[0] != device.id:
@@ -88,29 +124,42 @@ class RenderCache:
                 device.id, device.properties, device.labels, device.capabilities.extensions)})
         return self._device[1]
 
-    def check(self, app: AppVersion, name: str, value: Any,
+    def literal_key(self, owner: str, name: str, value: Any) -> str:
+        """`value_key` of a value that is the same for every device (memoised by owner)."""
+        key = (owner, name, id(value))
+        found = self._keys.get(key)
+        if found is None:
+            found = self._keys[key] = value_key(value)
+        return found
+
+    def check(self, app: AppVersion, name: str, key: str, value: Any,
               rule: Mapping[str, Any]) -> list[Problem]:
-        key = (app.digest, name, _value_key(value))
-        problems = self._checked.get(key)
+        memo = (app.digest, name, key)
+        problems = self._checked.get(memo)
         if problems is None:
             problems = validate_value(value, rule, path=("spec", "parameters", name))
             if len(self._checked) < 100_000:
-                self._checked[key] = problems
+                self._checked[memo] = problems
         return problems
 
 
-def _value_key(value: Any) -> str:
+def value_key(value: Any) -> str:
+    """A text that differs whenever two values differ, type included (1, 1.0, true)."""
     if value is EMPTY:
         return "<empty>"
     return f"{type(value).__name__}:{json.dumps(value, sort_keys=True)}"
 
 
-def _values(intent: Intent, app: AppVersion, device: Device,
-            cache: RenderCache) -> tuple[dict[str, Any], list[Problem]]:
-    """Every parameter's value for this device (EMPTY when none), with expression errors."""
+def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
+            ) -> tuple[dict[str, Any], dict[str, str], list[Problem]]:
+    """Every parameter's value for this device (EMPTY when none) and its `value_key`, with
+    expression errors."""
     description = app.description
-    values: dict[str, Any] = {name: (p.value if p.has_value else EMPTY)
-                              for name, p in description.parameters.items()}
+    values: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for name, p in description.parameters.items():
+        values[name] = p.value if p.has_value else EMPTY
+        keys[name] = cache.literal_key(app.digest, name, values[name])
     problems: list[Problem] = []
     for name, compiled in intent.parameters.items():
         if name not in description.parameters:
@@ -119,33 +168,35 @@ def _values(intent: Intent, app: AppVersion, device: Device,
                 f"{description.version} has no parameter {name!r}",
                 expected="one of " + ", ".join(sorted(description.parameters)))))
             continue
+        if compiled.is_literal:
+            values[name] = compiled.source
+            keys[name] = cache.literal_key(intent.digest, name, compiled.source)
+            continue
         try:
-            values[name] = (compiled.source if compiled.is_literal
-                            else compiled.render(cache.context(device)))
+            values[name] = compiled.render(cache.context(device))
         except ExpressionError as exc:
             problems.append(intent.locate(Problem(
                 ("spec", "parameters", name), f"on device {device.id}: {exc}")))
-    return values, problems
+            continue
+        keys[name] = value_key(values[name])
+    return values, keys, problems
 
 
-def _check_values(values: Mapping[str, Any], app: AppVersion, device: Device,
+def _check_values(values: Mapping[str, Any], keys: Mapping[str, str], app: AppVersion,
+                  plan: _ProfilePlan, device: Device,
                   previous_values: Mapping[str, Any] | None, intent: Intent,
                   cache: RenderCache) -> list[Problem]:
-    description = app.description
-    settings = description.settings()
     problems: list[Problem] = []
-    for name, setting in settings.items():
-        rule = description.schemas.get(setting.schema)
-        if rule is None or name not in values:
+    for name, rule in plan.rules:
+        if name not in values:
             continue
-        for problem in cache.check(app, name, values[name], rule):
+        for problem in cache.check(app, name, keys[name], values[name], rule):
             problems.append(intent.locate(Problem(
                 problem.path, f"on device {device.id}: {problem.message}",
                 expected=problem.expected, found=problem.found)))
-    if previous_values is not None:
-        immutable = [n for n, s in settings.items() if s.immutable]
+    if previous_values is not None and plan.immutable:
         after = {n: v for n, v in values.items() if v is not EMPTY}
-        for problem in check_immutable(previous_values, after, immutable,
+        for problem in check_immutable(previous_values, after, plan.immutable,
                                        path=("spec", "parameters")):
             problems.append(intent.locate(Problem(
                 problem.path, f"on device {device.id}: {problem.message} (the setting is "
@@ -172,28 +223,24 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     `immutable` settings.
     """
     cache = cache or RenderCache()
-    values, problems = _values(intent, app, device, cache)
-    problems += _check_values(values, app, device, previous_values(previous), intent, cache)
+    plan = cache.plan(app, profile)
+    values, keys, problems = _values(intent, app, device, cache)
+    problems += _check_values(values, keys, app, plan, device, previous_values(previous),
+                              intent, cache)
     if problems:
         raise RenderError(problems)
-    components = {c.name for c in profile.components}
-    parameters: dict[str, Parameter] = {}
-    for name, parameter in app.description.parameters.items():
-        targets = _targets_in(parameter, components)
-        if targets and values[name] is not EMPTY:
-            parameters[name] = Parameter(name, targets, values[name], True)
+    parameters = {name: Parameter(name, targets, values[name], True)
+                  for name, targets in plan.targets.items() if values[name] is not EMPTY}
     deployment = ApplicationDeployment(
         id=deployment_id(intent.name, device.id),
         name=intent.name,
         namespace=intent.namespace or _default_namespace(app.description.id),
         application_id=app.description.id,
-        profile=DeploymentProfile(
-            type=profile.type, components=profile.components,
-            device_constraints=profile.device_constraints, extensions=profile.extensions),
+        profile=plan.profile,
         parameters=parameters,
         device_id=device.id,
         labels={INTENT_LABEL: intent.name},
     )
-    document = deployment_document(deployment, shape=intent.output_shape,
-                                   profile_key=(app.digest, profile.id))
+    spec_key = (app.digest, profile.id, tuple((name, keys[name]) for name in parameters))
+    document = deployment_document(deployment, shape=intent.output_shape, spec_key=spec_key)
     return Rendered(file_name(intent.name), canonical_yaml(document), deployment, document)

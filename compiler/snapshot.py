@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from margo.errors import DocumentError, Problem
-from margo.kinds import Kind
-from margo.loading import LoadedDocument, load_path
+from margo.kinds import Kind, detect
+from margo.loading import Limits, LoadedDocument, load_path
 from margo.models import DeviceCapabilities
+from margo.normalize import normalise
 from margo.validation import validate_loaded
 
 __all__ = ["Device", "Snapshot", "SnapshotError", "load_snapshot", "snapshot_from_documents"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
+#: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
+KEYED_SNAPSHOT_LIMITS = Limits(max_bytes=256 * 1024 * 1024)
 
 
 class SnapshotError(RuntimeError):
@@ -67,15 +70,35 @@ def document_digest(doc: Any) -> str:
     return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
 
 
-def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None) -> None:
-    report = validate_loaded(loaded, expect=Kind.DEVICE_CAPABILITIES)
-    if not report.valid:
-        snapshot.problems.extend(report.problems)
-        claimed = loaded.value.get("properties", {}).get("id") if isinstance(
-            loaded.value, dict) and isinstance(loaded.value.get("properties"), dict) else None
-        snapshot.broken.add(str(claimed or key))
-        return
-    caps: DeviceCapabilities = report.model
+def _claimed_id(doc: Any) -> str | None:
+    properties = doc.get("properties") if isinstance(doc, dict) else None
+    claimed = properties.get("id") if isinstance(properties, dict) else None
+    return claimed if isinstance(claimed, str) else None
+
+
+def _trusted_model(doc: Any, digest: str, trusted: Mapping[str, str]) -> DeviceCapabilities | None:
+    """The model of a document whose exact content validated before (same digest)."""
+    claimed = _claimed_id(doc)
+    if claimed is None or trusted.get(claimed) != digest:
+        return None
+    detection = detect(doc, expect=Kind.DEVICE_CAPABILITIES)
+    if detection.kind is None or detection.shape is None:
+        return None
+    model: DeviceCapabilities = normalise(detection.kind, detection.shape, doc)
+    return model
+
+
+def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
+         trusted: Mapping[str, str]) -> None:
+    digest = document_digest(loaded.value)
+    caps = _trusted_model(loaded.value, digest, trusted) if trusted else None
+    if caps is None:
+        report = validate_loaded(loaded, expect=Kind.DEVICE_CAPABILITIES)
+        if not report.valid:
+            snapshot.problems.extend(report.problems)
+            snapshot.broken.add(str(_claimed_id(loaded.value) or key))
+            return
+        caps = report.model
     if key is not None and key != caps.device_id:
         snapshot.problems.append(loaded.locate(Problem(
             ("properties", "id"), f"filed under {key!r} but reports id {caps.device_id!r}",
@@ -88,32 +111,39 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None) -> None:
                                   f"{snapshot.devices[caps.device_id].file})")))
         snapshot.broken.add(caps.device_id)
         return
-    snapshot.devices[caps.device_id] = Device(caps.device_id, caps,
-                                              document_digest(loaded.value), loaded.file)
+    snapshot.devices[caps.device_id] = Device(caps.device_id, caps, digest, loaded.file)
 
 
-def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None) -> Snapshot:
+def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None,
+                            trusted: Mapping[str, str] | None = None) -> Snapshot:
     """A snapshot from already-decoded documents keyed by device id (e.g. the WFM's store)."""
     snapshot = Snapshot()
     for key in sorted(documents):
-        _add(snapshot, LoadedDocument.unlocated(documents[key], file), key)
+        _add(snapshot, LoadedDocument.unlocated(documents[key], file), key, trusted or {})
     return snapshot
 
 
-def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
-    """A directory of capability documents, or one file mapping device id -> document."""
+def load_snapshot(path: str | os.PathLike[str], *,
+                  trusted: Mapping[str, str] | None = None) -> Snapshot:
+    """A directory of capability documents, or one file mapping device id -> document.
+
+    `trusted` maps device ids to digests of documents that validated before (the
+    compiler's state): a document with exactly that content is normalised without
+    validating it again, which is what makes a no-op recompile of a large fleet cheap.
+    """
+    trusted = trusted or {}
     root = Path(path)
     snapshot = Snapshot()
     try:
         if root.is_dir():
             for file in sorted(p for p in root.iterdir() if p.suffix in _SUFFIXES):
                 try:
-                    _add(snapshot, load_path(str(file)), None)
+                    _add(snapshot, load_path(str(file)), None, trusted)
                 except DocumentError as exc:
                     snapshot.problems.extend(exc.problems)
                     snapshot.broken.add(file.stem)
             return snapshot
-        loaded = load_path(str(root))
+        loaded = load_path(str(root), limits=KEYED_SNAPSHOT_LIMITS)
     except DocumentError as exc:
         raise SnapshotError("\n".join(p.format() for p in exc.problems)) from None
     except OSError as exc:
@@ -123,7 +153,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> Snapshot:
     for key in sorted(loaded.value):
         sub = LoadedDocument(loaded.value[key], loaded.file,
                              _Shifted(loaded, key))  # type: ignore[arg-type]
-        _add(snapshot, sub, key)
+        _add(snapshot, sub, key, trusted)
     return snapshot
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord"]
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -30,11 +30,15 @@ CREATE TABLE IF NOT EXISTS intents (
     name TEXT PRIMARY KEY, digest TEXT NOT NULL, app_id TEXT NOT NULL,
     app_version TEXT NOT NULL, app_digest TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS devices (
-    device_id TEXT PRIMARY KEY, caps_digest TEXT NOT NULL, compiled_at REAL NOT NULL);
+    device_id TEXT PRIMARY KEY, caps_digest TEXT NOT NULL, compiled_at REAL NOT NULL,
+    tree TEXT NOT NULL, deployments INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS placements (
     device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
     deployed INTEGER NOT NULL, ineligible_since REAL,
     PRIMARY KEY (device_id, intent));
+CREATE INDEX IF NOT EXISTS placements_by_intent ON placements (intent);
+CREATE INDEX IF NOT EXISTS placements_in_grace ON placements (ineligible_since)
+    WHERE ineligible_since IS NOT NULL;
 """
 
 
@@ -52,6 +56,8 @@ class DeviceRecord:
     device_id: str
     caps_digest: str
     compiled_at: float
+    tree: str  # the tree id committed (or found unchanged) for these inputs
+    deployments: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +78,27 @@ class CompilerState:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        version = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
-        if version is None:
-            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
-        elif version[0] != SCHEMA_VERSION:  # a cache: start over rather than migrate
-            self._db.executescript("DELETE FROM intents; DELETE FROM devices; "
-                                   "DELETE FROM placements;")
-            self._db.execute("UPDATE meta SET value=? WHERE key='schema'", (SCHEMA_VERSION,))
+        version = self._meta("schema")
+        if version != SCHEMA_VERSION:  # a cache: start over rather than migrate
+            self._reset()
+            self._set_meta("schema", SCHEMA_VERSION)
+
+    def _meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _set_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def _reset(self) -> None:
+        self._db.executescript("DROP TABLE IF EXISTS devices; DELETE FROM intents; "
+                               "DELETE FROM placements;" + _SCHEMA)
+
+    def bind(self, repository: str) -> None:
+        """Forget everything remembered about another repository (e.g. one recreated)."""
+        if self._meta("repository") != repository:
+            self._reset()
+            self._set_meta("repository", repository)
 
     def close(self) -> None:
         self._db.close()
@@ -89,17 +109,34 @@ class CompilerState:
         return {r[0]: IntentRecord(*r) for r in rows}
 
     def devices(self) -> dict[str, DeviceRecord]:
-        rows = self._db.execute("SELECT device_id, caps_digest, compiled_at FROM devices")
+        rows = self._db.execute("SELECT device_id, caps_digest, compiled_at, tree, deployments "
+                                "FROM devices")
         return {r[0]: DeviceRecord(*r) for r in rows}
 
-    def placements(self) -> dict[str, dict[str, PlacementRecord]]:
-        out: dict[str, dict[str, PlacementRecord]] = {}
-        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since "
-                                "FROM placements")
-        for device_id, intent, eligible, deployed, since in rows:
-            out.setdefault(device_id, {})[intent] = PlacementRecord(
-                device_id, intent, bool(eligible), bool(deployed), since)
+    def devices_in_grace(self) -> set[str]:
+        """Devices with a deployment kept for a grace period (re-evaluated every compile)."""
+        rows = self._db.execute("SELECT DISTINCT device_id FROM placements "
+                                "WHERE ineligible_since IS NOT NULL")
+        return {r[0] for r in rows}
+
+    def devices_placed_by(self, intents: Iterable[str]) -> set[str]:
+        """Devices that any of these intents targeted at the last compile."""
+        out: set[str] = set()
+        for name in intents:
+            rows = self._db.execute("SELECT device_id FROM placements WHERE intent=?", (name,))
+            out.update(r[0] for r in rows)
         return out
+
+    def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
+        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since "
+                                "FROM placements WHERE device_id=?", (device_id,))
+        return {r[1]: PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4]) for r in rows}
+
+    def trusted_digests(self) -> dict[str, str]:
+        """Device id -> digest of the capability document last compiled successfully
+        (documents with that exact content need not be validated again)."""
+        return {r[0]: r[1] for r in self._db.execute("SELECT device_id, caps_digest "
+                                                     "FROM devices")}
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -125,8 +162,9 @@ class CompilerState:
             db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
             db.executemany("DELETE FROM placements WHERE device_id=?",
                            [(d.device_id,) for d in device_list])
-            db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?)",
-                           [(d.device_id, d.caps_digest, d.compiled_at) for d in device_list])
+            db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?, ?, ?)",
+                           [(d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
+                            for d in device_list])
             db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?)",
                            [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
                              p.ineligible_since) for p in placements])

@@ -62,12 +62,12 @@ def _parameters(parameters: dict[str, m.Parameter] | Any) -> dict[str, Any]:
 
 
 def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
-                        profile_key: Any = None) -> dict[str, Any]:
+                        spec_key: Any = None) -> dict[str, Any]:
     """An ApplicationDeployment as a dict: `rc.3` (default) or `oct-2024` for old devices.
 
-    `profile_key`, when given, must identify the profile's content (e.g. the digest of the
-    description it came from plus the profile id): its YAML text is then produced once and
-    reused for every device (see `margo.canonical.Cached`).
+    `spec_key`, when given, must identify the content of `spec` (e.g. the digest of the
+    description, the profile id and the parameter values): its YAML text is then produced
+    once and reused for every device that gets the same spec (`margo.canonical.Cached`).
     """
     profile = deployment.profile
     if shape == "oct-2024":
@@ -83,12 +83,11 @@ def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc
             "type": _OCT_2024_TYPES[profile.type],
             "components": [_component(c, extensions=False) for c in profile.components],
         }
-        spec: dict[str, Any] = {"deploymentProfile": _maybe_cached(
-            oct_profile, profile_key, shape)}
+        spec: dict[str, Any] = {"deploymentProfile": oct_profile}
         if deployment.parameters:
             spec["parameters"] = _parameters(deployment.parameters)
         return {"apiVersion": OCT_2024_DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
-                "metadata": metadata, "spec": spec}
+                "metadata": metadata, "spec": _maybe_cached(spec, spec_key, shape)}
     if shape != "rc.3":
         raise ValueError(f"cannot emit an ApplicationDeployment in shape {shape!r}")
     metadata = {"name": deployment.name, "namespace": deployment.namespace}
@@ -105,22 +104,22 @@ def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc
     if profile.device_constraints is not None:
         profile_doc["deviceConstraints"] = profile.device_constraints
     profile_doc.update(profile.extensions)
-    spec = {"applicationId": deployment.application_id,
-            "deploymentProfile": _maybe_cached(profile_doc, profile_key, shape)}
+    spec = {"applicationId": deployment.application_id, "deploymentProfile": profile_doc}
     if deployment.parameters:
         spec["parameters"] = _parameters(deployment.parameters)
     spec.update(deployment.extensions)
-    return {"id": deployment.id, "metadata": metadata, "spec": spec}
+    return {"id": deployment.id, "metadata": metadata,
+            "spec": _maybe_cached(spec, spec_key, shape)}
 
 
-def _maybe_cached(profile_doc: dict[str, Any], key: Any, shape: str) -> dict[str, Any]:
-    return profile_doc if key is None else Cached(("deploymentProfile", shape, key), profile_doc)
+def _maybe_cached(spec: dict[str, Any], key: Any, shape: str) -> dict[str, Any]:
+    return spec if key is None else Cached(("spec", shape, key), spec)
 
 
 def deployment_yaml(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
-                    profile_key: Any = None) -> bytes:
+                    spec_key: Any = None) -> bytes:
     """Canonical YAML bytes of an ApplicationDeployment (what digests are computed over)."""
-    return canonical_yaml(deployment_document(deployment, shape=shape, profile_key=profile_key))
+    return canonical_yaml(deployment_document(deployment, shape=shape, spec_key=spec_key))
 
 
 def capabilities_document(caps: m.DeviceCapabilities) -> dict[str, Any]:

@@ -342,15 +342,18 @@ def _decode(data: bytes, limits: Limits) -> str:
 
 
 def _check_json_value(value: Any, limits: Limits) -> None:
-    """Depth bound for JSON input (the decoder itself bounds recursion, not depth)."""
+    """Depth bound for JSON input (the decoder itself bounds recursion, not depth).
+    Only containers are visited, so scalars cost nothing."""
+    if not isinstance(value, (dict, list)):
+        return
     todo: list[tuple[Any, int]] = [(value, 1)]
     while todo:
         item, depth = todo.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limits.max_depth:
-                raise _LoadFailure((), f"nesting deeper than {limits.max_depth} levels", 1, 1)
-            children = item.values() if isinstance(item, dict) else item
-            todo.extend((child, depth + 1) for child in children)
+        if depth > limits.max_depth:
+            raise _LoadFailure((), f"nesting deeper than {limits.max_depth} levels", 1, 1)
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (dict, list)):
+                todo.append((child, depth + 1))
 
 
 def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -63,9 +63,10 @@ class _BadInput(Exception):
     pass
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, Any]:
+def _open(args: argparse.Namespace, *, trusted: dict[str, str] | None = None) -> tuple[Any, Any]:
     try:
-        return load_source(args.source, ref=args.ref), load_snapshot(args.capabilities)
+        return (load_source(args.source, ref=args.ref),
+                load_snapshot(args.capabilities, trusted=trusted))
     except (SourceError, SnapshotError) as exc:
         raise _BadInput(str(exc)) from None
 
@@ -99,9 +100,10 @@ def _summary(report: CompileReport, elapsed: float) -> str:
 
 def _compile_once(args: argparse.Namespace, *, dry_run: bool) -> tuple[CompileReport, float]:
     start = time.monotonic()
-    source, snapshot = _open(args)
     store, state = _store(args)
     try:
+        state.bind(store.identity)
+        source, snapshot = _open(args, trusted=state.trusted_digests())
         report = compile_fleet(source, snapshot, store, state, dry_run=dry_run,
                                progress=_progress)
     finally:
@@ -192,7 +194,7 @@ def run_explain(args: argparse.Namespace) -> int:
     placements = None
     if args.repos and (Path(args.repos) / STATE_FILE).exists():
         state = CompilerState(Path(args.repos) / STATE_FILE)
-        placements = state.placements().get(args.device)
+        placements = state.placements_for(args.device)
         state.close()
     try:
         explanations = explain_device(source, snapshot, args.device, intent_name=args.intent,

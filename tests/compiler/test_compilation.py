@@ -309,3 +309,65 @@ def test_losing_the_state_recompiles_without_new_commits(fleet: Fleet) -> None:
     (fleet.repos / "compiler-state.sqlite").unlink()
     report = fleet.compile(now=2_000_000)
     assert (report.commits, report.unchanged) == (0, 3)
+
+
+def test_update_versus_reconfigure_is_read_from_the_canonical_text() -> None:
+    from compiler.compilation import _classify, _spec_sections
+    from margo.canonical import canonical_yaml
+
+    base = {"id": "x", "metadata": {"name": "n", "namespace": "ns", "deviceId": "d"},
+            "spec": {"applicationId": "a", "deploymentProfile": {
+                "type": "helm", "components": [{"name": "c", "properties": {
+                    "repository": "oci://r/c", "revision": "1.0.0"}}]},
+                "parameters": {"p": {"value": 1, "targets": [
+                    {"pointer": "a.b", "components": ["c"]}]}}}}
+
+    def variant(change: object) -> bytes:
+        import copy
+
+        doc = copy.deepcopy(base)
+        change(doc)  # type: ignore[operator]
+        return canonical_yaml(doc)
+
+    old = canonical_yaml(base)
+    assert set(_spec_sections(old)) == {b"applicationId", b"deploymentProfile", b"parameters"}
+    params = variant(lambda d: d["spec"]["parameters"]["p"].update(value=2))
+    revision = variant(lambda d: d["spec"]["deploymentProfile"]["components"][0][
+        "properties"].update(revision="1.1.0"))
+    namespace = variant(lambda d: d["metadata"].update(namespace="other"))
+    no_params = variant(lambda d: d["spec"].pop("parameters"))
+    assert _classify(old, params) == "reconfigure"
+    assert _classify(old, no_params) == "reconfigure"
+    assert _classify(old, revision) == "update"
+    assert _classify(old, namespace) == "update"
+    assert _classify(b"not yaml", params) == "update"
+
+
+def test_incremental_compiles_end_where_a_fresh_compile_starts(tmp_path: Path) -> None:
+    """After a series of edits, the incrementally maintained trees equal the trees a
+    compile from scratch of the final inputs produces."""
+    fleet = Fleet(tmp_path / "incremental")
+    fleet.apps["com-example-app"] = app(constraints={"capacityRequirements": {"memory": "4Gi"}})
+    fleet.apps["com-example-other"] = app("com-example-other")
+    fleet.intents["a"] = intent("a", parameters={"greeting": "{{ device.labels['site'] }}"})
+    fleet.intents["b"] = intent("b", app_id="com-example-other", targets={"selectors": [
+        {"labelSelector": {"matchExpressions": [
+            {"key": "site", "operator": "In", "values": ["s1", "s2"]}]}}]})
+    for i in range(8):
+        fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{2 + i}Gi", labels={"site": f"s{i}"},
+                                        types=("helm",) if i % 3 else ("compose",))
+    fleet.compile(now=1_000)
+    fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+    fleet.compile(now=2_000)
+    fleet.devices["d1"]["labels"] = {"site": "s5"}
+    fleet.devices["d6"]["properties"]["memory"] = "1Gi"
+    fleet.compile(now=3_000)
+    fleet.intents["c"] = intent("c", targets={"devices": ["d2", "d3"]})
+    del fleet.intents["a"]
+    fleet.compile(now=4_000)
+    fresh = Fleet(tmp_path / "fresh", fleet.apps, fleet.intents, fleet.devices)
+    fresh.compile(now=4_000)
+    store, fresh_store = fleet.store, fresh.store
+    assert store.device_ids() == fresh_store.device_ids()
+    for device_id in store.device_ids():
+        assert store.read_files(device_id) == fresh_store.read_files(device_id), device_id

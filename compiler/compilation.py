@@ -18,6 +18,8 @@ Failure containment, so that nothing already committed is lost:
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,6 +39,9 @@ from compiler.targeting import TargetIndex
 from margo.errors import Problem
 
 __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
+
+#: Reports progress over an iterable of known length (a progress bar, or nothing).
+Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 
 #: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
 COMPILER_VERSION = "1"
@@ -336,10 +341,85 @@ def _needs_compile(ctx: _Context, device: Device, record: DeviceRecord | None,
         for name in ctx.changed)
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """Everything a device's compile needs from Git and the state, read up front."""
+
+    device: Device
+    record: DeviceRecord | None
+    previous: dict[str, PlacementRecord]
+    tree: dict[str, str] | None
+    current: dict[str, bytes]
+    reuse: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    outcome: _DeviceOutcome
+    message: str | None  # None: the tree did not change
+
+
+def _work(ctx: _Context, job: _Job) -> _Work:
+    """Compile one device: pure, so it can run in a worker process."""
+    device, record = job.device, job.record
+    caps_changed = record is not None and record.caps_digest != device.digest
+    outcome = _compile_device(ctx, device, job.current, job.previous, caps_changed,
+                              reuse=job.reuse)
+    if outcome.problems or (job.tree is not None and job.tree == {
+            f: blob_id(d) for f, d in outcome.files.items()}):
+        return _Work(outcome, None)
+    trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
+                "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
+    return _Work(outcome, commit_message(device.id, outcome.changes, trailers))
+
+
+#: Compiles that evaluate at least this many (device, intent) pairs are spread over worker
+#: processes (below it, starting workers costs more than it saves).
+PARALLEL_THRESHOLD = 10_000
+_FORKED: tuple[_Context, list[_Job]] | None = None  # what forked workers inherit
+
+
+def _work_range(bounds: tuple[int, int]) -> list[_Work]:
+    assert _FORKED is not None
+    ctx, jobs = _FORKED
+    return [_work(ctx, jobs[i]) for i in range(*bounds)]
+
+
+def _worker_count(evaluations: int) -> int:
+    configured = os.environ.get("MARGO_COMPILE_WORKERS")
+    if configured:
+        return max(1, int(configured))
+    if evaluations < PARALLEL_THRESHOLD or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return min(os.cpu_count() or 1, 4)
+
+
+def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> list[_Work]:
+    """Compile the devices, in forked worker processes when there are many (rendering is
+    pure Python, and the fleet server's machines have more than one core)."""
+    global _FORKED
+    evaluated = sum(len(ctx.changed) if job.reuse else len(ctx.intents.usable) for job in jobs)
+    workers = _worker_count(evaluated)
+    if workers <= 1:
+        return [_work(ctx, job) for job in (progress(jobs, len(jobs)) if progress else jobs)]
+    for name, (intent, _) in ctx.intents.usable.items():
+        if name in ctx.changed or not all(job.reuse for job in jobs):
+            ctx.targets.targeted(intent)  # computed once here, inherited by every worker
+    step = max(1, len(jobs) // (workers * 8))
+    ranges = [(start, min(start + step, len(jobs))) for start in range(0, len(jobs), step)]
+    _FORKED = (ctx, jobs)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.imap(_work_range, ranges)
+            return [work for part in (progress(parts, len(ranges)) if progress else parts)
+                    for work in part]
+    finally:
+        _FORKED = None
+
+
 def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   state: CompilerState, *, now: float | None = None, dry_run: bool = False,
-                  progress: Callable[[Iterable[str]], Iterable[str]] | None = None,
-                  ) -> CompileReport:
+                  progress: Progress | None = None) -> CompileReport:
     """Compile every device of the snapshot; commit (unless `dry_run`) and report."""
     now = time.time() if now is None else now
     intents = resolve_intents(source)
@@ -356,46 +436,43 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     state.bind(store.identity)
     previous_devices = state.devices()
     in_grace, placed_by_changed = state.devices_in_grace(), state.devices_placed_by(changed)
-    commits: list[DeviceCommit] = []
-    device_records: dict[str, DeviceRecord] = {}
-    placement_records: list[PlacementRecord] = []
-    forget: list[str] = []
-    ids: Iterable[str] = sorted(snapshot.devices)
-    for device_id in progress(ids) if progress else ids:
+    jobs: list[_Job] = []
+    for device_id in sorted(snapshot.devices):
         device = snapshot.devices[device_id]
         record = previous_devices.get(device_id)
         if not _needs_compile(ctx, device, record, in_grace, placed_by_changed):
             report.unchanged += 1
             report.deployments += record.deployments if record else 0
             continue
-        previous = state.placements_for(device_id)
         tree = store.tree_ids(device_id)
-        current = store.read_files(device_id) or {} if tree is not None else {}
-        caps_changed = record is not None and record.caps_digest != device.digest
-        reuse = record is not None and not caps_changed and tree is not None and (
-            record.tree == store.tree_id(device_id))
-        outcome = _compile_device(ctx, device, current, previous, caps_changed, reuse=reuse)
+        reuse = (record is not None and tree is not None and record.caps_digest == device.digest
+                 and record.tree == store.tree_id(device_id))
+        jobs.append(_Job(device, record, state.placements_for(device_id), tree,
+                         (store.read_files(device_id) or {}) if tree is not None else {}, reuse))
+    commits: list[DeviceCommit] = []
+    device_records: dict[str, DeviceRecord] = {}
+    placement_records: list[PlacementRecord] = []
+    forget: list[str] = []
+    for job, work in zip(jobs, _run_jobs(ctx, jobs, progress), strict=True):
+        device_id, outcome = job.device.id, work.outcome
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
                               notes=outcome.notes)
         report.results.append(result)
         if outcome.problems:
             result.status, result.changes = "error", []
             report.errors.extend((device_id, p) for p in outcome.problems)
-            report.deployments += len(current)
+            report.deployments += len(job.current)
             forget.append(device_id)
             continue
         report.deployments += len(outcome.files)
-        device_records[device_id] = DeviceRecord(device_id, device.digest, now,
+        device_records[device_id] = DeviceRecord(device_id, job.device.digest, now,
                                                  store.tree_id(device_id) or "",
                                                  len(outcome.files))
         placement_records.extend(outcome.placements)
-        if tree is not None and {f: blob_id(d) for f, d in outcome.files.items()} == tree:
+        if work.message is None:
             report.unchanged += 1
             continue
-        trailers = {"Fleet-Source": source.revision, "Capabilities-Digest": device.digest,
-                    "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
-        message = commit_message(device_id, outcome.changes, trailers)
-        commits.append(DeviceCommit(device_id, outcome.files, message, int(now)))
+        commits.append(DeviceCommit(device_id, outcome.files, work.message, int(now)))
         result.status = "committed"
         report.commits += 1
     if dry_run:

@@ -77,13 +77,13 @@ def _store(args: argparse.Namespace) -> tuple[DeviceStore, CompilerState]:
     return DeviceStore(repos), CompilerState(repos / STATE_FILE)
 
 
-def _progress(items: Iterable[str]) -> Iterable[str]:
-    items = list(items)
-    if not sys.stderr.isatty() or len(items) < 200:
+def _progress(items: Iterable[Any], total: int) -> Iterable[Any]:
+    """A progress bar on a terminal for long compiles; nothing otherwise."""
+    if not sys.stderr.isatty() or total < 20:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, desc="devices", unit="dev", leave=False, file=sys.stderr)
+    return tqdm(items, total=total, desc="compiling", leave=False, file=sys.stderr)
 
 
 def _print_errors(report: CompileReport) -> None:

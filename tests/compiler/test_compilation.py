@@ -371,3 +371,25 @@ def test_incremental_compiles_end_where_a_fresh_compile_starts(tmp_path: Path) -
     assert store.device_ids() == fresh_store.device_ids()
     for device_id in store.device_ids():
         assert store.read_files(device_id) == fresh_store.read_files(device_id), device_id
+
+
+def test_worker_processes_produce_the_same_trees_and_messages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stores = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)
+        fleet = Fleet(tmp_path / workers)
+        fleet.apps["com-example-app"] = app(
+            constraints={"capacityRequirements": {"memory": "4Gi"}})
+        fleet.intents["a"] = intent("a", parameters={"greeting": "{{ device.id }}"})
+        fleet.intents["broken-values"] = intent("broken-values", targets={"devices": ["d5"]},
+                                                parameters={"greeting": "{{ device.nope }}"})
+        for i in range(12):
+            fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{i}Gi")
+        report = fleet.compile(now=1_000)
+        assert [d for d, _ in report.errors] == ["d5"]
+        stores.append(fleet.store)
+    serial, parallel = stores
+    for device_id in serial.device_ids():
+        assert serial.read_files(device_id) == parallel.read_files(device_id)
+        assert serial.history(device_id)[0].message == parallel.history(device_id)[0].message

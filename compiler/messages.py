@@ -39,4 +39,5 @@ def _template() -> jinja2.Template:
 
 def commit_message(device_id: str, changes: Sequence[Change],
                    trailers: Mapping[str, str]) -> str:
-    return _template().render(device_id=device_id, changes=changes, trailers=trailers)
+    text = _template().render(device_id=device_id, changes=changes, trailers=trailers)
+    return text.rstrip("\n") + "\n"

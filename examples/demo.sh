@@ -27,4 +27,17 @@ step "3. The same answer as JSON, for tools"
 margo match --json --capabilities examples/capabilities/k8s-single-arm64.json \
   --constraints examples/fleet/apps/com-example-gpu-inference/margo.yaml || true
 
-printf '\nLook next at: examples/fleet/apps/*/margo.yaml, examples/capabilities/, docs/documents.md\n'
+demo_dir="$PWD/.demo"   # everything the demo writes lives here (ignored by Git)
+rm -rf "$demo_dir" && mkdir -p "$demo_dir"
+step "4. Compile the fleet into one Git branch per device ($demo_dir/repos)"
+margo compile --source examples/fleet --capabilities examples/capabilities --repos "$demo_dir/repos"
+
+step "5. Why does k8s-single-amd64 not get the GPU application?"
+margo explain --device k8s-single-amd64 --intent vision-plant-a \
+  --source examples/fleet --capabilities examples/capabilities
+
+step "6. The history of one device's repository"
+git --git-dir "$demo_dir/repos/fleet-state.git" log --format='%h %s' devices/k8s-cluster-gpu
+git --git-dir "$demo_dir/repos/fleet-state.git" show --stat --format='%B' devices/k8s-cluster-gpu | head -20
+
+printf '\nLook next at: %s/repos/fleet-state.git, examples/fleet/, docs/intents.md\n' "$demo_dir"

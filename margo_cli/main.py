@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from margo_cli import compile_command, match_command, validate_command
+from margo_cli import compile_command, match_command, serve_command, validate_command
 
 __all__ = ["main"]
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate_command.register(commands)
     match_command.register(commands)
     compile_command.register(commands)
+    serve_command.register(commands)
     return parser
 
 

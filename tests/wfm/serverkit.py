@@ -1,0 +1,127 @@
+"""Run the real `margo serve` in a subprocess on loopback, and check what it answers
+against the official OpenAPI documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
+
+ROOT = Path(__file__).resolve().parents[2]
+OPENAPI = {
+    "rc.3": "workload-management-api-1.0.0-rc.3.yaml",
+    "rc.2": "workload-management-api-1.0.0-rc.2.yaml",
+}
+OPENAPI_DIRS = [ROOT / "tests" / "fixtures" / "openapi"]  # verbatim copies of ../shared/spec
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
+                          capture_output=True, text=True, check=check, timeout=60)
+
+
+def add_client(data: Path, client_id: str) -> str:
+    out = margo("clients", "add", client_id, "--data", str(data), "--json")
+    token: str = json.loads(out.stdout)["token"]
+    return token
+
+
+@contextmanager
+def running_server(data: Path, *extra: str) -> Iterator[str]:
+    """Start `margo serve`; yield its base URL; stop it (SIGTERM) afterwards."""
+    port = free_port()
+    log = open(data.parent / f"server-{port}.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
+         str(data), "--log-level", "warning", *extra],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server did not start: "
+                                   + (data.parent / f"server-{port}.log").read_text())
+            time.sleep(0.1)
+        yield base
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+
+
+@contextmanager
+def killable_server(data: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
+         str(data), "--log-level", "warning", *extra],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield base, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@cache
+def _openapi(version: str) -> dict[str, Any]:
+    for directory in OPENAPI_DIRS:
+        path = directory / OPENAPI[version]
+        if path.exists():
+            doc: dict[str, Any] = yaml.safe_load(path.read_text())
+            schema = doc["components"]["schemas"].get("UnsignedAppStateManifest")
+            if schema:  # the documented defect: dotted names listed as required properties
+                schema["required"] = [r for r in schema["required"] if "." not in r]
+            return doc
+    raise FileNotFoundError(OPENAPI[version])
+
+
+def assert_matches_openapi(version: str, schema_name: str, body: Any) -> None:
+    """Validate a response body against `#/components/schemas/<schema_name>`."""
+    doc = _openapi(version)
+    registry = Registry().with_resource("urn:openapi", DRAFT202012.create_resource(doc))
+    validator = Draft202012Validator({"$ref": f"urn:openapi#/components/schemas/{schema_name}"},
+                                     registry=registry)
+    errors = sorted(validator.iter_errors(body), key=lambda e: list(e.path))
+    assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]

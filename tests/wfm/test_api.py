@@ -1,0 +1,249 @@
+"""The Margo API of `margo serve`, over real HTTP on loopback, three generations."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serverkit import ROOT, add_client, assert_matches_openapi, killable_server, running_server
+
+MANIFEST = "application/vnd.margo.manifest.v1+json"
+CAPS = ROOT / "examples" / "capabilities"
+
+
+def caps(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((CAPS / f"{name}.json").read_text())
+    return doc
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("wfm")
+    shutil.copytree(ROOT / "examples" / "fleet", root / "fleet")
+    data = root / "data"
+    tokens = {name: add_client(data, name) for name in ("site-a", "site-b")}
+    with running_server(data, "--source", str(root / "fleet")) as base:
+        yield {"base": base, "tokens": tokens, "data": data, "root": root}
+
+
+def client(server: dict[str, Any], name: str = "site-a") -> httpx.Client:
+    return httpx.Client(base_url=server["base"], timeout=10,
+                        headers={"Authorization": f"Bearer {server['tokens'][name]}"})
+
+
+def wait_for_deployments(http: httpx.Client, path: str = "/api/v1/deployments",
+                         at_least: int = 1) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while True:
+        manifest: dict[str, Any] = http.get(path).json()
+        if len(manifest["deployments"]) >= at_least or time.monotonic() > deadline:
+            return manifest
+        time.sleep(0.2)
+
+
+def test_requests_without_credentials_are_refused(server: dict[str, Any]) -> None:
+    response = httpx.get(f"{server['base']}/api/v1/deployments")
+    assert response.status_code == 401
+    assert response.headers["content-type"] == "application/problem+json"
+    assert_matches_openapi("rc.3", "ProblemDetail", response.json())
+    bad = httpx.get(f"{server['base']}/api/v1/deployments",
+                    headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401
+
+
+def test_a_fresh_client_gets_manifest_version_1_with_a_null_bundle(
+        server: dict[str, Any]) -> None:
+    with client(server, "site-b") as http:
+        response = http.get("/api/v1/deployments", headers={"Accept": MANIFEST})
+        assert response.status_code == 200
+        body = response.json()
+        assert body == {"manifestVersion": 1, "bundle": None, "deployments": []}
+        assert_matches_openapi("rc.3", "UnsignedAppStateManifest", body)
+        assert response.headers["etag"] == f'"{sha256(response.content)}"'
+
+
+def test_capabilities_created_then_updated_then_rejected(server: dict[str, Any]) -> None:
+    with client(server) as http:
+        doc = caps("k8s-single-amd64")
+        assert http.put("/api/v1/capabilities/k8s-single-amd64", json=doc).status_code == 201
+        assert http.put("/api/v1/capabilities/k8s-single-amd64", json=doc).status_code == 200
+        bad = copy.deepcopy(doc)
+        bad["properties"]["supportedDeploymentTypes"] = ["docker-swarm"]
+        response = http.put("/api/v1/capabilities/k8s-single-amd64", json=bad)
+        assert response.status_code == 422
+        problem = response.json()
+        assert problem["type"] == ("https://docs.margo.org/specification/problem-types"
+                                   "#semantic-error")
+        assert problem["errors"][0]["field"] == "$.properties.supportedDeploymentTypes[0]"
+        assert_matches_openapi("rc.3", "ProblemDetail", problem)
+        mismatch = http.put("/api/v1/capabilities/someone-else", json=doc)
+        assert mismatch.status_code == 422
+        assert http.put("/api/v1/capabilities/x", content=b"{not json").status_code == 400
+        orphan = copy.deepcopy(doc)
+        orphan["properties"]["id"] = "no-gateway/child"
+        response = http.put("/api/v1/capabilities/no-gateway/child", json=orphan)
+        assert response.status_code == 404
+        assert response.json()["type"].endswith("#gateway-not-found")
+
+
+def test_desired_state_flows_from_capabilities_to_the_manifest(server: dict[str, Any]) -> None:
+    with client(server) as http:
+        http.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
+        manifest = wait_for_deployments(http, at_least=4)
+        response = http.get("/api/v1/deployments", headers={"Accept": MANIFEST})
+        assert response.headers["content-type"] == MANIFEST
+        assert response.headers["cache-control"] == "private"
+        etag = response.headers["etag"]
+        assert etag == f'"{sha256(response.content)}"'
+        manifest = response.json()
+        assert_matches_openapi("rc.3", "UnsignedAppStateManifest", manifest)
+        assert manifest["bundle"]["mediaType"] == "application/vnd.margo.bundle.v1+tar+gzip"
+        again = http.get("/api/v1/deployments", headers={"If-None-Match": etag})
+        assert (again.status_code, again.content) == (304, b"")
+        assert http.get("/api/v1/deployments", headers={"Accept": "text/plain"}).status_code == 406
+        assert http.get("/api/v1/deployments",
+                        headers={"Accept": "text/plain, application/*;q=0.5"}).status_code == 200
+        files = {}
+        for ref in manifest["deployments"]:
+            yaml_response = http.get(ref["url"])
+            assert yaml_response.status_code == 200
+            assert sha256(yaml_response.content) == ref["digest"]
+            assert yaml_response.headers["etag"] == f'"{ref["digest"]}"'
+            assert yaml_response.headers["cache-control"] == "private, max-age=31536000, immutable"
+            assert yaml_response.headers["vary"] == "Accept-Encoding"
+            assert yaml_response.headers["content-type"].startswith("application/yaml")
+            files[f"{ref['deploymentId']}.yaml"] = yaml_response.content
+        bundle = http.get(manifest["bundle"]["url"])
+        assert sha256(bundle.content) == manifest["bundle"]["digest"]
+        with tarfile.open(fileobj=io.BytesIO(bundle.content)) as tar:
+            assert {m.name: tar.extractfile(m).read() for m in tar} == files  # type: ignore[union-attr]
+        assert gzip.decompress(bundle.content)
+        missing = http.get(f"/api/v1/deployments/{manifest['deployments'][0]['deploymentId']}/"
+                           f"sha256:{'0' * 64}")
+        assert missing.status_code == 404
+        assert missing.json()["type"].endswith("#deployment-not-found")
+        assert http.get(f"/api/v1/bundles/sha256:{'0' * 64}").json()["type"].endswith(
+            "#invalid-bundle")
+
+
+def test_status_reports(server: dict[str, Any]) -> None:
+    with client(server) as http:
+        http.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
+        manifest = wait_for_deployments(http, at_least=1)
+        ref = manifest["deployments"][0]
+        report = {"deploymentId": ref["deploymentId"],
+                  "adoptedManifestVersion": manifest["manifestVersion"],
+                  "status": {"state": "installing"},
+                  "components": [{"name": "any", "state": "installing"}]}
+        path = f"/api/v1/deployments/{ref['deploymentId']}/status"
+        first = http.post(path, json=report)
+        assert first.status_code in (200, 201)
+        assert http.post(path, json=report).status_code == 200  # idempotent
+        unknown = http.post("/api/v1/deployments/never-assigned/status",
+                            json={**report, "deploymentId": "never-assigned"})
+        assert unknown.status_code == 422
+        assert http.post(path, json={**report, "status": {"state": "running"}}).status_code == 422
+        no_version = {k: v for k, v in report.items() if k != "adoptedManifestVersion"}
+        assert http.post(path, json=no_version).status_code == 422
+    with client(server, "site-b") as other:
+        assert other.post(path, json=report).status_code == 422  # not theirs
+        assert other.get(ref["url"]).status_code == 404
+        taken = other.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
+        assert taken.status_code == 403
+
+
+def test_rc2_paths_are_scoped_to_the_path_client(server: dict[str, Any]) -> None:
+    with client(server) as http:
+        rc2 = "/api/v1/clients/site-a"
+        body = caps("compose-box-amd64")
+        assert http.post(f"{rc2}/capabilities", json=body).status_code == 201
+        assert http.put(f"{rc2}/capabilities/compose-box-amd64", json=body).status_code == 201
+        manifest = wait_for_deployments(http, f"{rc2}/deployments", at_least=1)
+        assert all(ref["url"].startswith(f"{rc2}/deployments/") for ref in
+                   manifest["deployments"])
+        assert http.get(manifest["deployments"][0]["url"]).status_code == 200
+        assert http.get("/api/v1/clients/site-b/deployments").status_code == 403
+
+
+def test_oct_2024_paths_and_oauth_tokens(server: dict[str, Any]) -> None:
+    token = server["tokens"]["site-a"]
+    response = httpx.post(f"{server['base']}/oauth/token",
+                          data={"grant_type": "client_credentials", "client_id": "site-a",
+                                "client_secret": token})
+    assert response.status_code == 200
+    access = response.json()["access_token"]
+    assert response.json()["token_type"] == "Bearer"
+    bad = httpx.post(f"{server['base']}/oauth/token",
+                     data={"grant_type": "client_credentials", "client_id": "site-a",
+                           "client_secret": "wrong"})
+    assert bad.status_code == 401
+    with httpx.Client(base_url=server["base"],
+                      headers={"Authorization": f"Bearer {access}"}) as http:
+        old = json.loads((ROOT / "examples" / "capabilities" / "legacy-box-oct2024.json")
+                         .read_text())
+        assert http.post("/device/legacy-box-oct2024/capabilities", json=old).status_code == 201
+
+
+def test_manifest_version_survives_a_restart_and_grows_on_change(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    headers = {"Authorization": f"Bearer {token}"}
+    with running_server(data, "--source", str(tmp_path / "fleet")) as base, \
+            httpx.Client(base_url=base, headers=headers) as http:
+        http.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
+        manifest = wait_for_deployments(http, at_least=3)
+        version = manifest["manifestVersion"]
+        assert version >= 1
+    with running_server(data, "--source", str(tmp_path / "fleet")) as base, \
+            httpx.Client(base_url=base, headers=headers) as http:
+        time.sleep(0.5)
+        assert http.get("/api/v1/deployments").json()["manifestVersion"] == version
+        moved = caps("k8s-cluster-gpu")  # another site: the greeting changes
+        moved["labels"]["example.com/site"] = "plant-z"
+        http.put("/api/v1/capabilities/k8s-cluster-gpu", json=moved)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            current = http.get("/api/v1/deployments").json()
+            if current["manifestVersion"] > version:
+                break
+            time.sleep(0.2)
+        assert current["manifestVersion"] == version + 1
+        assert len(current["deployments"]) == 2  # vision-plant-a no longer targeted
+
+
+def test_acknowledged_reports_survive_sigkill(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    headers = {"Authorization": f"Bearer {token}"}
+    acknowledged = []
+    with killable_server(data) as (base, process), \
+            httpx.Client(base_url=base, headers=headers, timeout=5) as http:
+        for i in range(40):
+            doc = caps("compose-box-amd64")
+            doc["properties"]["id"] = f"box-{i}"
+            if http.put(f"/api/v1/capabilities/box-{i}", json=doc).status_code == 201:
+                acknowledged.append(f"box-{i}")
+        process.kill()
+        process.wait()
+    with running_server(data) as base, httpx.Client(base_url=base, headers=headers) as http:
+        for device_id in acknowledged:
+            doc = caps("compose-box-amd64")
+            doc["properties"]["id"] = device_id
+            assert http.put(f"/api/v1/capabilities/{device_id}", json=doc).status_code == 200
+    assert len(acknowledged) == 40

@@ -1,0 +1,399 @@
+"""The Margo device API in its three generations, one behaviour.
+
+rc.3 (`/api/v1/...`), rc.2 (`/api/v1/clients/{clientId}/...` plus onboarding) and the
+Oct-2024 Preview Release 1 (`/device/{deviceId}/...` plus the OAuth2 token endpoint) all
+land in the same handlers; only status codes and path shapes differ where the generations
+differ (rc.3 capabilities answer 201 created / 200 updated, rc.2 and Oct-2024 always 201).
+The caller is always the authenticated client, and every resource is scoped to it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sqlite3
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from compiler.snapshot import document_digest
+from margo.errors import DocumentError
+from margo.kinds import Kind
+from margo.models import DeploymentStatus, DeviceCapabilities
+from margo.validation import validate_value
+from wfm import records
+from wfm.clients import Client, ClientRegistry, parse_basic
+from wfm.compiles import CompileService
+from wfm.db import Database
+from wfm.desired import BUNDLE_MEDIA_TYPE, DesiredState, manifest_body
+from wfm.problems import ProblemError, semantic_error
+
+__all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
+
+MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
+IMMUTABLE = "private, max-age=31536000, immutable"
+MAX_BODY = 1024 * 1024
+
+
+class Api:
+    """The handlers; routes are bound when the app is built, resources when it starts."""
+
+    db: Database
+    clients: ClientRegistry
+    desired: DesiredState
+    compiles: CompileService
+    ca_certificate: str | None = None  # PEM, served to rc.2 onboarding
+
+    def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
+             compiles: CompileService, ca_certificate: str | None = None) -> None:
+        self.db, self.clients, self.desired, self.compiles = db, clients, desired, compiles
+        self.ca_certificate = ca_certificate
+
+    # --- authentication ----------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> Client:
+        header = request.headers.get("authorization", "")
+        scheme, _, value = header.partition(" ")
+        client = None
+        if scheme.lower() == "bearer" and value.strip():
+            client = self.clients.by_token(value.strip())
+        elif scheme.lower() == "basic":
+            pair = parse_basic(header)
+            client = self.clients.by_basic(*pair) if pair else None
+        if client is None:
+            raise ProblemError(401, "valid client credentials are required",
+                               headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
+        if client.retired:
+            raise ProblemError(403, "the client relationship has been retired",
+                               margo_type="not-authorized")
+        return client
+
+    def scoped(self, request: Request) -> tuple[Client, str]:
+        """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
+        client = self.authenticate(request)
+        path_client = request.path_params.get("clientId")
+        if path_client is None:
+            return client, "/api/v1"
+        if path_client != client.client_id:
+            raise ProblemError(403, "a client may only use its own clientId",
+                               margo_type="not-authorized")
+        return client, f"/api/v1/clients/{client.client_id}"
+
+    # --- bodies ------------------------------------------------------------------------
+
+    @staticmethod
+    async def json_body(request: Request) -> dict[str, Any]:
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            raise ProblemError(413, f"request bodies are limited to {MAX_BODY} bytes")
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError):
+            raise ProblemError(400, "the request body is not valid JSON",
+                               margo_type="invalid-request") from None
+        if not isinstance(doc, dict):
+            raise ProblemError(400, "the request body must be a JSON object",
+                               margo_type="invalid-request")
+        return doc
+
+    # --- capabilities ------------------------------------------------------------------
+
+    async def put_capabilities(self, request: Request) -> Response:
+        client, _ = self.scoped(request)
+        doc = await self.json_body(request)
+        device_id = request.path_params.get("deviceId")
+        if device_id is None:  # rc.2 POST/PUT .../capabilities, id from the body
+            properties = doc.get("properties")
+            device_id = properties.get("id") if isinstance(properties, dict) else None
+            if not isinstance(device_id, str):
+                raise ProblemError(400, "properties.id is required", margo_type="invalid-request")
+        created = await self.report_capabilities(client, device_id, doc)
+        rc3 = request.url.path.startswith("/api/v1/capabilities/")
+        return Response(status_code=201 if created or not rc3 else 200)
+
+    async def report_capabilities(self, client: Client, device_id: str,
+                                  doc: dict[str, Any]) -> bool:
+        try:
+            caps: DeviceCapabilities = validate_value(doc, expect=Kind.DEVICE_CAPABILITIES)
+        except DocumentError as exc:
+            raise semantic_error(exc.problems) from None
+        if caps.device_id != device_id:
+            raise ProblemError(422, f"properties.id {caps.device_id!r} does not match the "
+                               f"deviceId {device_id!r} in the path",
+                               margo_type="semantic-error",
+                               errors=[{"field": "properties.id", "message": "must equal the "
+                                        "deviceId in the path"}])
+        parent = device_id.rpartition("/")[0]
+        if parent and self.db.read(lambda c: records.device_row(c, parent)) is None:
+            raise ProblemError(404, f"no gateway {parent!r} has reported its capabilities",
+                               margo_type="gateway-not-found")
+
+        def write(conn: sqlite3.Connection) -> records.CapabilityWrite:
+            return records.store_capabilities(
+                conn, client_id=client.client_id, device_id=device_id, document=doc,
+                digest=document_digest(doc), shape=str(caps.shape))
+
+        try:
+            result = await self.db.write(write)
+        except PermissionError:
+            raise ProblemError(403, f"device {device_id!r} belongs to another client",
+                               margo_type="not-authorized") from None
+        if result.created:
+            self.desired.bump()
+        if result.changed:
+            self.compiles.trigger()
+        return result.created
+
+    async def delete_capabilities(self, request: Request) -> Response:
+        client, _ = self.scoped(request)
+        device_id = request.path_params["deviceId"]
+        removed = await self.db.write(
+            lambda conn: records.forget_device(conn, client.client_id, device_id))
+        if not removed:
+            raise ProblemError(404, f"no device {device_id!r} for this client",
+                               margo_type="device-not-found")
+        self.desired.bump()
+        self.compiles.trigger()
+        return Response(status_code=204)
+
+    # --- desired state -----------------------------------------------------------------
+
+    def _state(self, client: Client) -> Any:
+        devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
+        return self.desired.client_state(client.client_id, devices)
+
+    async def _manifest_version(self, client: Client, state_digest: str) -> int:
+        """The client's manifestVersion for this state: 1 for the first, +1 whenever the
+        served state changes; persisted, so it never goes back (restarts included)."""
+        def write(conn: sqlite3.Connection) -> int:
+            conn.execute("UPDATE clients SET manifest_version = manifest_version + 1, "
+                         "manifest_state = ? WHERE client_id = ? AND "
+                         "(manifest_state != ? OR manifest_version = 0)",
+                         (state_digest, client.client_id, state_digest))
+            row = conn.execute("SELECT manifest_version FROM clients WHERE client_id = ?",
+                               (client.client_id,)).fetchone()
+            return int(row[0])
+
+        row = self.db.read(lambda conn: conn.execute(
+            "SELECT manifest_version, manifest_state FROM clients WHERE client_id = ?",
+            (client.client_id,)).fetchone())
+        if row is not None and row[0] > 0 and row[1] == state_digest:
+            return int(row[0])
+        return await self.db.write(write)
+
+    async def get_manifest(self, request: Request) -> Response:
+        client, prefix = self.scoped(request)
+        if not _accepts(request.headers.get("accept"), MANIFEST_MEDIA_TYPE):
+            raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
+                               margo_type="server-cannot-generate-response")
+        state = self._state(client)
+        version = await self._manifest_version(client, state.state_digest)
+        body = manifest_body(version, state, prefix)
+        etag = '"' + _digest(body) + '"'
+        headers = {"ETag": etag, "Cache-Control": "private"}
+        if _etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
+
+    async def get_deployment(self, request: Request) -> Response:
+        client, _ = self.scoped(request)
+        deployment_id, digest = request.path_params["deploymentId"], request.path_params["digest"]
+        self._state(client)
+        for state in self.desired.recent_states(client.client_id):
+            found = state.find(deployment_id, digest)
+            if found is not None:
+                return _immutable(request, found.data, "application/yaml", digest)
+        raise ProblemError(404, f"no deployment {deployment_id} with digest {digest} for this "
+                           "client", margo_type="deployment-not-found")
+
+    async def get_bundle(self, request: Request) -> Response:
+        client, _ = self.scoped(request)
+        digest = request.path_params["digest"]
+        self._state(client)
+        for state in self.desired.recent_states(client.client_id):
+            if state.bundle is not None and state.bundle_digest == digest:
+                return _immutable(request, state.bundle, BUNDLE_MEDIA_TYPE, digest)
+        raise ProblemError(404, f"no bundle with digest {digest} for this client",
+                           margo_type="invalid-bundle")
+
+    # --- status ------------------------------------------------------------------------
+
+    async def post_status(self, request: Request) -> Response:
+        client, _ = self.scoped(request)
+        doc = await self.json_body(request)
+        deployment_id = request.path_params["deploymentId"]
+        path_device = request.path_params.get("deviceId")
+        try:
+            status: DeploymentStatus = validate_value(doc, expect=Kind.DEPLOYMENT_STATUS)
+        except DocumentError as exc:
+            raise semantic_error(exc.problems) from None
+        if status.deployment_id != deployment_id:
+            raise ProblemError(422, "deploymentId in the body does not match the path",
+                               margo_type="semantic-error",
+                               errors=[{"field": "deploymentId", "message": "must equal the "
+                                        "deploymentId in the path"}])
+        owner = self._deployment_device(client, deployment_id)
+        if owner is None:
+            raise ProblemError(422, f"deployment {deployment_id} was never assigned to this "
+                               "client's devices", margo_type="semantic-error")
+        device_id = status.device_id or path_device or owner
+
+        def write(conn: sqlite3.Connection) -> records.StatusWrite:
+            return records.store_status(
+                conn, client_id=client.client_id, deployment_id=deployment_id,
+                device_id=device_id, state=str(status.state), document=doc,
+                digest=document_digest(doc), adopted=status.adopted_manifest_version)
+
+        result = await self.db.write(write)
+        generation = _generation(request)
+        if generation == "oct-2024":
+            return Response(status_code=201)
+        return Response(status_code=201 if result.created and generation == "rc.3" else 200)
+
+    def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
+        self._state(client)
+        for state in self.desired.recent_states(client.client_id):
+            for served in state.deployments:
+                if served.deployment_id == deployment_id:
+                    return served.device_id
+        row = self.db.read(lambda conn: conn.execute(
+            "SELECT device_id FROM statuses WHERE deployment_id = ? AND client_id = ?",
+            (deployment_id, client.client_id)).fetchone())
+        return None if row is None else (row[0] or "")
+
+    # --- rc.2 onboarding and Oct-2024 tokens -------------------------------------------
+
+    async def onboarding_certificate(self, request: Request) -> Response:
+        if self.ca_certificate is None:
+            raise ProblemError(503, "no CA certificate is configured", retry_after=60)
+        encoded = base64.b64encode(self.ca_certificate.encode()).decode()
+        return JSONResponse({"certificate": encoded})
+
+    async def onboard(self, request: Request) -> Response:
+        doc = await self.json_body(request)
+        certificate = doc.get("certificate")
+        if not isinstance(certificate, str) or not certificate.strip():
+            raise ProblemError(400, "certificate (base64 PEM) is required",
+                               margo_type="invalid-request")
+        try:
+            pem = base64.b64decode(certificate, validate=True).decode("ascii")
+        except (ValueError, UnicodeDecodeError):
+            raise ProblemError(400, "certificate is not base64-encoded PEM",
+                               margo_type="invalid-request") from None
+        if "BEGIN CERTIFICATE" not in pem:
+            raise ProblemError(400, "certificate is not a PEM certificate",
+                               margo_type="invalid-request")
+        client_id, token = self.clients.add(certificate=pem)
+        # Until request signing lands, the client authenticates with this token.
+        return JSONResponse({"clientId": client_id, "token": token}, status_code=201)
+
+    async def oauth_token(self, request: Request) -> Response:
+        form = await request.form()
+        client_id, secret = form.get("client_id"), form.get("client_secret")
+        pair = parse_basic(request.headers.get("authorization", ""))
+        if pair:
+            client_id, secret = pair
+        if form.get("grant_type") != "client_credentials":
+            return JSONResponse({"error": "unsupported_grant_type"}, status_code=400)
+        client = (self.clients.by_basic(str(client_id), str(secret))
+                  if client_id and secret else None)
+        if client is None or client.retired:
+            return JSONResponse({"error": "invalid_client"}, status_code=401,
+                                headers={"WWW-Authenticate": 'Basic realm="margo-gitops"'})
+        token, expires = await self.clients.issue_access_token(client)
+        return JSONResponse({"access_token": token, "token_type": "Bearer",
+                             "expires_in": expires}, headers={"Cache-Control": "no-store"})
+
+    async def device_capabilities(self, request: Request) -> Response:
+        """Oct-2024 `POST|PUT /device/{deviceId}/capabilities`."""
+        client = self.authenticate(request)
+        doc = await self.json_body(request)
+        await self.report_capabilities(client, request.path_params["deviceId"], doc)
+        return Response(status_code=201)
+
+
+def _generation(request: Request) -> str:
+    path = request.url.path
+    if path.startswith("/device/"):
+        return "oct-2024"
+    return "rc.2" if path.startswith("/api/v1/clients/") else "rc.3"
+
+
+def _digest(body: bytes) -> str:
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def _accepts(header: str | None, media_type: str) -> bool:
+    """Content negotiation: no Accept means the default format; otherwise some listed
+    range with q > 0 must cover the media type."""
+    if header is None or not header.strip():
+        return True
+    kind = media_type.split("/")[0]
+    for item in header.split(","):
+        parts = [p.strip() for p in item.split(";")]
+        range_ = parts[0].lower()
+        quality = 1.0
+        for param in parts[1:]:
+            if param.lower().startswith("q="):
+                try:
+                    quality = float(param[2:])
+                except ValueError:
+                    quality = 0.0
+        if quality <= 0:
+            continue
+        if range_ in (media_type, "*/*", f"{kind}/*"):
+            return True
+    return False
+
+
+def _etag_matches(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    candidates = [c.strip() for c in header.split(",")]
+    return "*" in candidates or any(c.removeprefix("W/") == etag for c in candidates)
+
+
+def _immutable(request: Request, data: bytes, media_type: str, digest: str) -> Response:
+    etag = f'"{digest}"'
+    headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Vary": "Accept-Encoding"}
+    if _etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    return Response(data, media_type=media_type, headers=headers)
+
+
+def routes(api: Api) -> list[Route]:
+    rc2 = "/api/v1/clients/{clientId}"
+    return [
+        # rc.3
+        Route("/api/v1/capabilities/{deviceId:path}", api.put_capabilities, methods=["PUT"]),
+        Route("/api/v1/capabilities/{deviceId:path}", api.delete_capabilities,
+              methods=["DELETE"]),
+        Route("/api/v1/deployments", api.get_manifest, methods=["GET"]),
+        Route("/api/v1/deployments/{deploymentId}/status", api.post_status, methods=["POST"]),
+        Route("/api/v1/deployments/{deploymentId}/{digest}", api.get_deployment,
+              methods=["GET"]),
+        Route("/api/v1/bundles/{digest}", api.get_bundle, methods=["GET"]),
+        # rc.2
+        Route("/api/v1/onboarding", api.onboard, methods=["POST"]),
+        Route("/api/v1/onboarding/certificate", api.onboarding_certificate, methods=["GET"]),
+        Route(f"{rc2}/capabilities", api.put_capabilities, methods=["POST", "PUT"]),
+        Route(f"{rc2}/capabilities/{{deviceId:path}}", api.put_capabilities,
+              methods=["POST", "PUT"]),
+        Route(f"{rc2}/capabilities/{{deviceId:path}}", api.delete_capabilities,
+              methods=["DELETE"]),
+        Route(f"{rc2}/deployments", api.get_manifest, methods=["GET"]),
+        Route(f"{rc2}/deployments/{{deploymentId}}/status", api.post_status, methods=["POST"]),
+        Route(f"{rc2}/deployment/{{deploymentId}}/status", api.post_status, methods=["POST"]),
+        Route(f"{rc2}/deployments/{{deploymentId}}/{{digest}}", api.get_deployment,
+              methods=["GET"]),
+        Route(f"{rc2}/bundles/{{digest}}", api.get_bundle, methods=["GET"]),
+        # Oct-2024 Preview Release 1
+        Route("/oauth/token", api.oauth_token, methods=["POST"]),
+        Route("/device/{deviceId:path}/capabilities", api.device_capabilities,
+              methods=["POST", "PUT"]),
+        Route("/device/{deviceId:path}/deployment/{deploymentId}/status", api.post_status,
+              methods=["POST"]),
+    ]

@@ -1,0 +1,123 @@
+"""Compiles triggered by the server: at start, on capability changes, on source changes.
+
+Triggers are debounced (a burst of capability reports from a rebooting site is one
+compile) and compiles never overlap: one background thread runs them, with its own Git
+store and compiler state, reading the capability snapshot from the database. After each
+compile the REST view is told that the branches may have changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiler.compilation import CompileReport, compile_fleet
+from compiler.gitstore import DeviceStore
+from compiler.snapshot import snapshot_from_documents
+from compiler.source import FleetSource, SourceError, load_source
+from compiler.state import CompilerState
+
+__all__ = ["CompileService", "SourceConfig"]
+
+log = logging.getLogger("margo.wfm.compiles")
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    path: Path | None  # None: no fleet source yet, devices get empty desired state
+    ref: str | None = None
+
+
+class CompileService:
+    def __init__(self, repos: Path, source: SourceConfig,
+                 documents: Callable[[], dict[str, object]],
+                 on_compiled: Callable[[CompileReport | None], None], *,
+                 debounce: float = 0.3):
+        self._repos, self._source, self._documents = repos, source, documents
+        self._on_compiled, self._debounce = on_compiled, debounce
+        self._wake = threading.Condition()
+        self._pending = False
+        self._stopping = False
+        self.last_report: CompileReport | None = None
+        self.last_error: str | None = None
+        self.compiles = 0
+        self._thread = threading.Thread(target=self._loop, name="margo-compiles", daemon=True)
+        self._thread.start()
+
+    def trigger(self) -> None:
+        with self._wake:
+            self._pending = True
+            self._wake.notify()
+
+    def wait_idle(self, timeout: float = 30) -> bool:
+        """Block until no compile is pending or running (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._wake:
+            while (self._pending or self._running) and time.monotonic() < deadline:
+                self._wake.wait(0.05)
+            return not (self._pending or self._running)
+
+    _running = False
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                self._running = True
+            time.sleep(self._debounce)  # let a burst of triggers settle
+            with self._wake:
+                self._pending = False
+            try:
+                self._compile()
+            except Exception:  # a compile failure must never take the server down
+                log.exception("compile failed")
+                self.last_error = "compile failed; see the server log"
+            finally:
+                with self._wake:
+                    self._running = False
+                    self._wake.notify_all()
+
+    def _load_source(self) -> FleetSource | None:
+        if self._source.path is None:
+            return None
+        try:
+            return load_source(self._source.path, ref=self._source.ref)
+        except SourceError as exc:
+            self.last_error = str(exc)
+            log.error("fleet source: %s", exc)
+            return None
+
+    def _compile(self) -> None:
+        source = self._load_source()
+        if source is None:
+            source = FleetSource(revision="none")
+        store = DeviceStore(self._repos)
+        state = CompilerState(self._repos / "compiler-state.sqlite")
+        try:
+            state.bind(store.identity)
+            snapshot = snapshot_from_documents(self._documents(),
+                                               trusted=state.trusted_digests())
+            report = compile_fleet(source, snapshot, store, state)
+        finally:
+            state.close()
+        self.last_report, self.compiles = report, self.compiles + 1
+        if report.errors:
+            self.last_error = "; ".join(p.format() for _, p in report.errors[:5])
+        else:
+            self.last_error = None
+        log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
+                 len(report.errors))
+        self._on_compiled(report)

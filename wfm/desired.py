@@ -1,0 +1,145 @@
+"""The REST view of the device branches: per-client manifests, YAMLs and bundles.
+
+Both transports serve the same bytes by construction: a deployment's digest is the sha256
+of the exact blob on the device's branch, and the bundle is a deterministic tar.gz of
+exactly those blobs (named `<deploymentId>.yaml` at the archive root). A client's state is
+recomputed only when the fleet's generation changes (a compile finished, a device was
+added or removed); polls in between are answered from memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from compiler.gitstore import DeviceStore
+from margo.archive import deterministic_targz
+from margo.canonical import canonical_json
+from margo.digests import digest_of
+
+__all__ = ["BUNDLE_MEDIA_TYPE", "ClientState", "DesiredState", "ServedDeployment",
+           "manifest_body"]
+
+BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedDeployment:
+    deployment_id: str
+    digest: str
+    data: bytes
+    device_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientState:
+    deployments: tuple[ServedDeployment, ...]
+    state_digest: str  # changes iff the set of (deploymentId, digest) changes
+    bundle: bytes | None
+    bundle_digest: str | None
+
+    def find(self, deployment_id: str, digest: str) -> ServedDeployment | None:
+        return next((d for d in self.deployments
+                     if d.deployment_id == deployment_id and d.digest == digest), None)
+
+
+def _deployment_id(data: bytes) -> str | None:
+    """The id of a deployment document we wrote (rc.3 `id`, Oct-2024 annotation)."""
+    try:
+        doc = yaml.load(data, Loader=_LOADER)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    found = doc.get("id") or ((doc.get("metadata") or {}).get("annotations") or {}).get("id")
+    return found if isinstance(found, str) else None
+
+
+def manifest_body(version: int, state: ClientState, prefix: str) -> bytes:
+    """The exact manifest bytes (JCS) for a client; `prefix` is `/api/v1` or the rc.2
+    `/api/v1/clients/<id>`."""
+    bundle = None
+    if state.bundle is not None and state.bundle_digest is not None:
+        bundle = {"mediaType": BUNDLE_MEDIA_TYPE, "digest": state.bundle_digest,
+                  "url": f"{prefix}/bundles/{state.bundle_digest}",
+                  "sizeBytes": len(state.bundle)}
+    deployments = [{"deploymentId": d.deployment_id, "digest": d.digest,
+                    "url": f"{prefix}/deployments/{d.deployment_id}/{d.digest}",
+                    "sizeBytes": len(d.data)} for d in state.deployments]
+    return canonical_json({"manifestVersion": version, "bundle": bundle,
+                           "deployments": deployments})
+
+
+class DesiredState:
+    """Per-client desired state, derived from the device branches and cached."""
+
+    def __init__(self, store: DeviceStore, *, history: int = 4):
+        self._store = store
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._blobs: dict[str, tuple[str, str, bytes] | None] = {}  # blob oid -> parsed
+        self._current: dict[str, tuple[int, tuple[str, ...], ClientState]] = {}
+        self._recent: dict[str, OrderedDict[str, ClientState]] = {}
+        self._history = history
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def bump(self) -> None:
+        """Something changed in the branches or device ownership: recompute on demand."""
+        with self._lock:
+            self._generation += 1
+
+    def _served(self, device_id: str) -> list[ServedDeployment]:
+        tree = self._store.tree_ids(device_id) or {}
+        if any(oid not in self._blobs for oid in tree.values()):
+            files = self._store.read_files(device_id) or {}
+            for name, oid in tree.items():
+                data = files.get(name)
+                deployment_id = _deployment_id(data) if data is not None else None
+                self._blobs[oid] = (deployment_id, digest_of(data), data) if (
+                    deployment_id and data is not None) else None
+        out = []
+        for name in sorted(tree):
+            parsed = self._blobs[tree[name]]
+            if parsed is not None:
+                out.append(ServedDeployment(parsed[0], parsed[1], parsed[2], device_id))
+        return out
+
+    def client_state(self, client_id: str, device_ids: tuple[str, ...]) -> ClientState:
+        cached = self._current.get(client_id)
+        if cached and cached[0] == self._generation and cached[1] == device_ids:
+            return cached[2]
+        generation = self._generation
+        deployments = sorted((d for device_id in device_ids for d in self._served(device_id)),
+                             key=lambda d: (d.deployment_id, d.digest))
+        refs = [[d.deployment_id, d.digest] for d in deployments]
+        state_digest = "sha256:" + hashlib.sha256(canonical_json(refs)).hexdigest()
+        previous = cached[2] if cached else None
+        if previous is not None and previous.state_digest == state_digest:
+            state = previous
+        elif deployments:
+            bundle = deterministic_targz({f"{d.deployment_id}.yaml": d.data
+                                          for d in deployments})
+            state = ClientState(tuple(deployments), state_digest, bundle, digest_of(bundle))
+        else:
+            state = ClientState((), state_digest, None, None)
+        self._current[client_id] = (generation, device_ids, state)
+        recent = self._recent.setdefault(client_id, OrderedDict())
+        recent[state.state_digest] = state
+        recent.move_to_end(state.state_digest)
+        while len(recent) > self._history:
+            recent.popitem(last=False)
+        return state
+
+    def recent_states(self, client_id: str) -> list[ClientState]:
+        """The client's current and a few previous states (a device may still be fetching
+        what the previous manifest named when a new compile lands)."""
+        return list(reversed(self._recent.get(client_id, OrderedDict()).values()))

@@ -1,0 +1,109 @@
+"""What devices report, as stored: capabilities (current + history) and deployment status
+(current + history). Functions here run inside the database's writer or reader threads."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CapabilityWrite", "DeviceRow", "StatusWrite", "client_devices", "device_documents",
+           "device_row", "forget_device", "store_capabilities", "store_status"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRow:
+    device_id: str
+    client_id: str
+    document: dict[str, Any]
+    digest: str
+    shape: str
+    reported_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class CapabilityWrite:
+    created: bool
+    changed: bool
+
+
+def device_row(conn: sqlite3.Connection, device_id: str) -> DeviceRow | None:
+    row = conn.execute("SELECT device_id, client_id, document, digest, shape, reported_at "
+                       "FROM devices WHERE device_id = ?", (device_id,)).fetchone()
+    if row is None:
+        return None
+    return DeviceRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
+
+
+def client_devices(conn: sqlite3.Connection, client_id: str) -> tuple[str, ...]:
+    rows = conn.execute("SELECT device_id FROM devices WHERE client_id = ? ORDER BY device_id",
+                        (client_id,))
+    return tuple(r[0] for r in rows)
+
+
+def device_documents(conn: sqlite3.Connection) -> dict[str, Any]:
+    """Every device's current capability document (the compiler's snapshot)."""
+    return {r[0]: json.loads(r[1]) for r in conn.execute("SELECT device_id, document "
+                                                         "FROM devices")}
+
+
+def store_capabilities(conn: sqlite3.Connection, *, client_id: str, device_id: str,
+                       document: dict[str, Any], digest: str, shape: str) -> CapabilityWrite:
+    """Upsert the current document; append to history only when its content changed."""
+    now = time.time()
+    existing = conn.execute("SELECT client_id, digest FROM devices WHERE device_id = ?",
+                            (device_id,)).fetchone()
+    if existing is not None and existing[0] != client_id:
+        raise PermissionError(device_id)
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    conn.execute(
+        "INSERT INTO devices (device_id, client_id, document, digest, shape, reported_at, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (device_id) DO UPDATE SET "
+        "document = excluded.document, digest = excluded.digest, shape = excluded.shape, "
+        "reported_at = excluded.reported_at",
+        (device_id, client_id, text, digest, shape, now, now))
+    changed = existing is None or existing[1] != digest
+    if changed:
+        conn.execute("INSERT INTO capability_reports (device_id, client_id, digest, document, "
+                     "reported_at) VALUES (?, ?, ?, ?, ?)",
+                     (device_id, client_id, digest, text, now))
+    return CapabilityWrite(created=existing is None, changed=changed)
+
+
+def forget_device(conn: sqlite3.Connection, client_id: str, device_id: str) -> bool:
+    """Remove a device (and its children) of this client; history is kept."""
+    rows = conn.execute("DELETE FROM devices WHERE client_id = ? AND (device_id = ? OR "
+                        "device_id LIKE ?)", (client_id, device_id, device_id + "/%")).rowcount
+    return rows > 0
+
+
+@dataclass(frozen=True, slots=True)
+class StatusWrite:
+    created: bool
+    changed: bool
+
+
+def store_status(conn: sqlite3.Connection, *, client_id: str, deployment_id: str,
+                 device_id: str | None, state: str, document: dict[str, Any], digest: str,
+                 adopted: int | None) -> StatusWrite:
+    """Idempotent: the same report twice changes nothing and adds no history."""
+    existing = conn.execute("SELECT digest FROM statuses WHERE deployment_id = ? AND "
+                            "client_id = ?", (deployment_id, client_id)).fetchone()
+    if existing is not None and existing[0] == digest:
+        return StatusWrite(created=False, changed=False)
+    now = time.time()
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    conn.execute(
+        "INSERT INTO statuses (deployment_id, client_id, device_id, state, document, digest, "
+        "adopted_manifest_version, reported_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (deployment_id) DO UPDATE SET device_id = excluded.device_id, "
+        "state = excluded.state, document = excluded.document, digest = excluded.digest, "
+        "adopted_manifest_version = excluded.adopted_manifest_version, "
+        "reported_at = excluded.reported_at",
+        (deployment_id, client_id, device_id, state, text, digest, adopted, now))
+    conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
+                 "document, reported_at) VALUES (?, ?, ?, ?, ?, ?)",
+                 (deployment_id, client_id, device_id, state, text, now))
+    return StatusWrite(created=existing is None, changed=True)

@@ -22,6 +22,15 @@ def register(commands: Any) -> None:
                        help="state directory: wfm.sqlite and repos/ (default: ./wfm-data)")
     serve.add_argument("--source", metavar="SRC", help="fleet source directory or Git repo")
     serve.add_argument("--ref", help="Git ref of the fleet source")
+    serve.add_argument("--watch-source", action="store_true",
+                       help="recompile when files under --source change (development)")
+    serve.add_argument("--source-url", metavar="URL",
+                       help="remote fleet source repository, fetched on verified push hooks")
+    serve.add_argument("--source-branch", default="main", metavar="BRANCH")
+    serve.add_argument("--webhook-secret-file", metavar="FILE",
+                       help="file holding the shared secret of POST /hooks/git")
+    serve.add_argument("--admin-token-file", metavar="FILE",
+                       help="file holding the operator token the /api/fleet API requires")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(run=run_serve)
 
@@ -46,10 +55,24 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref)
-    app = create_app(ServerConfig(Path(args.data).resolve(), source))
+    app = create_app(ServerConfig(
+        Path(args.data).resolve(), source, source_url=args.source_url,
+        source_branch=args.source_branch, watch_source=args.watch_source,
+        webhook_secret=_secret(args.webhook_secret_file),
+        admin_token=_secret(args.admin_token_file)))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 proxy_headers=False, server_header=False)
     return 0
+
+
+def _secret(path: str | None) -> str | None:
+    """Secrets come from files (never the command line, which other users can read)."""
+    if path is None:
+        return None
+    value = Path(path).read_text(encoding="utf-8").strip()
+    if not value:
+        raise SystemExit(f"margo serve: {path} is empty")
+    return value
 
 
 def run_clients_add(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,9 @@ from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.db import Database
 from wfm.desired import DesiredState
+from wfm.fleet_api import FleetApi
 from wfm.problems import ProblemError, problem_response
+from wfm.sources import RemoteSource, SourceWatcher
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -37,8 +40,23 @@ log = logging.getLogger("margo.wfm")
 class ServerConfig:
     data: Path
     source: SourceConfig = field(default_factory=lambda: SourceConfig(None))
+    source_url: str | None = None  # a remote fleet source, mirrored into data/source.git
+    source_branch: str = "main"
     webhook_secret: str | None = None
+    watch_source: bool = False
+    admin_token: str | None = None
     debounce: float = 0.3
+
+    @property
+    def remote(self) -> RemoteSource | None:
+        if self.source_url is None:
+            return None
+        return RemoteSource(self.source_url, self.source_branch, self.data / "source.git")
+
+    @property
+    def effective_source(self) -> SourceConfig:
+        remote = self.remote
+        return SourceConfig(remote.mirror, remote.ref) if remote else self.source
 
     @property
     def repos(self) -> Path:
@@ -74,27 +92,49 @@ async def _healthz(request: Request) -> Response:
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
+    fleet = FleetApi(api, source=config.effective_source, store=None,  # type: ignore[arg-type]
+                     admin_token=config.admin_token, remote=config.remote,
+                     webhook_secret=config.webhook_secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         config.data.mkdir(parents=True, exist_ok=True)
         db = Database(config.database)
-        desired = DesiredState(DeviceStore(config.repos))
-        compiles = CompileService(config.repos, config.source,
+        store = DeviceStore(config.repos)
+        desired = DesiredState(store)
+        compiles = CompileService(config.repos, config.effective_source,
                                   lambda: db.read(records.device_documents),
                                   lambda report: desired.bump(), debounce=config.debounce)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles)
+        fleet.store = store
         app.state.api = api
-        compiles.trigger()
+        watcher = None
+        if config.watch_source and config.source.path is not None:
+            watcher = SourceWatcher(config.source.path, compiles.trigger)
+        if config.remote is not None:
+            threading.Thread(target=_initial_fetch, args=(config.remote, compiles),
+                             daemon=True).start()
+        else:
+            compiles.trigger()
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.stop()
             compiles.stop()
             db.close()
 
     return Starlette(
-        routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api)],
+        routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes()],
         lifespan=lifespan,
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             Exception: _crash_handler},
     )
+
+
+def _initial_fetch(remote: RemoteSource, compiles: CompileService) -> None:
+    try:
+        remote.fetch()
+    except (RuntimeError, OSError) as exc:
+        log.error("initial fetch of the fleet source failed: %s", exc)
+    compiles.trigger()

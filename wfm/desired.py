@@ -35,6 +35,8 @@ class ServedDeployment:
     digest: str
     data: bytes
     device_id: str
+    intent: str | None = None
+    application_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +51,32 @@ class ClientState:
                      if d.deployment_id == deployment_id and d.digest == digest), None)
 
 
-def _deployment_id(data: bytes) -> str | None:
-    """The id of a deployment document we wrote (rc.3 `id`, Oct-2024 annotation)."""
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    deployment_id: str
+    digest: str
+    data: bytes
+    intent: str | None
+    application_id: str | None
+
+
+def _parse(data: bytes) -> _Parsed | None:
+    """What the server needs to know of a deployment document we wrote (any shape)."""
     try:
         doc = yaml.load(data, Loader=_LOADER)
     except yaml.YAMLError:
         return None
     if not isinstance(doc, dict):
         return None
-    found = doc.get("id") or ((doc.get("metadata") or {}).get("annotations") or {}).get("id")
-    return found if isinstance(found, str) else None
+    metadata = doc.get("metadata") or {}
+    annotations = metadata.get("annotations") or {}
+    deployment_id = doc.get("id") or annotations.get("id")
+    if not isinstance(deployment_id, str):
+        return None
+    intent = (metadata.get("labels") or {}).get("margo-gitops.dev/intent")
+    application = (doc.get("spec") or {}).get("applicationId") or annotations.get(
+        "applicationId")
+    return _Parsed(deployment_id, digest_of(data), data, intent, application)
 
 
 def manifest_body(version: int, state: ClientState, prefix: str) -> bytes:
@@ -83,7 +101,7 @@ class DesiredState:
         self._store = store
         self._lock = threading.Lock()
         self._generation = 0
-        self._blobs: dict[str, tuple[str, str, bytes] | None] = {}  # blob oid -> parsed
+        self._blobs: dict[str, _Parsed | None] = {}  # blob oid -> parsed document
         self._current: dict[str, tuple[int, tuple[str, ...], ClientState]] = {}
         self._recent: dict[str, OrderedDict[str, ClientState]] = {}
         self._history = history
@@ -103,15 +121,18 @@ class DesiredState:
             files = self._store.read_files(device_id) or {}
             for name, oid in tree.items():
                 data = files.get(name)
-                deployment_id = _deployment_id(data) if data is not None else None
-                self._blobs[oid] = (deployment_id, digest_of(data), data) if (
-                    deployment_id and data is not None) else None
+                self._blobs[oid] = _parse(data) if data is not None else None
         out = []
         for name in sorted(tree):
             parsed = self._blobs[tree[name]]
             if parsed is not None:
-                out.append(ServedDeployment(parsed[0], parsed[1], parsed[2], device_id))
+                out.append(ServedDeployment(parsed.deployment_id, parsed.digest, parsed.data,
+                                            device_id, parsed.intent, parsed.application_id))
         return out
+
+    def device_deployments(self, device_id: str) -> list[ServedDeployment]:
+        """What a device's branch holds now (for people: the read API, the dashboard)."""
+        return self._served(device_id)
 
     def client_state(self, client_id: str, device_ids: tuple[str, ...]) -> ClientState:
         cached = self._current.get(client_id)

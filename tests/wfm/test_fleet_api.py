@@ -1,0 +1,133 @@
+"""The read API, the push hook and source watching, against a running `margo serve`."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from serverkit import ROOT, add_client, running_server
+
+CAPS = ROOT / "examples" / "capabilities"
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True, env={"GIT_AUTHOR_NAME": "Platform", "PATH": "/usr/bin:/bin",
+                                          "GIT_AUTHOR_EMAIL": "p@example.com",
+                                          "GIT_COMMITTER_NAME": "Platform",
+                                          "GIT_COMMITTER_EMAIL": "p@example.com",
+                                          "HOME": str(cwd)}).stdout.strip()
+
+
+def caps(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((CAPS / f"{name}.json").read_text())
+    return doc
+
+
+def poll(http: httpx.Client, predicate: Any, path: str = "/api/v1/deployments") -> Any:
+    deadline = time.monotonic() + 20
+    while True:
+        body = http.get(path).json()
+        if predicate(body) or time.monotonic() > deadline:
+            return body
+        time.sleep(0.2)
+
+
+def github_push(secret: str, ref: str, after: str) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps({"ref": ref, "before": "0" * 40, "after": after, "deleted": False,
+                       "repository": {"full_name": "acme/fleet",
+                                      "clone_url": "https://example.invalid/acme/fleet.git"}}
+                      ).encode()
+    signature = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return body, {"X-GitHub-Event": "push", "X-Hub-Signature-256": signature,
+                  "X-GitHub-Delivery": "1", "Content-Type": "application/json"}
+
+
+def test_push_hook_fetches_the_configured_source_and_recompiles(tmp_path: Path) -> None:
+    work = tmp_path / "fleet"
+    shutil.copytree(ROOT / "examples" / "fleet", work)
+    git("init", "-q", "-b", "main", cwd=work)
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m", "fleet", cwd=work)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret\n")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source-url", str(work), "--source-branch", "main",
+                        "--webhook-secret-file", str(secret_file)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        first = poll(http, lambda m: len(m["deployments"]) == 1)
+        assert len(first["deployments"]) == 1
+        intent = work / "deployments" / "hello-everywhere.yaml"
+        intent.write_text(intent.read_text().replace("namespace: hello", "namespace: hi"))
+        git("commit", "-q", "-am", "rename namespace", cwd=work)
+        head = git("rev-parse", "HEAD", cwd=work)
+        body, headers = github_push("wrong", "refs/heads/main", head)
+        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 401
+        time.sleep(1)
+        assert http.get("/api/v1/deployments").json() == first  # nothing fetched
+        body, headers = github_push("s3cret", "refs/heads/other", head)
+        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
+        body, headers = github_push("s3cret", "refs/heads/main", head)
+        response = httpx.post(f"{base}/hooks/git", content=body, headers=headers)
+        assert response.status_code == 202 and response.json()["fetched"] == head
+        second = poll(http, lambda m: m["manifestVersion"] > first["manifestVersion"])
+        assert second["manifestVersion"] == first["manifestVersion"] + 1
+        assert b"namespace: hi" in http.get(second["deployments"][0]["url"]).content
+
+
+def test_watch_source_recompiles_local_edits(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source", str(tmp_path / "fleet"), "--watch-source") as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        first = poll(http, lambda m: len(m["deployments"]) == 1)
+        (tmp_path / "fleet" / "deployments" / "hello-everywhere.yaml").unlink()
+        after = poll(http, lambda m: not m["deployments"])
+        assert after["deployments"] == [] and after["bundle"] is None
+        assert after["manifestVersion"] == first["manifestVersion"] + 1
+
+
+def test_read_api_shows_devices_deployments_and_explanations(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    admin = tmp_path / "admin"
+    admin.write_text("operator-token")
+    with running_server(data, "--source", str(tmp_path / "fleet"), "--admin-token-file",
+                        str(admin)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        for name in ("k8s-cluster-gpu", "k8s-single-arm64"):
+            http.put(f"/api/v1/capabilities/{name}", json=caps(name))
+        manifest = poll(http, lambda m: len(m["deployments"]) == 5)
+        ref = next(d for d in manifest["deployments"])
+        http.post(f"/api/v1/deployments/{ref['deploymentId']}/status", json={
+            "deploymentId": ref["deploymentId"], "adoptedManifestVersion": 1,
+            "status": {"state": "failed", "error": {"code": "E1", "source": "x",
+                                                    "message": "image pull failed"}},
+            "components": [{"name": "c", "state": "failed"}]})
+        assert httpx.get(f"{base}/api/fleet/devices").status_code == 401
+        operator = {"Authorization": "Bearer operator-token"}
+        devices = httpx.get(f"{base}/api/fleet/devices", headers=operator).json()["devices"]
+        assert [d["deviceId"] for d in devices] == ["k8s-cluster-gpu", "k8s-single-arm64"]
+        assert devices[0]["deployments"] == 3
+        detail = httpx.get(f"{base}/api/fleet/devices/k8s-single-arm64", headers=operator).json()
+        vision = next(e for e in detail["eligibility"] if e["intent"] == "vision-plant-a")
+        assert vision["status"] == "not targeted"
+        assert detail["history"] and "add hello-everywhere" in detail["history"][0]["message"]
+        counts = httpx.get(f"{base}/api/fleet/deployments", headers=operator).json()
+        assert counts["total"] == 5
+        assert counts["byState"] == {"failed": 1, "pending": 4}
+        assert sum(sum(v.values()) for v in counts["byIntent"].values()) == 5
+        missing = httpx.get(f"{base}/api/fleet/devices/nope", headers=operator)
+        assert missing.status_code == 404

@@ -1,0 +1,162 @@
+"""The read API for people and tools (`/api/fleet/...`) and the Git-hosting hook.
+
+Devices with their capabilities, what their branch holds, the last status of every
+deployment per component, eligibility per intent with every failing clause, and the
+branch history; deployment counts per state, rolled up per intent and application.
+When the server has an operator token (`--admin-token`), these endpoints require it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import sqlite3
+from collections import Counter, defaultdict
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from compiler.explain import explain_device
+from compiler.gitstore import DeviceStore
+from compiler.snapshot import snapshot_from_documents
+from compiler.source import SourceError, load_source
+from wfm import records
+from wfm.api import Api
+from wfm.compiles import SourceConfig
+from wfm.problems import ProblemError
+from wfm.sources import RemoteSource
+from wfm.webhooks import WebhookError, verify_push
+
+__all__ = ["FleetApi"]
+
+
+def _statuses(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+    rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at "
+                        "FROM statuses")
+    return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
+                   "reportedAt": r[4]} for r in rows}
+
+
+class FleetApi:
+    def __init__(self, api: Api, *, source: SourceConfig, store: DeviceStore,
+                 admin_token: str | None = None, remote: RemoteSource | None = None,
+                 webhook_secret: str | None = None):
+        self.api, self.source, self.store = api, source, store
+        self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
+
+    def _authorize(self, request: Request) -> None:
+        if self.admin_token is None:
+            return
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip(),
+                                                                 self.admin_token):
+            raise ProblemError(401, "the operator token is required",
+                               headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
+
+    def _device_summary(self, row: records.DeviceRow,
+                        statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        deployments = self.api.desired.device_deployments(row.device_id)
+        states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
+                         for d in deployments)
+        properties = row.document.get("properties", {})
+        return {"deviceId": row.device_id, "clientId": row.client_id, "shape": row.shape,
+                "vendor": properties.get("vendor"), "reportedAt": row.reported_at,
+                "deployments": len(deployments), "states": dict(sorted(states.items())),
+                "labels": row.document.get("labels", {})}
+
+    def _rows(self) -> list[records.DeviceRow]:
+        ids = self.api.db.read(lambda c: [r[0] for r in c.execute(
+            "SELECT device_id FROM devices ORDER BY device_id")])
+        rows = [self.api.db.read(lambda c, i=i: records.device_row(c, i)) for i in ids]
+        return [r for r in rows if r is not None]
+
+    async def devices(self, request: Request) -> Response:
+        self._authorize(request)
+        statuses = self.api.db.read(_statuses)
+        return JSONResponse({"devices": [self._device_summary(r, statuses)
+                                         for r in self._rows()]})
+
+    def _eligibility(self, device_id: str) -> list[dict[str, Any]] | str:
+        if self.source.path is None:
+            return "no fleet source is configured"
+        try:
+            source = load_source(self.source.path, ref=self.source.ref)
+        except SourceError as exc:
+            return str(exc)
+        snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
+        if device_id not in snapshot.devices:
+            return "the device's capabilities are not valid"
+        return [e.to_json() for e in explain_device(source, snapshot, device_id)]
+
+    async def device(self, request: Request) -> Response:
+        self._authorize(request)
+        device_id = request.path_params["deviceId"]
+        row = self.api.db.read(lambda c: records.device_row(c, device_id))
+        if row is None:
+            raise ProblemError(404, f"no device {device_id!r}", margo_type="device-not-found")
+        statuses = self.api.db.read(_statuses)
+        deployments = []
+        for served in self.api.desired.device_deployments(device_id):
+            status = statuses.get(served.deployment_id)
+            deployments.append({
+                "deploymentId": served.deployment_id, "intent": served.intent,
+                "applicationId": served.application_id, "digest": served.digest,
+                "state": status["state"] if status else "pending",
+                "components": status["document"].get("components", []) if status else [],
+                "error": status["document"].get("status", {}).get("error") if status else None,
+                "reportedAt": status["reportedAt"] if status else None})
+        history = [{"commit": c.id, "time": c.timestamp, "message": c.message}
+                   for c in self.store.history(device_id, limit=20)]
+        eligibility = await run_in_threadpool(self._eligibility, device_id)
+        return JSONResponse({**self._device_summary(row, statuses),
+                             "capabilities": row.document, "deployments": deployments,
+                             "eligibility": eligibility, "history": history})
+
+    async def deployments(self, request: Request) -> Response:
+        self._authorize(request)
+        statuses = self.api.db.read(_statuses)
+        by_state: Counter[str] = Counter()
+        by_intent: dict[str, Counter[str]] = defaultdict(Counter)
+        by_application: dict[str, Counter[str]] = defaultdict(Counter)
+        for row in self._rows():
+            for served in self.api.desired.device_deployments(row.device_id):
+                state = statuses.get(served.deployment_id, {}).get("state", "pending")
+                by_state[state] += 1
+                by_intent[served.intent or "?"][state] += 1
+                by_application[served.application_id or "?"][state] += 1
+        return JSONResponse({
+            "total": sum(by_state.values()), "byState": dict(sorted(by_state.items())),
+            "byIntent": {k: dict(sorted(v.items())) for k, v in sorted(by_intent.items())},
+            "byApplication": {k: dict(sorted(v.items()))
+                              for k, v in sorted(by_application.items())}})
+
+    async def git_hook(self, request: Request) -> Response:
+        if self.remote is None or not self.webhook_secret:
+            raise ProblemError(404, "this server has no webhook-triggered fleet source")
+        body = await request.body()
+        try:
+            event = verify_push(body, request.headers, self.webhook_secret)
+        except WebhookError as exc:
+            raise ProblemError(exc.status, str(exc)) from None
+        if event is None:
+            return Response(status_code=204)
+        if event.ref != self.remote.ref:
+            return JSONResponse({"ignored": f"push to {event.ref}, not {self.remote.ref}"},
+                                status_code=202)
+        try:
+            commit = await run_in_threadpool(self.remote.fetch)
+        except RuntimeError as exc:
+            raise ProblemError(502, str(exc), retry_after=30) from None
+        self.api.compiles.trigger()
+        return JSONResponse({"fetched": commit, "compiling": True}, status_code=202)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/fleet/devices", self.devices, methods=["GET"]),
+            Route("/api/fleet/devices/{deviceId:path}", self.device, methods=["GET"]),
+            Route("/api/fleet/deployments", self.deployments, methods=["GET"]),
+            Route("/hooks/git", self.git_hook, methods=["POST"]),
+        ]

@@ -1,0 +1,611 @@
+"""Git smart-HTTP hosting of each device's desired state, read-only, one branch per device.
+
+`git_app` is an ASGI app the fleet server mounts at ``/git``. For a device ``D`` (ids may
+contain ``/``, e.g. ``gw1/child``) it serves exactly two endpoints of the smart protocol::
+
+    GET  /devices/D.git/info/refs?service=git-upload-pack
+    POST /devices/D.git/git-upload-pack
+
+Everything else (``git-receive-pack``: devices never write; dumb-HTTP paths such as
+``info/refs`` without ``?service`` or ``objects/...``, which would list every device's refs)
+is answered with an ``application/problem+json`` 403 or 404. Every device request first
+calls ``authorize(request, D)``; False gives 401 with ``WWW-Authenticate: Basic`` so stock
+Git asks for / sends credentials. Only an authorized caller learns whether ``D`` has a branch
+(404 otherwise). The hook must not read the request body: the body belongs to Git.
+
+How one device is confined to its branch in the SHARED repository
+(``<repos>/fleet-state.git``, see `compiler.gitstore`):
+
+- Refs. ``git http-backend`` runs per request with configuration passed in the environment
+  (``GIT_CONFIG_COUNT``): ``uploadpack.hideRefs=refs/`` then
+  ``uploadpack.hideRefs=!refs/heads/devices/<encoded D>`` (last match wins), so both protocol
+  v0 advertisements and v2 ``ls-refs`` list only the device's branch.
+- Objects, protocol v0/v1. ``upload-pack`` only accepts ``want`` lines naming advertised tips
+  (the SHA1-in-want options are forced off), so other devices' objects cannot be fetched.
+- Objects, protocol v2. MEASURED (git 2.39): a v2 ``fetch`` accepts ANY object id as a
+  ``want``, whatever ``uploadpack.allowAnySHA1InWant`` and ``hideRefs`` say (gitprotocol-v2:
+  "Wants can be anything and are not limited to advertised objects"). Hidden refs alone would
+  therefore let a device that learnt another device's commit id fetch that state. So v2
+  request bodies are parsed here as they stream through (decompressing ``gzip``), and the
+  request is refused with 403 before Git sees a ``want`` that is not a commit on the device's
+  branch (its tip or an ancestor) or the tip's tree or one of its entries (what a partial
+  clone fetches lazily). Only the ``ls-refs`` and ``fetch`` commands are let through;
+  ``want-ref`` and ``deepen-not`` (which name refs) are refused.
+- What remains: a ``have`` line is acknowledged when the object exists anywhere in the shared
+  repository, so a device can test whether an object id it already knows exists (v0 and v2
+  alike). It cannot obtain any content that way; separate repositories would be needed to
+  close this, which `compiler.gitstore` rejected for its cost.
+
+HEAD. Each request runs against a throw-away "view" directory holding only ``HEAD`` (a
+symbolic ref to the device's branch) and a ``commondir`` file naming the shared repository
+(the documented layout of linked work trees, gitrepository-layout(5)): refs, objects and
+configuration come from the shared repository, HEAD is the device's own. So HEAD is
+advertised as a symref to the device branch (v0 ``symref=`` capability, v2 ``symref-target``)
+and a plain ``git clone URL`` checks out the device's branch (local branch
+``devices/<encoded D>``); ``git clone --branch devices/<encoded D> URL`` and
+``git fetch URL refs/heads/devices/<encoded D>`` work as well. The shared repository's own
+HEAD is never consulted, and no file is ever written into it.
+
+Process handling: the request body is streamed into ``http-backend``'s stdin and its output
+is streamed back (packs are never held in memory); no shell is involved and inherited
+``GIT_*`` variables are dropped (except ``GIT_TRACE*``). The process group is killed when the
+client disconnects or after `PROCESS_TIMEOUT` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import inspect
+import logging
+import os
+import re
+import signal
+import tempfile
+import zlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pygit2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, Router
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from compiler.gitstore import device_ref
+
+__all__ = [
+    "MAX_V2_REQUEST_BYTES",
+    "PROCESS_TIMEOUT",
+    "REALM",
+    "Authorize",
+    "git_app",
+]
+
+#: A hook deciding whether the request may read device ``device_id``'s state.
+Authorize = Callable[[Request, str], Awaitable[bool] | bool]
+
+#: Seconds one Git exchange may take before its processes are killed.
+PROCESS_TIMEOUT = 300.0
+#: Most (decompressed) bytes of a protocol-v2 request we parse; legitimate ones are far smaller.
+MAX_V2_REQUEST_BYTES = 64 * 1024 * 1024
+#: The Basic-auth realm announced with 401 answers.
+REALM = "margo-gitops"
+
+_UPLOAD_PACK = "git-upload-pack"
+_CHUNK = 64 * 1024
+_MAX_CGI_HEAD = 64 * 1024
+_STDERR_KEPT = 8 * 1024
+_VIEW_NAME = "device.git"
+_DEVICE = "/devices/{device:path}.git"
+_HEX4 = re.compile(rb"[0-9a-fA-F]{4}")
+_OID_HEX = re.compile(rb"[0-9a-fA-F]{40}")
+_V2_COMMANDS = frozenset({b"ls-refs", b"fetch"})
+_REFUSED_V2_ARGS = (b"want-ref ", b"deepen-not ")
+_GZIP_ENCODINGS = frozenset({"gzip", "x-gzip"})
+# Settings every exchange runs with, after the per-device hideRefs pair (see module docstring).
+_FORCED_CONFIG: tuple[tuple[str, str], ...] = (
+    ("uploadpack.allowAnySHA1InWant", "false"),
+    ("uploadpack.allowReachableSHA1InWant", "false"),
+    ("uploadpack.allowTipSHA1InWant", "false"),
+    ("uploadpack.allowRefInWant", "false"),
+    ("transfer.advertiseObjectInfo", "false"),
+    ("http.uploadpack", "true"),
+    ("http.receivepack", "false"),
+    ("http.getanyfile", "false"),
+)
+
+_log = logging.getLogger(__name__)
+
+
+def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
+            git: str = "git") -> ASGIApp:
+    """The ASGI app serving every device's branch of `repository` (mount it at ``/git``).
+
+    `repository` is the shared bare repository (``<repos>/fleet-state.git``); `git` is the
+    program run as ``<git> http-backend``.
+    """
+    server = _GitServer(Path(repository).absolute(), authorize, git)
+    return Router(routes=[
+        Route(f"{_DEVICE}/info/refs", server.info_refs, methods=None),
+        Route(f"{_DEVICE}/{_UPLOAD_PACK}", server.upload_pack, methods=None),
+        Route(f"{_DEVICE}/git-receive-pack", _read_only, methods=None),
+        Route("/{path:path}", _not_served, methods=None),
+    ])
+
+
+# --- routing ------------------------------------------------------------------------------
+
+
+class _GitServer:
+    """The two endpoints; everything they need to start one `_BackendExchange`."""
+
+    def __init__(self, repository: Path, authorize: Authorize, git: str) -> None:
+        self.repository, self.authorize, self.git = repository, authorize, git
+
+    async def info_refs(self, request: Request) -> Response:
+        """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
+        if request.method != "GET":
+            return _method_not_allowed("GET")
+        service = request.query_params.get("service")
+        if service != _UPLOAD_PACK:
+            return _read_only(request) if service else _dumb_refused()
+        return await self._serve(request, "info/refs", query="service=" + _UPLOAD_PACK)
+
+    async def upload_pack(self, request: Request) -> Response:
+        """One upload-pack exchange (a negotiation round or the pack itself)."""
+        if request.method != "POST":
+            return _method_not_allowed("POST")
+        return await self._serve(request, _UPLOAD_PACK, query="")
+
+    async def _serve(self, request: Request, service: str, *, query: str) -> Response:
+        """Authorize, then 404 for devices without a branch, else hand over to Git."""
+        device_id = request.path_params["device"]
+        if not await _call_authorize(self.authorize, request, device_id):
+            return _problem(401, f"credentials for device {device_id!r} are required",
+                            headers={"WWW-Authenticate": f'Basic realm="{REALM}"'})
+        try:
+            ref = device_ref(device_id)
+        except ValueError:
+            return _problem(404, f"{device_id!r} is not a device id")
+        tip = await asyncio.to_thread(_branch_tip, self.repository, ref)
+        if tip is None:
+            return _problem(404, f"device {device_id!r} has no desired state yet")
+        protocol = _protocol_version(request.headers.get("git-protocol", ""))
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() not in _GZIP_ENCODINGS:
+            return _problem(415, f"request bodies may only be gzip-encoded, not {encoding!r}")
+        gate = None
+        if request.method == "POST" and protocol == 2:
+            gate = _WantGate(self.repository, tip, gzipped=encoding is not None)
+        return _BackendExchange(_CgiRequest(
+            git=self.git, repository=self.repository, ref=ref, device_id=device_id,
+            service=service, method=request.method, query=query, protocol=protocol,
+            content_type=request.headers.get("content-type"),
+            content_length=request.headers.get("content-length"),
+            content_encoding=encoding, gate=gate))
+
+
+async def _call_authorize(authorize: Authorize, request: Request, device_id: str) -> bool:
+    """Accept both sync and async hooks; anything but True is a refusal."""
+    verdict = authorize(request, device_id)
+    if inspect.isawaitable(verdict):
+        verdict = await verdict
+    return verdict is True
+
+
+def _branch_tip(repository: Path, ref: str) -> str | None:
+    """The device branch's commit id, None without a branch (or without a repository yet:
+    the first compile creates it)."""
+    try:
+        found = pygit2.Repository(str(repository)).references.get(ref)
+        return None if found is None else str(found.peel(pygit2.Commit).id)
+    except (pygit2.GitError, KeyError, ValueError):
+        return None
+
+
+def _protocol_version(header: str) -> int:
+    """The version Git would pick from a ``Git-Protocol`` value (the highest known
+    ``version=N`` item); we pass Git only this normalised value, so what we parse as v2 is
+    exactly what Git parses as v2."""
+    versions = [0]
+    for item in header.split(":"):
+        key, _, value = item.partition("=")
+        if key == "version" and value in ("1", "2"):
+            versions.append(int(value))
+    return max(versions)
+
+
+def _read_only(_request: Request) -> Response:
+    return _problem(403, "device repositories are read-only: git-receive-pack is not served")
+
+
+def _dumb_refused() -> Response:
+    return _problem(403, "only Git's smart HTTP protocol is served "
+                         "(info/refs?service=git-upload-pack)")
+
+
+def _not_served(_request: Request) -> Response:
+    return _problem(404, "not a Git endpoint of this server (clone "
+                         "/git/devices/<device id>.git)")
+
+
+def _method_not_allowed(allowed: str) -> Response:
+    return _problem(405, f"use {allowed} here", headers={"Allow": allowed})
+
+
+def _problem(status: int, detail: str, *, headers: Mapping[str, str] | None = None) -> Response:
+    """An RFC 9457 problem response with the plain ``about:blank`` type."""
+    body = {"type": "about:blank", "title": http.HTTPStatus(status).phrase, "status": status,
+            "detail": detail}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}),
+                        media_type="application/problem+json")
+
+
+# --- protocol v2 request inspection -------------------------------------------------------
+
+
+class _Refused(Exception):
+    """A v2 request Git must not see; `status` and the message become the problem answer."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
+class _PktLines:
+    """Incremental pkt-line splitter: feed any chunking, get complete payloads back.
+
+    Stricter than Git (which dies on the same input), never more lenient: a length must be
+    four hex digits, 0000/0001/0002 are the special packets, 0003 and lengths beyond 65520
+    are malformed.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The payloads completed by `data` (special packets are skipped)."""
+        self._buffer += data
+        while len(self._buffer) >= 4:
+            head = bytes(self._buffer[:4])
+            if not _HEX4.fullmatch(head):
+                raise _Refused(400, "malformed pkt-line in the request")
+            length = int(head, 16)
+            if length in (0, 1, 2):
+                del self._buffer[:4]
+                continue
+            if length == 3 or length > 65520:
+                raise _Refused(400, "malformed pkt-line length in the request")
+            if len(self._buffer) < length:
+                return
+            payload = bytes(self._buffer[4:length])
+            del self._buffer[:length]
+            yield payload
+
+
+class _Inflater:
+    """Streaming inverse of the request's Content-Encoding, in bounded pieces.
+
+    Like ``git http-backend`` (``inflateInit2(.., 15 + 32)``) it accepts gzip and zlib
+    headers and ignores anything after the end of the compressed stream.
+    """
+
+    def __init__(self, gzipped: bool) -> None:
+        self._inflate = zlib.decompressobj(15 + 32) if gzipped else None
+        self.total = 0
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Decompressed pieces of at most `_CHUNK` bytes; refuses oversized requests."""
+        for piece in self._pieces(data):
+            self.total += len(piece)
+            if self.total > MAX_V2_REQUEST_BYTES:
+                raise _Refused(413, f"protocol v2 requests are limited to "
+                                    f"{MAX_V2_REQUEST_BYTES} bytes")
+            yield piece
+
+    def _pieces(self, data: bytes) -> Iterator[bytes]:
+        if self._inflate is None:
+            yield data
+            return
+        pending = data
+        try:
+            while not self._inflate.eof:
+                piece = self._inflate.decompress(pending, _CHUNK)
+                yield piece
+                pending = self._inflate.unconsumed_tail
+                if not pending and len(piece) < _CHUNK:
+                    return
+        except zlib.error as exc:
+            raise _Refused(400, f"the gzip-encoded request is corrupt: {exc}") from None
+
+
+class _WantGate:
+    """Lets a protocol-v2 request through only if every object it wants is the device's.
+
+    Why: v2 ``fetch`` serves any object id (see the module docstring). Each chunk is checked
+    before it is forwarded, so Git never receives a complete forbidden line; Git does not
+    answer before the request's final flush, which lies in or after that chunk.
+    """
+
+    def __init__(self, repository: Path, tip: str, *, gzipped: bool) -> None:
+        self.repository, self.tip = repository, tip
+        self._inflater = _Inflater(gzipped)
+        self._lines = _PktLines()
+
+    async def check(self, chunk: bytes) -> None:
+        """Raise `_Refused` if `chunk` completes a line Git must not see."""
+        wants: set[str] = set()
+        for piece in self._inflater.feed(chunk):
+            for line in self._lines.feed(piece):
+                wants |= _wanted(line)
+        wants.discard(self.tip)
+        if wants:
+            foreign = await asyncio.to_thread(_foreign_objects, self.repository, self.tip, wants)
+            if foreign:
+                raise _Refused(403, f"object {min(foreign)} is not part of this device's "
+                                    f"state")
+
+
+def _wanted(line: bytes) -> set[str]:
+    """The object id a v2 request line wants (if any); refuses commands and arguments that
+    could reach beyond the device's branch."""
+    if line.endswith(b"\n"):
+        line = line[:-1]  # Git's PACKET_READ_CHOMP_NEWLINE
+    if line.startswith(b"command=") and line[len(b"command="):] not in _V2_COMMANDS:
+        raise _Refused(403, f"protocol v2 {line.decode('ascii', 'replace')!r} is not served")
+    if line.startswith(_REFUSED_V2_ARGS):
+        raise _Refused(403, f"{line.split(b' ')[0].decode()!r} is not served")
+    if not line.startswith(b"want "):
+        return set()
+    oid = line[5:45]  # Git's get_oid_hex reads 40 hex digits of either case, ignores the rest
+    if not _OID_HEX.fullmatch(oid):
+        raise _Refused(400, "malformed want line in the request")
+    return {oid.decode("ascii").lower()}
+
+
+def _foreign_objects(repository: Path, tip: str, wants: Iterable[str]) -> set[str]:
+    """The wanted ids that are neither commits on the branch ending at `tip` nor the tip's
+    tree or one of its (flat) entries. Runs in a worker thread with its own Repository."""
+    repo = pygit2.Repository(str(repository))
+    tip_oid = pygit2.Oid(hex=tip)
+    tree = repo[tip_oid].peel(pygit2.Tree)
+    current = {str(tree.id)} | {str(entry.id) for entry in tree}
+    foreign = set()
+    for want in wants:
+        if want in current:
+            continue
+        found = repo.get(want)
+        if not isinstance(found, pygit2.Commit) or not repo.descendant_of(tip_oid, found.id):
+            foreign.add(want)
+    return foreign
+
+
+# --- running git http-backend -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _CgiRequest:
+    """Everything one ``git http-backend`` run needs from the HTTP request."""
+
+    git: str
+    repository: Path
+    ref: str
+    device_id: str
+    service: str
+    method: str
+    query: str
+    protocol: int
+    content_type: str | None
+    content_length: str | None
+    content_encoding: str | None
+    gate: _WantGate | None
+
+
+class _ClientGone(Exception):
+    """The client disconnected; there is nobody left to answer."""
+
+
+class _BackendExchange(Response):
+    """Runs ``git http-backend`` for one request, streaming both ways.
+
+    A Response subclass because it needs the raw ASGI channel: the request body goes to Git
+    while it arrives, Git's output goes out while it is produced, and a disconnect must be
+    noticed while Git is still working.
+    """
+
+    def __init__(self, cgi: _CgiRequest) -> None:
+        super().__init__(status_code=200)
+        self.cgi = cgi
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        with tempfile.TemporaryDirectory(prefix="margo-githttp-") as root:
+            view_root = Path(root)
+            _make_view(view_root, self.cgi.repository, self.cgi.ref)
+            process = await _spawn(self.cgi, view_root)
+            try:
+                async with asyncio.timeout(PROCESS_TIMEOUT):
+                    await _exchange(self.cgi, process, scope, receive, tracking_send)
+            except TimeoutError:
+                _log.warning("git %s for device %r killed after %.0f s", self.cgi.service,
+                             self.cgi.device_id, PROCESS_TIMEOUT)
+                if not started:
+                    await _problem(504, "Git took too long")(scope, receive, send)
+            except _ClientGone:
+                _log.info("client of device %r went away during git %s", self.cgi.device_id,
+                          self.cgi.service)
+            finally:
+                await _reap(process)
+
+
+def _make_view(root: Path, repository: Path, ref: str) -> Path:
+    """``<root>/device.git``: HEAD -> the device branch, everything else from `repository`."""
+    view = root / _VIEW_NAME
+    view.mkdir()
+    (view / "HEAD").write_text(f"ref: {ref}\n", encoding="ascii")
+    (view / "commondir").write_text(f"{repository}\n", encoding="utf-8")
+    return view
+
+
+def _cgi_environment(cgi: _CgiRequest, view_root: Path) -> dict[str, str]:
+    """Our environment without GIT_* (which could redirect or reconfigure Git; traces are
+    kept for debugging) plus the CGI variables and this device's configuration."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GIT_") or k.startswith("GIT_TRACE")}
+    env.update(GIT_PROJECT_ROOT=str(view_root), GIT_HTTP_EXPORT_ALL="1",
+               PATH_INFO=f"/{_VIEW_NAME}/{cgi.service}", REQUEST_METHOD=cgi.method,
+               QUERY_STRING=cgi.query, GATEWAY_INTERFACE="CGI/1.1",
+               REMOTE_USER=cgi.device_id)
+    optional = {"CONTENT_TYPE": cgi.content_type, "CONTENT_LENGTH": cgi.content_length,
+                "HTTP_CONTENT_ENCODING": cgi.content_encoding,
+                "GIT_PROTOCOL": f"version={cgi.protocol}" if cgi.protocol else None}
+    env.update({k: v for k, v in optional.items() if v is not None})
+    config = [("uploadpack.hideRefs", "refs/"), ("uploadpack.hideRefs", f"!{cgi.ref}"),
+              *_FORCED_CONFIG]
+    env["GIT_CONFIG_COUNT"] = str(len(config))
+    for i, (key, value) in enumerate(config):
+        env[f"GIT_CONFIG_KEY_{i}"], env[f"GIT_CONFIG_VALUE_{i}"] = key, value
+    return env
+
+
+async def _spawn(cgi: _CgiRequest, view_root: Path) -> asyncio.subprocess.Process:
+    """Start ``git http-backend`` in its own process group (so `_reap` also ends the
+    ``upload-pack`` and ``pack-objects`` it starts)."""
+    return await asyncio.create_subprocess_exec(
+        cgi.git, "http-backend", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=_cgi_environment(cgi, view_root), cwd=view_root, start_new_session=True,
+        limit=_MAX_CGI_HEAD)
+
+
+async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope: Scope,
+                    receive: Receive, send: Send) -> None:
+    """Feed the body, relay Git's CGI answer; a refused v2 request is answered by us."""
+    assert process.stdin and process.stdout and process.stderr
+    stderr = asyncio.create_task(_collect_stderr(process.stderr))
+    feeder = asyncio.create_task(_feed(receive, process.stdin, cgi))
+    try:
+        try:
+            status, headers = await _read_cgi_head(process.stdout)
+            await feeder
+        except _Refused as refusal:
+            _kill(process)
+            _log.warning("refused git request of device %r: %s", cgi.device_id, refusal)
+            await _problem(refusal.status, str(refusal))(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        if await _pump(process.stdout, receive, send):
+            await process.wait()
+    finally:
+        feeder.cancel()
+        await _log_stderr(cgi, stderr, process)
+
+
+async def _feed(receive: Receive, stdin: asyncio.StreamWriter, cgi: _CgiRequest) -> None:
+    """Copy the request body into Git's stdin as it arrives, each chunk after the v2 gate
+    passed it; stdin is closed only after a complete, accepted body."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        if cgi.gate is not None:
+            await cgi.gate.check(chunk)
+        if chunk:
+            try:
+                stdin.write(chunk)
+                await stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                return  # Git stopped reading: its own answer says why
+        if not message.get("more_body", False):
+            break
+    stdin.close()
+
+
+async def _read_cgi_head(stdout: asyncio.StreamReader) -> tuple[int, list[tuple[bytes, bytes]]]:
+    """Parse the CGI header block: ``Status:`` becomes the status code, the rest are passed
+    on as response headers."""
+    status, headers = 200, []
+    while True:
+        try:
+            line = await stdout.readuntil(b"\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            raise _Refused(502, "git http-backend gave no valid CGI response") from None
+        line = line.rstrip(b"\r\n")
+        if not line:
+            return status, headers
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip()
+        if name == b"status":
+            status = int(value.split()[0]) if value[:3].isdigit() else 502
+        elif name:
+            headers.append((name, value))
+
+
+async def _pump(stdout: asyncio.StreamReader, receive: Receive, send: Send) -> bool:
+    """Relay Git's output; False if the client disconnected first (Git is then killed)."""
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        while True:
+            read = asyncio.ensure_future(stdout.read(_CHUNK))
+            await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                read.cancel()
+                return False
+            chunk = read.result()
+            if not chunk:
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+    finally:
+        gone.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (any leftover body messages are dropped)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collect_stderr(stderr: asyncio.StreamReader) -> bytes:
+    """Git's diagnostics, the first `_STDERR_KEPT` bytes kept; read to the end so a chatty
+    Git never blocks on a full pipe."""
+    kept = bytearray()
+    while chunk := await stderr.read(_CHUNK):
+        kept += chunk[: max(0, _STDERR_KEPT - len(kept))]
+    return bytes(kept)
+
+
+async def _log_stderr(cgi: _CgiRequest, stderr: asyncio.Task[bytes],
+                      process: asyncio.subprocess.Process) -> None:
+    """Log what Git said on stderr (refusals like "not our ref" land here)."""
+    if process.returncode is None:
+        stderr.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        text = (await stderr).decode("utf-8", "replace").strip()
+        if text:
+            _log.warning("git %s for device %r: %s", cgi.service, cgi.device_id, text)
+
+
+def _kill(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the whole process group while its leader is unreaped (so the id is ours)."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+async def _reap(process: asyncio.subprocess.Process) -> None:
+    """Kill the Git processes unless they finished, and wait for the leader."""
+    _kill(process)
+    with contextlib.suppress(ProcessLookupError):
+        await asyncio.shield(process.wait())

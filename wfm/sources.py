@@ -1,0 +1,78 @@
+"""Where the fleet source comes from, and what makes the server recompile it.
+
+* a local directory or repository (`--source`), optionally watched (`--watch-source`):
+  edits recompile within a second, for development;
+* a remote repository (`--source-url`, `--source-branch`) mirrored into
+  `<data>/source.git`: a verified push webhook (`POST /hooks/git`) fetches it and
+  recompiles. The webhook is only a trigger — the server fetches its *configured* URL,
+  never one taken from the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["RemoteSource", "SourceWatcher"]
+
+log = logging.getLogger("margo.wfm.sources")
+
+
+@dataclass(frozen=True)
+class RemoteSource:
+    url: str
+    branch: str
+    mirror: Path  # <data>/source.git
+
+    @property
+    def ref(self) -> str:
+        return f"refs/heads/{self.branch}"
+
+    def fetch(self, *, timeout: float = 300) -> str:
+        """Fetch the branch into the mirror (created on first use); return the commit id."""
+        if not self.mirror.exists():
+            subprocess.run(["git", "init", "-q", "--bare", str(self.mirror)], check=True,
+                           timeout=60, env=_git_env())
+        result = subprocess.run(
+            ["git", "--git-dir", str(self.mirror), "fetch", "--quiet", "--no-tags",
+             "--prune", "--", self.url, f"+{self.ref}:{self.ref}"],
+            capture_output=True, text=True, timeout=timeout, env=_git_env(), check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"fetching {self.url} {self.branch} failed: "
+                               f"{result.stderr.strip()}")
+        head = subprocess.run(["git", "--git-dir", str(self.mirror), "rev-parse", self.ref],
+                              capture_output=True, text=True, check=True, env=_git_env())
+        return head.stdout.strip()
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    return env
+
+
+class SourceWatcher:
+    """Calls `on_change` when files under a directory change (watchfiles, debounced)."""
+
+    def __init__(self, directory: Path, on_change: Callable[[], None]):
+        self._directory, self._on_change = directory, on_change
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="margo-source-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from watchfiles import watch
+
+        for _changes in watch(self._directory, stop_event=self._stop, debounce=200, step=20):
+            log.info("fleet source changed; recompiling")
+            self._on_change()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -10,7 +10,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from margo_cli import compile_command, match_command, serve_command, validate_command
+from margo_cli import (
+    compile_command,
+    match_command,
+    serve_command,
+    status_command,
+    validate_command,
+)
 
 __all__ = ["main"]
 
@@ -25,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     match_command.register(commands)
     compile_command.register(commands)
     serve_command.register(commands)
+    status_command.register(commands)
     return parser
 
 

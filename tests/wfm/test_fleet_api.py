@@ -7,6 +7,7 @@ import hmac
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -131,3 +132,11 @@ def test_read_api_shows_devices_deployments_and_explanations(tmp_path: Path) -> 
         assert sum(sum(v.values()) for v in counts["byIntent"].values()) == 5
         missing = httpx.get(f"{base}/api/fleet/devices/nope", headers=operator)
         assert missing.status_code == 404
+        table = subprocess.run([sys.executable, "-m", "margo_cli.main", "status", "--url", base,
+                                "--token-file", str(admin)], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+        assert "k8s-cluster-gpu" in table and "failed=1" in table
+        one = subprocess.run([sys.executable, "-m", "margo_cli.main", "status", "--url", base,
+                              "--token-file", str(admin), "--device", "k8s-single-arm64"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        assert "vision-plant-a: not targeted" in one

@@ -1,0 +1,89 @@
+"""`margo status`: the fleet server's read API as tables, for people at a terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("status", help="show devices and deployments of a server")
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    parser.add_argument("--token-file", metavar="FILE", help="operator token, if required")
+    parser.add_argument("--device", metavar="ID", help="one device in detail")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON")
+    parser.set_defaults(run=run)
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _get(args: argparse.Namespace, path: str) -> Any:
+    headers = {}
+    if args.token_file:
+        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+    response = httpx.get(args.url.rstrip("/") + path, headers=headers, timeout=30)
+    if response.status_code != 200:
+        detail = response.json().get("detail") if response.headers.get(
+            "content-type", "").endswith("json") else response.text
+        raise RuntimeError(f"{path}: {response.status_code} {detail}")
+    return response.json()
+
+
+def _device(args: argparse.Namespace) -> str:
+    detail = _get(args, f"/api/fleet/devices/{args.device}")
+    if args.json:
+        return json.dumps(detail, indent=2)
+    out = [f"device {detail['deviceId']} (client {detail['clientId']}, {detail['shape']} "
+           f"capabilities)", ""]
+    out.append(_table([[d["intent"] or "?", d["applicationId"] or "?", d["state"],
+                        ", ".join(f"{c['name']}={c['state']}" for c in d["components"]) or "-",
+                        (d["error"] or {}).get("message", "")] for d in detail["deployments"]],
+                      ["INTENT", "APPLICATION", "STATE", "COMPONENTS", "ERROR"]))
+    eligibility = detail["eligibility"]
+    out += ["", "eligibility:"]
+    if isinstance(eligibility, str):
+        out.append(f"  {eligibility}")
+    else:
+        for entry in eligibility:
+            out.append(f"  {entry['intent']}: {entry['status']}")
+            for failure in entry["targeting"]:
+                out.append(f"    - {failure['message']}")
+            for attempt in entry["attempts"]:
+                out += [f"    - profile {attempt['profile']}: {f['message']}"
+                        for f in attempt["failures"]]
+    out += ["", "history:"] + [f"  {c['commit'][:10]} {c['message'].splitlines()[0]}"
+                               for c in detail["history"]]
+    return "\n".join(out)
+
+
+def _fleet(args: argparse.Namespace) -> str:
+    devices = _get(args, "/api/fleet/devices")["devices"]
+    counts = _get(args, "/api/fleet/deployments")
+    if args.json:
+        return json.dumps({"devices": devices, "deployments": counts}, indent=2)
+    rows = [[d["deviceId"], d["clientId"], str(d["deployments"]),
+             ", ".join(f"{k}={v}" for k, v in d["states"].items()) or "-"] for d in devices]
+    out = [_table(rows, ["DEVICE", "CLIENT", "DEPLOYMENTS", "STATES"]), ""]
+    rows = [[name, ", ".join(f"{k}={v}" for k, v in states.items())]
+            for name, states in counts["byApplication"].items()]
+    out.append(_table(rows, ["APPLICATION", "STATES"]))
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        print(_device(args) if args.device else _fleet(args))
+    except (RuntimeError, httpx.HTTPError, OSError) as exc:
+        print(f"margo status: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import sqlite3
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -36,6 +37,7 @@ __all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 IMMUTABLE = "private, max-age=31536000, immutable"
 MAX_BODY = 1024 * 1024
+CREDENTIAL_TTL = 2.0
 
 
 class Api:
@@ -51,6 +53,9 @@ class Api:
              compiles: CompileService, ca_certificate: str | None = None) -> None:
         self.db, self.clients, self.desired, self.compiles = db, clients, desired, compiles
         self.ca_certificate = ca_certificate
+        # Polls dominate the traffic: per client, the manifest served at a generation.
+        self._manifests: dict[tuple[str, str], tuple[int, bytes, str]] = {}
+        self._credentials: dict[str, tuple[float, Client | None]] = {}
 
     # --- authentication ----------------------------------------------------------------
 
@@ -59,7 +64,7 @@ class Api:
         scheme, _, value = header.partition(" ")
         client = None
         if scheme.lower() == "bearer" and value.strip():
-            client = self.clients.by_token(value.strip())
+            client = self._by_token(value.strip())
         elif scheme.lower() == "basic":
             pair = parse_basic(header)
             client = self.clients.by_basic(*pair) if pair else None
@@ -69,6 +74,19 @@ class Api:
         if client.retired:
             raise ProblemError(403, "the client relationship has been retired",
                                margo_type="not-authorized")
+        return client
+
+    def _by_token(self, token: str) -> Client | None:
+        """Token lookups, remembered for a second or two: a retired client or a revoked
+        token is refused within `CREDENTIAL_TTL` seconds."""
+        now = time.monotonic()
+        cached = self._credentials.get(token)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        client = self.clients.by_token(token)
+        if len(self._credentials) > 100_000:
+            self._credentials.clear()
+        self._credentials[token] = (now + CREDENTIAL_TTL, client)
         return client
 
     def scoped(self, request: Request) -> tuple[Client, str]:
@@ -189,10 +207,17 @@ class Api:
         if not _accepts(request.headers.get("accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
                                margo_type="server-cannot-generate-response")
-        state = self._state(client)
-        version = await self._manifest_version(client, state.state_digest)
-        body = manifest_body(version, state, prefix)
-        etag = '"' + _digest(body) + '"'
+        key = (client.client_id, prefix)
+        cached = self._manifests.get(key)
+        if cached is not None and cached[0] == self.desired.generation:
+            body, etag = cached[1], cached[2]
+        else:
+            generation = self.desired.generation
+            state = self._state(client)
+            version = await self._manifest_version(client, state.state_digest)
+            body = manifest_body(version, state, prefix)
+            etag = '"' + _digest(body) + '"'
+            self._manifests[key] = (generation, body, etag)
         headers = {"ETag": etag, "Cache-Control": "private"}
         if _etag_matches(request.headers.get("if-none-match"), etag):
             return Response(status_code=304, headers=headers)

@@ -174,8 +174,19 @@ def test_rc2_paths_are_scoped_to_the_path_client(server: dict[str, Any]) -> None
         assert http.post(f"{rc2}/capabilities", json=body).status_code == 201
         assert http.put(f"{rc2}/capabilities/compose-box-amd64", json=body).status_code == 201
         manifest = wait_for_deployments(http, f"{rc2}/deployments", at_least=1)
+        assert_matches_openapi("rc.2", "UnsignedAppStateManifest", manifest)
         assert all(ref["url"].startswith(f"{rc2}/deployments/") for ref in
                    manifest["deployments"])
+        report = {"apiVersion": "deployment.margo.org/v1alpha1",
+                  "kind": "DeploymentStatusManifest",
+                  "deploymentId": manifest["deployments"][0]["deploymentId"],
+                  "status": {"state": "installed"},
+                  "components": [{"name": "hello-world-compose", "state": "installed"}]}
+        assert_matches_openapi("rc.2", "DeploymentStatusManifest", report)
+        path = f"{rc2}/deployments/{report['deploymentId']}/status"
+        assert http.post(path, json=report).status_code == 200
+        assert http.post(path.replace("/deployments/", "/deployment/"),
+                         json={**report, "status": {"state": "removing"}}).status_code == 200
         assert http.get(manifest["deployments"][0]["url"]).status_code == 200
         assert http.get("/api/v1/clients/site-b/deployments").status_code == 403
 

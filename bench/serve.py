@@ -73,7 +73,8 @@ def summary(name: str, latencies: list[float], elapsed: float, extra: str = "") 
         return
     ordered = sorted(latencies)
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-    print(f"{name}: {len(latencies) / elapsed:,.0f} req/s, p50 {statistics.median(ordered) * 1000:.1f} ms, "
+    median = statistics.median(ordered) * 1000
+    print(f"{name}: {len(latencies) / elapsed:,.0f} req/s, p50 {median:.1f} ms, "
           f"p99 {p99 * 1000:.1f} ms ({len(latencies):,} requests){extra}")
 
 
@@ -134,8 +135,8 @@ async def scenario(port: int, tokens: list[str], args: argparse.Namespace) -> No
     deadline = time.monotonic() + 120
     for i in range(n):
         while True:
-            status, headers, body, _ = await connection.request("GET", "/api/v1/deployments",
-                                                                auth[i])
+            _, headers, body, _ = await connection.request("GET", "/api/v1/deployments",
+                                                           auth[i])
             manifest = json.loads(body)
             if manifest["deployments"] or time.monotonic() > deadline:
                 break

@@ -89,6 +89,17 @@ class Api:
         self._credentials[token] = (now + CREDENTIAL_TTL, client)
         return client
 
+    def may_fetch(self, request: Request, device_id: str) -> bool:
+        """Git hosting: the caller (HTTP basic `<clientId>:<token>`, or a bearer token) may
+        read this device's repository only if the device is one of its own."""
+        try:
+            client = self.authenticate(request)
+        except ProblemError:
+            return False
+        row = self.db.read(lambda conn: conn.execute(
+            "SELECT client_id FROM devices WHERE device_id = ?", (device_id,)).fetchone())
+        return row is not None and row[0] == client.client_id
+
     def scoped(self, request: Request) -> tuple[Client, str]:
         """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
         client = self.authenticate(request)

@@ -18,9 +18,9 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
-from compiler.gitstore import DeviceStore
+from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
 from wfm.api import Api, routes
 from wfm.clients import ClientRegistry
@@ -28,6 +28,7 @@ from wfm.compiles import CompileService, SourceConfig
 from wfm.db import Database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
+from wfm.githttp import git_app
 from wfm.problems import ProblemError, problem_response
 from wfm.sources import RemoteSource, SourceWatcher
 
@@ -125,7 +126,8 @@ def create_app(config: ServerConfig) -> Starlette:
             db.close()
 
     return Starlette(
-        routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes()],
+        routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),
+                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
         lifespan=lifespan,
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             Exception: _crash_handler},

@@ -25,16 +25,18 @@ How one device is confined to its branch in the SHARED repository
 - Objects, protocol v2. MEASURED (git 2.39): a v2 ``fetch`` accepts ANY object id as a
   ``want``, whatever ``uploadpack.allowAnySHA1InWant`` and ``hideRefs`` say (gitprotocol-v2:
   "Wants can be anything and are not limited to advertised objects"). Hidden refs alone would
-  therefore let a device that learnt another device's commit id fetch that state. So v2
-  request bodies are parsed here as they stream through (decompressing ``gzip``), and the
-  request is refused with 403 before Git sees a ``want`` that is not a commit on the device's
+  therefore let a device that learnt another device's commit id fetch that state. So every
+  upload-pack request body is parsed here as it streams through (decompressing ``gzip``),
+  and refused with 403 before Git sees a ``want`` that is not a commit on the device's
   branch (its tip or an ancestor) or the tip's tree or one of its entries (what a partial
   clone fetches lazily). Only the ``ls-refs`` and ``fetch`` commands are let through;
-  ``want-ref`` and ``deepen-not`` (which name refs) are refused.
-- What remains: a ``have`` line is acknowledged when the object exists anywhere in the shared
-  repository, so a device can test whether an object id it already knows exists (v0 and v2
-  alike). It cannot obtain any content that way; separate repositories would be needed to
-  close this, which `compiler.gitstore` rejected for its cost.
+  ``want-ref`` and ``deepen-not`` (which name refs, so their errors would tell which device
+  branches exist) are refused in either protocol.
+- What remains: ``have`` and ``shallow`` lines are answered differently depending on whether
+  the object exists anywhere in the shared repository, so a device can test whether an object
+  id it already knows exists (v0 and v2 alike). It cannot obtain any content that way;
+  separate repositories would be needed to close this, which `compiler.gitstore` rejected for
+  its cost.
 
 HEAD. Each request runs against a throw-away "view" directory holding only ``HEAD`` (a
 symbolic ref to the device's branch) and a ``commondir`` file naming the shared repository
@@ -44,7 +46,8 @@ advertised as a symref to the device branch (v0 ``symref=`` capability, v2 ``sym
 and a plain ``git clone URL`` checks out the device's branch (local branch
 ``devices/<encoded D>``); ``git clone --branch devices/<encoded D> URL`` and
 ``git fetch URL refs/heads/devices/<encoded D>`` work as well. The shared repository's own
-HEAD is never consulted, and no file is ever written into it.
+HEAD is never consulted, and no file is ever written into it. (So ``GIT_PROJECT_ROOT`` is
+the view's temporary parent directory, not the shared repository's.)
 
 Process handling: the request body is streamed into ``http-backend``'s stdin and its output
 is streamed back (packs are never held in memory); no shell is involved and inherited
@@ -77,7 +80,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from compiler.gitstore import device_ref
 
 __all__ = [
-    "MAX_V2_REQUEST_BYTES",
+    "MAX_REQUEST_BYTES",
     "PROCESS_TIMEOUT",
     "REALM",
     "Authorize",
@@ -89,8 +92,8 @@ Authorize = Callable[[Request, str], Awaitable[bool] | bool]
 
 #: Seconds one Git exchange may take before its processes are killed.
 PROCESS_TIMEOUT = 300.0
-#: Most (decompressed) bytes of a protocol-v2 request we parse; legitimate ones are far smaller.
-MAX_V2_REQUEST_BYTES = 64 * 1024 * 1024
+#: Most (decompressed) bytes of an upload-pack request we parse; legitimate ones are far smaller.
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: The Basic-auth realm announced with 401 answers.
 REALM = "margo-gitops"
 
@@ -129,14 +132,27 @@ def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
     """
     server = _GitServer(Path(repository).absolute(), authorize, git)
     return Router(routes=[
-        Route(f"{_DEVICE}/info/refs", server.info_refs, methods=None),
-        Route(f"{_DEVICE}/{_UPLOAD_PACK}", server.upload_pack, methods=None),
-        Route(f"{_DEVICE}/git-receive-pack", _read_only, methods=None),
-        Route("/{path:path}", _not_served, methods=None),
+        Route(f"{_DEVICE}/info/refs", _Endpoint(server.info_refs)),
+        Route(f"{_DEVICE}/{_UPLOAD_PACK}", _Endpoint(server.upload_pack)),
+        Route(f"{_DEVICE}/git-receive-pack", _Endpoint(_read_only)),
+        Route("/{path:path}", _Endpoint(_not_served)),
     ])
 
 
 # --- routing ------------------------------------------------------------------------------
+
+
+class _Endpoint:
+    """A request -> response handler as a plain ASGI app. Why: Starlette routes plain
+    functions for GET only and answers other methods with a text/plain 405; an ASGI app
+    receives every method, so the handler answers with problem+json itself."""
+
+    def __init__(self, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self.handler(Request(scope, receive, send))
+        await response(scope, receive, send)
 
 
 class _GitServer:
@@ -151,7 +167,7 @@ class _GitServer:
             return _method_not_allowed("GET")
         service = request.query_params.get("service")
         if service != _UPLOAD_PACK:
-            return _read_only(request) if service else _dumb_refused()
+            return await _read_only(request) if service else _dumb_refused()
         return await self._serve(request, "info/refs", query="service=" + _UPLOAD_PACK)
 
     async def upload_pack(self, request: Request) -> Response:
@@ -177,15 +193,15 @@ class _GitServer:
         encoding = request.headers.get("content-encoding")
         if encoding is not None and encoding.strip().lower() not in _GZIP_ENCODINGS:
             return _problem(415, f"request bodies may only be gzip-encoded, not {encoding!r}")
-        gate = None
-        if request.method == "POST" and protocol == 2:
-            gate = _WantGate(self.repository, tip, gzipped=encoding is not None)
+        gzipped = encoding is not None
+        gate = _WantGate(self.repository, tip, gzipped=gzipped) if service == _UPLOAD_PACK else None
         return _BackendExchange(_CgiRequest(
             git=self.git, repository=self.repository, ref=ref, device_id=device_id,
             service=service, method=request.method, query=query, protocol=protocol,
             content_type=request.headers.get("content-type"),
             content_length=request.headers.get("content-length"),
-            content_encoding=encoding, gate=gate))
+            # normalised, so http-backend inflates exactly when the gate does
+            content_encoding="gzip" if gzipped else None, gate=gate))
 
 
 async def _call_authorize(authorize: Authorize, request: Request, device_id: str) -> bool:
@@ -208,8 +224,8 @@ def _branch_tip(repository: Path, ref: str) -> str | None:
 
 def _protocol_version(header: str) -> int:
     """The version Git would pick from a ``Git-Protocol`` value (the highest known
-    ``version=N`` item); we pass Git only this normalised value, so what we parse as v2 is
-    exactly what Git parses as v2."""
+    ``version=N`` item). Git is given only this normalised value: unknown keys and versions
+    never reach it."""
     versions = [0]
     for item in header.split(":"):
         key, _, value = item.partition("=")
@@ -218,7 +234,7 @@ def _protocol_version(header: str) -> int:
     return max(versions)
 
 
-def _read_only(_request: Request) -> Response:
+async def _read_only(_request: Request) -> Response:
     return _problem(403, "device repositories are read-only: git-receive-pack is not served")
 
 
@@ -227,7 +243,7 @@ def _dumb_refused() -> Response:
                          "(info/refs?service=git-upload-pack)")
 
 
-def _not_served(_request: Request) -> Response:
+async def _not_served(_request: Request) -> Response:
     return _problem(404, "not a Git endpoint of this server (clone "
                          "/git/devices/<device id>.git)")
 
@@ -244,11 +260,11 @@ def _problem(status: int, detail: str, *, headers: Mapping[str, str] | None = No
                         media_type="application/problem+json")
 
 
-# --- protocol v2 request inspection -------------------------------------------------------
+# --- request inspection -------------------------------------------------------------------
 
 
 class _Refused(Exception):
-    """A v2 request Git must not see; `status` and the message become the problem answer."""
+    """A request Git must not see; `status` and the message become the problem answer."""
 
     def __init__(self, status: int, detail: str) -> None:
         super().__init__(detail)
@@ -301,9 +317,9 @@ class _Inflater:
         """Decompressed pieces of at most `_CHUNK` bytes; refuses oversized requests."""
         for piece in self._pieces(data):
             self.total += len(piece)
-            if self.total > MAX_V2_REQUEST_BYTES:
-                raise _Refused(413, f"protocol v2 requests are limited to "
-                                    f"{MAX_V2_REQUEST_BYTES} bytes")
+            if self.total > MAX_REQUEST_BYTES:
+                raise _Refused(413, f"upload-pack requests are limited to "
+                                    f"{MAX_REQUEST_BYTES} bytes")
             yield piece
 
     def _pieces(self, data: bytes) -> Iterator[bytes]:
@@ -323,7 +339,7 @@ class _Inflater:
 
 
 class _WantGate:
-    """Lets a protocol-v2 request through only if every object it wants is the device's.
+    """Lets an upload-pack request through only if every object it wants is the device's.
 
     Why: v2 ``fetch`` serves any object id (see the module docstring). Each chunk is checked
     before it is forwarded, so Git never receives a complete forbidden line; Git does not
@@ -350,8 +366,8 @@ class _WantGate:
 
 
 def _wanted(line: bytes) -> set[str]:
-    """The object id a v2 request line wants (if any); refuses commands and arguments that
-    could reach beyond the device's branch."""
+    """The object id a request line wants (if any; v0 lines carry capabilities after it);
+    refuses v2 commands and arguments that could reach beyond the device's branch."""
     if line.endswith(b"\n"):
         line = line[:-1]  # Git's PACKET_READ_CHOMP_NEWLINE
     if line.startswith(b"command=") and line[len(b"command="):] not in _V2_COMMANDS:
@@ -431,7 +447,12 @@ class _BackendExchange(Response):
         with tempfile.TemporaryDirectory(prefix="margo-githttp-") as root:
             view_root = Path(root)
             _make_view(view_root, self.cgi.repository, self.cgi.ref)
-            process = await _spawn(self.cgi, view_root)
+            try:
+                process = await _spawn(self.cgi, view_root)
+            except OSError as exc:
+                _log.error("cannot run %r: %s", self.cgi.git, exc)
+                await _problem(503, "Git is not available on the server")(scope, receive, send)
+                return
             try:
                 async with asyncio.timeout(PROCESS_TIMEOUT):
                     await _exchange(self.cgi, process, scope, receive, tracking_send)
@@ -489,17 +510,24 @@ async def _spawn(cgi: _CgiRequest, view_root: Path) -> asyncio.subprocess.Proces
 
 async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope: Scope,
                     receive: Receive, send: Send) -> None:
-    """Feed the body, relay Git's CGI answer; a refused v2 request is answered by us."""
+    """Feed the body, relay Git's CGI answer; a refused request is answered by us."""
     assert process.stdin and process.stdout and process.stderr
     stderr = asyncio.create_task(_collect_stderr(process.stderr))
     feeder = asyncio.create_task(_feed(receive, process.stdin, cgi))
+    head = asyncio.create_task(_read_cgi_head(process.stdout))
     try:
         try:
-            status, headers = await _read_cgi_head(process.stdout)
-            await feeder
+            # Both must finish: the head comes first (http-backend writes it before reading),
+            # and nothing is relayed before the whole body passed the gate.
+            done, _ = await asyncio.wait({feeder, head}, return_when=asyncio.FIRST_EXCEPTION)
+            errors = [task.exception() for task in (feeder, head) if task in done]
+            if error := next((e for e in errors if e is not None), None):
+                raise error
+            status, headers = head.result()
         except _Refused as refusal:
             _kill(process)
-            _log.warning("refused git request of device %r: %s", cgi.device_id, refusal)
+            _log.warning("git %s for device %r not run: %s", cgi.service, cgi.device_id,
+                         refusal)
             await _problem(refusal.status, str(refusal))(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -507,11 +535,12 @@ async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope
             await process.wait()
     finally:
         feeder.cancel()
+        head.cancel()
         await _log_stderr(cgi, stderr, process)
 
 
 async def _feed(receive: Receive, stdin: asyncio.StreamWriter, cgi: _CgiRequest) -> None:
-    """Copy the request body into Git's stdin as it arrives, each chunk after the v2 gate
+    """Copy the request body into Git's stdin as it arrives, each chunk after the gate
     passed it; stdin is closed only after a complete, accepted body."""
     while True:
         message = await receive()
@@ -588,13 +617,14 @@ async def _collect_stderr(stderr: asyncio.StreamReader) -> bytes:
 
 async def _log_stderr(cgi: _CgiRequest, stderr: asyncio.Task[bytes],
                       process: asyncio.subprocess.Process) -> None:
-    """Log what Git said on stderr (refusals like "not our ref" land here)."""
+    """Log what Git said on stderr (refusals like "not our ref" land here); the diagnostics
+    of a Git we are about to kill are dropped."""
     if process.returncode is None:
         stderr.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        text = (await stderr).decode("utf-8", "replace").strip()
-        if text:
-            _log.warning("git %s for device %r: %s", cgi.service, cgi.device_id, text)
+        return
+    text = (await stderr).decode("utf-8", "replace").strip()
+    if text:
+        _log.warning("git %s for device %r: %s", cgi.service, cgi.device_id, text)
 
 
 def _kill(process: asyncio.subprocess.Process) -> None:

@@ -258,3 +258,35 @@ def test_acknowledged_reports_survive_sigkill(tmp_path: Path) -> None:
             doc["properties"]["id"] = device_id
             assert http.put(f"/api/v1/capabilities/{device_id}", json=doc).status_code == 200
     assert len(acknowledged) == 40
+
+
+def test_devices_clone_their_own_repository_over_git_http(server: dict[str, Any],
+                                                          tmp_path: Path) -> None:
+    import subprocess
+
+    with client(server) as http:
+        http.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
+        manifest = wait_for_deployments(http, at_least=3)
+    token = server["tokens"]["site-a"]
+    url = server["base"].replace("http://", f"http://site-a:{token}@")
+    env = {"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0", "HOME": str(tmp_path)}
+    clone = subprocess.run(["git", "clone", "-q", f"{url}/git/devices/k8s-cluster-gpu.git",
+                            str(tmp_path / "gpu")], capture_output=True, text=True, env=env,
+                           check=False)
+    assert clone.returncode == 0, clone.stderr
+    files = {p.name: p.read_bytes() for p in (tmp_path / "gpu").glob("*.yaml")}
+    served = {}
+    with client(server) as http:
+        for ref in http.get("/api/v1/deployments").json()["deployments"]:
+            served[ref["deploymentId"]] = http.get(ref["url"]).content
+    assert sorted(files.values()) == sorted(v for v in served.values()
+                                            if b"k8s-cluster-gpu" in v)
+    assert len(manifest["deployments"]) >= 3
+    refs = subprocess.run(["git", "ls-remote", f"{url}/git/devices/k8s-cluster-gpu.git"],
+                          capture_output=True, text=True, env=env, check=True).stdout
+    assert {line.split()[1] for line in refs.splitlines()} == {
+        "HEAD", "refs/heads/devices/k8s-cluster-gpu"}
+    other = server["base"].replace("http://", f"http://site-b:{server['tokens']['site-b']}@")
+    refused = subprocess.run(["git", "ls-remote", f"{other}/git/devices/k8s-cluster-gpu.git"],
+                             capture_output=True, text=True, env=env, check=False)
+    assert refused.returncode != 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -125,3 +126,26 @@ def assert_matches_openapi(version: str, schema_name: str, body: Any) -> None:
                                      registry=registry)
     errors = sorted(validator.iter_errors(body), key=lambda e: list(e.path))
     assert not errors, [f"{list(e.path)}: {e.message}" for e in errors]
+
+
+# (method, path pattern, status) -> (OpenAPI version, schema) for JSON responses the official
+# documents define. Every response of the API tests passes through `check_response`.
+_RESPONSE_SCHEMAS: list[tuple[str, re.Pattern[str], int, str, str]] = [
+    ("GET", re.compile(r"^/api/v1/deployments$"), 200, "rc.3", "UnsignedAppStateManifest"),
+    ("GET", re.compile(r"^/api/v1/clients/[^/]+/deployments$"), 200, "rc.2",
+     "UnsignedAppStateManifest"),
+]
+
+
+def check_response(response: httpx.Response) -> None:
+    """Validate a response body against the official OpenAPI schema for it, if any:
+    problem+json against rc.3 ProblemDetail, manifests against UnsignedAppStateManifest."""
+    response.read()
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("application/problem+json"):
+        assert_matches_openapi("rc.3", "ProblemDetail", response.json())
+        return
+    for method, pattern, status, version, schema in _RESPONSE_SCHEMAS:
+        if (response.request.method == method and pattern.match(response.request.url.path)
+                and response.status_code == status):
+            assert_matches_openapi(version, schema, response.json())

@@ -16,7 +16,14 @@ from typing import Any
 
 import httpx
 import pytest
-from serverkit import ROOT, add_client, assert_matches_openapi, killable_server, running_server
+from serverkit import (
+    ROOT,
+    add_client,
+    assert_matches_openapi,
+    check_response,
+    killable_server,
+    running_server,
+)
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
 CAPS = ROOT / "examples" / "capabilities"
@@ -42,8 +49,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 
 
 def client(server: dict[str, Any], name: str = "site-a") -> httpx.Client:
+    """A device's HTTP client; every response it gets is checked against the OpenAPI."""
     return httpx.Client(base_url=server["base"], timeout=10,
-                        headers={"Authorization": f"Bearer {server['tokens'][name]}"})
+                        headers={"Authorization": f"Bearer {server['tokens'][name]}"},
+                        event_hooks={"response": [check_response]})
 
 
 def wait_for_deployments(http: httpx.Client, path: str = "/api/v1/deployments",

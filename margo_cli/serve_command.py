@@ -27,6 +27,9 @@ def register(commands: Any) -> None:
     serve.add_argument("--source-url", metavar="URL",
                        help="remote fleet source repository, fetched on verified push hooks")
     serve.add_argument("--source-branch", default="main", metavar="BRANCH")
+    serve.add_argument("--host-source", action="store_true",
+                       help="host the fleet source at /git/source.git (push with the operator "
+                            "token); pushes to --source-branch recompile")
     serve.add_argument("--webhook-secret-file", metavar="FILE",
                        help="file holding the shared secret of POST /hooks/git")
     serve.add_argument("--admin-token-file", metavar="FILE",
@@ -58,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(ServerConfig(
         Path(args.data).resolve(), source, source_url=args.source_url,
         source_branch=args.source_branch, watch_source=args.watch_source,
+        host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
         admin_token=_secret(args.admin_token_file)))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -30,6 +30,7 @@ from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.githttp import git_app
 from wfm.problems import ProblemError, problem_response
+from wfm.sourcehost import ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher
 
 __all__ = ["ServerConfig", "create_app"]
@@ -44,6 +45,7 @@ class ServerConfig:
     source_url: str | None = None  # a remote fleet source, mirrored into data/source.git
     source_branch: str = "main"
     webhook_secret: str | None = None
+    host_source: bool = False  # serve data/hosted-source.git for pushes (operator token)
     watch_source: bool = False
     admin_token: str | None = None
     debounce: float = 0.3
@@ -55,9 +57,17 @@ class ServerConfig:
         return RemoteSource(self.source_url, self.source_branch, self.data / "source.git")
 
     @property
+    def hosted_source(self) -> Path:
+        return self.data / "hosted-source.git"
+
+    @property
     def effective_source(self) -> SourceConfig:
         remote = self.remote
-        return SourceConfig(remote.mirror, remote.ref) if remote else self.source
+        if remote:
+            return SourceConfig(remote.mirror, remote.ref)
+        if self.host_source:
+            return SourceConfig(self.hosted_source, f"refs/heads/{self.source_branch}")
+        return self.source
 
     @property
     def repos(self) -> Path:
@@ -112,6 +122,8 @@ def create_app(config: ServerConfig) -> Starlette:
         watcher = None
         if config.watch_source and config.source.path is not None:
             watcher = SourceWatcher(config.source.path, compiles.trigger)
+        if config.host_source:
+            ensure_repository(config.hosted_source)
         if config.remote is not None:
             threading.Thread(target=_initial_fetch, args=(config.remote, compiles),
                              daemon=True).start()
@@ -127,6 +139,9 @@ def create_app(config: ServerConfig) -> Starlette:
 
     return Starlette(
         routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),
+                *([Mount("/git/source.git", app=source_app(
+                    config.hosted_source, config.admin_token, lambda: api.compiles.trigger()))]
+                  if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
         lifespan=lifespan,
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,

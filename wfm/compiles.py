@@ -93,6 +93,8 @@ class CompileService:
     def _load_source(self) -> FleetSource | None:
         if self._source.path is None:
             return None
+        if self._source.ref and not _has_ref(self._source.path, self._source.ref):
+            return None  # a hosted or mirrored repository nothing was pushed to yet
         try:
             return load_source(self._source.path, ref=self._source.ref)
         except SourceError as exc:
@@ -101,9 +103,16 @@ class CompileService:
             return None
 
     def _compile(self) -> None:
-        source = self._load_source()
-        if source is None:
-            source = FleetSource(revision="none")
+        if self._source.path is None:
+            source = FleetSource(revision="none")  # no source: every device gets a branch
+        else:
+            loaded = self._load_source()
+            if loaded is None:
+                # An unreadable source must never look like an empty one: that would remove
+                # every deployment. Keep the current state until it can be read.
+                log.warning("fleet source not readable yet; keeping the current desired state")
+                return
+            source = loaded
         store = DeviceStore(self._repos)
         state = CompilerState(self._repos / "compiler-state.sqlite")
         try:
@@ -121,3 +130,13 @@ class CompileService:
         log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
                  len(report.errors))
         self._on_compiled(report)
+
+
+def _has_ref(repository: Path, ref: str) -> bool:
+    import pygit2
+
+    try:
+        pygit2.Repository(str(repository)).revparse_single(ref)
+    except (pygit2.GitError, KeyError, ValueError):
+        return False
+    return True

@@ -140,3 +140,33 @@ def test_read_api_shows_devices_deployments_and_explanations(tmp_path: Path) -> 
                               "--token-file", str(admin), "--device", "k8s-single-arm64"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
         assert "vision-plant-a: not targeted" in one
+
+
+def test_pushing_to_the_hosted_source_recompiles(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    admin = tmp_path / "admin"
+    admin.write_text("operator-token")
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "examples" / "fleet", work)
+    git("init", "-q", "-b", "main", cwd=work)
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m", "fleet", cwd=work)
+    with running_server(data, "--host-source", "--admin-token-file", str(admin)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        time.sleep(1)
+        assert http.get("/api/v1/deployments").json()["deployments"] == []
+        url = base.replace("http://", "http://operator:operator-token@") + "/git/source.git"
+        bad = base.replace("http://", "http://operator:wrong@") + "/git/source.git"
+        refused = subprocess.run(["git", "push", "-q", bad, "main"], cwd=work,
+                                 capture_output=True, text=True, check=False,
+                                 env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
+                                      "HOME": str(work)})
+        assert refused.returncode != 0
+        git("push", "-q", url, "main", cwd=work)
+        manifest = poll(http, lambda m: len(m["deployments"]) == 1)
+        assert len(manifest["deployments"]) == 1
+        clone = tmp_path / "clone"
+        git("clone", "-q", url, str(clone), cwd=tmp_path)
+        assert (clone / "deployments" / "hello-everywhere.yaml").exists()

@@ -1,0 +1,111 @@
+"""A fleet-source repository hosted by the server: platform engineers `git push` to it.
+
+`margo serve --host-source` keeps `<data>/hosted-source.git` and serves it at
+`/git/source.git` for fetch and push (HTTP basic, password = the operator token). A push
+that updates the compiled branch triggers a compile as soon as it is accepted. Pushes are
+small (descriptors and intents), so request and response bodies are buffered here, unlike
+the streaming device hosting in `wfm.githttp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
+from starlette.types import ASGIApp
+
+from wfm.clients import parse_basic
+from wfm.problems import ProblemError, problem_response
+
+__all__ = ["ensure_repository", "source_app"]
+
+MAX_PUSH_BYTES = 64 * 1024 * 1024
+_SERVICES = ("git-upload-pack", "git-receive-pack")
+
+
+def ensure_repository(path: Path) -> None:
+    """Create the hosted bare repository on first use."""
+    if not (path / "HEAD").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(path)], check=True,
+                       env=_env())
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+
+def _authorized(request: Request, admin_token: str | None) -> bool:
+    if not admin_token:
+        return False
+    pair = parse_basic(request.headers.get("authorization", ""))
+    return pair is not None and hmac.compare_digest(pair[1], admin_token)
+
+
+async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[int, dict[str, str],
+                                                                               bytes]:
+    body = await request.body()
+    if len(body) > MAX_PUSH_BYTES:
+        raise ProblemError(413, f"pushes are limited to {MAX_PUSH_BYTES} bytes")
+    env = {**_env(), "GIT_PROJECT_ROOT": str(repository.parent), "GIT_HTTP_EXPORT_ALL": "1",
+           "PATH_INFO": f"/{repository.name}/{rest}", "REQUEST_METHOD": request.method,
+           "QUERY_STRING": request.url.query, "CONTENT_LENGTH": str(len(body)),
+           "CONTENT_TYPE": request.headers.get("content-type", ""), "REMOTE_USER": "operator",
+           "GIT_CONFIG_COUNT": "2", "GIT_CONFIG_KEY_0": "http.receivepack",
+           "GIT_CONFIG_VALUE_0": "true", "GIT_CONFIG_KEY_1": "receive.denyDeletes",
+           "GIT_CONFIG_VALUE_1": "true"}
+    if request.headers.get("content-encoding"):
+        env["HTTP_CONTENT_ENCODING"] = request.headers["content-encoding"]
+    if request.headers.get("git-protocol"):
+        env["GIT_PROTOCOL"] = request.headers["git-protocol"]
+    process = await asyncio.create_subprocess_exec(
+        "git", "http-backend", env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(body), timeout=300)
+    except TimeoutError:
+        process.kill()
+        raise ProblemError(504, "git did not finish in time") from None
+    head, _, payload = out.partition(b"\r\n\r\n")
+    if not _:
+        head, _, payload = out.partition(b"\n\n")
+    status, headers = 200, {}
+    for line in head.decode("latin-1").splitlines():
+        name, _, value = line.partition(":")
+        if name.lower() == "status":
+            status = int(value.strip().split()[0])
+        elif name:
+            headers[name.strip()] = value.strip()
+    return status, headers, payload
+
+
+def source_app(repository: Path, admin_token: str | None,
+               on_push: Callable[[], None]) -> ASGIApp:
+    """Fetch and push for the hosted source repository (mount at `/git/source.git`)."""
+
+    async def endpoint(request: Request) -> Response:
+        rest = request.path_params["rest"]
+        service = request.query_params.get("service") or rest.rsplit("/", 1)[-1]
+        if not _authorized(request, admin_token):
+            error = ProblemError(401, "the operator token is required (HTTP basic password)",
+                                 headers={"WWW-Authenticate": 'Basic realm="margo-gitops"'})
+            return problem_response(error, instance=request.url.path)
+        if service not in _SERVICES or rest not in ("info/refs", *_SERVICES):
+            return problem_response(ProblemError(404, "only smart HTTP is served"),
+                                    instance=request.url.path)
+        try:
+            status, headers, payload = await _run_backend(repository, request, rest)
+        except ProblemError as exc:
+            return problem_response(exc, instance=request.url.path)
+        if rest == "git-receive-pack" and status == 200:
+            on_push()  # the pushed refs are in place once receive-pack has answered
+        return Response(payload, status_code=status, headers=headers)
+
+    return Router(routes=[Route("/{rest:path}", endpoint, methods=["GET", "POST"])])

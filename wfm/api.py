@@ -262,6 +262,10 @@ class Api:
         doc = await self.json_body(request)
         deployment_id = request.path_params["deploymentId"]
         path_device = request.path_params.get("deviceId")
+        adopted = doc.get("adoptedManifestVersion")
+        if isinstance(adopted, str) and adopted.isdigit():
+            # The official conformance kit fills this from a template as a string ("3").
+            doc = {**doc, "adoptedManifestVersion": int(adopted)}
         try:
             status: DeploymentStatus = validate_value(doc, expect=Kind.DEPLOYMENT_STATUS)
         except DocumentError as exc:

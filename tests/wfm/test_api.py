@@ -163,6 +163,8 @@ def test_status_reports(server: dict[str, Any]) -> None:
         first = http.post(path, json=report)
         assert first.status_code in (200, 201)
         assert http.post(path, json=report).status_code == 200  # idempotent
+        as_text = {**report, "adoptedManifestVersion": str(manifest["manifestVersion"])}
+        assert http.post(path, json=as_text).status_code == 200  # the conformance kit's form
         unknown = http.post("/api/v1/deployments/never-assigned/status",
                             json={**report, "deploymentId": "never-assigned"})
         assert unknown.status_code == 422

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from starlette.types import ASGIApp
 
 from wfm.clients import parse_basic
 from wfm.problems import ProblemError, problem_response
+from wfm.sources import git_environment
 
 __all__ = ["ensure_repository", "source_app"]
 
@@ -35,11 +35,7 @@ def ensure_repository(path: Path) -> None:
     if not (path / "HEAD").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(path)], check=True,
-                       env=_env())
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+                       env=git_environment())
 
 
 def _authorized(request: Request, admin_token: str | None) -> bool:
@@ -54,7 +50,8 @@ async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[i
     body = await request.body()
     if len(body) > MAX_PUSH_BYTES:
         raise ProblemError(413, f"pushes are limited to {MAX_PUSH_BYTES} bytes")
-    env = {**_env(), "GIT_PROJECT_ROOT": str(repository.parent), "GIT_HTTP_EXPORT_ALL": "1",
+    env = {**git_environment(), "GIT_PROJECT_ROOT": str(repository.parent),
+           "GIT_HTTP_EXPORT_ALL": "1",
            "PATH_INFO": f"/{repository.name}/{rest}", "REQUEST_METHOD": request.method,
            "QUERY_STRING": request.url.query, "CONTENT_LENGTH": str(len(body)),
            "CONTENT_TYPE": request.headers.get("content-type", ""), "REMOTE_USER": "operator",

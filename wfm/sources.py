@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RemoteSource", "SourceWatcher"]
+__all__ = ["RemoteSource", "SourceWatcher", "git_environment"]
 
 log = logging.getLogger("margo.wfm.sources")
 
@@ -37,20 +37,23 @@ class RemoteSource:
         """Fetch the branch into the mirror (created on first use); return the commit id."""
         if not self.mirror.exists():
             subprocess.run(["git", "init", "-q", "--bare", str(self.mirror)], check=True,
-                           timeout=60, env=_git_env())
+                           timeout=60, env=git_environment())
         result = subprocess.run(
             ["git", "--git-dir", str(self.mirror), "fetch", "--quiet", "--no-tags",
              "--prune", "--", self.url, f"+{self.ref}:{self.ref}"],
-            capture_output=True, text=True, timeout=timeout, env=_git_env(), check=False)
+            capture_output=True, text=True, timeout=timeout, env=git_environment(),
+            check=False)
         if result.returncode != 0:
             raise RuntimeError(f"fetching {self.url} {self.branch} failed: "
                                f"{result.stderr.strip()}")
         head = subprocess.run(["git", "--git-dir", str(self.mirror), "rev-parse", self.ref],
-                              capture_output=True, text=True, check=True, env=_git_env())
+                              capture_output=True, text=True, check=True,
+                              env=git_environment())
         return head.stdout.strip()
 
 
-def _git_env() -> dict[str, str]:
+def git_environment() -> dict[str, str]:
+    """The server's environment without GIT_* variables that could redirect git."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     env["GIT_TERMINAL_PROMPT"] = "0"
     return env

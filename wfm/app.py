@@ -23,6 +23,7 @@ from starlette.routing import Mount, Route
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
 from wfm.api import Api, routes
+from wfm.authority import ensure_ca
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.db import Database
@@ -116,7 +117,8 @@ def create_app(config: ServerConfig) -> Starlette:
         compiles = CompileService(config.repos, config.effective_source,
                                   lambda: db.read(records.device_documents),
                                   lambda report: desired.bump(), debounce=config.debounce)
-        api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles)
+        api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
+                 ca_certificate=ensure_ca(config.data / "ca"))
         fleet.store = store
         app.state.api = api
         watcher = None

@@ -301,3 +301,25 @@ def test_devices_clone_their_own_repository_over_git_http(server: dict[str, Any]
     refused = subprocess.run(["git", "ls-remote", f"{other}/git/devices/k8s-cluster-gpu.git"],
                              capture_output=True, text=True, env=env, check=False)
     assert refused.returncode != 0
+
+
+def test_rc2_onboarding(server: dict[str, Any]) -> None:
+    import base64
+
+    from cryptography import x509
+
+    response = httpx.get(f"{server['base']}/api/v1/onboarding/certificate")
+    assert response.status_code == 200
+    ca = x509.load_pem_x509_certificate(base64.b64decode(response.json()["certificate"]))
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    device_cert = base64.b64encode(base64.b64decode(response.json()["certificate"])).decode()
+    onboarded = httpx.post(f"{server['base']}/api/v1/onboarding", json={
+        "apiVersion": "onboarding.margo.org/v1alpha1", "kind": "OnboardingRequest",
+        "certificate": device_cert})
+    assert onboarded.status_code == 201
+    client_id, token = onboarded.json()["clientId"], onboarded.json()["token"]
+    manifest = httpx.get(f"{server['base']}/api/v1/clients/{client_id}/deployments",
+                         headers={"Authorization": f"Bearer {token}"})
+    assert manifest.status_code == 200 and manifest.json()["manifestVersion"] == 1
+    bad = httpx.post(f"{server['base']}/api/v1/onboarding", json={"certificate": "not base64!"})
+    assert bad.status_code == 400

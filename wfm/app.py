@@ -104,22 +104,19 @@ async def _healthz(request: Request) -> Response:
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
-    fleet = FleetApi(api, source=config.effective_source, store=None,  # type: ignore[arg-type]
-                     admin_token=config.admin_token, remote=config.remote,
-                     webhook_secret=config.webhook_secret)
+    fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
+                     remote=config.remote, webhook_secret=config.webhook_secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         config.data.mkdir(parents=True, exist_ok=True)
         db = Database(config.database)
-        store = DeviceStore(config.repos)
-        desired = DesiredState(store)
+        desired = DesiredState(DeviceStore(config.repos))
         compiles = CompileService(config.repos, config.effective_source,
                                   lambda: db.read(records.device_documents),
                                   lambda report: desired.bump(), debounce=config.debounce)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
                  ca_certificate=ensure_ca(config.data / "ca"))
-        fleet.store = store
         app.state.api = api
         watcher = None
         if config.watch_source and config.source.path is not None:

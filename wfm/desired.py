@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from compiler.gitstore import DeviceStore
+from compiler.gitstore import CommitInfo, DeviceStore
 from margo.archive import deterministic_targz
 from margo.canonical import canonical_json
 from margo.digests import digest_of
@@ -129,6 +129,10 @@ class DesiredState:
                 out.append(ServedDeployment(parsed.deployment_id, parsed.digest, parsed.data,
                                             device_id, parsed.intent, parsed.application_id))
         return out
+
+    def history(self, device_id: str, limit: int = 20) -> list[CommitInfo]:
+        """The device branch's newest commits (what changed, and why)."""
+        return self._store.history(device_id, limit=limit)
 
     def device_deployments(self, device_id: str) -> list[ServedDeployment]:
         """What a device's branch holds now (for people: the read API, the dashboard)."""

@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from compiler.explain import explain_device
-from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm import records
@@ -41,10 +40,9 @@ def _statuses(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
 
 
 class FleetApi:
-    def __init__(self, api: Api, *, source: SourceConfig, store: DeviceStore,
-                 admin_token: str | None = None, remote: RemoteSource | None = None,
-                 webhook_secret: str | None = None):
-        self.api, self.source, self.store = api, source, store
+    def __init__(self, api: Api, *, source: SourceConfig, admin_token: str | None = None,
+                 remote: RemoteSource | None = None, webhook_secret: str | None = None):
+        self.api, self.source = api, source
         self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
 
     def _authorize(self, request: Request) -> None:
@@ -109,7 +107,7 @@ class FleetApi:
                 "error": status["document"].get("status", {}).get("error") if status else None,
                 "reportedAt": status["reportedAt"] if status else None})
         history = [{"commit": c.id, "time": c.timestamp, "message": c.message}
-                   for c in self.store.history(device_id, limit=20)]
+                   for c in self.api.desired.history(device_id, limit=20)]
         eligibility = await run_in_threadpool(self._eligibility, device_id)
         return JSONResponse({**self._device_summary(row, statuses),
                              "capabilities": row.document, "deployments": deployments,

@@ -10,8 +10,6 @@ one device) can still be reported with file, line and path.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from jsonschema import Draft202012Validator
 
 from compiler.expressions import CompiledValue, ExpressionError, compile_value
 from margo.constraints import CompiledConstraints, compile_constraints
+from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
@@ -122,11 +121,6 @@ class Intent:
         return self.document.locate(problem)
 
 
-def _digest(doc: Any) -> str:
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
-
-
 def _compile_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, CompiledValue],
                                                                   list[Problem]]:
     compiled: dict[str, CompiledValue] = {}
@@ -200,6 +194,6 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         constraints=constraints,
         grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
         output_shape=spec.get("outputShape", "rc.3"),
-        digest=_digest(doc),
+        digest=data_digest(doc),
         document=loaded,
     )

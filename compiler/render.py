@@ -46,8 +46,6 @@ class RenderError(Exception):
 class Rendered:
     file: str
     data: bytes
-    deployment: ApplicationDeployment
-    document: dict[str, Any]
 
 
 def deployment_id(intent_name: str, device_id: str) -> str:
@@ -243,4 +241,4 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     )
     spec_key = (app.digest, profile.id, tuple((name, keys[name]) for name in parameters))
     document = deployment_document(deployment, shape=intent.output_shape, spec_key=spec_key)
-    return Rendered(file_name(intent.name), canonical_yaml(document), deployment, document)
+    return Rendered(file_name(intent.name), canonical_yaml(document))

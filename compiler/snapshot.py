@@ -9,13 +9,13 @@ left alone (its previous desired state stays), never dropped.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind, detect
 from margo.loading import Limits, LoadedDocument, load_path
@@ -65,11 +65,6 @@ class Snapshot:
         return "sha256:" + h.hexdigest()
 
 
-def document_digest(doc: Any) -> str:
-    data = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(data.encode("utf-8")).hexdigest()
-
-
 def _claimed_id(doc: Any) -> str | None:
     properties = doc.get("properties") if isinstance(doc, dict) else None
     claimed = properties.get("id") if isinstance(properties, dict) else None
@@ -90,7 +85,7 @@ def _trusted_model(doc: Any, digest: str, trusted: Mapping[str, str]) -> DeviceC
 
 def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
          trusted: Mapping[str, str]) -> None:
-    digest = document_digest(loaded.value)
+    digest = data_digest(loaded.value)
     caps = _trusted_model(loaded.value, digest, trusted) if trusted else None
     if caps is None:
         report = validate_loaded(loaded, expect=Kind.DEVICE_CAPABILITIES)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import re
+from typing import Any
 
-__all__ = ["DigestError", "digest_of", "parse_digest", "verify_digest"]
+__all__ = ["DigestError", "data_digest", "digest_of", "parse_digest", "verify_digest"]
 
 _GRAMMAR = re.compile(r"^([a-z0-9_-]+):([0-9a-f]+)$")
 _SUPPORTED = {"sha256": 64}
@@ -24,6 +26,14 @@ class DigestError(ValueError):
 def digest_of(data: bytes) -> str:
     """`sha256:<hex>` of exactly these bytes."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def data_digest(doc: Any) -> str:
+    """`sha256:` of JSON data's sorted-key compact serialization: equal exactly when the
+    content is equal. An internal identity (change detection, caches), not a wire digest:
+    wire digests are always over the bytes sent (`digest_of`)."""
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return digest_of(text.encode("utf-8"))
 
 
 def parse_digest(text: str) -> tuple[str, str]:

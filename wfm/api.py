@@ -10,7 +10,6 @@ The caller is always the authenticated client, and every resource is scoped to i
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import sqlite3
 import time
@@ -20,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from compiler.snapshot import document_digest
+from margo.digests import data_digest, digest_of
 from margo.errors import DocumentError
 from margo.kinds import Kind
 from margo.models import DeploymentStatus, DeviceCapabilities
@@ -163,7 +162,7 @@ class Api:
         def write(conn: sqlite3.Connection) -> records.CapabilityWrite:
             return records.store_capabilities(
                 conn, client_id=client.client_id, device_id=device_id, document=doc,
-                digest=document_digest(doc), shape=str(caps.shape))
+                digest=data_digest(doc), shape=str(caps.shape))
 
         try:
             result = await self.db.write(write)
@@ -227,7 +226,7 @@ class Api:
             state = self._state(client)
             version = await self._manifest_version(client, state.state_digest)
             body = manifest_body(version, state, prefix)
-            etag = '"' + _digest(body) + '"'
+            etag = '"' + digest_of(body) + '"'
             self._manifests[key] = (generation, body, etag)
         headers = {"ETag": etag, "Cache-Control": "private"}
         if _etag_matches(request.headers.get("if-none-match"), etag):
@@ -285,7 +284,7 @@ class Api:
             return records.store_status(
                 conn, client_id=client.client_id, deployment_id=deployment_id,
                 device_id=device_id, state=str(status.state), document=doc,
-                digest=document_digest(doc), adopted=status.adopted_manifest_version)
+                digest=data_digest(doc), adopted=status.adopted_manifest_version)
 
         await self.db.write(write)
         # The status of an assigned deployment exists from its assignment on, so a report
@@ -359,10 +358,6 @@ def _generation(request: Request) -> str:
     if path.startswith("/device/"):
         return "oct-2024"
     return "rc.2" if path.startswith("/api/v1/clients/") else "rc.3"
-
-
-def _digest(body: bytes) -> str:
-    return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
 def _accepts(header: str | None, media_type: str) -> bool:

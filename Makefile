@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || \
 		($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q python3-venv)
 	@command -v git >/dev/null || ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q git)
+	@# A real OCI registry (CNCF distribution) for charts and Compose packages: tests and demo.
+	@command -v docker-registry >/dev/null || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker-registry)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'

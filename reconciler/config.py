@@ -1,0 +1,200 @@
+"""The device client's configuration file (`margo device run --config FILE`).
+
+One YAML (or JSON) document, validated against a JSON Schema with every problem reported as
+`file:line:col: $.path: message`, then checked for combinations that cannot work. Relative
+paths are relative to the configuration file, so a device directory can be moved as a whole.
+See `docs/device.md` for the reference and examples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from jsonschema import Draft202012Validator
+
+from margo.errors import DocumentError, Problem
+from margo.loading import LoadedDocument, load_document
+from margo.validation import explain_schema_errors
+from reconciler.desired import parse_duration
+from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
+
+__all__ = ["CONFIG_API_VERSION", "DeviceConfig", "config_schema", "load_config", "parse_config"]
+
+CONFIG_API_VERSION = "margo-gitops.dev/v1alpha1"
+GENERATIONS = ("rc.3", "rc.2", "oct-2024")
+DEVICE_ID = r"^[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"
+DURATION = r"^(\d+(\.\d+)?(ms|h|m|s))+$"
+
+
+def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "additionalProperties": False,
+            "required": required or []}
+
+
+_TEXT = {"type": "string", "minLength": 1}
+
+
+@cache
+def config_schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of the device client configuration."""
+    return _closed({
+        "apiVersion": {"const": CONFIG_API_VERSION},
+        "kind": {"const": "DeviceClientConfig"},
+        "device": _closed({"id": {"type": "string", "pattern": DEVICE_ID}}, ["id"]),
+        "server": _closed({
+            "url": {"type": "string", "pattern": r"^https?://[^/\s]+(/\S*)?$"},
+            "api": {"enum": list(GENERATIONS)},
+            "clientId": _TEXT,
+            "tokenFile": _TEXT,
+            "timeout": {"type": "string", "pattern": DURATION},
+        }, ["url", "clientId", "tokenFile"]),
+        "source": _closed({
+            "type": {"enum": ["git", "margo-rest"]},
+            "url": {"type": "string", "pattern": r"^(https?|file)://\S+$"},
+            "depth": {"type": "integer", "minimum": 0},
+        }, ["type"]),
+        "driver": _closed({
+            "type": {"enum": ["helm", "compose", "render"]},
+            "outputDir": _TEXT,
+            "kubeconfig": _TEXT,
+            "kubeContext": _TEXT,
+            "storageDriver": {"enum": ["secret", "configmap", "memory"]},
+            "docker": _TEXT,
+        }, ["type"]),
+        "dataDir": _TEXT,
+        "capabilities": _closed({
+            "file": _TEXT,
+            "host": _closed({
+                "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
+                "otelCollector": {"type": "boolean"},
+                "labels": {"type": "object"},
+            }),
+        }),
+        "schedule": _closed({
+            "interval": {"type": "string", "pattern": DURATION},
+            "pollingWindows": {"type": "array", "items": _TEXT},
+            "downtime": {"type": "array", "items": _TEXT},
+            "timezone": _TEXT,
+        }),
+    }, ["device", "server", "source", "driver", "dataDir"])
+
+
+@cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(config_schema())
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """A validated configuration with paths made absolute."""
+
+    file: str
+    device_id: str
+    server_url: str
+    api: str
+    client_id: str
+    token_file: Path
+    timeout: float
+    source: str
+    git_url: str | None
+    git_depth: int | None
+    driver: str
+    output_dir: Path
+    kubeconfig: Path | None
+    kube_context: str | None
+    storage_driver: str
+    docker: str
+    data_dir: Path
+    capabilities_file: Path | None
+    host_facts: dict[str, Any] | None
+    schedule: Schedule = field(default_factory=Schedule)
+
+    def token(self) -> str:
+        """Read at use, so a rotated token file is picked up without a restart."""
+        return self.token_file.read_text(encoding="utf-8").strip()
+
+
+def _path(base: Path, text: str) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+def _schedule(raw: dict[str, Any], problems: list[Problem]) -> Schedule:
+    polling: list[RecurringWindow] = []
+    downtime: list[RecurringWindow | OneOffWindow] = []
+    for key, target, one_off in (("pollingWindows", polling, False),
+                                 ("downtime", downtime, True)):
+        for index, text in enumerate(raw.get(key, [])):
+            try:
+                target.append(parse_window(text, one_off=one_off))  # type: ignore[arg-type]
+            except ValueError as exc:
+                problems.append(Problem(("schedule", key, index), str(exc)))
+    timezone = raw.get("timezone", "UTC")
+    try:
+        ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):  # ValueError: names like '../etc'
+        problems.append(Problem(("schedule", "timezone"), f"unknown time zone {timezone!r}",
+                                expected="an IANA name such as 'Europe/Berlin' or 'UTC'"))
+        timezone = "UTC"
+    interval = parse_duration(raw.get("interval", "30s"))
+    if interval <= 0:
+        problems.append(Problem(("schedule", "interval"), "the polling interval must be > 0"))
+    return Schedule(interval=interval or 30.0, polling=tuple(polling),
+                    downtime=tuple(downtime), timezone=timezone)
+
+
+def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
+    """Validate a loaded configuration; raise `DocumentError` with located problems."""
+    doc = loaded.value
+    problems = [loaded.locate(p, at_key=at_key)
+                for p, at_key in explain_schema_errors(_validator(), doc)]
+    if problems:
+        raise DocumentError(problems)
+    found: list[Problem] = []
+    server, source, driver = doc["server"], doc["source"], doc["driver"]
+    api = server.get("api", "oct-2024" if source["type"] == "git" else "rc.3")
+    if source["type"] == "git" and api != "oct-2024":
+        found.append(Problem(("server", "api"), "a device with the git source reports status "
+                             "through the Oct-2024 API: rc.3 and rc.2 status reports carry the "
+                             "adopted manifestVersion, which only the margo-rest source has",
+                             expected="oct-2024", found=api))
+    if source["type"] == "margo-rest" and api == "oct-2024":
+        found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "
+                             "rc.3 or rc.2 with the margo-rest source", found=api))
+    if "url" in source and source["type"] != "git":
+        found.append(Problem(("source", "url"), "only the git source takes a url"))
+    caps = doc.get("capabilities", {})
+    if "file" in caps and "host" in caps:
+        found.append(Problem(("capabilities",), "give either 'file' or 'host', not both"))
+    schedule = _schedule(doc.get("schedule", {}), found)
+    if found:
+        raise DocumentError([loaded.locate(p) for p in found])
+    data_dir = _path(base, doc["dataDir"])
+    url = server["url"].rstrip("/")
+    device_id = doc["device"]["id"]
+    git_url = source.get("url") or (f"{url}/git/devices/{device_id}.git"
+                                    if source["type"] == "git" else None)
+    return DeviceConfig(
+        file=loaded.file or "<config>", device_id=device_id, server_url=url, api=api,
+        client_id=server["clientId"], token_file=_path(base, server["tokenFile"]),
+        timeout=parse_duration(server.get("timeout", "10s")), source=source["type"],
+        git_url=git_url, git_depth=source.get("depth", 1) or None, driver=driver["type"],
+        output_dir=_path(base, driver.get("outputDir", str(data_dir / "rendered"))),
+        kubeconfig=_path(base, driver["kubeconfig"]) if "kubeconfig" in driver else None,
+        kube_context=driver.get("kubeContext"),
+        storage_driver=driver.get("storageDriver", "secret"),
+        docker=driver.get("docker", "docker"), data_dir=data_dir,
+        capabilities_file=_path(base, caps["file"]) if "file" in caps else None,
+        host_facts=caps.get("host"), schedule=schedule)
+
+
+def load_config(path: str | Path) -> DeviceConfig:
+    """Read and validate a configuration file. `OSError` propagates (unreadable is not
+    invalid); `DocumentError` names file, line and path of every problem."""
+    path = Path(path)
+    loaded = load_document(path.read_bytes(), file=str(path))
+    return parse_config(loaded, base=path.resolve().parent)

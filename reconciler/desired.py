@@ -1,0 +1,161 @@
+"""Desired state as the device sees it: ApplicationDeployment documents turned into what the
+planner and the drivers need (per component: where the package is, how to wait, and the
+exact configuration the deployment's parameters give it).
+
+Every desired component carries two fingerprints. `spec_digest` covers what must be
+*upgraded* when it changes (package repository and revision); `values_digest` covers what
+only needs a *reconfigure* (the values or environment the parameters produce). The planner
+compares them with the fingerprints stored on installed releases.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from margo import models as m
+from margo.component_values import compose_environment, helm_values
+from margo.digests import data_digest, digest_of
+from margo.errors import DocumentError, Problem
+from margo.kinds import Kind
+from margo.validation import validate_document
+
+__all__ = ["DEFAULT_TIMEOUT_SECONDS", "DesiredComponent", "DesiredDeployment",
+           "DesiredState", "parse_deployment", "parse_duration"]
+
+DEFAULT_TIMEOUT_SECONDS = 300.0  # Helm's own default (5m0s)
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)")
+
+
+def parse_duration(text: str) -> float:
+    """A Go/Helm duration (`8m30s`, `90s`, `1h`, `500ms`) in seconds; `ValueError` otherwise."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"expected a duration like '2m30s', found {text!r}")
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    position, total = 0, 0.0
+    for match in _DURATION.finditer(text):
+        if match.start() != position:
+            break
+        total += float(match.group(1)) * units[match.group(2)]
+        position = match.end()
+    if position != len(text):
+        raise ValueError(f"expected a duration like '2m30s', found {text!r}")
+    return total
+
+
+@dataclass(frozen=True)
+class DesiredComponent:
+    """One component of a desired deployment, ready for a driver."""
+
+    name: str
+    index: int  # position in the deployment's component list (install order)
+    repository: str
+    revision: str
+    wait: bool
+    timeout_seconds: float
+    values: Mapping[str, Any]  # Helm values (nested) or Compose environment (flat strings)
+    spec_digest: str
+    values_digest: str
+    extensions: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DesiredDeployment:
+    """One ApplicationDeployment the device must run."""
+
+    deployment_id: str
+    name: str
+    namespace: str
+    device_id: str | None
+    application_id: str
+    profile_type: str  # "helm" or "compose"
+    components: tuple[DesiredComponent, ...]
+    digest: str  # sha256 over the exact document bytes
+    document: bytes
+
+    def component(self, name: str) -> DesiredComponent | None:
+        return next((c for c in self.components if c.name == name), None)
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """Everything a source delivered at one version (a commit, or a manifestVersion)."""
+
+    source: str  # "git" or "margo-rest"
+    version: str  # commit id, or the manifestVersion as decimal text
+    manifest_version: int | None
+    etag: str | None
+    deployments: tuple[DesiredDeployment, ...]
+
+    def by_id(self) -> dict[str, DesiredDeployment]:
+        return {d.deployment_id: d for d in self.deployments}
+
+
+def _component(component: m.Component, index: int, deployment: m.ApplicationDeployment,
+               file: str) -> DesiredComponent:
+    props = component.properties
+    where = f"{file}: component {component.name!r}"
+    repository = props.repository or props.package_location
+    if not repository:
+        raise ValueError(f"{where}: no 'repository' to install from")
+    revision = props.revision or ""
+    try:
+        timeout = parse_duration(props.timeout) if props.timeout else DEFAULT_TIMEOUT_SECONDS
+    except ValueError as exc:
+        raise ValueError(f"{where}: timeout: {exc}") from None
+    parameters = {name: {"value": p.value,
+                         "targets": [{"pointer": t.pointer, "components": list(t.components)}
+                                     for t in p.targets]}
+                  for name, p in deployment.parameters.items()}
+    try:
+        if deployment.profile.type == m.ProfileType.COMPOSE:
+            values: dict[str, Any] = dict(compose_environment(parameters, component.name))
+        else:
+            values = helm_values(parameters, component.name)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: parameters: {exc}") from None
+    spec = {"repository": repository, "revision": revision}
+    return DesiredComponent(
+        name=component.name, index=index, repository=repository, revision=revision,
+        wait=props.wait is not False, timeout_seconds=timeout, values=values,
+        spec_digest=data_digest(spec), values_digest=data_digest(values),
+        extensions=dict(component.extensions))
+
+
+def parse_deployment(data: bytes, *, file: str = "deployment.yaml") -> DesiredDeployment:
+    """Validate one ApplicationDeployment (any spec shape) and prepare it for planning.
+
+    Raises `DocumentError` (located problems) for an invalid document and `ValueError` for a
+    valid document the device cannot act on (no repository, unknown profile type, a
+    malformed timeout or conflicting parameter targets)."""
+    report = validate_document(data, file=file, expect=Kind.APPLICATION_DEPLOYMENT)
+    if report.problems:
+        raise DocumentError(report.problems)
+    deployment: m.ApplicationDeployment = report.model
+    if deployment.profile.type not in (m.ProfileType.HELM, m.ProfileType.COMPOSE):
+        raise ValueError(f"{file}: profile type {str(deployment.profile.type)!r} is not "
+                         "supported by this device (helm, compose)")
+    names = [c.name for c in deployment.profile.components]
+    if len(set(names)) != len(names):
+        raise DocumentError([Problem(path=("spec", "deploymentProfile", "components"),
+                                     message="component names must be unique", file=file)])
+    components = tuple(_component(c, i, deployment, file)
+                       for i, c in enumerate(deployment.profile.components))
+    return DesiredDeployment(
+        deployment_id=deployment.id, name=deployment.name, namespace=deployment.namespace,
+        device_id=deployment.device_id, application_id=deployment.application_id,
+        profile_type=str(deployment.profile.type), components=components,
+        digest=digest_of(data), document=data)
+
+
+def index_deployments(deployments: Iterable[DesiredDeployment]) -> dict[str, DesiredDeployment]:
+    """By deployment id; two documents with one id are an error (the source is broken)."""
+    out: dict[str, DesiredDeployment] = {}
+    for deployment in deployments:
+        if deployment.deployment_id in out:
+            raise ValueError(f"two documents share deployment id {deployment.deployment_id}")
+        out[deployment.deployment_id] = deployment
+    return out

@@ -1,0 +1,160 @@
+"""The pure planner: desired deployments x installed releases → ordered steps.
+
+No I/O and no clock: the same inputs always give the same plan, which is what makes the
+reconciler testable and a crash at any point safe (re-planning after a restart sees what
+was really installed and continues from there).
+
+Order of execution:
+1. deployments no longer desired are removed first (freeing resources for what follows),
+   each one's components in reverse listed order;
+2. then each desired deployment in a stable order (deployment id): components it no longer
+   lists are removed (reverse order), then its components are installed, upgraded or
+   reconfigured in listed order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.releases import InstalledRelease, release_name, short_digest
+
+__all__ = ["Action", "DeploymentPlan", "Plan", "Step", "plan"]
+
+
+class Action(StrEnum):
+    INSTALL = "install"
+    UPGRADE = "upgrade"
+    RECONFIGURE = "reconfigure"
+    REMOVE = "remove"
+    UNCHANGED = "unchanged"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One component's action. `desired` is None for removals, `installed` for installs."""
+
+    action: Action
+    deployment_id: str
+    component: str
+    release_name: str
+    namespace: str
+    desired: DesiredComponent | None
+    installed: InstalledRelease | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """Steps for one deployment, in execution order. `deployment` is None when it is being
+    removed entirely."""
+
+    deployment_id: str
+    deployment: DesiredDeployment | None
+    steps: tuple[Step, ...]
+
+    @property
+    def changes(self) -> tuple[Step, ...]:
+        return tuple(s for s in self.steps if s.action is not Action.UNCHANGED)
+
+
+@dataclass(frozen=True)
+class Plan:
+    deployments: tuple[DeploymentPlan, ...]
+
+    @property
+    def changes(self) -> tuple[Step, ...]:
+        return tuple(s for d in self.deployments for s in d.changes)
+
+    def summary(self) -> dict[str, int]:
+        counts = {a.value: 0 for a in Action}
+        for deployment in self.deployments:
+            for step in deployment.steps:
+                counts[step.action.value] += 1
+        return counts
+
+
+def _compare(component: DesiredComponent, installed: InstalledRelease) -> tuple[Action, str]:
+    if not installed.healthy:
+        return Action.UPGRADE, f"the installed release is {installed.detail or 'not healthy'}"
+    if installed.spec_digest != short_digest(component.spec_digest):
+        return Action.UPGRADE, f"package changed (now {component.repository}:{component.revision})"
+    if installed.values_digest != short_digest(component.values_digest):
+        return Action.RECONFIGURE, "parameter values changed"
+    return Action.UNCHANGED, "up to date"
+
+
+def _removal(release: InstalledRelease, reason: str) -> Step:
+    return Step(Action.REMOVE, release.deployment_id, release.component, release.release_name,
+                release.namespace, None, release, reason)
+
+
+def plan(desired: Iterable[DesiredDeployment], installed: Iterable[InstalledRelease],
+         *, component_order: dict[str, list[str]] | None = None) -> Plan:
+    """Plan the convergence of `installed` onto `desired`.
+
+    `component_order` gives, for deployments no longer desired, the component order they
+    were installed with (from the device's own records) so removal can run in reverse; when
+    unknown, releases are removed in reverse name order (deterministic)."""
+    wanted = {d.deployment_id: d for d in desired}
+    by_deployment: dict[str, dict[str, InstalledRelease]] = defaultdict(dict)
+    duplicates: list[InstalledRelease] = []
+    for release in installed:
+        slot = by_deployment[release.deployment_id]
+        if release.component in slot:
+            # Two releases claim the same component (a renamed release, a manual copy with our
+            # labels): keep the one with our deterministic name, remove the other.
+            keep = release_name(release.deployment_id, release.component)
+            other = slot[release.component]
+            if release.release_name == keep:
+                duplicates.append(other)
+                slot[release.component] = release
+            else:
+                duplicates.append(release)
+        else:
+            slot[release.component] = release
+
+    plans: list[DeploymentPlan] = []
+    order = component_order or {}
+    for deployment_id in sorted(set(by_deployment) - set(wanted)):
+        releases = by_deployment[deployment_id]
+        known = order.get(deployment_id, [])
+        ranked = sorted(releases, key=lambda name: (known.index(name) if name in known
+                                                    else len(known), name), reverse=True)
+        plans.append(DeploymentPlan(deployment_id, None, tuple(
+            _removal(releases[name], "the deployment is no longer desired") for name in ranked)))
+
+    for deployment_id in sorted(wanted):
+        deployment = wanted[deployment_id]
+        releases = by_deployment.get(deployment_id, {})
+        steps: list[Step] = []
+        listed = {c.name for c in deployment.components}
+        for name in sorted(set(releases) - listed, reverse=True):
+            steps.append(_removal(releases[name], "the component is no longer listed"))
+        for component in deployment.components:
+            name = release_name(deployment_id, component.name)
+            current = releases.get(component.name)
+            if current is None:
+                steps.append(Step(Action.INSTALL, deployment_id, component.name, name,
+                                  deployment.namespace, component, None, "not installed"))
+                continue
+            if current.namespace != deployment.namespace and deployment.profile_type == "helm":
+                # A Helm release cannot move between namespaces: remove, then install anew.
+                steps.append(_removal(current, f"namespace changed to {deployment.namespace}"))
+                steps.append(Step(Action.INSTALL, deployment_id, component.name, name,
+                                  deployment.namespace, component, None,
+                                  f"moved from namespace {current.namespace}"))
+                continue
+            action, reason = _compare(component, current)
+            steps.append(Step(action, deployment_id, component.name, current.release_name,
+                              current.namespace, component, current, reason))
+        plans.append(DeploymentPlan(deployment_id, deployment, tuple(steps)))
+
+    if duplicates:
+        extra = tuple(_removal(r, "a second release claims this component")
+                      for r in sorted(duplicates, key=lambda r: r.release_name))
+        plans.insert(0, DeploymentPlan("", None, extra))
+    return Plan(tuple(plans))

@@ -1,0 +1,97 @@
+"""What is installed, how our releases are named and how they are marked as ours.
+
+Drivers read installed releases from the engine's own records (Helm release records,
+Compose project labels, the render driver's ledger) and describe each as an
+`InstalledRelease`. Only releases carrying our ownership labels are ever returned to the
+planner, so a release someone installed by hand is never touched.
+
+Label values follow the Kubernetes label rules (at most 63 characters of
+`[A-Za-z0-9._-]`), because Helm stores release labels on its Secret records: digests are
+therefore stored as their first 40 hex digits (160 bits), plenty to notice a change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LABEL_COMPONENT", "LABEL_DEPLOYMENT", "LABEL_DESIRED", "LABEL_MANAGED_BY",
+           "LABEL_SPEC", "LABEL_VALUES", "MANAGER", "MAX_RELEASE_NAME", "InstalledRelease",
+           "ownership_labels", "release_from_labels", "release_name", "short_digest"]
+
+LABEL_MANAGED_BY = "margo-gitops.dev/managed-by"
+LABEL_DEPLOYMENT = "margo-gitops.dev/deployment"
+LABEL_COMPONENT = "margo-gitops.dev/component"
+LABEL_DESIRED = "margo-gitops.dev/desired-digest"
+LABEL_SPEC = "margo-gitops.dev/spec-digest"
+LABEL_VALUES = "margo-gitops.dev/values-digest"
+MANAGER = "margo-gitops"
+MAX_RELEASE_NAME = 53  # Helm's limit (release names become label values with suffixes)
+
+_UNSAFE = re.compile(r"[^a-z0-9-]+")
+
+
+def short_digest(digest: str) -> str:
+    """`sha256:<hex>` → its first 40 hex digits, a valid Kubernetes label value."""
+    return digest.partition(":")[2][:40] if ":" in digest else digest[:40]
+
+
+def release_name(deployment_id: str, component: str) -> str:
+    """A deterministic Helm release / Compose project name for one component.
+
+    `<component, lower-cased and cleaned, at most 42 chars>-<10 hex of sha256(id/component)>`:
+    readable, at most 53 characters, a valid DNS label, and distinct for every (deployment,
+    component) pair even when component names collide after cleaning."""
+    tag = hashlib.sha256(f"{deployment_id}/{component}".encode()).hexdigest()[:10]
+    readable = _UNSAFE.sub("-", component.lower()).strip("-")[:42].strip("-") or "component"
+    if not readable[0].isalpha():
+        readable = "c" + readable[:41]
+    return f"{readable}-{tag}"
+
+
+def ownership_labels(deployment_id: str, component: str, *, desired_digest: str,
+                     spec_digest: str, values_digest: str) -> dict[str, str]:
+    """Labels that mark a release as ours and record what it was installed from."""
+    return {
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_DEPLOYMENT: deployment_id,
+        LABEL_COMPONENT: component,
+        LABEL_DESIRED: short_digest(desired_digest),
+        LABEL_SPEC: short_digest(spec_digest),
+        LABEL_VALUES: short_digest(values_digest),
+    }
+
+
+@dataclass(frozen=True)
+class InstalledRelease:
+    """One installed component, as the engine's own records describe it."""
+
+    release_name: str
+    namespace: str
+    deployment_id: str
+    component: str
+    desired_digest: str  # short digests (40 hex), as stored in the labels
+    spec_digest: str
+    values_digest: str
+    healthy: bool  # False when the engine says failed / pending (a crash mid-operation)
+    detail: str = ""  # the engine's status word, for messages ("deployed", "failed", ...)
+    chart_version: str = ""
+
+
+def release_from_labels(labels: Mapping[str, str], *, release_name: str, namespace: str,
+                        healthy: bool, detail: str = "",
+                        chart_version: str = "") -> InstalledRelease | None:
+    """An `InstalledRelease` from a release's labels, or None when it is not ours."""
+    if labels.get(LABEL_MANAGED_BY) != MANAGER:
+        return None
+    try:
+        return InstalledRelease(
+            release_name=release_name, namespace=namespace,
+            deployment_id=labels[LABEL_DEPLOYMENT], component=labels[LABEL_COMPONENT],
+            desired_digest=labels.get(LABEL_DESIRED, ""), spec_digest=labels.get(LABEL_SPEC, ""),
+            values_digest=labels.get(LABEL_VALUES, ""), healthy=healthy, detail=detail,
+            chart_version=chart_version)
+    except KeyError:
+        return None  # a half-labelled release is not provably ours: leave it alone

@@ -1,0 +1,59 @@
+"""Where desired state comes from: the device's Git repository or the Margo REST manifest.
+
+Both return the same thing, a `DesiredState`, so everything after fetching is shared. A source
+never applies anything and never persists anything: the runner adopts what it returns only
+after every document has been verified and parsed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from reconciler.desired import DesiredState
+
+__all__ = ["Adopted", "IntegrityError", "Source", "SourceError"]
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """What the device adopted last (from its durable state): the source's version marker and
+    the exact bytes of the documents it holds, by digest, so unchanged ones are not fetched."""
+
+    version: str | None = None  # commit id, or manifestVersion as text
+    manifest_version: int | None = None
+    etag: str | None = None
+    documents: Mapping[str, bytes] = field(default_factory=dict)  # digest -> exact bytes
+
+
+class SourceError(Exception):
+    """Fetching failed. `code` is short (`UNREACHABLE`, `HTTP_503`, `UNAUTHORIZED`, ...);
+    `retryable` is False when retrying without a change on the server cannot help;
+    `retry_after` is the server's `Retry-After` in seconds, when it sent one."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool = True,
+                 retry_after: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+class IntegrityError(SourceError):
+    """The server sent something that must not be used: a digest mismatch, a manifestVersion
+    rollback, an unsupported digest algorithm, an invalid document. The whole update is
+    discarded and the previous state kept; it is logged as a security event."""
+
+
+class Source(Protocol):
+    name: str  # "git" or "margo-rest"
+
+    def fetch(self, adopted: Adopted) -> DesiredState | None:
+        """The new desired state, or None when nothing changed since `adopted`.
+        Raises `SourceError` / `IntegrityError`."""
+        ...
+
+    def close(self) -> None:
+        ...

@@ -1,0 +1,122 @@
+"""DeploymentStatusManifest bodies and paths for the three API generations a server may speak.
+
+Pure functions: the runner decides *what* each component's state is; this module only says how
+each generation wants to hear it.
+
+| generation | path | body |
+|---|---|---|
+| rc.3 | `POST /api/v1/deployments/{id}/status` | `adoptedManifestVersion` required |
+| rc.2 | `POST /api/v1/clients/{clientId}/deployments/{id}/status` | `apiVersion` + `kind` |
+| oct-2024 | `POST /device/{deviceId}/deployment/{id}/status` | capitalised states |
+
+The overall state is the most severe component state. The spec's own order string is garbled
+("failed > removing > installing > pending > removing > installed"); we read it as
+failed > removing > installing > pending > removed > installed, so one component still being
+removed keeps the deployment `removing`, and a finished removal only shows once every
+component is gone. Error sources follow the spec: the deployment's `metadata.name` on the
+overall error, the component's name on a component's error. Error codes are strings (the
+official OpenAPI types them so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+__all__ = ["GENERATIONS", "SEVERITY", "STATES", "overall_state", "status_body", "status_path"]
+
+GENERATIONS = ("rc.3", "rc.2", "oct-2024")
+STATES = ("pending", "installing", "installed", "failed", "removing", "removed")
+#: Most severe first.
+SEVERITY = ("failed", "removing", "installing", "pending", "removed", "installed")
+STATUS_API_VERSION = "deployment.margo.org/v1alpha1"
+STATUS_KIND = "DeploymentStatusManifest"
+
+#: (name, state, error) where error is None, {"code", "message"} or (code, message).
+ComponentReport = tuple[str, str, Mapping[str, Any] | Sequence[str] | None]
+
+
+def _check_generation(generation: str) -> None:
+    if generation not in GENERATIONS:
+        raise ValueError(f"unknown API generation {generation!r} (expected one of "
+                         f"{', '.join(GENERATIONS)})")
+
+
+def overall_state(states: Sequence[str]) -> str:
+    """The most severe of the component states (see the module docstring for the order)."""
+    if not states:
+        raise ValueError("a deployment status needs at least one component")
+    unknown = [s for s in states if s not in SEVERITY]
+    if unknown:
+        raise ValueError(f"unknown component state {unknown[0]!r} (expected one of "
+                         f"{', '.join(STATES)})")
+    return min(states, key=SEVERITY.index)
+
+
+def _spell(state: str, generation: str) -> str:
+    """Oct-2024 capitalised its states (`Installed`); later generations use lower case."""
+    return state.capitalize() if generation == "oct-2024" else state
+
+
+def _error(error: Mapping[str, Any] | Sequence[str], source: str) -> dict[str, str]:
+    if isinstance(error, Mapping):
+        code, message = error.get("code", ""), error.get("message", "")
+    else:
+        code, message = error
+    return {"code": str(code), "source": source, "message": str(message)}
+
+
+def status_body(generation: str, *, deployment_id: str, device_id: str | None,
+                adopted_version: int | None, components: Sequence[ComponentReport],
+                deployment_name: str) -> dict[str, Any]:
+    """The DeploymentStatusManifest for one deployment, shaped for `generation`.
+
+    `components` lists every component of the deployment once, in the deployment's order.
+    The overall error is the first component error whose state is the overall state (for a
+    failed deployment: the first failed component's code and message), with the deployment's
+    name as its source. rc.3 requires `adopted_version` (the manifestVersion the device had
+    adopted when this state arose); the older generations have no such field."""
+    _check_generation(generation)
+    overall = overall_state([state for _, state, _ in components])
+    if generation == "rc.3" and adopted_version is None:
+        raise ValueError("rc.3 status reports require the adopted manifestVersion")
+    body: dict[str, Any] = {}
+    if generation != "rc.3":
+        body = {"apiVersion": STATUS_API_VERSION, "kind": STATUS_KIND}
+    body["deploymentId"] = deployment_id
+    if device_id is not None:
+        body["deviceId"] = device_id
+    if generation == "rc.3":
+        body["adoptedManifestVersion"] = adopted_version
+    status: dict[str, Any] = {"state": _spell(overall, generation)}
+    cause = next((error for _, state, error in components
+                  if state == overall and error is not None), None)
+    if cause is not None:
+        status["error"] = _error(cause, deployment_name)
+    body["status"] = status
+    entries = []
+    for name, state, error in components:
+        entry: dict[str, Any] = {"name": name, "state": _spell(state, generation)}
+        if error is not None:
+            entry["error"] = _error(error, name)
+        entries.append(entry)
+    body["components"] = entries
+    return body
+
+
+def status_path(generation: str, *, deployment_id: str, device_id: str | None,
+                client_id: str | None) -> str:
+    """Where `generation` wants status reports. Segments are percent-encoded; a device id
+    keeps its `/` (gateway hierarchy), which the Oct-2024 route matches as a path."""
+    _check_generation(generation)
+    deployment = quote(deployment_id, safe="")
+    if generation == "rc.3":
+        return f"/api/v1/deployments/{deployment}/status"
+    if generation == "rc.2":
+        if not client_id:
+            raise ValueError("rc.2 status paths need the clientId from onboarding")
+        return f"/api/v1/clients/{quote(client_id, safe='')}/deployments/{deployment}/status"
+    if not device_id:
+        raise ValueError("Oct-2024 status paths need the device id")
+    return f"/device/{quote(device_id, safe='/')}/deployment/{deployment}/status"

@@ -17,8 +17,9 @@ __all__ = ["ApplyError", "Driver"]
 
 
 class ApplyError(Exception):
-    """A step failed. `code` is short and stable (`PULL_FAILED`, `RENDER_FAILED`,
-    `INSTALL_FAILED`, `TIMEOUT`, `UNSAFE_PACKAGE`, `ENGINE_UNAVAILABLE`, ...); `message` is
+    """A step failed. `code` is short and stable (`PULL_FAILED`, `DIGEST_MISMATCH`,
+    `INVALID_PACKAGE`, `UNSAFE_PACKAGE`, `RENDER_FAILED`, `INSTALL_FAILED`, `UPGRADE_FAILED`,
+    `UNINSTALL_FAILED`, `TIMEOUT`, `ENGINE_UNAVAILABLE`, ...); `message` is
     the engine's explanation, for people; `retryable` says whether the next cycle should try
     again without the desired state changing (a registry outage: yes)."""
 

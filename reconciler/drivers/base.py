@@ -19,7 +19,8 @@ __all__ = ["ApplyError", "Driver"]
 class ApplyError(Exception):
     """A step failed. `code` is short and stable (`PULL_FAILED`, `DIGEST_MISMATCH`,
     `INVALID_PACKAGE`, `UNSAFE_PACKAGE`, `RENDER_FAILED`, `INSTALL_FAILED`, `UPGRADE_FAILED`,
-    `UNINSTALL_FAILED`, `TIMEOUT`, `ENGINE_UNAVAILABLE`, ...); `message` is
+    `UNINSTALL_FAILED`, `TIMEOUT`, `CANCELLED`, `ENGINE_UNAVAILABLE`,
+    `UNSUPPORTED_REPOSITORY`, `INVALID_REVISION`, `CHART_INVALID`, `INVALID_STEP`); `message` is
     the engine's explanation, for people; `retryable` says whether the next cycle should try
     again without the desired state changing (a registry outage: yes)."""
 

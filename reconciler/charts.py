@@ -1,0 +1,209 @@
+"""Helm charts from OCI registries, cached on disk by manifest digest.
+
+Both Helm drivers (`render` and `helm`) start every install or upgrade here: a component's
+`repository` (`oci://host[:port]/path/name`) and `revision` (a version tag such as `1.0.0`,
+or a manifest digest `sha256:<hex>`) become a local chart archive, pulled with Helm's own
+registry client (helm_python).
+
+Caching rules, and why:
+- Files are keyed by the OCI manifest digest, so one content is stored once and a file's
+  name says exactly what it holds. A digest revision is content-addressed: when its file is
+  on disk the registry is never contacted, even by a new process (a device that restarts
+  while offline can still reinstall what it ran).
+- A tag is resolved to a digest once per `ChartCache` (one process lifetime) and then
+  treated as immutable: later fetches of the same (repository, revision) do not touch the
+  registry. A new process resolves the tag again, so a re-pushed tag is noticed at restart.
+- The chart is pulled *by the digest just resolved*, never by the tag again, so the file
+  always matches the digest in its name even if the tag moves in between.
+- Files are written to a temporary directory next to the cache and renamed into place, so
+  a crash never leaves a truncated archive under a digest name.
+
+Plain HTTP is used only for the loopback hosts in `plain_http_hosts` (test and demo
+registries); everything else is HTTPS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import helm_python as helm
+
+from reconciler.drivers.base import ApplyError
+
+__all__ = ["DEFAULT_PLAIN_HTTP_HOSTS", "ChartCache", "OciReference", "parse_repository"]
+
+DEFAULT_PLAIN_HTTP_HOSTS = frozenset({"127.0.0.1", "localhost"})
+
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# OCI distribution tag grammar; Helm stores a SemVer `+` as `_` in tags.
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
+_PATH = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+
+
+@dataclass(frozen=True)
+class OciReference:
+    """A parsed `oci://host[:port]/path/name` repository."""
+
+    host: str  # host[:port], as written
+    path: str  # path/name, without the host
+
+    @property
+    def hostname(self) -> str:
+        """The host without its port (what `plain_http_hosts` lists)."""
+        return self.host.rpartition(":")[0] if re.search(r":\d+$", self.host) else self.host
+
+    def tagged(self, tag: str) -> str:
+        """`host/path/name:tag`, the form RegistryClient.resolve takes."""
+        return f"{self.host}/{self.path}:{tag}"
+
+    def pinned(self, digest: str) -> str:
+        """`oci://host/path/name@sha256:...`, the form helm pull takes for a digest."""
+        return f"oci://{self.host}/{self.path}@{digest}"
+
+
+def parse_repository(repository: str) -> OciReference:
+    """Split an `oci://` repository; `ApplyError("UNSUPPORTED_REPOSITORY")` otherwise.
+
+    Only OCI is supported because the Margo component properties name OCI repositories and
+    because a digest can pin OCI content exactly (HTTP chart repositories cannot)."""
+    if not isinstance(repository, str) or not repository.startswith("oci://"):
+        raise ApplyError("UNSUPPORTED_REPOSITORY",
+                         f"chart repository {repository!r} is not an oci:// reference; only OCI "
+                         "registries are supported", retryable=False)
+    host, _, path = repository.removeprefix("oci://").partition("/")
+    if not host or not _PATH.match(path):
+        raise ApplyError("UNSUPPORTED_REPOSITORY",
+                         f"chart repository {repository!r} is not of the form "
+                         "oci://host[:port]/path/name", retryable=False)
+    return OciReference(host, path)
+
+
+def _check_revision(repository: str, revision: str) -> None:
+    if _DIGEST.match(revision) or _TAG.match(revision.replace("+", "_")):
+        return
+    raise ApplyError("INVALID_REVISION",
+                     f"chart revision {revision!r} of {repository} is neither a version tag nor "
+                     "a sha256:<64 hex> digest (an empty revision would let the registry pick "
+                     "the version, so it is refused)", retryable=False)
+
+
+class ChartCache:
+    """Pulls charts once, keeps them on disk, and hands out loaded charts.
+
+    Thread-safe: fetches are serialised (a device pulls one chart at a time anyway), loaded
+    charts are immutable and shared. `close()` frees the registry clients and every loaded
+    chart; the cache directory stays."""
+
+    def __init__(self, cache_dir: Path, *,
+                 plain_http_hosts: frozenset[str] = DEFAULT_PLAIN_HTTP_HOSTS) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.plain_http_hosts = plain_http_hosts
+        self._blobs = self.cache_dir / "sha256"
+        self._fetched: dict[tuple[str, str], Path] = {}
+        self._charts: dict[Path, helm.Chart] = {}
+        self._clients: dict[bool, helm.RegistryClient] = {}
+        self._fetch_lock = threading.Lock()
+        self._load_lock = threading.Lock()
+
+    def fetch(self, repository: str, revision: str) -> Path:
+        """The local `.tgz` of `repository` at `revision` (a tag or a `sha256:` digest).
+
+        Raises `ApplyError`: `UNSUPPORTED_REPOSITORY` / `INVALID_REVISION` (not retryable)
+        for references we cannot pull, `PULL_FAILED` (retryable, Helm's message) when the
+        registry is down or does not have the chart."""
+        reference = parse_repository(repository)
+        _check_revision(repository, revision)
+        key = (repository, revision)
+        with self._fetch_lock:
+            known = self._fetched.get(key)
+            if known is not None and known.is_file():
+                return known
+            plain_http = reference.hostname in self.plain_http_hosts
+            digest = revision if _DIGEST.match(revision) else self._resolve(
+                reference, revision, plain_http=plain_http)
+            target = self._blobs / f"{digest.removeprefix('sha256:')}.tgz"
+            if not target.is_file():
+                self._pull(reference, digest, target, plain_http=plain_http)
+            self._fetched[key] = target
+            return target
+
+    def load(self, path: Path) -> helm.Chart:
+        """The chart in `path`, loaded once and shared (loading costs more than rendering).
+
+        Raises `ApplyError("CHART_INVALID", ...)` (not retryable) for a file Helm cannot
+        read as a chart."""
+        path = Path(path).resolve()
+        with self._load_lock:
+            chart = self._charts.get(path)
+            if chart is None:
+                try:
+                    chart = helm.Chart.load(path)
+                except helm.HelmError as exc:
+                    raise ApplyError("CHART_INVALID", f"{path}: {exc}", retryable=False) from exc
+                self._charts[path] = chart
+            return chart
+
+    def close(self) -> None:
+        """Free loaded charts and registry clients (native handles)."""
+        with self._load_lock:
+            for chart in self._charts.values():
+                chart.close()
+            self._charts.clear()
+        with self._fetch_lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+    def __enter__(self) -> ChartCache:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # --- registry access (caller holds _fetch_lock) ------------------------------------
+
+    def _client(self, plain_http: bool) -> helm.RegistryClient:
+        client = self._clients.get(plain_http)
+        if client is None:
+            client = helm.RegistryClient(plain_http=plain_http)
+            self._clients[plain_http] = client
+        return client
+
+    def _resolve(self, reference: OciReference, tag: str, *, plain_http: bool) -> str:
+        ref = reference.tagged(tag.replace("+", "_"))
+        try:
+            digest = str(self._client(plain_http).resolve(ref)["digest"])
+        except helm.HelmError as exc:
+            raise ApplyError("PULL_FAILED", f"cannot resolve oci://{ref}: {exc}") from exc
+        if not _DIGEST.match(digest):
+            raise ApplyError("PULL_FAILED", f"registry answered an unusable digest {digest!r} "
+                             f"for oci://{ref}")
+        return digest
+
+    def _pull(self, reference: OciReference, digest: str, target: Path, *,
+              plain_http: bool) -> None:
+        ref = reference.pinned(digest)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
+        try:
+            try:
+                helm.pull(ref, client=self._client(plain_http), destination=staging,
+                          plain_http=plain_http)
+            except helm.HelmError as exc:
+                raise ApplyError("PULL_FAILED", f"cannot pull {ref}: {exc}") from exc
+            archives = sorted(staging.glob("*.tgz"))
+            if len(archives) != 1:
+                raise ApplyError("PULL_FAILED", f"pulling {ref} gave {len(archives)} chart "
+                                 "archives instead of one")
+            archives[0].replace(target)
+        finally:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(staging)

@@ -1,0 +1,294 @@
+"""The `helm` driver: components installed as Helm releases, through the Helm v4 engine
+in-process (helm_python), with Helm's own release records as the source of truth.
+
+What the driver reads: `installed()` lists releases in every namespace and keeps those
+carrying our ownership labels (Helm 4 stores release labels on its records and returns them
+from `list`), so a release installed by hand is never returned, upgraded or removed. A
+release is healthy only when Helm says `deployed`; `failed` and `pending-*` (a crash in the
+middle of an operation) are reported unhealthy and the planner applies them again.
+
+What one step does (install, upgrade and reconfigure all converge the release onto the
+desired chart and values; which Helm action that takes depends on Helm's record, read just
+before acting, not on the plan's guess):
+- no release (or only an uninstalled record): `install`, creating the namespace;
+- `pending-install` (a crashed first install; nothing to roll back to): `uninstall`, then
+  `install`, as Helm users do;
+- `pending-upgrade` / `pending-rollback` (a crashed later operation): `rollback` to the
+  previous revision, then `upgrade`;
+- anything else (`deployed`, `failed`, `superseded`): `upgrade` with the values reset to
+  exactly the desired ones (an empty set must not mean "reuse the old values");
+- a release of that name that is not ours is never touched (`INSTALL_FAILED`).
+The driver assumes it is the only writer of its releases (the spec gives a device a single
+WFM client), so a pending release it meets is a crashed operation, not a live one.
+
+Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
+after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
+friends from the chart cache, otherwise `INSTALL_FAILED` / `UPGRADE_FAILED` /
+`UNINSTALL_FAILED` with Helm's message. Such a failure is not retryable when the chart
+also rejects the values or fails to render offline (Helm reports both as generic release
+errors): only a new desired state can fix that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+from helm_python import _native
+from helm_python.config import _opts
+
+from reconciler.charts import ChartCache
+from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.drivers.base import ApplyError
+from reconciler.planner import Action, Step
+from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
+
+__all__ = ["HelmDriver"]
+
+# Helm errors a retry cannot fix: the chart refuses the values, or does not render.
+_PERMANENT = (helm.HelmValuesError, helm.HelmRenderError, helm.HelmChartInvalidError,
+              helm.HelmChartLoadError, helm.HelmInvalidArgError)
+
+
+def _timeout(component: DesiredComponent) -> int:
+    """Helm takes whole seconds; never round a short timeout down to "no timeout"."""
+    return max(1, math.ceil(component.timeout_seconds))
+
+
+def _fails_offline(chart: helm.Chart, values: dict[str, Any], step: Step) -> bool:
+    """Whether the chart rejects these values or fails to render without any cluster: then
+    a Helm failure is the chart's verdict, which retrying cannot change. (Helm reports such
+    failures as generic release errors, so the class of its exception cannot tell.)"""
+    try:
+        chart.render(values, name=step.release_name, namespace=step.namespace)
+    except (helm.HelmValuesError, helm.HelmRenderError):
+        return True
+    except helm.HelmError:
+        return False
+    return False
+
+
+class HelmDriver:
+    """Runs Helm components as releases (see the module docstring).
+
+    One `helm_python.Config` per namespace, created on first use and kept: Helm's
+    per-release reads and writes (status, rollback, uninstall) act in the configuration's
+    namespace, and the `memory` storage driver keeps its records per configuration.
+
+    `compat=True` exists only for Kubernetes API servers without OpenAPI documents and
+    server-side apply (the test emulator): installs and upgrades then pass Helm's raw
+    options `disable_openapi_validation` and `server_side_apply=false`, and namespaces are
+    not created (Helm's namespace creation validates against OpenAPI regardless; the
+    emulator accepts objects in any namespace). Never use it against a real cluster.
+
+    With `storage_driver="memory"` Helm's records live in this process only and
+    `list --all-namespaces` sees none of them, so `installed()` then lists each namespace
+    this driver has used instead. Every other storage driver is listed cluster-wide.
+
+    The `ChartCache` belongs to the caller, who closes it."""
+
+    name = "helm"
+    profile_types = ("helm",)
+
+    def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
+                 kube_context: str | None = None, storage_driver: str = "secret",
+                 compat: bool = False) -> None:
+        self.charts = charts
+        self.kubeconfig = kubeconfig
+        self.kube_context = kube_context
+        self.storage_driver = storage_driver
+        self.compat = compat
+        self._configs: dict[str, helm.Config] = {}
+        self._running: dict[int, helm.HelmContext] = {}
+        self._cancelled: set[int] = set()
+        self._lock = threading.RLock()
+
+    # --- Driver protocol -----------------------------------------------------------------
+
+    def installed(self) -> list[InstalledRelease]:
+        """Our releases in every namespace, from Helm's records."""
+        out: list[InstalledRelease] = []
+        for row in self._list_releases():
+            status = str(row.get("status", ""))
+            if status == "uninstalled":  # kept history of a removed release
+                continue
+            release = release_from_labels(
+                row.get("labels") or {}, release_name=str(row["name"]),
+                namespace=str(row["namespace"]), healthy=status == "deployed", detail=status,
+                chart_version=str(row.get("chart_version", "")))
+            if release is not None:
+                out.append(release)
+        return sorted(out, key=lambda r: (r.namespace, r.release_name))
+
+    def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Install / upgrade / reconfigure (converge the release) or remove it."""
+        if step.action is Action.REMOVE:
+            self._uninstall(step.namespace, step.release_name,
+                            description=f"margo-gitops: {step.reason}")
+        elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
+            self._converge(step, deployment)
+        elif step.action is not Action.UNCHANGED:
+            raise ApplyError("INVALID_STEP", f"unknown action {step.action!r}",
+                             retryable=False)
+
+    def cancel(self) -> None:
+        """Abort every Helm operation in flight (from any thread), e.g. at shutdown; each
+        raises `ApplyError("CANCELLED")` in the thread that started it."""
+        with self._lock:
+            for key, context in self._running.items():
+                self._cancelled.add(key)
+                context.cancel()
+
+    def close(self) -> None:
+        """Free the Helm configurations (native handles)."""
+        with self._lock:
+            for config in self._configs.values():
+                config.close()
+            self._configs.clear()
+
+    def config(self, namespace: str) -> helm.Config:
+        """The Helm configuration this driver uses for `namespace` ("" = the kubeconfig's
+        default), created on first use. Public so that tools and tests can read the same
+        release records (with the memory storage driver, no other configuration can)."""
+        with self._lock:
+            config = self._configs.get(namespace)
+            if config is None:
+                with self._errors("ENGINE_UNAVAILABLE", "configuring Helm"):
+                    config = helm.Config(kubeconfig_path=self.kubeconfig,
+                                         kube_context=self.kube_context,
+                                         storage_driver=self.storage_driver,
+                                         namespace=namespace or None)
+                self._configs[namespace] = config
+            return config
+
+    # --- steps -----------------------------------------------------------------------------
+
+    def _converge(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        component = step.desired
+        if component is None or deployment is None:
+            raise ApplyError("INVALID_STEP", f"{step.action} of {step.release_name} needs the "
+                             "desired component and its deployment", retryable=False)
+        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
+        labels = ownership_labels(deployment.deployment_id, component.name,
+                                  desired_digest=deployment.digest,
+                                  spec_digest=component.spec_digest,
+                                  values_digest=component.values_digest)
+        current = self._status(step.namespace, step.release_name)
+        state = str(current.get("status", "")) if current else ""
+        if current is not None and release_from_labels(
+                current.get("labels") or {}, release_name=step.release_name,
+                namespace=step.namespace, healthy=True) is None:
+            raise ApplyError("INSTALL_FAILED", f"release {step.release_name} in namespace "
+                             f"{step.namespace} exists but is not managed by margo-gitops; "
+                             "it is left alone", retryable=False)
+        description = f"margo-gitops {step.action}: {step.reason}"
+        if state == "pending-install":
+            self._uninstall(step.namespace, step.release_name,
+                            description="margo-gitops: clearing a crashed install")
+            state = ""
+        elif state.startswith("pending-"):
+            self._rollback(step.namespace, step.release_name, component)
+        if state in ("", "uninstalled"):
+            self._release("helm_install", step, component, chart, labels, description)
+        else:
+            self._release("helm_upgrade", step, component, chart, labels, description)
+
+    def _release(self, function: str, step: Step, component: DesiredComponent,
+                 chart: helm.Chart, labels: dict[str, str], description: str) -> None:
+        """One `helm install` / `helm upgrade`, exactly as `helm_python.Config.install` /
+        `.upgrade` call the C ABI (same argument order, same `_opts` JSON builder), plus
+        the raw options compat mode needs, which the 0.2 wrapper does not expose."""
+        upgrade = function == "helm_upgrade"
+        options: dict[str, Any] = {
+            "namespace": step.namespace, "timeout_seconds": _timeout(component),
+            "wait": "watcher" if component.wait else None, "labels": labels,
+            "description": description[:200]}
+        if upgrade:
+            options["reset_values"] = True
+        elif not self.compat:
+            options["create_namespace"] = True
+        if self.compat:
+            options["disable_openapi_validation"] = True
+            options["server_side_apply"] = "false" if upgrade else False
+        config = self.config(step.namespace)
+        failure = "UPGRADE_FAILED" if upgrade else "INSTALL_FAILED"
+        what = f"{'upgrading' if upgrade else 'installing'} {step.release_name}"
+        values = dict(component.values)
+        try:
+            with self._operation() as context, self._errors(failure, what, context):
+                _native.call_string(function, config._raw(), helm.Config._context_arg(context),
+                                    chart._raw(), None, step.release_name, json.dumps(values),
+                                    _opts(**options))
+        except ApplyError as exc:
+            if exc.code == failure and exc.retryable and _fails_offline(chart, values, step):
+                raise ApplyError(failure, exc.message, retryable=False) from exc.__cause__
+            raise
+
+    def _rollback(self, namespace: str, name: str, component: DesiredComponent) -> None:
+        with self._errors("UPGRADE_FAILED", f"rolling back the crashed operation on {name}"):
+            self.config(namespace).rollback(name, timeout=_timeout(component))
+
+    def _uninstall(self, namespace: str, name: str, *, description: str) -> None:
+        with self._errors("UNINSTALL_FAILED", f"uninstalling {name}"):
+            self.config(namespace).uninstall(name, ignore_not_found=True,
+                                             description=description[:200])
+
+    def _status(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Helm's current record of a release, or None when there is none."""
+        with self._errors("ENGINE_UNAVAILABLE", f"reading release {name}"):
+            try:
+                return self.config(namespace).status(name)
+            except helm.HelmNotFoundError:
+                return None
+
+    def _list_releases(self) -> list[dict[str, Any]]:
+        with self._errors("ENGINE_UNAVAILABLE", "listing Helm releases"):
+            if self.storage_driver != "memory":
+                return self.config("").list(all_namespaces=True, all_states=True)
+            with self._lock:
+                configs = list(self._configs.values())
+            return [row for config in configs for row in config.list(all_states=True)]
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[helm.HelmContext]:
+        """A cancellable context for one long Helm action, registered for `cancel()`."""
+        context = helm.HelmContext()
+        key = id(context)
+        with self._lock:
+            self._running[key] = context
+        try:
+            yield context
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+                self._cancelled.discard(key)
+            context.close()
+
+    @contextlib.contextmanager
+    def _errors(self, failure: str, what: str,
+                context: helm.HelmContext | None = None) -> Iterator[None]:
+        """Translate Helm's exceptions into `ApplyError`, keeping Helm's message."""
+        try:
+            yield
+        except helm.HelmCancelledError as exc:
+            key = id(context)
+            with self._lock:
+                cancelled = key in self._cancelled
+                self._cancelled.discard(key)
+            if cancelled:
+                raise ApplyError("CANCELLED", f"{what}: cancelled ({exc})") from exc
+            raise ApplyError("TIMEOUT", f"{what}: {exc}") from exc
+        except helm.HelmKubeError as exc:
+            raise ApplyError("ENGINE_UNAVAILABLE", f"{what}: {exc}") from exc
+        except _PERMANENT as exc:
+            raise ApplyError(failure, f"{what}: {exc}", retryable=False) from exc
+        except helm.HelmError as exc:
+            raise ApplyError(failure, f"{what}: {exc}") from exc

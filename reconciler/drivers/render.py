@@ -1,0 +1,268 @@
+"""The `render` driver: Helm charts rendered to files instead of installed into a cluster.
+
+For devices where something else applies manifests (a GitOps agent watching a directory, an
+air-gapped handover, a dry run of the whole fleet), and for tests that need the real Helm
+engine without a Kubernetes API. Each release becomes a directory
+`<output_dir>/<namespace>/<release>/` holding one file per rendered template (Helm's own
+template paths, e.g. `greeter/templates/configmap.yaml`; NOTES.txt and templates that
+render to nothing are left out), with deterministic bytes: the same chart and values always
+give identical files.
+
+The driver's record of what it installed is a ledger, `<output_dir>/.ledger.json`, playing
+the part of Helm's release records:
+- per release (key `<namespace>/<release>`): namespace, ownership labels, chart name and
+  version, a revision counter and a status;
+- a release is written as `pending-install` / `pending-upgrade` *before* rendering and as
+  `deployed` after the new directory is in place, so a crash in between is visible as an
+  unhealthy release and the planner applies it again; a render failure leaves `failed`;
+- every write replaces the whole file atomically (temporary file, fsync, rename);
+- an unreadable ledger is an error (`ENGINE_UNAVAILABLE`), never "nothing installed", which
+  would make the device reinstall everything.
+
+Directories are replaced by rendering into a temporary sibling, then renaming: the release
+directory is always either the complete old render or the complete new one (or briefly
+absent, while the ledger still says pending).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import helm_python as helm
+
+from reconciler.charts import ChartCache
+from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.drivers.base import ApplyError
+from reconciler.planner import Action, Step
+from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
+
+__all__ = ["LEDGER_NAME", "RenderDriver"]
+
+LEDGER_NAME = ".ledger.json"
+_LEDGER_FORMAT = 1
+
+# Kubernetes namespace names (DNS labels) and Helm release names: both become directory
+# names here, so anything else (a path separator, "..") is refused.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?$")
+
+
+def _check_names(step: Step) -> None:
+    if not _DNS_LABEL.match(step.namespace):
+        raise ApplyError("INVALID_STEP", f"namespace {step.namespace!r} is not a valid "
+                         "Kubernetes namespace name", retryable=False)
+    if not _RELEASE.match(step.release_name):
+        raise ApplyError("INVALID_STEP", f"release name {step.release_name!r} is not a valid "
+                         "Helm release name", retryable=False)
+
+
+def _manifest_files(rendered: dict[str, str]) -> dict[str, bytes]:
+    """Rendered templates worth writing: no NOTES.txt, nothing that renders to whitespace,
+    and only relative paths without `..` (a chart cannot write outside its directory)."""
+    files: dict[str, bytes] = {}
+    for name in sorted(rendered):
+        path = PurePosixPath(name)
+        if path.name == "NOTES.txt" or not rendered[name].strip():
+            continue
+        if path.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
+            raise ApplyError("UNSAFE_PACKAGE", f"chart template path {name!r} escapes the "
+                             "release directory", retryable=False)
+        text = rendered[name]
+        files[name] = (text if text.endswith("\n") else text + "\n").encode("utf-8")
+    return files
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so readers (and a crash) see the old or the new bytes."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+class RenderDriver:
+    """Renders Helm components into `output_dir` (see the module docstring).
+
+    Not safe for two processes sharing one `output_dir`; within a process, steps are
+    serialised. The `ChartCache` belongs to the caller, who closes it."""
+
+    name = "render"
+    profile_types = ("helm",)
+
+    def __init__(self, output_dir: Path, charts: ChartCache) -> None:
+        self.output_dir = Path(output_dir)
+        self.charts = charts
+        self.ledger_path = self.output_dir / LEDGER_NAME
+        self._lock = threading.Lock()
+
+    # --- Driver protocol -----------------------------------------------------------------
+
+    def installed(self) -> list[InstalledRelease]:
+        """Our releases from the ledger; a ledger entry whose directory vanished is unhealthy
+        (so it is rendered again). Raises `ApplyError("ENGINE_UNAVAILABLE")` for a corrupt
+        ledger."""
+        with self._lock:
+            releases = self._read_ledger()
+        out: list[InstalledRelease] = []
+        for key in sorted(releases):
+            entry = releases[key]
+            namespace, _, name = key.partition("/")
+            status = str(entry.get("status", ""))
+            healthy = status == "deployed"
+            if healthy and not self._release_dir(namespace, name).is_dir():
+                healthy, status = False, "deployed (output directory missing)"
+            release = release_from_labels(
+                entry.get("labels") or {}, release_name=name, namespace=namespace,
+                healthy=healthy, detail=status,
+                chart_version=str((entry.get("chart") or {}).get("version", "")))
+            if release is not None:
+                out.append(release)
+        return out
+
+    def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Render (install / upgrade / reconfigure) or delete (remove) one release."""
+        _check_names(step)
+        with self._lock:
+            if step.action is Action.REMOVE:
+                self._remove(step)
+            elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
+                self._render(step, deployment)
+            elif step.action is not Action.UNCHANGED:
+                raise ApplyError("INVALID_STEP", f"unknown action {step.action!r}",
+                                 retryable=False)
+
+    def close(self) -> None:
+        """Nothing to release: charts belong to the ChartCache, files are closed."""
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def _render(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        component = step.desired
+        if component is None or deployment is None:
+            raise ApplyError("INVALID_STEP", f"{step.action} of {step.release_name} needs the "
+                             "desired component and its deployment", retryable=False)
+        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
+        releases = self._read_ledger()
+        key = f"{step.namespace}/{step.release_name}"
+        previous = releases.get(key)
+        revision = int(previous.get("revision", 0)) + 1 if previous else 1
+        first = previous is None or previous.get("status") == "pending-install"
+        entry: dict[str, Any] = {
+            "namespace": step.namespace,
+            "labels": self._labels(component, deployment),
+            "chart": {"name": chart.name, "version": chart.version},
+            "revision": revision,
+            "status": "pending-install" if first else "pending-upgrade",
+        }
+        releases[key] = entry
+        self._write_ledger(releases)
+        try:
+            rendered = chart.render(dict(component.values), name=step.release_name,
+                                    namespace=step.namespace, revision=revision,
+                                    is_install=first, is_upgrade=not first)
+            files = _manifest_files(rendered)
+        except (helm.HelmError, ApplyError) as exc:
+            entry["status"] = "failed"
+            self._write_ledger(releases)
+            if isinstance(exc, ApplyError):
+                raise
+            raise ApplyError("RENDER_FAILED", str(exc), retryable=False) from exc
+        self._replace_dir(step.namespace, step.release_name, files)
+        entry["status"] = "deployed"
+        self._write_ledger(releases)
+
+    def _remove(self, step: Step) -> None:
+        releases = self._read_ledger()
+        key = f"{step.namespace}/{step.release_name}"
+        if key in releases:
+            releases[key]["status"] = "uninstalling"
+            self._write_ledger(releases)
+        self._clear_leftovers(step.namespace, step.release_name)
+        target = self._release_dir(step.namespace, step.release_name)
+        if target.exists():
+            shutil.rmtree(target)
+        with contextlib.suppress(OSError):
+            target.parent.rmdir()  # the namespace directory, when it was the last release
+        if releases.pop(key, None) is not None:
+            self._write_ledger(releases)
+
+    @staticmethod
+    def _labels(component: DesiredComponent, deployment: DesiredDeployment) -> dict[str, str]:
+        return ownership_labels(deployment.deployment_id, component.name,
+                                desired_digest=deployment.digest,
+                                spec_digest=component.spec_digest,
+                                values_digest=component.values_digest)
+
+    # --- files -----------------------------------------------------------------------------
+
+    def _release_dir(self, namespace: str, name: str) -> Path:
+        return self.output_dir / namespace / name
+
+    def _clear_leftovers(self, namespace: str, name: str) -> None:
+        """Remove temporary directories a crash left behind for this release."""
+        parent = self.output_dir / namespace
+        if parent.is_dir():
+            for leftover in parent.glob(f".{name}.*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+    def _replace_dir(self, namespace: str, name: str, files: dict[str, bytes]) -> None:
+        target = self._release_dir(namespace, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._clear_leftovers(namespace, name)
+        tag = uuid.uuid4().hex[:12]
+        staging = target.parent / f".{name}.new-{tag}"
+        staging.mkdir()
+        for relative, data in files.items():
+            path = staging / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        retired = target.parent / f".{name}.old-{tag}"
+        if target.exists():
+            target.rename(retired)
+        staging.rename(target)
+        shutil.rmtree(retired, ignore_errors=True)
+
+    # --- ledger ----------------------------------------------------------------------------
+
+    def _read_ledger(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = self.ledger_path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise ApplyError("ENGINE_UNAVAILABLE",
+                             f"cannot read the render ledger {self.ledger_path}: {exc}") from exc
+        try:
+            document = json.loads(data)
+            releases = document["releases"]
+            if document.get("format") != _LEDGER_FORMAT or not isinstance(releases, dict) or \
+                    not all(isinstance(v, dict) and "/" in k for k, v in releases.items()):
+                raise ValueError("unexpected structure")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ApplyError("ENGINE_UNAVAILABLE",
+                             f"the render ledger {self.ledger_path} is corrupt ({exc}); "
+                             "repair or remove it to let the device reinstall") from exc
+        return releases
+
+    def _write_ledger(self, releases: dict[str, dict[str, Any]]) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        document = {"format": _LEDGER_FORMAT,
+                    "releases": {key: releases[key] for key in sorted(releases)}}
+        data = json.dumps(document, indent=2, sort_keys=True).encode("utf-8") + b"\n"
+        _write_atomically(self.ledger_path, data)

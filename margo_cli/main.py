@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from margo_cli import (
     compile_command,
+    device_command,
     match_command,
     serve_command,
     status_command,
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_command.register(commands)
     serve_command.register(commands)
     status_command.register(commands)
+    device_command.register(commands)
     return parser
 
 

@@ -1,0 +1,94 @@
+"""`margo device run|once --config FILE`: the device client.
+
+`once` runs one cycle and exits 0 when the device converged, 1 when anything failed (a step,
+a fetch, a report), 2 when the configuration is unusable. `run` cycles on the configured
+schedule until SIGTERM or SIGINT, finishing the step in progress first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+from margo.errors import DocumentError
+from reconciler.config import load_config
+from reconciler.runner import CycleResult
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("device", help="the device client: converge on desired state")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for verb, text in (("run", "cycle on the configured schedule until stopped"),
+                       ("once", "run one cycle; exit 0 when converged, 1 otherwise")):
+        sub = verbs.add_parser(verb, help=text)
+        sub.add_argument("--config", required=True, metavar="FILE",
+                         help="device client configuration (YAML)")
+        sub.add_argument("--json", action="store_true", help="print each cycle as JSON")
+        sub.add_argument("--log-level", default="info",
+                         choices=["debug", "info", "warning", "error"])
+        sub.set_defaults(run=run, once=verb == "once")
+
+
+def describe(result: CycleResult) -> str:
+    """One short paragraph per cycle, for people watching a terminal or a journal."""
+    if not result.contacted:
+        return "outside the polling window or in downtime: nothing contacted"
+    lines = [f"desired state: {result.fetched}" + (f" ({result.version})"
+                                                   if result.version else "")]
+    lines += [f"  {action:<11} {deployment[:8]} {component}: {outcome}"
+              for action, deployment, component, outcome in result.steps]
+    lines += [f"  ! {failure}" for failure in result.failures]
+    lines.append(("converged" if result.converged else "not converged")
+                 + f"; reports delivered {result.delivered}, queued {result.pending_reports}")
+    return "\n".join(lines)
+
+
+def _as_json(result: CycleResult) -> str:
+    return json.dumps({
+        "contacted": result.contacted, "fetched": result.fetched, "version": result.version,
+        "steps": [{"action": a, "deploymentId": d, "component": c, "outcome": o}
+                  for a, d, c, o in result.steps],
+        "failures": result.failures, "converged": result.converged,
+        "delivered": result.delivered, "pendingReports": result.pending_reports})
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        config = load_config(args.config)
+    except OSError as exc:
+        print(f"{args.config}: cannot read: {exc.strerror}", file=sys.stderr)
+        return 2
+    except DocumentError as exc:
+        for problem in exc.problems:
+            print(problem.format(), file=sys.stderr)
+        return 2
+    from reconciler.assembly import BusyError, open_reconciler
+
+    def show(result: CycleResult) -> None:
+        print(_as_json(result) if args.json else describe(result), flush=True)
+
+    try:
+        with open_reconciler(config) as reconciler:
+            if args.once:
+                result = reconciler.cycle()
+                show(result)
+                return 0 if result.converged else 1
+
+            def stop(signum: int, _frame: Any) -> None:
+                logging.getLogger("margo.device").info(
+                    "signal %d: stopping after the current step", signum)
+                reconciler.stopping.set()
+
+            signal.signal(signal.SIGTERM, stop)
+            signal.signal(signal.SIGINT, stop)
+            reconciler.run(on_cycle=show)
+            return 0
+    except BusyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2

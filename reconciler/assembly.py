@@ -1,0 +1,167 @@
+"""Build a running device client from its configuration: state store, HTTP client, source,
+driver and reporters, owned together and closed together.
+
+Kept apart from the runner so the cycle logic stays free of construction details, and so
+tests and benchmarks assemble exactly what `margo device run` assembles.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Generator, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+
+from margo.errors import DocumentError
+from reconciler.capabilities import (
+    CapabilityProvider,
+    CapabilityReporter,
+    HostProvider,
+    StaticProvider,
+)
+from reconciler.config import DeviceConfig
+from reconciler.delivery import Reporter
+from reconciler.drivers.base import Driver
+from reconciler.runner import Reconciler, StatusTarget
+from reconciler.sources import Source
+from reconciler.state import DeviceState
+
+__all__ = ["BusyError", "TokenAuth", "open_reconciler"]
+
+USER_AGENT = "margo-gitops-device/0.1"
+
+
+class BusyError(RuntimeError):
+    """Another client process already runs with this data directory."""
+
+
+class TokenAuth(httpx.Auth):
+    """`Authorization: Bearer <token>` read from the token file, re-read when the file
+    changes, so a rotated token is used without a restart."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._token = ""
+
+    def token(self) -> str:
+        stat = self.path.stat()
+        stamp = (stat.st_mtime_ns, stat.st_size)
+        if stamp != self._stamp:
+            self._token = self.path.read_text(encoding="utf-8").strip()
+            self._stamp = stamp
+        return self._token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        request.headers["Authorization"] = f"Bearer {self.token()}"
+        yield request
+
+
+@contextmanager
+def _exclusive(data_dir: Path) -> Iterator[None]:
+    """One client per data directory: two would race on the engine and the journal."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(f"another `margo device` process is using {data_dir}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _source(config: DeviceConfig, http: httpx.Client) -> Source:
+    if config.source == "git":
+        import pygit2
+
+        from reconciler.sources.git_source import GitSource
+        assert config.git_url is not None
+        # libgit2 has no per-call timeout; these process-wide ones keep a hung server from
+        # blocking the device forever (milliseconds).
+        timeout_ms = int(config.timeout * 1000)
+        pygit2.settings.server_connect_timeout = timeout_ms
+        pygit2.settings.server_timeout = timeout_ms
+        return GitSource(config.git_url, cache_dir=config.data_dir / "git",
+                         username=config.client_id, password=config.token(),
+                         depth=config.git_depth)
+    from reconciler.sources.rest_source import RestSource
+    prefix = "/api/v1" if config.api == "rc.3" else f"/api/v1/clients/{config.client_id}"
+    return RestSource(http, prefix=prefix, device_id=config.device_id)
+
+
+def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
+    """Drivers are imported on demand: a Compose device never loads the Helm engine. What a
+    driver borrows (OCI client, chart cache) is closed by `stack` after the driver."""
+    if config.driver == "compose":
+        from reconciler.drivers.compose import ComposeDriver
+        from reconciler.oci import OciClient
+        oci = stack.enter_context(OciClient())
+        return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker)
+    from reconciler.charts import ChartCache
+    charts = stack.enter_context(ChartCache(config.data_dir / "charts"))
+    if config.driver == "render":
+        from reconciler.drivers.render import RenderDriver
+        return RenderDriver(config.output_dir, charts)
+    from reconciler.drivers.helm import HelmDriver
+    return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
+                      storage_driver=config.storage_driver)
+
+
+def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
+    if config.capabilities_file is not None:
+        return StaticProvider(config.capabilities_file)
+    if config.host_facts is None:
+        return None
+    facts = config.host_facts
+    return HostProvider(
+        config.device_id, vendor=facts.get("vendor", "unknown"),
+        model_number=facts.get("modelNumber", "unknown"),
+        serial_number=facts.get("serialNumber", "unknown"),
+        deployment_types=list(driver.profile_types),
+        otel_collector=bool(facts.get("otelCollector", False)),
+        labels=facts.get("labels"), storage_path=config.data_dir)
+
+
+@contextmanager
+def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
+    """Everything a device client needs, opened in order and closed in reverse."""
+    with ExitStack() as stack:
+        stack.enter_context(_exclusive(config.data_dir))
+        state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
+        http = stack.enter_context(httpx.Client(
+            base_url=config.server_url, auth=TokenAuth(config.token_file),
+            timeout=config.timeout, headers={"User-Agent": USER_AGENT}))
+        source = _source(config, http)
+        stack.callback(source.close)
+        driver = _driver(config, stack)
+        stack.callback(driver.close)
+        reporter = Reporter(http, state)
+        provider = capability_provider(config, driver)
+        capabilities = CapabilityReporter(http, state, generation=config.api,
+                                          device_id=config.device_id,
+                                          client_id=config.client_id)
+
+        def deliver() -> tuple[int, int]:
+            result = reporter.deliver()
+            return result.delivered, result.remaining
+
+        def report_capabilities() -> str | None:
+            """None when reported (or unchanged); otherwise what went wrong, for the cycle's
+            result. A broken capabilities file must not stop the device converging."""
+            if provider is None:
+                return None
+            try:
+                outcome = capabilities.report(provider.gather())
+            except (DocumentError, OSError, ValueError) as exc:
+                return str(exc)
+            return None if outcome.ok else f"{outcome.kind}: {outcome.status} {outcome.detail}"
+
+        yield Reconciler(state=state, source=source, driver=driver,
+                         target=StatusTarget(config.api, config.device_id, config.client_id),
+                         deliver=deliver, report_capabilities=report_capabilities,
+                         schedule=config.schedule)

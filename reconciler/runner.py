@@ -1,0 +1,296 @@
+"""One reconcile cycle, and the loop that repeats it on the configured schedule.
+
+A cycle: report capabilities if they changed, deliver queued status reports, fetch desired
+state, adopt it durably once verified, plan against what the engine says is installed,
+apply step by step (recording every transition in the durable journal before and after
+each step), then deliver the journal again.
+
+Why adopt before applying: the adopted documents are the device's durable copy of the
+desired state. A crash (even SIGKILL) between adopting and applying loses nothing: the next
+run plans the same documents against the engine's own records, which say what was really
+installed, and continues. A crash in the middle of a step leaves a release the engine marks
+failed or pending, which the planner re-applies. Statuses already journaled are delivered;
+a transition not yet journaled is journaled again from the recomputed state, so the server
+ends with the true state and never sees a duplicate entry for one transition.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from margo.digests import digest_of
+from margo.errors import DocumentError
+from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
+from reconciler.drivers.base import ApplyError, Driver
+from reconciler.planner import Action, DeploymentPlan, Step, plan
+from reconciler.schedule import Schedule, now_utc
+from reconciler.sources import IntegrityError, Source, SourceError
+from reconciler.state import DeviceState
+from reconciler.statuses import status_body, status_path
+
+__all__ = ["CycleResult", "Reconciler", "StatusTarget"]
+
+log = logging.getLogger("margo.device")
+
+# How long a component that failed with a retryable error waits before the next attempt
+# (doubling from the first, capped): a registry outage must not turn into a report storm.
+RETRY_FIRST_SECONDS = 10.0
+RETRY_CAP_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class StatusTarget:
+    """Where and how status reports go (the API generation the server speaks)."""
+
+    generation: str
+    device_id: str
+    client_id: str
+
+
+@dataclass
+class CycleResult:
+    """What one cycle did; `converged` is True when every desired component is installed
+    and nothing undesired remains."""
+
+    contacted: bool = True
+    fetched: str = "unchanged"  # "unchanged" | "adopted" | "error" | "rejected" | "skipped"
+    version: str | None = None
+    # (action, deployment id, component, outcome) of every step attempted
+    steps: list[tuple[str, str, str, str]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    converged: bool = False
+    delivered: int = 0
+    pending_reports: int = 0
+
+
+@dataclass
+class _Retry:
+    key: str  # what was being applied (spec + values fingerprints): a change resets the wait
+    attempts: int
+    not_before: float
+    retryable: bool
+
+
+class Reconciler:
+    """Owns a device's state store, source, driver and reporters for its lifetime."""
+
+    def __init__(self, *, state: DeviceState, source: Source, driver: Driver,
+                 target: StatusTarget, deliver: Callable[[], tuple[int, int]],
+                 report_capabilities: Callable[[], str | None] | None = None,
+                 schedule: Schedule | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self.source = source
+        self.driver = driver
+        self.target = target
+        self._deliver = deliver
+        self._report_capabilities = report_capabilities
+        self.schedule = schedule or Schedule()
+        self._clock = clock
+        self._parsed: dict[str, DesiredDeployment] = {}
+        self._retries: dict[tuple[str, str], _Retry] = {}
+        self.stopping = threading.Event()
+
+    # --- desired state ------------------------------------------------------------------
+
+    def _desired(self) -> list[DesiredDeployment]:
+        """The adopted documents, parsed once per digest (an unchanged cycle re-parses
+        nothing)."""
+        deployments: list[DesiredDeployment] = []
+        fresh: dict[str, DesiredDeployment] = {}
+        for data in self.state.desired_documents():
+            digest = digest_of(data)
+            parsed = self._parsed.get(digest) or parse_deployment(data, file=f"adopted:{digest}")
+            fresh[digest] = parsed
+            deployments.append(parsed)
+        self._parsed = fresh
+        return deployments
+
+    def _fetch(self, result: CycleResult, now: datetime) -> None:
+        try:
+            fetched: DesiredState | None = self.source.fetch(self.state.adopted())
+        except IntegrityError as exc:
+            result.fetched = "rejected"
+            result.failures.append(f"desired state rejected: {exc.message}")
+            log.warning("SECURITY: desired state rejected, previous state kept: %s", exc)
+            return
+        except SourceError as exc:
+            result.fetched = "error"
+            if self.schedule.in_downtime(now):
+                return  # communication errors are ignored during downtime
+            result.failures.append(f"fetching desired state failed: {exc.message}")
+            log.warning("fetching desired state failed (%s); keeping the previous state", exc)
+            return
+        if fetched is None:
+            return
+        self.state.adopt(fetched)
+        result.fetched = "adopted"
+        result.version = fetched.version
+        log.info("adopted desired state %s (%d deployments)", fetched.version,
+                 len(fetched.deployments))
+
+    # --- status ---------------------------------------------------------------------------
+
+    def _report(self, deployment_id: str, name: str,
+                changes: dict[str, tuple[str, dict[str, str] | None]]) -> None:
+        """Record component transitions and journal the deployment's full status."""
+        adopted = self.state.adopted().manifest_version
+        target = self.target
+
+        def body(components: list[tuple[str, str, dict[str, str] | None]]) -> tuple[str, dict]:
+            return (status_path(target.generation, deployment_id=deployment_id,
+                                device_id=target.device_id, client_id=target.client_id),
+                    status_body(target.generation, deployment_id=deployment_id,
+                                device_id=target.device_id, adopted_version=adopted,
+                                components=components, deployment_name=name))
+
+        self.state.record(deployment_id, changes, body)
+
+    # --- apply ----------------------------------------------------------------------------
+
+    def _retry_key(self, step: Step) -> str:
+        desired = step.desired
+        return f"{step.action}:{desired.spec_digest}:{desired.values_digest}" if desired else \
+            f"{step.action}"
+
+    def _may_try(self, step: Step) -> bool:
+        retry = self._retries.get((step.deployment_id, step.component))
+        if retry is None or retry.key != self._retry_key(step):
+            return True
+        return retry.retryable and self._clock() >= retry.not_before
+
+    def _failed(self, step: Step, error: ApplyError) -> None:
+        key = (step.deployment_id, step.component)
+        previous = self._retries.get(key)
+        attempts = previous.attempts + 1 if previous and previous.key == self._retry_key(step) \
+            else 1
+        wait = min(RETRY_CAP_SECONDS, RETRY_FIRST_SECONDS * 2 ** (attempts - 1))
+        self._retries[key] = _Retry(self._retry_key(step), attempts, self._clock() + wait,
+                                    error.retryable)
+
+    def _apply_deployment(self, dplan: DeploymentPlan, result: CycleResult) -> None:
+        deployment = dplan.deployment
+        name = deployment.name if deployment else dplan.deployment_id
+        recorded = self.state.component_states(dplan.deployment_id) if dplan.deployment_id \
+            else {}
+        if deployment is not None:
+            if deployment.profile_type not in self.driver.profile_types:
+                error = {"code": "UNSUPPORTED_TYPE", "message": f"this device's driver "
+                         f"({self.driver.name}) does not run {deployment.profile_type} "
+                         "deployments"}
+                self._report(dplan.deployment_id, name,
+                             {c.name: ("failed", error) for c in deployment.components})
+                result.failures.append(f"{dplan.deployment_id}: {error['message']}")
+                return
+            self.state.set_component_order(dplan.deployment_id,
+                                           [c.name for c in deployment.components])
+            fresh = {c.name: ("pending", None) for c in deployment.components
+                     if c.name not in recorded}
+            if fresh:
+                self._report(dplan.deployment_id, name, fresh)
+        for step in dplan.steps:
+            if step.action is Action.UNCHANGED:
+                current = recorded.get(step.component)
+                if current is None or current.state != "installed":
+                    self._report(step.deployment_id, name, {step.component: ("installed", None)})
+                continue
+            if not self._may_try(step):
+                result.failures.append(f"{step.deployment_id}/{step.component}: waiting to "
+                                       "retry after a failure")
+                if deployment is not None:
+                    return  # later components wait for this one (listed order)
+                continue
+            removing = step.action is Action.REMOVE
+            self._report(step.deployment_id, name,
+                         {step.component: ("removing" if removing else "installing", None)})
+            try:
+                self.driver.apply(step, deployment)
+            except ApplyError as exc:
+                self._failed(step, exc)
+                self._report(step.deployment_id, name, {step.component: (
+                    "failed", {"code": exc.code, "message": exc.message})})
+                result.steps.append((str(step.action), step.deployment_id, step.component,
+                                     f"failed: {exc.code}"))
+                result.failures.append(f"{step.deployment_id}/{step.component}: {exc.code}: "
+                                       f"{exc.message}")
+                if deployment is not None:
+                    return  # later components are not installed past a failed one
+                continue
+            self._retries.pop((step.deployment_id, step.component), None)
+            done = "removed" if removing else "installed"
+            if removing and deployment is not None and step.component in {
+                    c.name for c in deployment.components}:
+                done = "installing"  # removed only to be re-installed (namespace move)
+            self._report(step.deployment_id, name, {step.component: (done, None)})
+            result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
+        if deployment is None and dplan.deployment_id:
+            self.state.forget(dplan.deployment_id)
+
+    def _finish_vanished(self, desired_ids: set[str], installed_ids: set[str]) -> None:
+        """Deployments the device reported on but that are neither desired nor installed
+        (e.g. removed before their install ever succeeded): report them removed, forget."""
+        for deployment_id in self.state.known_deployments():
+            if deployment_id in desired_ids or deployment_id in installed_ids:
+                continue
+            states = self.state.component_states(deployment_id)
+            pending = {name: ("removed", None) for name, record in states.items()
+                       if record.state != "removed"}
+            if pending:
+                self._report(deployment_id, deployment_id, pending)
+            self.state.forget(deployment_id)
+
+    # --- the cycle ------------------------------------------------------------------------
+
+    def cycle(self, now: datetime | None = None) -> CycleResult:
+        now = now or now_utc()
+        result = CycleResult()
+        if not self.schedule.may_contact(now):
+            result.contacted, result.fetched = False, "skipped"
+            return result
+        if self._report_capabilities is not None:
+            problem = self._report_capabilities()
+            if problem and not self.schedule.in_downtime(now):
+                result.failures.append(f"reporting capabilities failed: {problem}")
+        self._deliver()
+        self._fetch(result, now)
+        try:
+            desired = self._desired()
+        except (DocumentError, ValueError) as exc:  # only if the store itself was tampered with
+            result.failures.append(f"adopted desired state unreadable: {exc}")
+            return result
+        try:
+            installed = self.driver.installed()
+        except ApplyError as exc:
+            result.failures.append(f"{exc.code}: {exc.message}")
+            self._finish_delivery(result)
+            return result
+        the_plan = plan(desired, installed, component_order=self.state.component_orders())
+        for dplan in the_plan.deployments:
+            if self.stopping.is_set():
+                break
+            self._apply_deployment(dplan, result)
+        self._finish_vanished({d.deployment_id for d in desired},
+                              {r.deployment_id for r in installed})
+        result.converged = not result.failures and not self.stopping.is_set()
+        self._finish_delivery(result)
+        return result
+
+    def _finish_delivery(self, result: CycleResult) -> None:
+        delivered, pending = self._deliver()
+        result.delivered, result.pending_reports = delivered, pending
+
+    def run(self, on_cycle: Callable[[CycleResult], None] | None = None) -> None:
+        """Cycle on the schedule until `stopping` is set (SIGTERM/SIGINT set it; the current
+        step finishes first)."""
+        while not self.stopping.is_set():
+            started = now_utc()
+            result = self.cycle(started)
+            if on_cycle is not None:
+                on_cycle(result)
+            wait = (self.schedule.next_check(started) - now_utc()).total_seconds()
+            self.stopping.wait(max(0.0, wait))

@@ -1,0 +1,372 @@
+"""The device client end to end: a real `margo serve`, a real OCI registry, the real Helm
+engine (render driver), the `margo device` command in its own process.
+
+Each test has its own device and intent on one shared server, so tests stay independent:
+deploy, stay unchanged, reconfigure, upgrade to a newer chart, remove; through the REST
+manifest and through Git; and the faults the issue lists (server unreachable while applying,
+registry down, a chart that fails to render, a manifest rollback, SIGKILL mid-apply).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chartkit import publish_chart, publish_example_charts, write_chart
+from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from netkit import cuttable_proxy
+from registrykit import running_registry
+
+from reconciler.assembly import open_reconciler
+from reconciler.config import load_config
+from reconciler.desired import DesiredState
+from reconciler.sources import Adopted
+
+ROOT = Path(__file__).resolve().parents[2]
+HELLO = "com-example-hello-world"
+
+INTENT = """\
+apiVersion: margo-gitops.dev/v1alpha1
+kind: DeploymentIntent
+metadata:
+  name: {name}
+spec:
+  application:
+    id: {app}
+  profile:
+    type: helm
+  namespace: {namespace}
+  parameters:
+    greeting: {greeting}
+  targets:
+    devices: [{device}]
+"""
+
+
+@dataclass
+class World:
+    server: FleetServer
+    registry: str
+    spare_registry_port: int
+    workdir: Path
+
+
+def _app_copy(fleet: Path, app_id: str, repository: str, revision: str) -> None:
+    """Another application: hello-world's descriptor under a new id and package."""
+    source = (fleet / "apps" / HELLO / "margo.yaml").read_text()
+    description = yaml.safe_load(source)
+    description["id"] = app_id
+    description["deploymentProfiles"] = [p for p in description["deploymentProfiles"]
+                                         if p["type"] == "helm"]
+    component = description["deploymentProfiles"][0]["components"][0]
+    component["properties"].update({"repository": repository, "revision": revision})
+    for parameter in description["parameters"].values():
+        parameter["targets"] = [t for t in parameter["targets"]
+                                if t["components"] == [component["name"]]]
+    target = fleet / "apps" / app_id / "margo.yaml"
+    target.parent.mkdir(parents=True)
+    target.write_text(yaml.safe_dump(description, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def world(registry: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    workdir = tmp_path_factory.mktemp("device-e2e")
+    publish_example_charts(registry)
+    # A newer hello-world chart for the upgrade test.
+    newer = workdir / "charts" / "hello-world"
+    shutil.copytree(ROOT / "examples/fleet/apps" / HELLO / "charts/hello-world", newer)
+    chart_yaml = newer / "Chart.yaml"
+    chart_yaml.write_text(chart_yaml.read_text().replace("version: 1.0.0", "version: 1.1.0"))
+    publish_chart(registry, newer)
+    broken = publish_chart(registry, write_chart(workdir / "charts", "broken", broken=True))
+    fleet = write_fleet(workdir / "fleet", registry=registry, intents={})
+    _app_copy(fleet, "com-example-broken", broken, "1.0.0")
+    # An application whose chart lives in a registry the registry-outage test stops.
+    spare_dir = workdir / "spare-registry"
+    with running_registry(spare_dir) as spare:
+        spare_repo = publish_chart(spare, write_chart(workdir / "charts", "spare"))
+    _app_copy(fleet, "com-example-spare", spare_repo, "1.0.0")
+    with fleet_server(workdir, fleet=fleet) as server:
+        yield World(server, registry, int(spare.rpartition(":")[2]), workdir)
+
+
+@dataclass
+class Device:
+    device_id: str
+    config: Path
+    output: Path
+    data: Path
+
+
+def new_device(world: World, device_id: str, *, source: str = "margo-rest",
+               url: str | None = None, app: str = HELLO, greeting: str = "Hello",
+               intent: bool = True) -> Device:
+    """A device directory (config, token, capabilities) and an intent targeting it; waits
+    until the server compiled the device's deployment."""
+    home = world.workdir / device_id
+    home.mkdir()
+    (home / "token").write_text(world.server.token)
+    doc = capabilities("k8s-single-amd64", device_id)
+    (home / "capabilities.json").write_text(json.dumps(doc))
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": device_id},
+        "server": {"url": url or world.server.base, "clientId": world.server.client_id,
+                   "tokenFile": "token", "timeout": "5s"},
+        "source": {"type": source},
+        "driver": {"type": "render", "outputDir": "rendered"},
+        "dataDir": "data",
+        "capabilities": {"file": "capabilities.json"},
+        "schedule": {"interval": "1s"},
+    }))
+    world.server.put_capabilities(doc)
+    if intent:
+        world.server.edit_intent(device_id, INTENT.format(
+            name=device_id, app=app, namespace="ns-" + device_id, greeting=greeting,
+            device=device_id))
+        world.server.wait_for_deployments(1, device_id=device_id)
+    return Device(device_id, home / "device.yaml", home / "rendered", home / "data")
+
+
+def once(device: Device, *, expect: int | None = 0) -> dict[str, Any]:
+    """`margo device once --json` in its own process; its cycle report."""
+    done = subprocess.run(
+        [sys.executable, "-m", "margo_cli.main", "device", "once", "--config",
+         str(device.config), "--json", "--log-level", "warning"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if expect is not None:
+        assert done.returncode == expect, done.stdout + done.stderr
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def steps(report: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(s["action"], s["outcome"]) for s in report["steps"]]
+
+
+def ledger(device: Device) -> dict[str, Any]:
+    path = device.output / ".ledger.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def ledger_releases(device: Device) -> dict[str, Any]:
+    """The ledger's releases, tolerating a read that races the driver's atomic replace."""
+    try:
+        releases: dict[str, Any] = ledger(device).get("releases", {})
+    except (json.JSONDecodeError, FileNotFoundError):
+        return {}
+    return releases
+
+
+def rendered_config(device: Device) -> str:
+    files = sorted(device.output.glob("*/*/*/templates/configmap.yaml"))
+    assert len(files) == 1, files
+    return files[0].read_text()
+
+
+def deployment_id(world: World, device: Device) -> str:
+    deployments = world.server.device(device.device_id)["deployments"]
+    assert len(deployments) == 1, deployments
+    return str(deployments[0]["deploymentId"])
+
+
+def history(world: World, deployment: str) -> list[str]:
+    """Overall states the server recorded for a deployment, in arrival order."""
+    with sqlite3.connect(world.server.data_dir / "wfm.sqlite") as conn:
+        rows = conn.execute("SELECT state FROM status_reports WHERE deployment_id = ? "
+                            "ORDER BY id", (deployment,)).fetchall()
+    return [row[0] for row in rows]
+
+
+def wait_for_new_branch_commit(world: World, device: Device, before: str) -> None:
+    world.server.wait_for(lambda: world.server.device(device.device_id)["history"][0]["commit"]
+                          != before, what="a new commit on the device branch")
+
+
+def head(world: World, device: Device) -> str:
+    return str(world.server.device(device.device_id)["history"][0]["commit"])
+
+
+@pytest.mark.parametrize("source", ["margo-rest", "git"])
+def test_deploy_reconfigure_upgrade_and_remove(world: World, source: str) -> None:
+    device = new_device(world, f"life-{source}", source=source)
+    server = world.server
+
+    first = once(device)
+    assert steps(first) == [("install", "ok")]
+    assert "GREETING: \"Hello\"" in rendered_config(device)
+    deployment = deployment_id(world, device)
+    assert server.statuses(deployment)["state"] == "installed"
+    assert history(world, deployment) == ["pending", "installing", "installed"]
+
+    again = once(device)
+    assert again["steps"] == [] and again["converged"]
+
+    commit = head(world, device)
+    server.set_parameter(device.device_id, "greeting", "Bonjour")
+    wait_for_new_branch_commit(world, device, commit)
+    assert steps(once(device)) == [("reconfigure", "ok")]
+    assert "GREETING: \"Bonjour\"" in rendered_config(device)
+    [release] = ledger(device)["releases"].values()
+    assert release["chart"]["version"] == "1.0.0"
+
+    # A newer chart: the application descriptor moves to revision 1.1.0.
+    app = server.source_dir / "apps" / HELLO / "margo.yaml"
+    commit = head(world, device)
+    original = app.read_text()
+    try:
+        app.write_text(original.replace("revision: 1.0.0", "revision: 1.1.0"))
+        wait_for_new_branch_commit(world, device, commit)
+        assert steps(once(device)) == [("upgrade", "ok")]
+        [release] = ledger(device)["releases"].values()
+        assert release["chart"]["version"] == "1.1.0"
+    finally:
+        app.write_text(original)
+    wait_for_new_branch_commit(world, device, head(world, device))
+    assert steps(once(device)) == [("upgrade", "ok")]
+
+    server.remove_intent(device.device_id)
+    server.wait_for(lambda: not server.device(device.device_id)["deployments"],
+                    what="the deployment to leave the branch")
+    assert steps(once(device)) == [("remove", "ok")]
+    assert ledger(device)["releases"] == {}
+    assert not list(device.output.glob("*/*/*/templates/configmap.yaml"))
+    states = history(world, deployment)
+    assert states[-2:] == ["removing", "removed"], states
+    assert states.count("pending") == 1  # one deployment, never re-created
+
+
+def test_reports_made_while_the_server_is_unreachable_arrive_later_in_order(
+        world: World) -> None:
+    port = int(world.server.base.rpartition(":")[2])
+    with cuttable_proxy(port) as proxy:
+        device = new_device(world, "cut-link", url=proxy.url)
+        config = load_config(device.config)
+        with open_reconciler(config) as reconciler:
+            real_fetch = reconciler.source.fetch
+
+            def fetch_then_lose_the_link(adopted: Adopted) -> DesiredState | None:
+                fetched = real_fetch(adopted)
+                proxy.cut()  # the link drops right after the desired state arrived
+                return fetched
+
+            reconciler.source.fetch = fetch_then_lose_the_link  # type: ignore[method-assign]
+            result = reconciler.cycle()
+            assert [s[3] for s in result.steps] == ["ok"]
+            assert result.delivered == 0 and result.pending_reports == 3
+            deployment = deployment_id(world, device)
+            assert history(world, deployment) == []
+
+            proxy.restore()
+            reconciler.source.fetch = real_fetch  # type: ignore[method-assign]
+            # Deferred reports wait out their backoff (about a second) and then go in order.
+            deadline = time.monotonic() + 20
+            while True:
+                result = reconciler.cycle()
+                assert result.steps == [] and result.converged
+                if result.pending_reports == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert result.pending_reports == 0
+    assert history(world, deployment) == ["pending", "installing", "installed"]
+
+
+def test_registry_down_is_a_clear_failure_retried_next_cycle(world: World) -> None:
+    device = new_device(world, "registry-down", app="com-example-spare")
+    failed = once(device, expect=1)
+    assert steps(failed) == [("install", "failed: PULL_FAILED")]
+    assert "connection refused" in " ".join(failed["failures"])
+    deployment = deployment_id(world, device)
+    status = world.server.statuses(deployment)
+    assert status["state"] == "failed"
+    assert status["components"][0]["error"]["code"] == "PULL_FAILED"
+
+    with running_registry(world.workdir / "spare-registry", port=world.spare_registry_port):
+        assert steps(once(device)) == [("install", "ok")]
+    assert history(world, deployment) == ["pending", "installing", "failed", "installing",
+                                          "installed"]
+
+
+def test_a_chart_that_fails_to_render_reports_helms_message(world: World) -> None:
+    device = new_device(world, "broken-chart", app="com-example-broken")
+    failed = once(device, expect=1)
+    assert steps(failed) == [("install", "failed: RENDER_FAILED")]
+    status = world.server.statuses(deployment_id(world, device))
+    error = status["components"][0]["error"]
+    assert "config.token must be set" in error["message"]
+    assert status["state"] == "failed"
+    # Not retryable without a change: a running client tries once (a fresh process may try
+    # again: the wait is kept in memory), then waits for the desired state to change.
+    with open_reconciler(load_config(device.config)) as reconciler:
+        assert [s[3] for s in reconciler.cycle().steps] == ["failed: RENDER_FAILED"]
+        second = reconciler.cycle()
+    assert second.steps == [] and not second.converged
+
+
+def test_a_manifest_rollback_is_rejected_and_the_device_keeps_its_state(world: World) -> None:
+    device = new_device(world, "rollback")
+    once(device)
+    config = load_config(device.config)
+    with open_reconciler(config) as reconciler:
+        adopted = reconciler.state.adopted()
+        # The device remembers a far newer version than the server will now serve (say the
+        # server was restored from an old backup).
+        documents = reconciler.state.desired_documents()
+        from reconciler.desired import parse_deployment
+        reconciler.state.adopt(DesiredState(
+            source="margo-rest", version="1000000", manifest_version=1_000_000,
+            etag=adopted.etag, deployments=tuple(parse_deployment(d) for d in documents)))
+        commit = head(world, device)
+        world.server.set_parameter(device.device_id, "greeting", "Changed")
+        wait_for_new_branch_commit(world, device, commit)
+        result = reconciler.cycle()
+    assert result.fetched == "rejected"
+    assert result.steps == []
+    assert any("ROLLBACK" in f or "manifestVersion" in f for f in result.failures)
+    assert "GREETING: \"Hello\"" in rendered_config(device)
+
+
+def test_sigkill_mid_apply_converges_without_duplicates(world: World) -> None:
+    device = new_device(world, "killed", intent=False)
+    for index in range(6):
+        world.server.edit_intent(f"killed-{index}", INTENT.format(
+            name=f"killed-{index}", app=HELLO, namespace=f"kill-{index}",
+            greeting=f"Hi{index}", device=device.device_id))
+    world.server.wait_for_deployments(6, device_id=device.device_id)
+    command = [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
+               str(device.config), "--log-level", "warning"]
+    partial: list[dict[str, str]] = []
+    for target in (1, 3, 5):
+        # Kill as soon as the engine's ledger shows `target` releases: the client is then in
+        # the middle of applying the rest (and of journaling and delivering their statuses).
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while len(ledger_releases(device)) < target and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        partial.append({k: v["status"] for k, v in ledger_releases(device).items()})
+    assert any(len(seen) < 6 for seen in partial), partial  # some kill landed mid-apply
+    final = once(device)
+    assert final["converged"]
+    releases = ledger(device)["releases"]
+    assert len(releases) == 6
+    assert {r["status"] for r in releases.values()} == {"deployed"}
+    assert len({(r["labels"]["margo-gitops.dev/deployment"]) for r in releases.values()}) == 6
+    for summary in world.server.device(device.device_id)["deployments"]:
+        states = history(world, summary["deploymentId"])
+        assert summary["state"] == "installed", states
+        assert states[0] == "pending" and states[-1] == "installed", states
+        assert states.count("pending") == 1, states

@@ -43,6 +43,8 @@ demo: venv
 bench: venv
 	$(BIN)/python bench/validate.py
 	$(BIN)/python bench/compile.py
+	$(BIN)/python bench/serve.py
+	$(BIN)/python bench/reconcile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

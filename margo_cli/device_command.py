@@ -1,7 +1,8 @@
 """`margo device run|once --config FILE`: the device client.
 
-`once` runs one cycle and exits 0 when the device converged, 1 when anything failed (a step,
-a fetch, a report), 2 when the configuration is unusable. `run` cycles on the configured
+`once` runs one cycle and exits 0 when the device converged (or the schedule says not to
+contact the server now), 1 when anything failed (a step, a fetch, a capability report), 2 when
+the configuration is unusable. `run` cycles on the configured
 schedule until SIGTERM or SIGINT, finishing the step in progress first.
 """
 
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
             if args.once:
                 result = reconciler.cycle()
                 show(result)
-                return 0 if result.converged else 1
+                # A cycle skipped by the schedule failed at nothing: exit 0.
+                return 0 if result.converged or not result.contacted else 1
 
             def stop(signum: int, _frame: Any) -> None:
                 logging.getLogger("margo.device").info(

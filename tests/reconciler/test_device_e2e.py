@@ -370,3 +370,15 @@ def test_sigkill_mid_apply_converges_without_duplicates(world: World) -> None:
         assert summary["state"] == "installed", states
         assert states[0] == "pending" and states[-1] == "installed", states
         assert states.count("pending") == 1, states
+
+
+def test_nothing_is_contacted_during_downtime(world: World) -> None:
+    device = new_device(world, "downtime")
+    config = yaml.safe_load(device.config.read_text())
+    config["schedule"]["downtime"] = ["00:00-24:00"]
+    device.config.write_text(yaml.safe_dump(config))
+    report = once(device)
+    assert report == {**report, "contacted": False, "fetched": "skipped", "steps": []}
+    assert not (device.data / "git").exists()
+    assert history(world, deployment_id(world, device)) == []
+    assert ledger(device) == {}

@@ -1,0 +1,152 @@
+"""Benchmark: the device client's cycle against a real `margo serve` and OCI registry.
+
+    .venv/bin/python bench/reconcile.py [--deployments 20] [--cycles 50]
+
+Starts a registry (Debian docker-registry) with the example charts, a server with a fleet
+of N intents that all target one device, and runs the device client in this process with
+the `render` driver (the real Helm engine rendering into a directory). Prints:
+
+* the first cycle: N deployments installed (wall and CPU seconds);
+* an unchanged cycle (median and p90 of `--cycles` cycles, wall and CPU milliseconds) with
+  the Margo REST source and with the Git source;
+* a cycle applying N changed deployments (every intent's parameter changed);
+* resident memory (RSS) when idle after the cycles, and the peak (VmHWM) during applies.
+
+Targets from the issue: unchanged cycle under 50 ms, resident memory under 150 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "wfm"))
+sys.path.insert(0, str(ROOT / "tests" / "reconciler"))
+
+import yaml  # noqa: E402
+from chartkit import publish_example_charts  # noqa: E402
+from fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
+from registrykit import running_registry  # noqa: E402
+
+from reconciler.assembly import open_reconciler  # noqa: E402
+from reconciler.config import load_config  # noqa: E402
+from reconciler.runner import Reconciler  # noqa: E402
+
+INTENT = """\
+apiVersion: margo-gitops.dev/v1alpha1
+kind: DeploymentIntent
+metadata: {{name: {name}}}
+spec:
+  application: {{id: com-example-hello-world}}
+  profile: {{type: helm}}
+  namespace: bench-{index}
+  parameters:
+    greeting: {greeting}
+  targets: {{devices: [{device}]}}
+"""
+
+
+def memory_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def timed(reconciler: Reconciler) -> tuple[float, float, int]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = reconciler.cycle()
+    if result.failures:
+        raise SystemExit(f"cycle failed: {result.failures}")
+    return time.perf_counter() - wall, time.process_time() - cpu, len(result.steps)
+
+
+def device_home(workdir: Path, server: FleetServer, device_id: str, source: str) -> Path:
+    home = workdir / device_id
+    home.mkdir()
+    (home / "token").write_text(server.token)
+    doc = capabilities("k8s-single-amd64", device_id)
+    (home / "caps.json").write_text(json.dumps(doc))
+    server.put_capabilities(doc)
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": device_id},
+        "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
+        "source": {"type": source}, "driver": {"type": "render"}, "dataDir": "data",
+        "capabilities": {"file": "caps.json"}}))
+    return home / "device.yaml"
+
+
+def unchanged(reconciler: Reconciler, cycles: int) -> tuple[list[float], list[float]]:
+    walls, cpus = [], []
+    for _ in range(cycles):
+        wall, cpu, steps = timed(reconciler)
+        assert steps == 0
+        walls.append(wall * 1000)
+        cpus.append(cpu * 1000)
+    return walls, cpus
+
+
+def digests(server: FleetServer, device_id: str) -> set[str]:
+    return {d["digest"] for d in server.device(device_id)["deployments"]}
+
+
+def p90(values: list[float]) -> float:
+    return sorted(values)[int(len(values) * 0.9) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deployments", type=int, default=20)
+    parser.add_argument("--cycles", type=int, default=50)
+    args = parser.parse_args()
+    n = args.deployments
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        with running_registry(work / "registry") as registry:
+            publish_example_charts(registry)
+            fleet = write_fleet(work / "fleet", registry=registry, intents={})
+            with fleet_server(work, fleet=fleet) as server:
+                configs = {source: device_home(work, server, f"bench-{source}", source)
+                           for source in ("margo-rest", "git")}
+                for source in configs:
+                    for index in range(n):
+                        server.edit_intent(f"{source}-{index}", INTENT.format(
+                            name=f"{source}-{index}", index=index, greeting=f"Hello{index}",
+                            device=f"bench-{source}"))
+                for source in configs:
+                    server.wait_for_deployments(n, device_id=f"bench-{source}", timeout=60)
+                print(f"device client, render driver, {n} deployments, one device per source")
+                for source, config in configs.items():
+                    with open_reconciler(load_config(config)) as reconciler:
+                        wall, cpu, steps = timed(reconciler)
+                        print(f"  [{source}] first cycle: {steps} steps, {wall:.2f} s wall, "
+                              f"{cpu:.2f} s CPU")
+                        timed(reconciler)  # statuses settle
+                        walls, cpus = unchanged(reconciler, args.cycles)
+                        print(f"  [{source}] unchanged cycle: median {statistics.median(walls):.1f}"
+                              f" ms wall (p90 {p90(walls):.1f}), "
+                              f"{statistics.median(cpus):.1f} ms CPU")
+                        if source == "margo-rest":
+                            before = digests(server, f"bench-{source}")
+                            for index in range(n):
+                                server.set_parameter(f"{source}-{index}", "greeting",
+                                                     f"Changed{index}")
+                            server.wait_for(
+                                lambda b=before: not (digests(server, "bench-margo-rest") & b),
+                                60, "every deployment to be recompiled")
+                            wall, cpu, steps = timed(reconciler)
+                            print(f"  [{source}] cycle applying {steps} changed deployments: "
+                                  f"{wall:.2f} s wall, {cpu:.2f} s CPU")
+                print(f"resident memory: idle {memory_kib('VmRSS') / 1024:.0f} MiB, "
+                      f"peak {memory_kib('VmHWM') / 1024:.0f} MiB (target < 150 MB)")
+
+
+if __name__ == "__main__":
+    main()

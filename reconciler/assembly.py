@@ -106,7 +106,8 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
     charts = stack.enter_context(ChartCache(config.data_dir / "charts"))
     if config.driver == "render":
         from reconciler.drivers.render import RenderDriver
-        return RenderDriver(config.output_dir, charts)
+        from reconciler.oci import OciClient
+        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(OciClient()))
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
                       storage_driver=config.storage_driver)

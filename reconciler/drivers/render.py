@@ -22,6 +22,11 @@ the part of Helm's release records:
 Directories are replaced by rendering into a temporary sibling, then renaming: the release
 directory is always either the complete old render or the complete new one (or briefly
 absent, while the ledger still says pending).
+
+Given an `OciClient`, the driver also "renders" Compose components: the package is pulled
+and verified like the Compose driver does, checked for safety, and its files written to the
+release directory with the parameters as `.env` - the project exactly as `docker compose`
+would be given it. Simulated Compose devices use this; so can a hand-over to another tool.
 """
 
 from __future__ import annotations
@@ -34,16 +39,22 @@ import shutil
 import tempfile
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import helm_python as helm
 
 from reconciler.charts import ChartCache
+from reconciler.compose_package import validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.base import ApplyError
+from reconciler.drivers.compose import env_file_text
 from reconciler.planner import Action, Step
 from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
+
+if TYPE_CHECKING:
+    from reconciler.oci import OciClient
 
 __all__ = ["LEDGER_NAME", "RenderDriver"]
 
@@ -81,6 +92,16 @@ def _manifest_files(rendered: dict[str, str]) -> dict[str, bytes]:
     return files
 
 
+def _compose_files(package: Mapping[str, bytes], values: Mapping[str, Any]) -> dict[str, bytes]:
+    """The Compose project as `docker compose` would get it: the package's files and the
+    parameters as `.env` (a package's own `.env` is kept as `package.env`: the Compose driver
+    passes it first, so parameters override it)."""
+    files = {("package.env" if name == ".env" else name): data
+             for name, data in package.items()}
+    files[".env"] = env_file_text(values).encode("utf-8")
+    return dict(sorted(files.items()))
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Replace `path` with `data` so readers (and a crash) see the old or the new bytes."""
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -103,11 +124,13 @@ class RenderDriver:
     serialised. The `ChartCache` belongs to the caller, who closes it."""
 
     name = "render"
-    profile_types = ("helm",)
 
-    def __init__(self, output_dir: Path, charts: ChartCache) -> None:
+    def __init__(self, output_dir: Path, charts: ChartCache, *,
+                 oci: OciClient | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.charts = charts
+        self.oci = oci
+        self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
         self.ledger_path = self.output_dir / LEDGER_NAME
         self._lock = threading.Lock()
 
@@ -157,7 +180,19 @@ class RenderDriver:
         if component is None or deployment is None:
             raise ApplyError("INVALID_STEP", f"{step.action} of {step.release_name} needs the "
                              "desired component and its deployment", retryable=False)
-        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
+        compose = deployment.profile_type == "compose"
+        if compose:
+            if self.oci is None:
+                raise ApplyError("UNSUPPORTED_TYPE", "this render driver has no OCI client "
+                                 "for Compose packages", retryable=False)
+            package = validate_package(self.oci.fetch_artifact(component.repository,
+                                                               component.revision))
+            source = {"name": package.top_directory, "version": component.revision,
+                      "digest": package.digest}
+        else:
+            chart = self.charts.load(self.charts.fetch(component.repository,
+                                                       component.revision))
+            source = {"name": chart.name, "version": chart.version}
         releases = self._read_ledger()
         key = f"{step.namespace}/{step.release_name}"
         previous = releases.get(key)
@@ -166,18 +201,21 @@ class RenderDriver:
         entry: dict[str, Any] = {
             "namespace": step.namespace,
             "labels": self._labels(component, deployment),
-            "chart": {"name": chart.name, "version": chart.version},
+            "chart": source,
             "revision": revision,
             "status": "pending-install" if first else "pending-upgrade",
         }
         releases[key] = entry
         self._write_ledger(releases)
         try:
-            rendered = chart.render(dict(component.values), name=step.release_name,
-                                    namespace=step.namespace, revision=revision,
-                                    is_install=first, is_upgrade=not first)
-            files = _manifest_files(rendered)
-        except (helm.HelmError, ApplyError) as exc:
+            if compose:
+                files = _compose_files(package.files, component.values)
+            else:
+                rendered = chart.render(dict(component.values), name=step.release_name,
+                                        namespace=step.namespace, revision=revision,
+                                        is_install=first, is_upgrade=not first)
+                files = _manifest_files(rendered)
+        except (helm.HelmError, ApplyError, ValueError) as exc:
             entry["status"] = "failed"
             self._write_ledger(releases)
             if isinstance(exc, ApplyError):

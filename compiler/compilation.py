@@ -57,6 +57,7 @@ class DeviceResult:
     problems: list[Problem] = field(default_factory=list)
     commit: str | None = None
     notes: list[str] = field(default_factory=list)  # e.g. deployments kept for a grace period
+    grace_until: float | None = None  # when the first grace period kept here runs out
 
 
 @dataclass
@@ -68,6 +69,13 @@ class CompileReport:
     unchanged: int = 0
     errors: list[tuple[str | None, Problem]] = field(default_factory=list)  # (device, problem)
     results: list[DeviceResult] = field(default_factory=list)
+
+    @property
+    def next_grace_expiry(self) -> float | None:
+        """The earliest moment (epoch seconds) a kept deployment's grace period runs out: a
+        compile is due then even if no input changes, or the deployment would stay forever."""
+        times = [r.grace_until for r in self.results if r.grace_until is not None]
+        return min(times) if times else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -211,6 +219,7 @@ class _DeviceOutcome:
     changes: list[Change]
     problems: list[Problem]
     notes: list[str]
+    grace_until: float | None = None
 
 
 def _unchanged_placement(ctx: _Context, name: str, previous: dict[str, PlacementRecord],
@@ -309,6 +318,8 @@ def _place_ineligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: A
         out.placements.append(PlacementRecord(device.id, intent.name, False, True, since))
         out.notes.append(f"{intent.name}: not eligible ({why}); kept for the grace period, "
                          f"{left}s left")
+        until = since + intent.grace_seconds
+        out.grace_until = until if out.grace_until is None else min(out.grace_until, until)
         return
     out.placements.append(PlacementRecord(device.id, intent.name, False, False, None))
     if fname in current:
@@ -456,7 +467,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     for job, work in zip(jobs, _run_jobs(ctx, jobs, progress), strict=True):
         device_id, outcome = job.device.id, work.outcome
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
-                              notes=outcome.notes)
+                              notes=outcome.notes, grace_until=outcome.grace_until)
         report.results.append(result)
         if outcome.problems:
             result.status, result.changes = "error", []

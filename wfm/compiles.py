@@ -42,6 +42,7 @@ class CompileService:
         self._wake = threading.Condition()
         self._pending = False
         self._stopping = False
+        self._grace_timer: threading.Timer | None = None
         self.last_report: CompileReport | None = None
         self.last_error: str | None = None
         self.compiles = 0
@@ -66,6 +67,8 @@ class CompileService:
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
             self._wake.notify()
         self._thread.join(timeout=60)
 
@@ -130,6 +133,21 @@ class CompileService:
         log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
                  len(report.errors))
         self._on_compiled(report)
+        self._schedule_grace(report.next_grace_expiry)
+
+    def _schedule_grace(self, expiry: float | None) -> None:
+        """Compile again when the first grace period runs out: nothing else would remove a
+        deployment whose device stays ineligible without reporting anything new."""
+        with self._wake:
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
+            if expiry is None or self._stopping:
+                return
+            delay = max(0.0, expiry - time.time()) + 0.2
+            self._grace_timer = threading.Timer(delay, self.trigger)
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
 
 
 def _has_ref(repository: Path, ref: str) -> bool:

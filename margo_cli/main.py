@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from margo_cli import (
     compile_command,
     device_command,
+    lint_chart_command,
     match_command,
     serve_command,
     status_command,
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.register(commands)
     status_command.register(commands)
     device_command.register(commands)
+    lint_chart_command.register(commands)
     return parser
 
 

@@ -38,7 +38,7 @@ def test_compile_from_the_repository_root_as_documented(tmp_path: Path) -> None:
     result = margo("compile", "--source", "examples/fleet", "--capabilities",
                    "examples/capabilities", "--repos", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {"devices": 6, "deployments": 10, "commits": 6,
+    assert json.loads(result.stdout) == {"devices": 6, "deployments": 13, "commits": 6,
                                          "unchanged": 0, "errors": []}
     again = json.loads(margo("compile", "--source", "examples/fleet", "--capabilities",
                              "examples/capabilities", "--repos", str(tmp_path),
@@ -113,7 +113,7 @@ def test_compile_from_a_git_ref(fleet: tuple[Path, Path, Path], tmp_path: Path) 
     result = margo("compile", "--source", str(source), "--ref", "HEAD", "--capabilities",
                    str(caps), "--repos", str(repos), "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["deployments"] == 10
+    assert json.loads(result.stdout)["deployments"] == 13
     history = margo("compile", "--source", str(source), "--ref", "no-such-ref",
                     "--capabilities", str(caps), "--repos", str(repos))
     assert history.returncode == 2 and "cannot resolve 'no-such-ref'" in history.stderr

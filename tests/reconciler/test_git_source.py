@@ -30,7 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetServer]:
     root = tmp_path_factory.mktemp("git-source")
     with fleet_server(root, fleet=write_fleet(root / "fleet")) as running:
         running.put_capabilities(capabilities(GPU))
-        running.wait_for_deployments(3)
+        running.wait_for_deployments(4)
         yield running
 
 
@@ -57,7 +57,7 @@ def test_the_first_fetch_returns_the_branch_deployments(server: FleetServer,
     assert state.source == "git" and state.manifest_version is None and state.etag is None
     assert len(state.version) == 40 and int(state.version, 16) >= 0
     assert sorted(d.name for d in state.deployments) == [
-        "hello-everywhere", "line-monitor", "vision-plant-a"]
+        "ha-web", "hello-everywhere", "line-monitor", "vision-plant-a"]
     assert all(d.device_id == GPU and digest_of(d.document) == d.digest
                for d in state.deployments)
     history = server.device(GPU)["history"]
@@ -154,7 +154,7 @@ def test_a_broken_cache_is_rebuilt(server: FleetServer, tmp_path: Path) -> None:
     cache.mkdir()
     (cache / "HEAD").write_text("this is not a repository\n")
     with git_source(server, cache) as git:
-        assert len(fetched(git).deployments) == 3
+        assert len(fetched(git).deployments) == 4
 
 
 # --- a device without a branch -------------------------------------------------------------

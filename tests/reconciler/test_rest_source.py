@@ -37,12 +37,12 @@ _confidence = itertools.count(51)  # 0.51, 0.52, ...: inside the 0.1-0.99 schema
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetServer]:
-    """One server for the module: a GPU cluster (3 deployments) and a Compose box (1)."""
+    """One server for the module: a GPU cluster (4 deployments) and a Compose box (1)."""
     root = tmp_path_factory.mktemp("rest-source")
     with fleet_server(root, fleet=write_fleet(root / "fleet")) as running:
         running.put_capabilities(capabilities(GPU))
         running.put_capabilities(capabilities(BOX))
-        running.wait_for_deployments(4)
+        running.wait_for_deployments(5)
         yield running
 
 
@@ -200,17 +200,17 @@ def test_a_changed_parameter_fetches_only_the_changed_document(server: FleetServ
 def test_the_bundle_is_used_when_most_documents_are_missing(server: FleetServer) -> None:
     state = first_sync(server)
     requests = Requests()
-    with source(server, requests=requests) as rest:  # 3 of 4 missing: the bundle
+    with source(server, requests=requests) as rest:  # 4 of 5 missing: the bundle
         again = rest.fetch(adopted_from(state, keep=1, older=True))
     assert again is not None and again.by_id().keys() == state.by_id().keys()
     assert len(requests.paths) == 2 and requests.paths[1].startswith("/api/v1/bundles/")
     requests.paths.clear()
-    with source(server, requests=requests) as rest:  # 1 of 4 missing: that document
-        again = rest.fetch(adopted_from(state, keep=3, older=True))
+    with source(server, requests=requests) as rest:  # 1 of 5 missing: that document
+        again = rest.fetch(adopted_from(state, keep=4, older=True))
     assert again is not None
     assert requests.paths == ["/api/v1/deployments",
-                              f"/api/v1/deployments/{state.deployments[3].deployment_id}/"
-                              f"{state.deployments[3].digest}"]
+                              f"/api/v1/deployments/{state.deployments[4].deployment_id}/"
+                              f"{state.deployments[4].digest}"]
 
 
 def test_a_damaged_local_copy_is_fetched_again(server: FleetServer) -> None:
@@ -242,7 +242,7 @@ def test_a_client_fronting_several_devices_keeps_only_its_own(server: FleetServe
     assert [(d.name, d.device_id) for d in box.deployments] == [("hello-everywhere", BOX)]
     gpu = first_sync(server, device_id=GPU)
     assert sorted(d.name for d in gpu.deployments) == [
-        "hello-everywhere", "line-monitor", "vision-plant-a"]
+        "ha-web", "hello-everywhere", "line-monitor", "vision-plant-a"]
 
 
 # --- integrity -----------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def test_a_client_fronting_several_devices_keeps_only_its_own(server: FleetServe
 def test_tampered_bytes_are_refused_and_nothing_is_returned(server: FleetServer,
                                                             target: str) -> None:
     state = first_sync(server)
-    adopted = adopted_from(state, keep=3, older=True)  # one document fetched
+    adopted = adopted_from(state, keep=4, older=True)  # one document fetched
     if target.endswith("bundles/"):
         adopted = Adopted()  # the first sync reads the bundle
     with source(server, transport=Attacker(flip_a_byte(target))) as rest, \
@@ -395,7 +395,7 @@ def test_a_404_for_a_document_is_an_error_not_a_deletion(server: FleetServer) ->
         last = doc["deployments"][-1]
         last.update(digest=unknown, url=f"/api/v1/deployments/{last['deploymentId']}/{unknown}")
 
-    adopted = adopted_from(state, keep=3, older=True)
+    adopted = adopted_from(state, keep=4, older=True)
     with source(server, transport=Attacker(manifest_rewrite(point_at_unknown))) as rest, \
             pytest.raises(SourceError) as raised:
         rest.fetch(adopted)  # the real server answers 404 for that digest

@@ -246,7 +246,7 @@ def test_manifest_version_survives_a_restart_and_grows_on_change(tmp_path: Path)
                 break
             time.sleep(0.2)
         assert current["manifestVersion"] == version + 1
-        assert len(current["deployments"]) == 2  # vision-plant-a no longer targeted
+        assert len(current["deployments"]) == 3  # vision-plant-a no longer targeted
 
 
 def test_acknowledged_reports_survive_sigkill(tmp_path: Path) -> None:

@@ -110,7 +110,7 @@ def test_read_api_shows_devices_deployments_and_explanations(tmp_path: Path) -> 
             httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
         for name in ("k8s-cluster-gpu", "k8s-single-arm64"):
             http.put(f"/api/v1/capabilities/{name}", json=caps(name))
-        manifest = poll(http, lambda m: len(m["deployments"]) == 5)
+        manifest = poll(http, lambda m: len(m["deployments"]) == 7)
         ref = next(d for d in manifest["deployments"])
         http.post(f"/api/v1/deployments/{ref['deploymentId']}/status", json={
             "deploymentId": ref["deploymentId"], "adoptedManifestVersion": 1,
@@ -121,15 +121,15 @@ def test_read_api_shows_devices_deployments_and_explanations(tmp_path: Path) -> 
         operator = {"Authorization": "Bearer operator-token"}
         devices = httpx.get(f"{base}/api/fleet/devices", headers=operator).json()["devices"]
         assert [d["deviceId"] for d in devices] == ["k8s-cluster-gpu", "k8s-single-arm64"]
-        assert devices[0]["deployments"] == 3
+        assert devices[0]["deployments"] == 4
         detail = httpx.get(f"{base}/api/fleet/devices/k8s-single-arm64", headers=operator).json()
         vision = next(e for e in detail["eligibility"] if e["intent"] == "vision-plant-a")
         assert vision["status"] == "not targeted"
         assert detail["history"] and "add hello-everywhere" in detail["history"][0]["message"]
         counts = httpx.get(f"{base}/api/fleet/deployments", headers=operator).json()
-        assert counts["total"] == 5
-        assert counts["byState"] == {"failed": 1, "pending": 4}
-        assert sum(sum(v.values()) for v in counts["byIntent"].values()) == 5
+        assert counts["total"] == 7
+        assert counts["byState"] == {"failed": 1, "pending": 6}
+        assert sum(sum(v.values()) for v in counts["byIntent"].values()) == 7
         missing = httpx.get(f"{base}/api/fleet/devices/nope", headers=operator)
         assert missing.status_code == 404
         table = subprocess.run([sys.executable, "-m", "margo_cli.main", "status", "--url", base,

@@ -14,6 +14,12 @@ server-side apply (the driver's `compat` mode), Secrets and ConfigMaps posted as
 unreadable (so Helm's records use the `memory` storage driver), nothing runs pods or sets
 any status (a Deployment never becomes ready: a wait on it runs into its timeout), and
 namespaces need not exist.
+
+For capability discovery the emulator can also serve recorded objects (`load`, `remove`),
+recorded `/version`, `/api` and `/apis` bodies (`set_version`, `set_discovery`), answer 403
+like RBAC for chosen resources or paths (`forbid`, `allow`), honour `limit`/`continue`
+pagination and the `field=value` / `field!=value` field selectors the real server offers
+for pods, and expire continue tokens (410) on demand.
 """
 
 from __future__ import annotations
@@ -22,18 +28,88 @@ import asyncio
 import gzip
 import importlib.resources
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import kmock
 import yaml
 
 __all__ = ["Emulator", "running_emulator", "write_kubeconfig"]
 
 
+def _field(obj: Mapping[str, Any], dotted: str) -> str:
+    node: Any = obj
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return "" if node is None else str(node)
+
+
+def _selected(obj: Mapping[str, Any], selector: str) -> bool:
+    """`a.b=x,c!=y` as the API server reads field selectors (all terms must hold)."""
+    for term in filter(None, selector.split(",")):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if _field(obj, key) == value:
+                return False
+        else:
+            key, value = term.split("==" if "==" in term else "=", 1)
+            if _field(obj, key) != value:
+                return False
+    return True
+
+
+def _verb(request: kmock.Request) -> str:
+    action = request.action
+    return str(action.value).lower() if action is not None else "get"
+
+
 class _FixedEmulator(kmock.KubernetesEmulator):
+    # Discovery extras (plain attributes; set through `Emulator`).
+    version_info: dict[str, Any] | None = None
+    api_versions: dict[str, Any] | None = None
+    api_groups: dict[str, Any] | None = None
+    forbidden: frozenset[Any] = frozenset()
+    expire_continue: bool = False
+
+    def _denied(self, request: kmock.Request) -> bool:
+        path = request.url.path
+        return any(path == target if isinstance(target, str) else request.resource == target
+                   for target in self.forbidden)
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if self._denied(request):
+            what = request.resource.plural if request.resource is not None else request.url.path
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "reason": "Forbidden", "code": 403,
+                "message": f'{what} is forbidden: User "system:serviceaccount:margo:device" '
+                           f"cannot {_verb(request)} {what} at the cluster scope"},
+                status=403)
+        if self.expire_continue and request.params.get("continue"):
+            return aiohttp.web.json_response({
+                "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+                "reason": "Expired", "code": 410,
+                "message": "The provided continue parameter is too old"}, status=410)
+        return await super()._handle(request)
+
+    async def _serve_server_version(self, request: kmock.Request) -> Any:
+        if self.version_info is not None:
+            return self.version_info
+        return await super()._serve_server_version(request)
+
+    async def _serve_api(self, request: kmock.Request) -> Any:
+        if self.api_versions is not None:
+            return self.api_versions
+        return await super()._serve_api(request)
+
+    async def _serve_apis(self, request: kmock.Request) -> Any:
+        if self.api_groups is not None:
+            return self.api_groups
+        return await super()._serve_apis(request)
+
     async def _serve_version(self, request: kmock.Request) -> Any:
         payload = await super()._serve_version(request)
         if request.resource is not None and request.resource.group == "":
@@ -48,7 +124,22 @@ class _FixedEmulator(kmock.KubernetesEmulator):
             payload["kind"] = f"{kind}List"
             payload["apiVersion"] = (f"{resource.group}/{resource.version}" if resource.group
                                      else str(resource.version))
+        selector = request.params.get("fieldSelector")
+        if selector:
+            payload["items"] = [i for i in payload["items"] if _selected(i, selector)]
+        limit = request.params.get("limit")
+        if limit and int(limit) > 0:
+            start = int(request.params.get("continue") or 0)
+            end = start + int(limit)
+            everything = payload["items"]
+            payload["items"] = everything[start:end]
+            if end < len(everything):
+                payload["metadata"] = {**payload.get("metadata", {}), "continue": str(end)}
         return payload
+
+
+def _target(text: str) -> Any:
+    return text if text.startswith("/") else kmock.resource(text)
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:
@@ -91,6 +182,69 @@ class Emulator:
     def get(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One current object, or None."""
         return self.objects(resource).get((namespace, name))
+
+    # --- serving recorded clusters ----------------------------------------------------------
+
+    def _call(self, change: Any) -> Any:
+        """Run `change(handler)` on the emulator's loop, under its object lock."""
+        async def run() -> Any:
+            assert self._handler is not None
+            async with self._handler._lock:
+                return change(self._handler)
+        assert self._loop is not None, "the emulator is not running"
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=10)
+
+    def load(self, resource: str, *documents: Mapping[str, Any]) -> list[str]:
+        """Store objects of `resource` (`v1/nodes`, `apps/v1/daemonsets`): each document is
+        an object or a list (`NodeList`, `kubectl get -o json`'s `List`) whose items are
+        stored. Replaces objects of the same name. Returns the names stored."""
+        objects = [item for doc in documents
+                   for item in (doc.get("items") or [] if "items" in doc else [doc])]
+
+        def store(handler: _FixedEmulator) -> list[str]:
+            names = []
+            for obj in objects:
+                metadata = obj.get("metadata") or {}
+                key = (resource, metadata.get("namespace"), metadata["name"])
+                handler.objects[key] = dict(obj)
+                names.append(metadata["name"])
+            return names
+        return list(self._call(store))
+
+    def remove(self, resource: str, name: str, namespace: str | None = None) -> None:
+        """Delete one stored object (as if `kubectl delete` had removed it)."""
+        def drop(handler: _FixedEmulator) -> None:
+            handler.objects[resource, namespace, name].delete()
+        self._call(drop)
+
+    def set_version(self, info: Mapping[str, Any] | None) -> None:
+        """Serve `info` at /version (None: kmock's own k3s 1.26 answer)."""
+        self._require().version_info = None if info is None else dict(info)
+
+    def set_discovery(self, *, api: Mapping[str, Any] | None = None,
+                      apis: Mapping[str, Any] | None = None) -> None:
+        """Serve recorded `/api` (APIVersions) and `/apis` (APIGroupList) bodies."""
+        handler = self._require()
+        handler.api_versions = None if api is None else dict(api)
+        handler.api_groups = None if apis is None else dict(apis)
+
+    def forbid(self, *targets: str) -> None:
+        """Answer 403 Forbidden for these resources (`v1/pods`) or exact paths (`/apis`)."""
+        handler = self._require()
+        handler.forbidden = handler.forbidden | {_target(t) for t in targets}
+
+    def allow(self, *targets: str) -> None:
+        """Undo `forbid` for these targets."""
+        handler = self._require()
+        handler.forbidden = handler.forbidden - {_target(t) for t in targets}
+
+    def expire_continue_tokens(self, expire: bool = True) -> None:
+        """Answer 410 Expired to every request that carries a continue token."""
+        self._require().expire_continue = expire
+
+    def _require(self) -> _FixedEmulator:
+        assert self._handler is not None, "the emulator is not running"
+        return self._handler
 
     # --- lifecycle -------------------------------------------------------------------------
 

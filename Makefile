@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	@# A real OCI registry (CNCF distribution) for charts and Compose packages: tests and demo.
 	@command -v docker-registry >/dev/null || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker-registry)
+	@# Headless Chromium for the dashboard's browser tests (Playwright drives this one).
+	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'

@@ -26,6 +26,7 @@ from wfm.api import Api, routes
 from wfm.authority import ensure_ca
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
+from wfm.dashboard import dashboard_routes
 from wfm.db import Database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
@@ -138,6 +139,7 @@ def create_app(config: ServerConfig) -> Starlette:
 
     return Starlette(
         routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),
+                *dashboard_routes(fleet),
                 *([Mount("/git/source.git", app=source_app(
                     config.hosted_source, config.admin_token, lambda: api.compiles.trigger()))]
                   if config.host_source else []),

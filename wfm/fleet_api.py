@@ -12,6 +12,7 @@ import hmac
 import json
 import sqlite3
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -54,8 +55,15 @@ class FleetApi:
             raise ProblemError(401, "the operator token is required",
                                headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
 
-    def _device_summary(self, row: records.DeviceRow,
-                        statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        """Every deployment's last reported status, by deployment id."""
+        return self.api.db.read(_statuses)
+
+    def device_row(self, device_id: str) -> records.DeviceRow | None:
+        return self.api.db.read(lambda c: records.device_row(c, device_id))
+
+    def device_summary(self, row: records.DeviceRow,
+                       statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
         deployments = self.api.desired.device_deployments(row.device_id)
         states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
                          for d in deployments)
@@ -65,7 +73,7 @@ class FleetApi:
                 "deployments": len(deployments), "states": dict(sorted(states.items())),
                 "labels": row.document.get("labels", {})}
 
-    def _rows(self) -> list[records.DeviceRow]:
+    def device_rows(self) -> list[records.DeviceRow]:
         ids = self.api.db.read(lambda c: [r[0] for r in c.execute(
             "SELECT device_id FROM devices ORDER BY device_id")])
         rows = [self.api.db.read(lambda c, i=i: records.device_row(c, i)) for i in ids]
@@ -73,29 +81,29 @@ class FleetApi:
 
     async def devices(self, request: Request) -> Response:
         self._authorize(request)
-        statuses = self.api.db.read(_statuses)
-        return JSONResponse({"devices": [self._device_summary(r, statuses)
-                                         for r in self._rows()]})
+        statuses = self.statuses()
+        return JSONResponse({"devices": [self.device_summary(r, statuses)
+                                         for r in self.device_rows()]})
 
-    def _eligibility(self, device_id: str) -> list[dict[str, Any]] | str:
+    def eligibility(self, device_ids: Iterable[str]) -> dict[str, list[dict[str, Any]] | str]:
+        """Per device, every intent's explanation, or why none can be given. The source and
+        the snapshot are read once for all devices (the dashboard asks for the whole fleet).
+        Blocking (Git, compiler): call it in a worker thread."""
+        ids = list(device_ids)
         if self.source.path is None:
-            return "no fleet source is configured"
+            return dict.fromkeys(ids, "no fleet source is configured")
         try:
             source = load_source(self.source.path, ref=self.source.ref)
         except SourceError as exc:
-            return str(exc)
+            return dict.fromkeys(ids, str(exc))
         snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
-        if device_id not in snapshot.devices:
-            return "the device's capabilities are not valid"
-        return [e.to_json() for e in explain_device(source, snapshot, device_id)]
+        return {device_id: [e.to_json() for e in explain_device(source, snapshot, device_id)]
+                if device_id in snapshot.devices else "the device's capabilities are not valid"
+                for device_id in ids}
 
-    async def device(self, request: Request) -> Response:
-        self._authorize(request)
-        device_id = request.path_params["deviceId"]
-        row = self.api.db.read(lambda c: records.device_row(c, device_id))
-        if row is None:
-            raise ProblemError(404, f"no device {device_id!r}", margo_type="device-not-found")
-        statuses = self.api.db.read(_statuses)
+    def device_deployments(self, device_id: str,
+                           statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """What the device's branch holds, each with its last reported status."""
         deployments = []
         for served in self.api.desired.device_deployments(device_id):
             status = statuses.get(served.deployment_id)
@@ -106,30 +114,46 @@ class FleetApi:
                 "components": status["document"].get("components", []) if status else [],
                 "error": status["document"].get("status", {}).get("error") if status else None,
                 "reportedAt": status["reportedAt"] if status else None})
-        history = [{"commit": c.id, "time": c.timestamp, "message": c.message}
-                   for c in self.api.desired.history(device_id, limit=20)]
-        eligibility = await run_in_threadpool(self._eligibility, device_id)
-        return JSONResponse({**self._device_summary(row, statuses),
+        return deployments
+
+    def history(self, device_id: str) -> list[dict[str, Any]]:
+        return [{"commit": c.id, "time": c.timestamp, "message": c.message}
+                for c in self.api.desired.history(device_id, limit=20)]
+
+    async def device(self, request: Request) -> Response:
+        self._authorize(request)
+        device_id = request.path_params["deviceId"]
+        row = self.device_row(device_id)
+        if row is None:
+            raise ProblemError(404, f"no device {device_id!r}", margo_type="device-not-found")
+        statuses = self.statuses()
+        deployments = self.device_deployments(device_id, statuses)
+        history = self.history(device_id)
+        eligibility = (await run_in_threadpool(self.eligibility, [device_id]))[device_id]
+        return JSONResponse({**self.device_summary(row, statuses),
                              "capabilities": row.document, "deployments": deployments,
                              "eligibility": eligibility, "history": history})
 
     async def deployments(self, request: Request) -> Response:
         self._authorize(request)
-        statuses = self.api.db.read(_statuses)
+        return JSONResponse(self.deployment_counts(self.statuses()))
+
+    def deployment_counts(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Deployments per state: in total, per intent and per application."""
         by_state: Counter[str] = Counter()
         by_intent: dict[str, Counter[str]] = defaultdict(Counter)
         by_application: dict[str, Counter[str]] = defaultdict(Counter)
-        for row in self._rows():
+        for row in self.device_rows():
             for served in self.api.desired.device_deployments(row.device_id):
                 state = statuses.get(served.deployment_id, {}).get("state", "pending")
                 by_state[state] += 1
                 by_intent[served.intent or "?"][state] += 1
                 by_application[served.application_id or "?"][state] += 1
-        return JSONResponse({
+        return {
             "total": sum(by_state.values()), "byState": dict(sorted(by_state.items())),
             "byIntent": {k: dict(sorted(v.items())) for k, v in sorted(by_intent.items())},
             "byApplication": {k: dict(sorted(v.items()))
-                              for k, v in sorted(by_application.items())}})
+                              for k, v in sorted(by_application.items())}}
 
     async def git_hook(self, request: Request) -> Response:
         if self.remote is None or not self.webhook_secret:

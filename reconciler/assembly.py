@@ -116,6 +116,9 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
 def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
     if config.capabilities_file is not None:
         return StaticProvider(config.capabilities_file)
+    if config.kubernetes is not None:
+        from reconciler.kubernetes.provider import KubernetesProvider
+        return KubernetesProvider(config.device_id, **config.kubernetes)
     if config.host_facts is None:
         return None
     facts = config.host_facts

@@ -73,6 +73,15 @@ def config_schema() -> dict[str, Any]:
                 "otelCollector": {"type": "boolean"},
                 "labels": {"type": "object"},
             }),
+            "kubernetes": _closed({
+                "kubeconfig": _TEXT,
+                "context": _TEXT,
+                "inCluster": {"type": "boolean"},
+                "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
+                "labels": {"type": "object"},
+                "threshold": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                "debounce": {"type": "string", "pattern": DURATION},
+            }),
         }),
         "schedule": _closed({
             "interval": {"type": "string", "pattern": DURATION},
@@ -111,6 +120,7 @@ class DeviceConfig:
     data_dir: Path
     capabilities_file: Path | None
     host_facts: dict[str, Any] | None
+    kubernetes: dict[str, Any] | None = None  # KubernetesProvider keyword arguments
     schedule: Schedule = field(default_factory=Schedule)
 
     def token(self) -> str:
@@ -147,6 +157,23 @@ def _schedule(raw: dict[str, Any], problems: list[Problem]) -> Schedule:
                     downtime=tuple(downtime), timezone=timezone)
 
 
+def _kubernetes(raw: dict[str, Any] | None, base: Path,
+                driver: dict[str, Any]) -> dict[str, Any] | None:
+    """The cluster capability provider's settings: its kubeconfig defaults to the Helm
+    driver's, and `inCluster: true` means the pod's service account."""
+    if raw is None:
+        return None
+    kubeconfig = raw.get("kubeconfig") or (None if raw.get("inCluster")
+                                           else driver.get("kubeconfig"))
+    return {"kubeconfig": _path(base, kubeconfig) if kubeconfig else None,
+            "context": raw.get("context") or driver.get("kubeContext"),
+            "vendor": raw.get("vendor", "unknown"),
+            "model_number": raw.get("modelNumber", "unknown"),
+            "serial_number": raw.get("serialNumber", "unknown"),
+            "labels": raw.get("labels"), "threshold": raw.get("threshold", 0.10),
+            "debounce_seconds": parse_duration(raw.get("debounce", "30s"))}
+
+
 def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     """Validate a loaded configuration; raise `DocumentError` with located problems."""
     doc = loaded.value
@@ -168,8 +195,9 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if "url" in source and source["type"] != "git":
         found.append(Problem(("source", "url"), "only the git source takes a url"))
     caps = doc.get("capabilities", {})
-    if "file" in caps and "host" in caps:
-        found.append(Problem(("capabilities",), "give either 'file' or 'host', not both"))
+    if len(caps) > 1:
+        found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
+                             found=", ".join(sorted(caps))))
     schedule = _schedule(doc.get("schedule", {}), found)
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
@@ -189,7 +217,9 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         storage_driver=driver.get("storageDriver", "secret"),
         docker=driver.get("docker", "docker"), data_dir=data_dir,
         capabilities_file=_path(base, caps["file"]) if "file" in caps else None,
-        host_facts=caps.get("host"), schedule=schedule)
+        host_facts=caps.get("host"), kubernetes=_kubernetes(caps.get("kubernetes"), base,
+                                                            driver),
+        schedule=schedule)
 
 
 def load_config(path: str | Path) -> DeviceConfig:

@@ -44,7 +44,7 @@ __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 
 #: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
-COMPILER_VERSION = "1"
+COMPILER_VERSION = "2"  # 2: placements see root extensions and cluster sections
 _SUFFIX = ".yaml"
 _FAST_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -444,7 +444,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     report = CompileReport(source.revision, devices=len(snapshot.devices))
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
                                             *snapshot.problems])
-    state.bind(store.identity)
+    state.bind(store.identity, compiler_version=COMPILER_VERSION)
     previous_devices = state.devices()
     in_grace, placed_by_changed = state.devices_in_grace(), state.devices_placed_by(changed)
     jobs: list[_Job] = []

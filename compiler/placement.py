@@ -97,7 +97,7 @@ def targeting_failures(intent: Intent, device: Device) -> tuple[Failure, ...]:
                                 required=sorted(intent.devices), actual=device.id, rule=None,
                                 message=f"{device.id} is not in the intent's device list"))
     if intent.selector is not None:
-        result = intent.selector.evaluate(device.properties, device.labels)
+        result = intent.selector.evaluate(device.matching, device.labels)
         failures.extend(Failure(stage="targets", key=f.key, operator=f.operator,
                                 required=f.required, actual=f.actual, rule=f.rule,
                                 message=f"selector {f.message}") for f in result.failures)
@@ -107,8 +107,9 @@ def targeting_failures(intent: Intent, device: Device) -> tuple[Failure, ...]:
 def place(intent: Intent, app: AppVersion, device: Device, constraints: ProfileConstraints, *,
           explain: bool = False, targeted: bool | None = None) -> Placement:
     """Decide targeting (unless the caller already knows it) and profile; with `explain`,
-    collect every failing clause."""
-    properties, labels = device.properties, device.labels
+    collect every failing clause. Everything is matched against the device's matching view
+    (properties, root extensions, cluster sections), built once per device."""
+    properties, labels = device.matching, device.labels
     if targeted is None:
         targeted = intent.targets(device.id, properties, labels)
     if not targeted:

@@ -3,7 +3,9 @@
 Offline compiles read it from a directory (one document per file, any spec shape) or from
 one YAML/JSON file keyed by device id; the fleet server builds the same from its database
 with `snapshot_from_documents`. A broken document is a located problem and its device is
-left alone (its previous desired state stays), never dropped.
+left alone (its previous desired state stays), never dropped. A cluster proposal's
+`ClusterCapabilitiesManifest` is read as the rc.3 document `margo.cluster` converts it to,
+exactly as the server stores it, so both bodies of one cluster compile alike.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
+from margo.constraints import matching_view
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind, detect
@@ -40,6 +44,13 @@ class Device:
     capabilities: DeviceCapabilities
     digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
     file: str | None = None
+    #: What constraints and selectors are evaluated against (`margo.constraints.matching_view`:
+    #: properties + root extensions + cluster sections), built once per device, not per match.
+    matching: Mapping[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "matching", matching_view(self.capabilities.properties,
+                                                           self.capabilities.extensions))
 
     @property
     def properties(self) -> Mapping[str, Any]:
@@ -83,8 +94,27 @@ def _trusted_model(doc: Any, digest: str, trusted: Mapping[str, str]) -> DeviceC
     return model
 
 
+def _from_cluster_manifest(snapshot: Snapshot, loaded: LoadedDocument,
+                           key: str | None) -> LoadedDocument | None:
+    """The rc.3 document of a cluster manifest; None (problems located) when invalid."""
+    try:
+        converted = device_capabilities_from_cluster(loaded.value)
+    except DocumentError as exc:
+        snapshot.problems.extend(loaded.locate(p) for p in exc.problems)
+        metadata = loaded.value.get("metadata")
+        cluster_id = metadata.get("id") if isinstance(metadata, dict) else None
+        snapshot.broken.add(str(cluster_id if isinstance(cluster_id, str) else key))
+        return None
+    return LoadedDocument.unlocated(converted, loaded.file)
+
+
 def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
          trusted: Mapping[str, str]) -> None:
+    if is_cluster_manifest(loaded.value):
+        converted = _from_cluster_manifest(snapshot, loaded, key)
+        if converted is None:
+            return
+        loaded = converted
     digest = data_digest(loaded.value)
     caps = _trusted_model(loaded.value, digest, trusted) if trusted else None
     if caps is None:

@@ -94,11 +94,17 @@ class CompilerState:
         self._db.executescript("DROP TABLE IF EXISTS devices; DELETE FROM intents; "
                                "DELETE FROM placements;" + _SCHEMA)
 
-    def bind(self, repository: str) -> None:
-        """Forget everything remembered about another repository (e.g. one recreated)."""
-        if self._meta("repository") != repository:
+    def bind(self, repository: str, *, compiler_version: str | None = None) -> None:
+        """Forget everything remembered about another repository (e.g. one recreated), or
+        remembered by a compiler whose decisions may differ (`compiler_version` changed):
+        remembered placements would otherwise be reused without being evaluated again."""
+        if self._meta("repository") != repository or (
+                compiler_version is not None
+                and self._meta("compiler_version") != compiler_version):
             self._reset()
             self._set_meta("repository", repository)
+            if compiler_version is not None:
+                self._set_meta("compiler_version", compiler_version)
 
     def close(self) -> None:
         self._db.close()

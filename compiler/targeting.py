@@ -86,7 +86,7 @@ class TargetIndex:
                 selector = intent.selector
                 selected.update(
                     device_id for device_id in self._candidates(intent)
-                    if selector.is_eligible(self._devices[device_id].properties,
+                    if selector.is_eligible(self._devices[device_id].matching,
                                             self._devices[device_id].labels))
             found = frozenset(selected)
         self._targeted[intent.name] = found

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 from margo.canonical import canonical_json
-from margo.constraints import CompiledConstraints, compile_constraints
+from margo.constraints import CompiledConstraints, compile_constraints, matching_view
 from margo.errors import DocumentError
 from margo.kinds import Kind
 from margo.loading import load_path
@@ -104,7 +104,7 @@ def _run_single(args: argparse.Namespace) -> int:
         raise BadInput("give --capabilities and --constraints, or --batch")
     caps = _load_capabilities(args.capabilities)
     constraints = _load_constraints(args.constraints, args.profile)
-    result = constraints.evaluate(caps.properties, caps.labels)
+    result = constraints.evaluate(matching_view(caps.properties, caps.extensions), caps.labels)
     _print_result(result, args.json, sys.stdout)
     return EXIT_ELIGIBLE if result.eligible else EXIT_NOT_ELIGIBLE
 
@@ -138,7 +138,8 @@ class BatchMatcher:
             constraints = self._constraints(item.get("deviceConstraints") or {})
             caps: DeviceCapabilities = validate_value(item["capabilities"],
                                                       expect=Kind.DEVICE_CAPABILITIES)
-            return constraints.evaluate(caps.properties, caps.labels).to_json()
+            view = matching_view(caps.properties, caps.extensions)
+            return constraints.evaluate(view, caps.labels).to_json()
         except json.JSONDecodeError as exc:
             return {"error": f"invalid JSON: {exc.msg} at column {exc.colno}"}
         except DocumentError as exc:

@@ -5,6 +5,11 @@ Oct-2024 Preview Release 1 (`/device/{deviceId}/...` plus the OAuth2 token endpo
 land in the same handlers; only status codes and path shapes differ where the generations
 differ (rc.3 capabilities answer 201 created / 200 updated, rc.2 and Oct-2024 always 201).
 The caller is always the authenticated client, and every resource is scoped to it.
+
+The capabilities endpoints also take the cluster proposal's `ClusterCapabilitiesManifest`:
+it is validated, converted to the rc.3 document the device client would have sent for the
+same cluster (`margo.cluster.device_capabilities_from_cluster`) and from then on stored,
+compiled and shown exactly like one, so both bodies are matched alike.
 """
 
 from __future__ import annotations
@@ -19,6 +24,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from margo.cluster import (
+    CLUSTER_API_VERSION,
+    CLUSTER_KIND,
+    device_capabilities_from_cluster,
+    is_cluster_manifest,
+    validate_cluster_manifest,
+)
 from margo.digests import data_digest, digest_of
 from margo.errors import DocumentError
 from margo.kinds import Kind
@@ -134,16 +146,15 @@ class Api:
         doc = await self.json_body(request)
         device_id = request.path_params.get("deviceId")
         if device_id is None:  # rc.2 POST/PUT .../capabilities, id from the body
-            properties = doc.get("properties")
-            device_id = properties.get("id") if isinstance(properties, dict) else None
-            if not isinstance(device_id, str):
-                raise ProblemError(400, "properties.id is required", margo_type="invalid-request")
+            device_id = _reported_id(doc)
         created = await self.report_capabilities(client, device_id, doc)
         rc3 = request.url.path.startswith("/api/v1/capabilities/")
         return Response(status_code=201 if created or not rc3 else 200)
 
     async def report_capabilities(self, client: Client, device_id: str,
                                   doc: dict[str, Any]) -> bool:
+        if is_cluster_manifest(doc):
+            doc = _cluster_document(device_id, doc)
         try:
             caps: DeviceCapabilities = validate_value(doc, expect=Kind.DEVICE_CAPABILITIES)
         except DocumentError as exc:
@@ -351,6 +362,37 @@ class Api:
         doc = await self.json_body(request)
         await self.report_capabilities(client, request.path_params["deviceId"], doc)
         return Response(status_code=201)
+
+
+def _reported_id(doc: dict[str, Any]) -> str:
+    """The device id a body names: `properties.id`, or a cluster manifest's `metadata.id`."""
+    field = "metadata" if is_cluster_manifest(doc) else "properties"
+    section = doc.get(field)
+    device_id = section.get("id") if isinstance(section, dict) else None
+    if not isinstance(device_id, str):
+        raise ProblemError(400, f"{field}.id is required", margo_type="invalid-request")
+    return device_id
+
+
+def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """A ClusterCapabilitiesManifest as the rc.3 document stored for it: every validation
+    problem in one 422, and the cluster id must be the device id of the path. A body the
+    proposal's field test recognises (apiSurface + metadata.kubernetesVersion) may leave out
+    apiVersion/kind, as rc.3 device documents do."""
+    manifest = {"apiVersion": CLUSTER_API_VERSION, "kind": CLUSTER_KIND, **manifest}
+    problems = validate_cluster_manifest(manifest)
+    if problems:
+        raise semantic_error(problems)
+    cluster_id = manifest["metadata"]["id"]
+    if cluster_id != device_id:
+        raise ProblemError(422, f"metadata.id {cluster_id!r} does not match the deviceId "
+                           f"{device_id!r} in the path", margo_type="semantic-error",
+                           errors=[{"field": "metadata.id", "message": "must equal the "
+                                    "deviceId in the path"}])
+    try:
+        return device_capabilities_from_cluster(manifest)
+    except DocumentError as exc:
+        raise semantic_error(exc.problems) from None
 
 
 def _generation(request: Request) -> str:

@@ -95,6 +95,21 @@ def test_no_op_recompile_commits_nothing_and_skips_every_device(fleet: Fleet) ->
     assert {d: fleet.store.tip(d) for d in fleet.store.device_ids()} == tips
 
 
+def test_a_new_compiler_version_evaluates_every_device_again(fleet: Fleet) -> None:
+    """Remembered placements are decisions of one compiler version: a newer one (which may
+    match differently) must not reuse them, but it rewrites nothing that did not change."""
+    import sqlite3
+
+    fleet.compile()
+    tips = {d: fleet.store.tip(d) for d in fleet.store.device_ids()}
+    with sqlite3.connect(fleet.repos / "compiler-state.sqlite") as conn:
+        conn.execute("UPDATE meta SET value = 'an older compiler' WHERE key = 'compiler_version'")
+    report = fleet.compile(now=2_000_000)
+    assert len(report.results) == 3 and report.commits == 0  # re-evaluated, same trees
+    assert {d: fleet.store.tip(d) for d in fleet.store.device_ids()} == tips
+    assert fleet.compile(now=3_000_000).results == []  # and remembered again
+
+
 def test_editing_an_intent_updates_the_same_deployment(fleet: Fleet) -> None:
     fleet.compile()
     before = fleet.deployment("k8s-a", "everywhere")

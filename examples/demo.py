@@ -292,7 +292,9 @@ class Demo:
     def runs(self, device_id: str) -> dict[str, tuple[str, list[tuple[str, str]]]]:
         """intent -> (overall state, [(component, state)]) as the server knows it."""
         device = self.fleet_device(device_id) or {"deployments": []}
-        return {d["intent"]: (d["state"], [(c["name"], c["state"]) for c in d["components"]])
+        # Oct-2024 devices report capitalised states ("Installed"): one spelling on screen.
+        return {d["intent"]: (d["state"].lower(),
+                              [(c["name"], c["state"].lower()) for c in d["components"]])
                 for d in device["deployments"]}
 
     def ledger(self, device_id: str) -> dict[str, Any]:

@@ -55,6 +55,16 @@ def test_a_gpu_node_joining_and_leaving_moves_the_gpu_application(
         registry: str, tmp_path: Path) -> None:
     publish_example_charts(registry)
     fleet = write_fleet(tmp_path / "fleet", registry=registry, intents={"vision": VISION})
+    # The GPU application asks for a node, not for the whole device: one amd64 node with an
+    # NVIDIA GPU available (the node-aware requirement, copied verbatim to the device).
+    app = fleet / "apps" / "com-example-gpu-inference" / "margo.yaml"
+    description = yaml.safe_load(app.read_text())
+    description["deploymentProfiles"][0]["deviceConstraints"] = {
+        "x-margo-gitops-extensions": {"cluster": {"nodes": [{
+            "capacity": {"resources": {"nvidia.com/gpu": 1}},
+            "selector": {"matchExpressions": [
+                {"key": "/architecture", "operator": "In", "values": ["amd64"]}]}}]}}}
+    app.write_text(yaml.safe_dump(description, sort_keys=False))
     cluster = gpu_three_node()
     cluster.objects[NODES] = [n for n in cluster.objects[NODES]
                               if n["metadata"]["name"] != GPU_NODE]
@@ -89,7 +99,7 @@ def test_a_gpu_node_joining_and_leaving_moves_the_gpu_application(
             assert cluster_body["resources"]["nodeCount"] == 2
             assert reported["labels"]["k8s.margo-gitops.dev/nodes"] == 2
             # No GPU node: not eligible, and the explanation says which clause fails.
-            until("the compile", lambda: "peripherals" in explanation())
+            until("the compile", lambda: "nvidia.com/gpu" in explanation())
             assert vision_on_device() == []
 
             emulator.load(NODES, gpu_worker())  # the GPU node joins
@@ -102,6 +112,8 @@ def test_a_gpu_node_joining_and_leaving_moves_the_gpu_application(
             assert any(p.get("manufacturer") == "NVIDIA"
                        for p in reported["properties"]["peripherals"])
             assert sorted((home / "rendered" / "vision").iterdir())
+            # The node requirement reached the device verbatim, as the spec requires.
+            assert b"nvidia.com/gpu: 1" in b"".join(reconciler.state.desired_documents())
 
             emulator.remove(NODES, GPU_NODE)  # and leaves again
             until("the re-report", lambda: server.device("edge-cluster")["capabilities"][

@@ -354,15 +354,17 @@ class Demo:
         self.change("Deploy Vision Inference wherever it fits")
         with_vision = {**hello, GPU_DEVICE: {"hello-everywhere", "vision"}}
         self.expect("Vision Inference on the GPU cluster only", with_vision)
-        say("  Why not edge-single? (margo explain, on the source and the devices' reports)")
+        say("  Why not the others? (margo explain, on the source and the devices' reports)")
         snapshot = self.home / "capabilities"
         snapshot.mkdir(exist_ok=True)
         for device_id in DEVICES:
             shutil.copy(self.caps_file(device_id), snapshot / f"{device_id}.json")
-        explained = run(*MARGO, "explain", "--device", "edge-single", "--intent", "vision",
-                        "--source", self.source.work, "--capabilities", snapshot, check=False)
-        for line in (explained.stdout or explained.stderr).strip().splitlines()[:8]:
-            say(f"    {line}")
+        for device_id in ("edge-single", "edge-compose"):
+            explained = run(*MARGO, "explain", "--device", device_id, "--intent", "vision",
+                            "--source", self.source.work, "--capabilities", snapshot,
+                            check=False)
+            for line in (explained.stdout or explained.stderr).strip().splitlines()[:6]:
+                say(f"    {line}")
 
         step("3. Update Hello World to chart 1.1.0")
         self.source.edit("apps/com-example-hello-world/margo.yaml", "revision: 1.0.0\n          "

@@ -9,8 +9,8 @@ facts, and the spec requires re-reporting on any change, so the sender compares 
 what it would send with the last one the server acknowledged (stored durably) and sends only
 on a difference.
 
-A Kubernetes cluster provider (nodes, storage classes, ...) plugs in later through the
-`CapabilityProvider` protocol.
+The Kubernetes cluster provider (nodes, GPUs, API surface, classes) implements the same
+`CapabilityProvider` protocol in `reconciler/kubernetes/provider.py`.
 """
 
 from __future__ import annotations

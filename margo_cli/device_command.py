@@ -1,4 +1,5 @@
-"""`margo device run|once --config FILE`: the device client.
+"""`margo device run|once --config FILE` (the device client) and `margo device doctor`
+(a cluster checked against the Margo cluster requirements, see doctor_command).
 
 `once` runs one cycle and exits 0 when the device converged (or the schedule says not to
 contact the server now), 1 when anything failed (a step, a fetch, a capability report), 2 when
@@ -16,6 +17,7 @@ import sys
 from typing import Any
 
 from margo.errors import DocumentError
+from margo_cli import doctor_command
 from reconciler.config import load_config
 from reconciler.runner import CycleResult
 
@@ -32,6 +34,7 @@ def register(commands: Any) -> None:
         sub.add_argument("--log-level", default="info",
                          choices=["debug", "info", "warning", "error"])
         sub.set_defaults(run=run, once=verb == "once")
+    doctor_command.register(verbs)
 
 
 def describe(result: CycleResult) -> str:

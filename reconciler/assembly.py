@@ -1,6 +1,11 @@
 """Build a running device client from its configuration: state store, HTTP client, source,
 driver and reporters, owned together and closed together.
 
+One HTTP client carries the device's identity for the REST source, status reports and
+capability reports alike: rc.3 mutual TLS with the SVID (`reconciler.identity`), rc.2
+signatures after onboarding (`reconciler.signing`), or, for development, a bearer token. The
+Git source keeps its per-device token (libgit2 has no client certificates).
+
 Kept apart from the runner so the cycle logic stays free of construction details, and so
 tests and benchmarks assemble exactly what `margo device run` assembles.
 """
@@ -22,16 +27,17 @@ from reconciler.capabilities import (
     HostProvider,
     StaticProvider,
 )
-from reconciler.config import DeviceConfig
+from reconciler.config import DeviceConfig, IdentityConfig
 from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
 from reconciler.runner import Reconciler, StatusTarget
 from reconciler.sources import Source
 from reconciler.state import DeviceState
 
-__all__ = ["BusyError", "TokenAuth", "open_reconciler"]
+__all__ = ["LOCK_NAME", "BusyError", "TokenAuth", "open_reconciler"]
 
 USER_AGENT = "margo-gitops-device/0.1"
+LOCK_NAME = ".lock"  # in the data directory, held while a client runs
 
 
 class BusyError(RuntimeError):
@@ -64,7 +70,7 @@ class TokenAuth(httpx.Auth):
 def _exclusive(data_dir: Path) -> Iterator[None]:
     """One client per data directory: two would race on the engine and the journal."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -75,7 +81,60 @@ def _exclusive(data_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _source(config: DeviceConfig, http: httpx.Client) -> Source:
+def _transport(identity: IdentityConfig) -> httpx.BaseTransport | None:
+    """rc.3 mutual TLS with the SVID, or server-only TLS against the configured trust bundle;
+    None: httpx's default transport (system CAs, or plain HTTP in development)."""
+    from reconciler.identity import IdentityTransport, ServerTrust, SvidMaterial
+    if identity.svid_cert is not None and identity.svid_key is not None:
+        assert identity.trust_bundle is not None  # the configuration requires it
+        return IdentityTransport(SvidMaterial(
+            identity.svid_cert, identity.svid_key, identity.trust_bundle,
+            trust_domain=identity.trust_domain, wfm_id=identity.wfm_id, tls12=identity.tls12))
+    if identity.trust_bundle is not None:
+        return IdentityTransport(ServerTrust(identity.trust_bundle, tls12=identity.tls12))
+    return None
+
+
+def _connect(config: DeviceConfig, stack: ExitStack) -> tuple[httpx.Client, str]:
+    """The HTTP client with the device's identity, and the client id it speaks as: the
+    configured one (bearer tokens), our SVID's client segment (rc.3) or the clientId from
+    onboarding (rc.2, which needs the server on the first start only).
+
+    Raises `reconciler.identity.IdentityError`, `reconciler.signing.SigningError` or
+    `reconciler.signing.OnboardingError` when the identity cannot be used."""
+    identity = config.identity or IdentityConfig()
+    transport = _transport(identity)
+    key = None
+    auth: httpx.Auth | None
+    if identity.rc2_key is not None:
+        from reconciler.signing import SigningAuth, load_device_key
+        key = load_device_key(identity.rc2_key, identity.rc2_algorithm)
+        auth = SigningAuth(key)
+    elif identity.svid_cert is not None:
+        auth = None  # the certificate is the credential
+    else:
+        assert config.token_file is not None  # the configuration requires it
+        auth = TokenAuth(config.token_file)
+    if transport is not None:
+        stack.callback(transport.close)  # also when httpx.Client below is never built
+    http = stack.enter_context(httpx.Client(
+        base_url=config.server_url, auth=auth, timeout=config.timeout, transport=transport,
+        headers={"User-Agent": USER_AGENT},
+        # Proxies from the environment would bypass the identity transport: never with one.
+        trust_env=transport is None))
+    client_id = config.client_id
+    setup = getattr(transport, "setup", None)
+    if setup is not None and setup.client_id:
+        client_id = setup.client_id
+    if key is not None:
+        from reconciler.signing import onboard
+        assert identity.rc2_certificate is not None
+        client_id = onboard(http, certificate=identity.rc2_certificate, key=key,
+                            state_file=config.data_dir / "rc2-client.json")
+    return http, client_id
+
+
+def _source(config: DeviceConfig, http: httpx.Client, client_id: str) -> Source:
     if config.source == "git":
         import pygit2
 
@@ -87,10 +146,10 @@ def _source(config: DeviceConfig, http: httpx.Client) -> Source:
         pygit2.settings.server_connect_timeout = timeout_ms
         pygit2.settings.server_timeout = timeout_ms
         return GitSource(config.git_url, cache_dir=config.data_dir / "git",
-                         username=config.client_id, password=config.token(),
+                         username=client_id, password=config.token(),
                          depth=config.git_depth)
     from reconciler.sources.rest_source import RestSource
-    prefix = "/api/v1" if config.api == "rc.3" else f"/api/v1/clients/{config.client_id}"
+    prefix = "/api/v1" if config.api == "rc.3" else f"/api/v1/clients/{client_id}"
     return RestSource(http, prefix=prefix, device_id=config.device_id)
 
 
@@ -137,10 +196,8 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
     with ExitStack() as stack:
         stack.enter_context(_exclusive(config.data_dir))
         state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
-        http = stack.enter_context(httpx.Client(
-            base_url=config.server_url, auth=TokenAuth(config.token_file),
-            timeout=config.timeout, headers={"User-Agent": USER_AGENT}))
-        source = _source(config, http)
+        http, client_id = _connect(config, stack)
+        source = _source(config, http, client_id)
         stack.callback(source.close)
         driver = _driver(config, stack)
         stack.callback(driver.close)
@@ -148,7 +205,7 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
         provider = capability_provider(config, driver)
         capabilities = CapabilityReporter(http, state, generation=config.api,
                                           device_id=config.device_id,
-                                          client_id=config.client_id)
+                                          client_id=client_id)
 
         def deliver() -> tuple[int, int]:
             result = reporter.deliver()
@@ -166,6 +223,6 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
             return None if outcome.ok else f"{outcome.kind}: {outcome.status} {outcome.detail}"
 
         yield Reconciler(state=state, source=source, driver=driver,
-                         target=StatusTarget(config.api, config.device_id, config.client_id),
+                         target=StatusTarget(config.api, config.device_id, client_id),
                          deliver=deliver, report_capabilities=report_capabilities,
                          schedule=config.schedule)

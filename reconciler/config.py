@@ -22,12 +22,15 @@ from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
 
-__all__ = ["CONFIG_API_VERSION", "DeviceConfig", "config_schema", "load_config", "parse_config"]
+__all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema", "load_config",
+           "parse_config"]
 
 CONFIG_API_VERSION = "margo-gitops.dev/v1alpha1"
 GENERATIONS = ("rc.3", "rc.2", "oct-2024")
 DEVICE_ID = r"^[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"
 DURATION = r"^(\d+(\.\d+)?(ms|h|m|s))+$"
+SIGNATURE_ALGORITHMS = ("ecdsa-p256-sha256", "ecdsa-p384-sha384", "rsa-v1_5-sha256",
+                        "rsa-pss-sha256")
 
 
 def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -51,7 +54,7 @@ def config_schema() -> dict[str, Any]:
             "clientId": _TEXT,
             "tokenFile": _TEXT,
             "timeout": {"type": "string", "pattern": DURATION},
-        }, ["url", "clientId", "tokenFile"]),
+        }, ["url"]),
         "source": _closed({
             "type": {"enum": ["git", "margo-rest"]},
             "url": {"type": "string", "pattern": r"^(https?|file)://\S+$"},
@@ -66,6 +69,16 @@ def config_schema() -> dict[str, Any]:
             "docker": _TEXT,
         }, ["type"]),
         "dataDir": _TEXT,
+        "identity": _closed({
+            "svid": _closed({"cert": _TEXT, "key": _TEXT}, ["cert", "key"]),
+            "trustBundle": _TEXT,
+            "trustDomain": {"type": "string", "pattern": r"^[a-z0-9._-]+$"},
+            "wfmId": {"type": "string", "pattern": r"^[A-Za-z0-9._~-]+$"},
+            "tls12": {"type": "boolean"},
+            "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
+                            "algorithm": {"enum": list(SIGNATURE_ALGORITHMS)}},
+                           ["key", "certificate"]),
+        }),
         "capabilities": _closed({
             "file": _TEXT,
             "host": _closed({
@@ -81,6 +94,7 @@ def config_schema() -> dict[str, Any]:
                 "labels": {"type": "object"},
                 "threshold": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
                 "debounce": {"type": "string", "pattern": DURATION},
+                "doctor": {"type": "boolean"},
             }),
         }),
         "schedule": _closed({
@@ -98,15 +112,35 @@ def _validator() -> Draft202012Validator:
 
 
 @dataclass(frozen=True)
+class IdentityConfig:
+    """The `identity:` section: rc.3 mutual TLS with an SVID (`svid_cert`/`svid_key`, the
+    WFM's SPIFFE ID from our own SVID unless `trust_domain`/`wfm_id` say otherwise), rc.2
+    onboarding and request signing (`rc2_*`), and the trust bundle for the server's
+    certificate (SVID chain for rc.3; a CA with host name checks otherwise)."""
+
+    svid_cert: Path | None = None
+    svid_key: Path | None = None
+    trust_bundle: Path | None = None
+    trust_domain: str | None = None
+    wfm_id: str | None = None
+    tls12: bool = False
+    rc2_key: Path | None = None
+    rc2_certificate: Path | None = None
+    rc2_algorithm: str | None = None
+
+
+@dataclass(frozen=True)
 class DeviceConfig:
-    """A validated configuration with paths made absolute."""
+    """A validated configuration with paths made absolute. `client_id` is empty when the
+    identity supplies it (the SVID's client segment, or rc.2 onboarding); `token_file` is None
+    when no bearer token is used."""
 
     file: str
     device_id: str
     server_url: str
     api: str
     client_id: str
-    token_file: Path
+    token_file: Path | None
     timeout: float
     source: str
     git_url: str | None
@@ -122,9 +156,12 @@ class DeviceConfig:
     host_facts: dict[str, Any] | None
     kubernetes: dict[str, Any] | None = None  # KubernetesProvider keyword arguments
     schedule: Schedule = field(default_factory=Schedule)
+    identity: IdentityConfig | None = None
 
     def token(self) -> str:
         """Read at use, so a rotated token file is picked up without a restart."""
+        if self.token_file is None:
+            raise ValueError("no server.tokenFile is configured")
         return self.token_file.read_text(encoding="utf-8").strip()
 
 
@@ -171,7 +208,68 @@ def _kubernetes(raw: dict[str, Any] | None, base: Path,
             "model_number": raw.get("modelNumber", "unknown"),
             "serial_number": raw.get("serialNumber", "unknown"),
             "labels": raw.get("labels"), "threshold": raw.get("threshold", 0.10),
-            "debounce_seconds": parse_duration(raw.get("debounce", "30s"))}
+            "debounce_seconds": parse_duration(raw.get("debounce", "30s")),
+            "doctor": bool(raw.get("doctor", False))}
+
+
+def _identity(raw: dict[str, Any] | None, base: Path) -> IdentityConfig | None:
+    if raw is None:
+        return None
+    svid, rc2 = raw.get("svid", {}), raw.get("rc2", {})
+
+    def path(section: dict[str, Any], key: str) -> Path | None:
+        return _path(base, section[key]) if key in section else None
+
+    return IdentityConfig(
+        svid_cert=path(svid, "cert"), svid_key=path(svid, "key"),
+        trust_bundle=path(raw, "trustBundle"), trust_domain=raw.get("trustDomain"),
+        wfm_id=raw.get("wfmId"), tls12=bool(raw.get("tls12", False)),
+        rc2_key=path(rc2, "key"), rc2_certificate=path(rc2, "certificate"),
+        rc2_algorithm=rc2.get("algorithm"))
+
+
+def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None:
+    """Combinations of identity, API generation, source and credentials that cannot work."""
+    server, source = doc["server"], doc["source"]["type"]
+    identity = doc.get("identity", {})
+    svid, rc2 = "svid" in identity, "rc2" in identity
+
+    def problem(path: tuple[str, ...], message: str, **extra: Any) -> None:
+        found.append(Problem(path, message, **extra))
+
+    if svid and (api != "rc.3" or source != "margo-rest"):
+        problem(("identity", "svid"), "an SVID is the rc.3 identity: use server.api rc.3 with "
+                "the margo-rest source (the Git source keeps its per-device token: libgit2 "
+                "has no client certificates)", found=f"{api}, {source}")
+    if rc2 and (api != "rc.2" or source != "margo-rest"):
+        problem(("identity", "rc2"), "rc.2 onboarding and request signing need server.api rc.2 "
+                "with the margo-rest source", found=f"{api}, {source}")
+    if svid and rc2:
+        problem(("identity",), "give either svid (rc.3) or rc2, not both")
+    if svid and "trustBundle" not in identity:
+        problem(("identity",), "an SVID needs identity.trustBundle: the WFM's SVID must chain "
+                "to it (there is no trust on first use)")
+    if svid and not server["url"].startswith("https://"):
+        problem(("server", "url"), "mutual TLS needs an https:// server URL", found=server["url"])
+    elif "trustBundle" in identity and not server["url"].startswith("https://"):
+        problem(("identity", "trustBundle"), "a trust bundle checks the server's certificate, "
+                "which a plain http:// server URL does not have", found=server["url"])
+    for key in ("trustDomain", "wfmId"):
+        if key in identity and not svid:
+            problem(("identity", key), "only used with identity.svid (it names the WFM's SPIFFE "
+                    "ID)")
+    if (svid or rc2) and "clientId" in server:
+        problem(("server", "clientId"), "the identity supplies the client id (the SVID's "
+                "SPIFFE ID, or rc.2 onboarding); remove server.clientId")
+    if (svid or rc2) and source != "git" and "tokenFile" in server:
+        problem(("server", "tokenFile"), "bearer tokens are for development: with an identity "
+                "the REST source sends none; remove server.tokenFile")
+    if not (svid or rc2) or source == "git":
+        missing = [key for key in ("clientId", "tokenFile") if key not in server]
+        if missing:
+            problem(("server",), f"{' and '.join(missing)} required: without identity.svid or "
+                    "identity.rc2 the client authenticates with a bearer token (and the Git "
+                    "source always does)", expected=", ".join(missing))
 
 
 def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
@@ -198,6 +296,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if len(caps) > 1:
         found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
                              found=", ".join(sorted(caps))))
+    _check_identity(doc, api, found)
     schedule = _schedule(doc.get("schedule", {}), found)
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
@@ -208,7 +307,8 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
                                     if source["type"] == "git" else None)
     return DeviceConfig(
         file=loaded.file or "<config>", device_id=device_id, server_url=url, api=api,
-        client_id=server["clientId"], token_file=_path(base, server["tokenFile"]),
+        client_id=server.get("clientId", ""),
+        token_file=_path(base, server["tokenFile"]) if "tokenFile" in server else None,
         timeout=parse_duration(server.get("timeout", "10s")), source=source["type"],
         git_url=git_url, git_depth=source.get("depth", 1) or None, driver=driver["type"],
         output_dir=_path(base, driver.get("outputDir", str(data_dir / "rendered"))),
@@ -219,7 +319,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         capabilities_file=_path(base, caps["file"]) if "file" in caps else None,
         host_facts=caps.get("host"), kubernetes=_kubernetes(caps.get("kubernetes"), base,
                                                             driver),
-        schedule=schedule)
+        schedule=schedule, identity=_identity(doc.get("identity"), base))
 
 
 def load_config(path: str | Path) -> DeviceConfig:

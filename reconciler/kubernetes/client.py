@@ -268,6 +268,18 @@ class KubeClient:
             raise KubeError(response.status_code, "BadResponse", f"{path}: not a JSON object")
         return body
 
+    def get_text(self, path: str, params: Mapping[str, str] | None = None) -> tuple[int, str]:
+        """Status and text of a plain-text endpoint (`/livez`, `/readyz`): any status is an
+        answer here; `KubeError` only when the server cannot be reached."""
+        try:
+            response = self._http.get(path, params=dict(params or {}),
+                                      extensions=self._extensions)
+        except httpx.TransportError as exc:
+            raise KubeError(None, "Unreachable", f"{self.access.server}{path}: {exc}") from exc
+        except OSError as exc:  # an unreadable token file
+            raise KubeError(None, "NoCredentials", str(exc)) from exc
+        return response.status_code, response.text
+
     def list(self, path: str, params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         """Every item of a collection, following `continue` tokens page by page. When a
         token has expired (410) the listing starts over in one piece, as client-go does."""

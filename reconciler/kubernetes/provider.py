@@ -28,6 +28,7 @@ from margo.cluster import EXTENSION_KEY
 from margo.quantity import parse_quantity
 from reconciler.kubernetes.client import KubeClient
 from reconciler.kubernetes.discovery import capabilities_document, discover, helm_engine_version
+from reconciler.kubernetes.doctor import LocalClient, check_cluster, doctor_labels
 
 __all__ = ["KubernetesProvider", "significant_change"]
 
@@ -115,7 +116,8 @@ class KubernetesProvider:
                  labels: Mapping[str, Any] | None = None, threshold: float = 0.10,
                  debounce_seconds: float = 30.0, timeout: float = 10.0,
                  clock: Callable[[], float] = time.monotonic,
-                 helm_version: Callable[[], str] | None = helm_engine_version) -> None:
+                 helm_version: Callable[[], str] | None = helm_engine_version,
+                 doctor: bool = False) -> None:
         if not 0 <= threshold < 1:
             raise ValueError(f"threshold must be a fraction in [0, 1), found {threshold!r}")
         if debounce_seconds < 0:
@@ -129,6 +131,8 @@ class KubernetesProvider:
         self.labels = dict(labels or {})
         self.threshold, self.debounce_seconds = threshold, debounce_seconds
         self.timeout, self.clock, self.helm_version = timeout, clock, helm_version
+        #: Also run the conformance checks and report the verdict as labels (docs/kubernetes.md).
+        self.doctor = doctor
         #: Why the last gather could not read the cluster (None after a good one).
         self.last_error: Exception | None = None
         self._returned: dict[str, Any] | None = None
@@ -151,9 +155,13 @@ class KubernetesProvider:
 
     def observe(self) -> dict[str, Any]:
         """A fresh document, without any debouncing (`KubeError` when unreachable)."""
+        labels = self.labels
         with self._client() as client:
             facts = discover(client, helm_version=self.helm_version)
-        return capabilities_document(facts, device_id=self.device_id, labels=self.labels,
+            if self.doctor:  # discovered labels win over the operator's, as documented
+                report = check_cluster(client, facts, local_client=LocalClient.this_process())
+                labels = {**labels, **doctor_labels(report)}
+        return capabilities_document(facts, device_id=self.device_id, labels=labels,
                                      **self.identity)
 
     def gather(self) -> dict[str, Any]:

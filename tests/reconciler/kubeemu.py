@@ -19,7 +19,8 @@ For capability discovery the emulator can also serve recorded objects (`load`, `
 recorded `/version`, `/api` and `/apis` bodies (`set_version`, `set_discovery`), answer 403
 like RBAC for chosen resources or paths (`forbid`, `allow`), honour `limit`/`continue`
 pagination and the `field=value` / `field!=value` field selectors the real server offers
-for pods, and expire continue tokens (410) on demand.
+for pods, and expire continue tokens (410) on demand. `set_text` serves plain-text answers
+such as the API server's /livez and /readyz (kmock answers 404 for them).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class _FixedEmulator(kmock.KubernetesEmulator):
     api_groups: dict[str, Any] | None = None
     forbidden: frozenset[Any] = frozenset()
     expire_continue: bool = False
+    texts: dict[str, tuple[int, str]] | None = None
 
     def _denied(self, request: kmock.Request) -> bool:
         path = request.url.path
@@ -88,6 +90,9 @@ class _FixedEmulator(kmock.KubernetesEmulator):
                 "message": f'{what} is forbidden: User "system:serviceaccount:margo:device" '
                            f"cannot {_verb(request)} {what} at the cluster scope"},
                 status=403)
+        if self.texts and request.url.path in self.texts:
+            status, text = self.texts[request.url.path]
+            return aiohttp.web.Response(status=status, text=text)
         if self.expire_continue and request.params.get("continue"):
             return aiohttp.web.json_response({
                 "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
@@ -237,6 +242,12 @@ class Emulator:
         """Undo `forbid` for these targets."""
         handler = self._require()
         handler.forbidden = handler.forbidden - {_target(t) for t in targets}
+
+    def set_text(self, path: str, status: int, text: str) -> None:
+        """Answer GET `path` (any query) with `status` and a text/plain body, as the API
+        server's health endpoints do; `forbid(path)` still answers 403 first."""
+        handler = self._require()
+        handler.texts = {**(handler.texts or {}), path: (status, text)}
 
     def expire_continue_tokens(self, expire: bool = True) -> None:
         """Answer 410 Expired to every request that carries a continue token."""

@@ -1,0 +1,171 @@
+"""`margo device doctor [--config FILE | --kubeconfig FILE [--context C]] [--json]`: does
+this Kubernetes cluster meet the Margo cluster requirements?
+
+The checks live in `reconciler.kubernetes.doctor`; this module finds the cluster, prints and
+picks the exit status with the conventions of `margo validate` and `margo lint-chart`, so
+scripts treat them alike: 0 pass or warnings only, 1 any failed check, 2 unusable input (no
+cluster reachable, an unreadable kubeconfig or configuration).
+
+Which cluster: with `--config`, the one the device client's configuration uses (its
+`capabilities.kubernetes` settings, else the Helm driver's kubeconfig), and then this host's
+data directory also tells whether that client runs; with `--kubeconfig`, that file; with
+neither, what kubectl would use ($KUBECONFIG, ~/.kube/config) or, in a pod, its service
+account.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from margo.errors import DocumentError
+from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError
+from reconciler.kubernetes.doctor import DoctorReport, LocalClient, doctor, probe_data_dir
+
+__all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
+           "resolve_target", "run"]
+
+EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """The command line or configuration does not name a usable cluster."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The cluster to check: a kubeconfig (None: the pod's service account) and context,
+    plus what this host knows about the device client (None: nothing)."""
+
+    kubeconfig: Path | None
+    context: str | None = None
+    local_client: LocalClient | None = None
+
+
+def register(verbs: Any) -> None:
+    """Add `doctor` to the `margo device` verbs."""
+    sub = verbs.add_parser(
+        "doctor", help="check a Kubernetes cluster against the Margo cluster requirements",
+        description="Check the cluster's control plane, nodes, OpenTelemetry collector, "
+                    "Helm engine and device client against the Margo cluster requirements. "
+                    "Exit 0 on pass or warnings, 1 when a check failed, 2 when no cluster "
+                    "can be read.")
+    source = sub.add_mutually_exclusive_group()
+    source.add_argument("--config", metavar="FILE",
+                        help="device client configuration: check the cluster it uses")
+    source.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig of the cluster")
+    sub.add_argument("--context", metavar="C", help="kubeconfig context (default: current)")
+    sub.add_argument("--json", action="store_true",
+                     help='print {"verdict": ..., "checks": [{"id", "scope", "status", '
+                          '"message"}]}')
+    sub.set_defaults(run=run)
+
+
+def default_kubeconfig(environ: Mapping[str, str] | None = None,
+                       home: Path | None = None) -> Path | None:
+    """The kubeconfig kubectl would read: the first existing file of $KUBECONFIG, else
+    ~/.kube/config; None when there is none. (kubectl merges several $KUBECONFIG files;
+    the read-only client reads one.)"""
+    env = os.environ if environ is None else environ
+    for entry in filter(None, env.get("KUBECONFIG", "").split(os.pathsep)):
+        if Path(entry).expanduser().is_file():
+            return Path(entry).expanduser()
+    fallback = (Path.home() if home is None else home) / ".kube" / "config"
+    return fallback if fallback.is_file() else None
+
+
+def _implicit(context: str | None, environ: Mapping[str, str]) -> Target:
+    found = default_kubeconfig(environ)
+    if found is not None:
+        return Target(found, context)
+    if environ.get("KUBERNETES_SERVICE_HOST"):
+        if context:
+            raise UsageError("--context needs a kubeconfig; none was found")
+        return Target(None)
+    raise UsageError("no cluster given: use --kubeconfig FILE or --config FILE (no "
+                     "$KUBECONFIG, no ~/.kube/config, not running in a pod)")
+
+
+def _from_config(path: str, environ: Mapping[str, str]) -> Target:
+    from reconciler.config import load_config
+
+    try:
+        config = load_config(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except DocumentError as exc:
+        raise UsageError("\n".join(p.format() for p in exc.problems)) from None
+    local = probe_data_dir(config.data_dir)
+    if config.kubernetes is not None:
+        return Target(config.kubernetes["kubeconfig"], config.kubernetes["context"], local)
+    if config.kubeconfig is not None:
+        return Target(config.kubeconfig, config.kube_context, local)
+    if config.driver == "helm":  # Helm reads the default kubeconfig, so do we
+        implicit = _implicit(config.kube_context, environ)
+        return Target(implicit.kubeconfig, implicit.context, local)
+    raise UsageError(f"{path}: the device client uses no Kubernetes cluster (driver "
+                     f"{config.driver!r}, no capabilities.kubernetes)")
+
+
+def resolve_target(args: argparse.Namespace,
+                   environ: Mapping[str, str] | None = None) -> Target:
+    """The cluster the command line names (`UsageError` when none can be found)."""
+    env = os.environ if environ is None else environ
+    if args.config:
+        if args.context:
+            raise UsageError("--context goes with --kubeconfig; the configuration names "
+                             "its own context")
+        return _from_config(args.config, env)
+    if args.kubeconfig:
+        return Target(Path(args.kubeconfig), args.context)
+    return _implicit(args.context, env)
+
+
+def _open(target: Target) -> KubeClient:
+    if target.kubeconfig is None:
+        return KubeClient.in_cluster()
+    return KubeClient.from_kubeconfig(target.kubeconfig, target.context)
+
+
+def format_table(report: DoctorReport) -> str:
+    """A table for people: one row per check, then the verdict."""
+    platform = f", {report.platform}" if report.platform else ""
+    lines = [f"cluster {report.server}: Kubernetes {report.kubernetes_version}{platform}",
+             f"{'SCOPE':<8} {'CHECK':<19} {'STATUS':<8} MESSAGE"]
+    lines += [f"{c.scope:<8} {c.id:<19} {c.status:<8} {c.message}" for c in report.checks]
+    counts = {s: sum(c.status == s for c in report.checks)
+              for s in ("pass", "warn", "fail", "unknown")}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    failed = f"; failed: {', '.join(report.failures)}" if report.failures else ""
+    lines.append(f"verdict: {report.verdict} ({summary}{failed})")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target = resolve_target(args)
+        client = _open(target)
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_UNUSABLE
+    except (KubeConfigError, OSError) as exc:
+        print(f"cannot use the cluster's credentials: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    with client:
+        try:
+            report = doctor(client, local_client=target.local_client)
+        except KubeError as exc:
+            what = "no cluster reachable" if exc.unreachable else "cannot read the cluster"
+            print(f"{what} at {client.access.server}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_table(report))
+    return EXIT_FAILED if report.verdict == "fail" else EXIT_OK

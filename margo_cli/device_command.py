@@ -35,6 +35,49 @@ def register(commands: Any) -> None:
                          choices=["debug", "info", "warning", "error"])
         sub.set_defaults(run=run, once=verb == "once")
     doctor_command.register(verbs)
+    show = verbs.add_parser("capabilities", help="print the capabilities this device would "
+                            "report (its configured provider, no debouncing)")
+    show.add_argument("--config", required=True, metavar="FILE")
+    show.add_argument("--format", choices=["margo", "cluster"], default="margo",
+                      help="margo: the rc.3 DeviceCapabilitiesManifest (default); cluster: "
+                      "the proposal's ClusterCapabilitiesManifest (Kubernetes clusters only)")
+    show.set_defaults(run=run_capabilities)
+
+
+def run_capabilities(args: argparse.Namespace) -> int:
+    """What would be reported now, as JSON: for checking a provider's mapping by eye, or
+    for sending the cluster proposal's manifest to a server that takes it."""
+    from margo.cluster import cluster_manifest_from_capabilities
+    from reconciler.assembly import capability_provider
+    from reconciler.kubernetes.provider import KubernetesProvider
+
+    try:
+        config = load_config(args.config)
+    except OSError as exc:
+        print(f"{args.config}: cannot read: {exc.strerror}", file=sys.stderr)
+        return 2
+    except DocumentError as exc:
+        for problem in exc.problems:
+            print(problem.format(), file=sys.stderr)
+        return 2
+
+    class _Types:  # the driver's profile types, without starting an engine
+        profile_types = ("compose",) if config.driver == "compose" else ("helm",)
+
+    provider = capability_provider(config, _Types())  # type: ignore[arg-type]
+    if provider is None:
+        print(f"{args.config}: no capabilities provider is configured", file=sys.stderr)
+        return 2
+    try:
+        doc = (provider.observe() if isinstance(provider, KubernetesProvider)
+               else provider.gather())
+        if args.format == "cluster":
+            doc = cluster_manifest_from_capabilities(doc)
+    except (DocumentError, OSError, ValueError) as exc:
+        print(f"margo device capabilities: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2, sort_keys=True))
+    return 0
 
 
 def describe(result: CycleResult) -> str:

@@ -145,3 +145,36 @@ def test_only_one_capability_provider_may_be_configured(tmp_path: Path,
     write({"kubernetes": {}})  # the cluster provider defaults to the Helm driver's kubeconfig
     parsed = load_config(config)
     assert parsed.kubernetes is not None and parsed.kubernetes["kubeconfig"] == tmp_path / "kc"
+
+
+def test_margo_device_capabilities_prints_both_documents(tmp_path: Path) -> None:
+    """The discovery, printed as the rc.3 document and as the proposal's manifest."""
+    import json
+    import subprocess
+    import sys
+
+    from margo.cluster import is_cluster_manifest, validate_cluster_manifest
+
+    root = Path(__file__).resolve().parents[2]
+    with running_emulator(tmp_path / "kube") as emulator:
+        serve(emulator, gpu_three_node())
+        (tmp_path / "token").write_text("t")
+        config = tmp_path / "device.yaml"
+        config.write_text(yaml.safe_dump({
+            "device": {"id": "edge-cluster"},
+            "server": {"url": "http://127.0.0.1:1", "clientId": "c", "tokenFile": "token"},
+            "source": {"type": "margo-rest"}, "driver": {"type": "render"}, "dataDir": "data",
+            "capabilities": {"kubernetes": {"kubeconfig": str(emulator.kubeconfig)}}}))
+        outputs = {}
+        for form in ("margo", "cluster"):
+            done = subprocess.run(
+                [sys.executable, "-m", "margo_cli.main", "device", "capabilities", "--config",
+                 str(config), "--format", form], cwd=root, capture_output=True, text=True,
+                timeout=60)
+            assert done.returncode == 0, done.stderr
+            outputs[form] = json.loads(done.stdout)
+    assert outputs["margo"]["properties"]["id"] == "edge-cluster"
+    assert outputs["margo"]["labels"]["k8s.margo-gitops.dev/gpus"] == 1
+    manifest = outputs["cluster"]
+    assert is_cluster_manifest(manifest) and validate_cluster_manifest(manifest) == []
+    assert manifest["metadata"]["id"] == "edge-cluster"

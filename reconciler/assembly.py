@@ -84,15 +84,14 @@ def _exclusive(data_dir: Path) -> Iterator[None]:
 def _transport(identity: IdentityConfig) -> httpx.BaseTransport | None:
     """rc.3 mutual TLS with the SVID, or server-only TLS against the configured trust bundle;
     None: httpx's default transport (system CAs, or plain HTTP in development)."""
+    if identity.trust_bundle is None:
+        return None
     from reconciler.identity import IdentityTransport, ServerTrust, SvidMaterial
     if identity.svid_cert is not None and identity.svid_key is not None:
-        assert identity.trust_bundle is not None  # the configuration requires it
         return IdentityTransport(SvidMaterial(
             identity.svid_cert, identity.svid_key, identity.trust_bundle,
             trust_domain=identity.trust_domain, wfm_id=identity.wfm_id, tls12=identity.tls12))
-    if identity.trust_bundle is not None:
-        return IdentityTransport(ServerTrust(identity.trust_bundle, tls12=identity.tls12))
-    return None
+    return IdentityTransport(ServerTrust(identity.trust_bundle, tls12=identity.tls12))
 
 
 def _connect(config: DeviceConfig, stack: ExitStack) -> tuple[httpx.Client, str]:

@@ -42,12 +42,12 @@ def until(what: str, predicate: Callable[[], Any], reconciler: Reconciler | None
     """Poll (running device cycles meanwhile, as `margo device run` would) until true."""
     deadline = time.monotonic() + timeout
     while True:
-        if reconciler is not None:
-            reconciler.cycle()
+        last = reconciler.cycle() if reconciler is not None else None
         value = predicate()
         if value:
             return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}; last cycle: {last}")
         time.sleep(0.2)
 
 
@@ -105,8 +105,8 @@ def test_a_gpu_node_joining_and_leaving_moves_the_gpu_application(
             emulator.load(NODES, gpu_worker())  # the GPU node joins
             until("the GPU application on the cluster", vision_on_device, reconciler)
             until("its components rendered",
-                  lambda: reconciler.cycle().converged and vision_on_device()[0]["state"]
-                  == "installed", timeout=60)
+                  lambda: vision_on_device()[0]["state"] == "installed", reconciler,
+                  timeout=60)
             reported = server.device("edge-cluster")["capabilities"]
             assert reported["labels"]["k8s.margo-gitops.dev/gpus"] == 1
             assert any(p.get("manufacturer") == "NVIDIA"
@@ -120,8 +120,9 @@ def test_a_gpu_node_joining_and_leaving_moves_the_gpu_application(
                 "labels"]["k8s.margo-gitops.dev/gpus"] == 0, reconciler)
             assert vision_on_device(), "kept during the 3 s grace period"
             until("the GPU application removed after the grace period",
-                  lambda: not vision_on_device() and reconciler.cycle().converged
+                  lambda: not vision_on_device()
                   and not (home / "rendered" / "vision").exists(), reconciler, timeout=60)
+            assert reconciler.cycle().converged
 
 
 @pytest.mark.parametrize("other", [{"file": "caps.json"}, {"host": {}}])

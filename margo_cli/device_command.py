@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             print(problem.format(), file=sys.stderr)
         return 2
     from reconciler.assembly import BusyError, open_reconciler
+    from reconciler.identity import IdentityError
+    from reconciler.signing import OnboardingError, SigningError
 
     def show(result: CycleResult) -> None:
         print(_as_json(result) if args.json else describe(result), flush=True)
@@ -139,4 +141,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
     except BusyError as exc:
         print(str(exc), file=sys.stderr)
+        return 2
+    except (IdentityError, SigningError, OnboardingError) as exc:
+        print(f"{args.config}: identity: {exc}", file=sys.stderr)
         return 2

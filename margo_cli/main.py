@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from margo_cli import (
     compile_command,
     device_command,
+    identity_command,
     lint_chart_command,
     match_command,
     serve_command,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     match_command.register(commands)
     compile_command.register(commands)
     serve_command.register(commands)
+    identity_command.register(commands)
     status_command.register(commands)
     device_command.register(commands)
     lint_chart_command.register(commands)

@@ -1,17 +1,26 @@
-"""`margo serve` (the fleet server) and `margo clients` (operator commands for clients)."""
+"""`margo serve`: the fleet server, in development (plain HTTP, bearer tokens) or with the
+Margo identity profile (mutual TLS with SPIFFE SVIDs, rc.2 signed requests).
+
+The operator commands for clients and trust bundles are in `identity_command`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import sys
+import ssl
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wfm.clients import ClientRegistry
 from wfm.compiles import SourceConfig
-from wfm.db import Database
+
+if TYPE_CHECKING:  # the server's modules load only when it runs: `margo --help` stays fast
+    from margo.spiffe import SpiffeId
+    from wfm.identity import IdentitySettings
+    from wfm.tls import TlsSettings
+
+CLIENT_CERT_MODES = ("required", "optional", "none")  # wfm.tls.CLIENT_CERT_MODES
+ONBOARDING_MODES = ("open", "closed")  # wfm.identity.ONBOARDING_MODES
 
 
 def register(commands: Any) -> None:
@@ -35,38 +44,139 @@ def register(commands: Any) -> None:
     serve.add_argument("--admin-token-file", metavar="FILE",
                        help="file holding the operator token the /api/fleet API requires")
     serve.add_argument("--log-level", default="info")
+    _identity_options(serve)
     serve.set_defaults(run=run_serve)
 
-    clients = commands.add_parser("clients", help="register and retire device clients")
-    verbs = clients.add_subparsers(dest="verb", metavar="VERB", required=True)
-    add = verbs.add_parser("add", help="register a client and print its credentials")
-    add.add_argument("client_id", metavar="CLIENT_ID")
-    add.add_argument("--data", default="wfm-data", metavar="DIR")
-    add.add_argument("--json", action="store_true")
-    add.set_defaults(run=run_clients_add)
-    retire = verbs.add_parser("retire", help="refuse a client's requests from now on")
-    retire.add_argument("client_id", metavar="CLIENT_ID")
-    retire.add_argument("--data", default="wfm-data", metavar="DIR")
-    retire.set_defaults(run=run_clients_retire)
+
+def _identity_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "identity", "mutual TLS with SPIFFE X.509-SVIDs (rc.3), signed requests (rc.2), "
+        "tokens (development); see docs/identity.md")
+    group.add_argument("--tls-cert", metavar="FILE",
+                       help="the WFM's SVID (PEM, leaf then intermediates): serve HTTPS")
+    group.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert")
+    group.add_argument("--trust-bundle", metavar="FILE",
+                       help="client trust anchors (PEM or SPIFFE bundle JSON), re-read when "
+                            "the file changes (default: <data>/trust/bundle.pem if present)")
+    group.add_argument("--trust-domain", metavar="TD",
+                       help="SPIFFE trust domain (default: from the --tls-cert SVID)")
+    group.add_argument("--wfm-id", metavar="ID",
+                       help="this WFM's id in SPIFFE IDs (default: from the --tls-cert SVID)")
+    group.add_argument("--accept-clients", action="append", default=[], metavar="IDS",
+                       help="client ids accepted besides the registered ones (comma-separated, "
+                            "repeatable), or '*' for the whole .../client/* namespace")
+    group.add_argument("--client-cert", choices=CLIENT_CERT_MODES, default="required",
+                       help="with --trust-bundle: 'required' refuses a TLS handshake without "
+                            "a client certificate; 'optional' lets rc.2, token and dashboard "
+                            "callers in on the same port (the rc.3 API still needs an SVID)")
+    group.add_argument("--tls12", action="store_true",
+                       help="also accept TLS 1.2 (the RFC 9325 fallback; default TLS 1.3 only)")
+    group.add_argument("--trusted-proxy", action="append", default=[], metavar="ADDR",
+                       help="address or network of a TLS-terminating proxy whose RFC 9440 "
+                            "Client-Cert header is honoured (repeatable); stripped from others")
+    group.add_argument("--bearer-tokens", choices=("on", "off"),
+                       help="accept bearer tokens (default: on without TLS, i.e. development, "
+                            "off with --tls-cert)")
+    group.add_argument("--signature-window", type=float, default=300.0, metavar="SECONDS",
+                       help="how old an rc.2 signature's 'created' may be (default 300)")
+    group.add_argument("--onboarding", choices=ONBOARDING_MODES, default="open",
+                       help="rc.2 onboarding of keys the operator did not import (default open)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from wfm.app import ServerConfig, create_app
+    from wfm.tls import ServerContexts, TlsHttpProtocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref)
+    data = Path(args.data).resolve()
+    try:
+        tls, identity = identity_settings(args, data)
+        contexts = ServerContexts(tls) if tls is not None else None
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"margo serve: {exc}") from None
     app = create_app(ServerConfig(
-        Path(args.data).resolve(), source, source_url=args.source_url,
+        data, source, source_url=args.source_url,
         source_branch=args.source_branch, watch_source=args.watch_source,
         host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
-        admin_token=_secret(args.admin_token_file)))
+        admin_token=_secret(args.admin_token_file), identity=identity))
+    transport: dict[str, Any] = {}
+    if contexts is not None:
+        transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                proxy_headers=False, server_header=False)
+                proxy_headers=False, server_header=False, **transport)
     return 0
+
+
+def identity_settings(args: argparse.Namespace,
+                      data: Path) -> tuple[TlsSettings | None, IdentitySettings]:
+    """TLS and identity settings from the options, checked against each other: the trust
+    domain and WFM id default to those of the WFM's own SVID and must agree with it."""
+    from wfm.identity import IdentitySettings
+    from wfm.tls import TlsSettings
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    bundle = Path(args.trust_bundle) if args.trust_bundle else data / "trust" / "bundle.pem"
+    trust_bundle = bundle if args.trust_bundle or bundle.exists() else None
+    trust_domain, wfm = args.trust_domain, args.wfm_id
+    tls = None
+    if args.tls_cert:
+        own = _own_svid(Path(args.tls_cert))
+        if own is not None:
+            trust_domain, wfm = _agree(own, trust_domain, wfm)
+        tls = TlsSettings(Path(args.tls_cert), Path(args.tls_key), trust_bundle,
+                          args.client_cert, args.tls12)
+    accept = tuple(i.strip() for item in args.accept_clients for i in item.split(",")
+                   if i.strip())
+    if (accept or args.trusted_proxy) and not (trust_domain and wfm):
+        raise ValueError("--accept-clients and --trusted-proxy need --trust-domain and "
+                         "--wfm-id (or a --tls-cert SVID that names them)")
+    if args.trusted_proxy and trust_bundle is None:
+        raise ValueError("--trusted-proxy needs --trust-bundle to verify forwarded certificates")
+    if args.signature_window <= 0:
+        raise ValueError("--signature-window must be positive")
+    tokens = (args.bearer_tokens == "on") if args.bearer_tokens else tls is None
+    identity = IdentitySettings(
+        trust_domain=trust_domain, wfm_id=wfm, accept_clients=accept,
+        trusted_proxies=tuple(args.trusted_proxy), trust_bundle=trust_bundle,
+        bearer_tokens=tokens, signature_window=args.signature_window,
+        onboarding=args.onboarding)
+    return tls, identity
+
+
+def _own_svid(path: Path) -> SpiffeId | None:
+    """The SPIFFE ID of the WFM's certificate, None when it is not an SVID (allowed: plain
+    server TLS, but then devices following MIAF will refuse it; a warning says so)."""
+    from cryptography import x509
+
+    from margo.spiffe import SvidError, svid_spiffe_id
+
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a PEM certificate ({exc})") from None
+    try:
+        return svid_spiffe_id(cert)
+    except SvidError as exc:
+        logging.getLogger("margo.wfm").warning("%s is not a WFM SVID (%s); MIAF devices will "
+                                               "refuse this server", path, exc)
+        return None
+
+
+def _agree(own: SpiffeId, trust_domain: str | None, wfm: str | None) -> tuple[str, str]:
+    segments = own.segments
+    if len(segments) != 3 or segments[:2] != ("margo", "wfm"):
+        raise ValueError(f"the --tls-cert SVID {own} is not a WFM ID "
+                         "(spiffe://<td>/margo/wfm/<wfm-id>)")
+    if trust_domain not in (None, own.trust_domain) or wfm not in (None, segments[2]):
+        raise ValueError(f"the --tls-cert SVID is {own}, not spiffe://{trust_domain or '*'}"
+                         f"/margo/wfm/{wfm or '*'}")
+    return own.trust_domain, segments[2]
 
 
 def _secret(path: str | None) -> str | None:
@@ -77,29 +187,3 @@ def _secret(path: str | None) -> str | None:
     if not value:
         raise SystemExit(f"margo serve: {path} is empty")
     return value
-
-
-def run_clients_add(args: argparse.Namespace) -> int:
-    db = Database(Path(args.data) / "wfm.sqlite")
-    try:
-        client_id, token = ClientRegistry(db).add(args.client_id)
-    finally:
-        db.close()
-    if args.json:
-        print(json.dumps({"clientId": client_id, "token": token}))
-    else:
-        print(f"client {client_id}\ntoken  {token}\n(send it as 'Authorization: Bearer <token>'; "
-              "for Git, as the password of user <client id>)")
-    return 0
-
-
-def run_clients_retire(args: argparse.Namespace) -> int:
-    db = Database(Path(args.data) / "wfm.sqlite")
-    try:
-        retired = ClientRegistry(db).retire(args.client_id)
-    finally:
-        db.close()
-    if not retired:
-        print(f"margo clients: no client {args.client_id!r}", file=sys.stderr)
-        return 2
-    return 0

@@ -18,6 +18,7 @@ import base64
 import json
 import sqlite3
 import time
+import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -41,7 +42,9 @@ from wfm.clients import Client, ClientRegistry, parse_basic
 from wfm.compiles import CompileService
 from wfm.db import Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, DesiredState, manifest_body
+from wfm.identity import Identity, IdentitySettings
 from wfm.problems import ProblemError, semantic_error
+from wfm.signatures import OnboardingError, onboarding_key
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
 
@@ -59,11 +62,15 @@ class Api:
     desired: DesiredState
     compiles: CompileService
     ca_certificate: str | None = None  # PEM, served to rc.2 onboarding
+    identity: Identity
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
-             compiles: CompileService, ca_certificate: str | None = None) -> None:
+             compiles: CompileService, ca_certificate: str | None = None,
+             identity: Identity | None = None) -> None:
         self.db, self.clients, self.desired, self.compiles = db, clients, desired, compiles
         self.ca_certificate = ca_certificate
+        self.identity = identity or Identity(IdentitySettings())
+        self.identity.open(clients)
         # Polls dominate the traffic: per client, the manifest served at a generation.
         self._manifests: dict[tuple[str, str], tuple[int, bytes, str]] = {}
         self._credentials: dict[str, tuple[float, Client | None]] = {}
@@ -71,21 +78,30 @@ class Api:
     # --- authentication ----------------------------------------------------------------
 
     def authenticate(self, request: Request) -> Client:
-        header = request.headers.get("authorization", "")
-        scheme, _, value = header.partition(" ")
-        client = None
-        if scheme.lower() == "bearer" and value.strip():
-            client = self._by_token(value.strip())
-        elif scheme.lower() == "basic":
-            pair = parse_basic(header)
-            client = self.clients.by_basic(*pair) if pair else None
+        """The caller, from the first proof it presents: an SVID (rc.3), an rc.2 signature,
+        then (when enabled) a token. `wfm.identity` has the rules and the policy."""
+        client = (self.identity.svid_caller(request)
+                  or self.identity.signature_caller(request))
+        if client is None and self.identity.settings.bearer_tokens:
+            client = self._token_caller(request)
         if client is None:
             raise ProblemError(401, "valid client credentials are required",
-                               headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
+                               headers={"WWW-Authenticate": f"{self.identity.challenge} "
+                                        'realm="margo-gitops"'})
         if client.retired:
             raise ProblemError(403, "the client relationship has been retired",
                                margo_type="not-authorized")
         return client
+
+    def _token_caller(self, request: Request) -> Client | None:
+        header = request.headers.get("authorization", "")
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return self._by_token(value.strip())
+        if scheme.lower() == "basic":
+            pair = parse_basic(header)
+            return self.clients.by_basic(*pair) if pair else None
+        return None
 
     def _by_token(self, token: str) -> Client | None:
         """Token lookups, remembered for a second or two: a retired client or a revoked
@@ -322,22 +338,30 @@ class Api:
         return JSONResponse({"certificate": encoded})
 
     async def onboard(self, request: Request) -> Response:
+        """rc.2 onboarding: bind the device certificate's key to a client (400 unreadable,
+        403 refused by policy, 201 with the clientId). The same key onboarded again gets its
+        existing clientId back, so a device that lost the response can retry."""
         doc = await self.json_body(request)
-        certificate = doc.get("certificate")
-        if not isinstance(certificate, str) or not certificate.strip():
-            raise ProblemError(400, "certificate (base64 PEM) is required",
-                               margo_type="invalid-request")
         try:
-            pem = base64.b64decode(certificate, validate=True).decode("ascii")
-        except (ValueError, UnicodeDecodeError):
-            raise ProblemError(400, "certificate is not base64-encoded PEM",
-                               margo_type="invalid-request") from None
-        if "BEGIN CERTIFICATE" not in pem:
-            raise ProblemError(400, "certificate is not a PEM certificate",
-                               margo_type="invalid-request")
-        client_id, token = self.clients.add(certificate=pem)
-        # Until request signing lands, the client authenticates with this token.
-        return JSONResponse({"clientId": client_id, "token": token}, status_code=201)
+            key = onboarding_key(doc)
+        except OnboardingError as exc:
+            raise ProblemError(exc.status, exc.detail, margo_type="invalid-request"
+                               if exc.status == 400 else "not-authorized") from None
+        known = self.clients.by_key_id(key.key_id)
+        if known is not None and known.client.retired:
+            raise ProblemError(403, "the client relationship for this key has been retired",
+                               margo_type="not-authorized")
+        if known is None and self.identity.settings.onboarding != "open":
+            raise ProblemError(403, "onboarding of new certificates is closed: the operator "
+                               "imports them (`margo clients import ID --cert FILE`)",
+                               margo_type="not-authorized")
+        client_id = known.client.client_id if known else self.clients.add_key(
+            str(uuid.uuid4()), key_id=key.key_id, public_key=key.public_key_pem,
+            certificate=key.certificate_pem)
+        body = {"clientId": client_id}
+        if self.identity.settings.bearer_tokens:  # development: tokens work alongside
+            body["token"] = self.clients.add(client_id)[1]
+        return JSONResponse(body, status_code=201)
 
     async def oauth_token(self, request: Request) -> Response:
         form = await request.form()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -31,6 +32,7 @@ from wfm.db import Database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.githttp import git_app
+from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
 from wfm.sourcehost import ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher
@@ -51,6 +53,7 @@ class ServerConfig:
     watch_source: bool = False
     admin_token: str | None = None
     debounce: float = 0.3
+    identity: IdentitySettings = field(default_factory=IdentitySettings)
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -105,6 +108,7 @@ async def _healthz(request: Request) -> Response:
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
+    identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
                      remote=config.remote, webhook_secret=config.webhook_secret)
 
@@ -117,7 +121,7 @@ def create_app(config: ServerConfig) -> Starlette:
                                   lambda: db.read(records.device_documents),
                                   lambda report: desired.bump(), debounce=config.debounce)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
-                 ca_certificate=ensure_ca(config.data / "ca"))
+                 ca_certificate=ensure_ca(config.data / "ca"), identity=identity)
         app.state.api = api
         watcher = None
         if config.watch_source and config.source.path is not None:
@@ -145,6 +149,7 @@ def create_app(config: ServerConfig) -> Starlette:
                   if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
         lifespan=lifespan,
+        middleware=[Middleware(SignatureMiddleware, identity=identity)],
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             Exception: _crash_handler},
     )

@@ -1,9 +1,12 @@
-"""Device clients and their credentials (until the mutual-TLS identity work lands).
+"""Device clients and their credentials.
 
-A client is registered out of band (`margo clients add`) or by rc.2 onboarding, and gets a
-random token: requests carry `Authorization: Bearer <token>`, Git uses HTTP basic
-(`<clientId>:<token>`), and the Oct-2024 OAuth2 client-credentials endpoint exchanges the
-same pair for a short-lived access token. Only hashes are stored.
+A client is one row, whatever proves it: an rc.3 X.509-SVID naming its client id (registered
+with `margo clients issue|import`, or accepted on first use when the operator trusts the whole
+SPIFFE namespace), an rc.2 onboarded key (requests signed with RFC 9421; the key is found by its
+key id, the hex SHA-256 of the SPKI), or, in development, a random token: `Authorization:
+Bearer <token>`, Git HTTP basic (`<clientId>:<token>`), and the Oct-2024 OAuth2
+client-credentials exchange. Only token hashes are stored; certificates and public keys are
+public material and are kept as PEM so `margo clients list` can show what each client holds.
 """
 
 from __future__ import annotations
@@ -16,12 +19,34 @@ import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from wfm.db import Database
 
-__all__ = ["Client", "ClientRegistry", "token_hash"]
+__all__ = ["Client", "ClientKey", "ClientRegistry", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
+
+# The identity tables live beside the base schema: created on first use, so a data directory
+# written before identities existed keeps working.
+IDENTITY_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS client_keys (
+        key_id TEXT PRIMARY KEY,
+        client_id TEXT NOT NULL,
+        public_key TEXT NOT NULL,
+        certificate TEXT,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS client_keys_by_client ON client_keys (client_id)",
+    """CREATE TABLE IF NOT EXISTS client_identities (
+        client_id TEXT PRIMARY KEY,
+        spiffe_id TEXT NOT NULL,
+        certificate TEXT NOT NULL,
+        not_after REAL NOT NULL,
+        source TEXT NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+)
 
 
 def token_hash(token: str) -> str:
@@ -35,9 +60,100 @@ class Client:
     retired: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ClientKey:
+    """An rc.2 onboarded public key (PEM) and the client it signs for."""
+
+    client: Client
+    key_id: str
+    public_key: str
+
+
 class ClientRegistry:
     def __init__(self, db: Database):
         self._db = db
+
+        def create(conn: sqlite3.Connection) -> None:
+            for statement in IDENTITY_SCHEMA:
+                conn.execute(statement)
+
+        db.write_sync(create)
+
+    def get(self, client_id: str) -> Client | None:
+        return self._client(self._db.read(lambda conn: conn.execute(
+            "SELECT client_id, retired FROM clients WHERE client_id = ?",
+            (client_id,)).fetchone()))
+
+    def ensure(self, client_id: str) -> Client:
+        """The client row for an identity proven by certificate (no token): created on first
+        use when the accepted-client policy admits a client nobody registered."""
+        existing = self.get(client_id)
+        if existing is not None:
+            return existing
+        self._db.write_sync(lambda conn: conn.execute(
+            "INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
+            "ON CONFLICT (client_id) DO NOTHING", (client_id, time.time())))
+        return self.get(client_id) or Client(client_id, False)
+
+    def register_identity(self, client_id: str, *, spiffe_id: str, certificate: str,
+                          not_after: float, source: str) -> None:
+        """Record an operator-registered SVID (`issue` or `import`): the client is accepted
+        from now on (un-retired), and `list` shows which identity it holds."""
+        now = time.time()
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
+                         "ON CONFLICT (client_id) DO UPDATE SET retired = 0", (client_id, now))
+            conn.execute(
+                "INSERT INTO client_identities VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT "
+                "(client_id) DO UPDATE SET spiffe_id = excluded.spiffe_id, certificate = "
+                "excluded.certificate, not_after = excluded.not_after, source = excluded.source",
+                (client_id, spiffe_id, certificate, not_after, source, now))
+
+        self._db.write_sync(write)
+
+    def add_key(self, client_id: str, *, key_id: str, public_key: str,
+                certificate: str | None) -> str:
+        """Bind an rc.2 key to a client (creating the client); return the client id the key
+        is bound to, which is the existing one when the key was onboarded before."""
+        now = time.time()
+
+        def write(conn: sqlite3.Connection) -> str:
+            row = conn.execute("SELECT client_id FROM client_keys WHERE key_id = ?",
+                               (key_id,)).fetchone()
+            if row is not None:
+                return str(row[0])
+            conn.execute("INSERT INTO clients (client_id, certificate, created_at) "
+                         "VALUES (?, ?, ?) ON CONFLICT (client_id) DO NOTHING",
+                         (client_id, certificate, now))
+            conn.execute("INSERT INTO client_keys VALUES (?, ?, ?, ?, ?)",
+                         (key_id, client_id, public_key, certificate, now))
+            return client_id
+
+        return self._db.write_sync(write)
+
+    def by_key_id(self, key_id: str) -> ClientKey | None:
+        row = self._db.read(lambda conn: conn.execute(
+            "SELECT c.client_id, c.retired, k.public_key FROM client_keys k JOIN clients c "
+            "ON c.client_id = k.client_id WHERE k.key_id = ?", (key_id,)).fetchone())
+        if row is None:
+            return None
+        return ClientKey(Client(row[0], bool(row[1])), key_id, row[2])
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every client with what proves it, for `margo clients list`."""
+        def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                "SELECT c.client_id, c.retired, c.created_at, c.token_hash IS NOT NULL, "
+                "i.spiffe_id, i.not_after, i.source, "
+                "(SELECT COUNT(*) FROM client_keys k WHERE k.client_id = c.client_id) "
+                "FROM clients c LEFT JOIN client_identities i ON i.client_id = c.client_id "
+                "ORDER BY c.client_id").fetchall()
+            return [{"clientId": r[0], "retired": bool(r[1]), "createdAt": r[2],
+                     "token": bool(r[3]), "spiffeId": r[4], "svidNotAfter": r[5],
+                     "svidSource": r[6], "signingKeys": int(r[7])} for r in rows]
+
+        return self._db.read(read)
 
     def add(self, client_id: str | None = None, *, certificate: str | None = None,
             ) -> tuple[str, str]:

@@ -1,0 +1,303 @@
+"""rc.2 identity: onboarding with the device certificate, then an RFC 9421 signature on every
+request, exactly in the conformance kit's profile.
+
+Why this profile and no other: the WFM rebuilds the signature base from what it receives, so
+any difference (another label, an `alg` parameter, other components, another key id) is a 401.
+What the kit sends, and what `SigningAuth` therefore sends:
+
+    Content-Digest: sha-256=:<base64 sha256(body)>:            (only when there is a body)
+    Signature-Input: sig1=("@method" "@target-uri" "@authority" "content-digest");
+                     created=<unix seconds>;keyid="<lowercase hex sha256 of the SPKI DER>"
+    Signature: sig1=:<base64 signature>:
+
+with `ecdsa-p256-sha256` (IEEE P1363 r||s, 64 bytes), `ecdsa-p384-sha384`, `rsa-v1_5-sha256`
+or `rsa-pss-sha256`. The signature base and the structured fields come from the maintained
+`http-message-signatures` library; it has no `rsa-pss-sha256` (only SHA-512), which is added
+here as its documented extension point (a `HTTPSignatureAlgorithm` subclass).
+
+Onboarding (`POST /api/v1/onboarding`, the certificate as base64 of its PEM, as the kit sends
+it) is sent unsigned: the kit's "Onboard Without Signature Succeeds" step makes that the form
+every conformant WFM accepts. The returned clientId is stored with the key id and server it
+belongs to, so a restart reuses it and a new key or another server onboards again.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from http_message_signatures import HTTPMessageSigner, HTTPSignatureAlgorithm, MappingKeyResolver
+from http_message_signatures.algorithms import (
+    ECDSA_P256_SHA256,
+    ECDSA_P384_SHA384,
+    RSA_PSS_SHA512,
+    RSA_V1_5_SHA256,
+)
+
+__all__ = [
+    "ALGORITHMS",
+    "COVERED_COMPONENTS",
+    "ONBOARDING_API_VERSION",
+    "RSA_PSS_SHA256",
+    "SIGNATURE_LABEL",
+    "DeviceKey",
+    "OnboardingError",
+    "SigningAuth",
+    "SigningError",
+    "key_id",
+    "load_device_key",
+    "onboard",
+    "onboarding_body",
+    "sign_request",
+]
+
+ONBOARDING_API_VERSION = "onboarding.margo.org/v1alpha1"
+ONBOARDING_PATH = "/api/v1/onboarding"
+SIGNATURE_LABEL = "sig1"
+COVERED_COMPONENTS = ("@method", "@target-uri", "@authority")
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._~-]{1,200}$")  # it becomes a path segment
+
+
+class RSA_PSS_SHA256(RSA_PSS_SHA512):
+    """RSASSA-PSS with SHA-256 (MGF1 SHA-256, 32-byte salt): the rc.2 profile's
+    `rsa-pss-sha256`, which the library does not ship."""
+
+    algorithm_id = "rsa-pss-sha256"
+
+    def __init__(self, public_key: Any = None, private_key: Any = None,
+                 password: bytes | None = None) -> None:
+        super().__init__(public_key=public_key, private_key=private_key, password=password)
+        self.padding = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
+        self.hash_algorithm = hashes.SHA256()
+
+
+ALGORITHMS: dict[str, type[HTTPSignatureAlgorithm]] = {
+    "ecdsa-p256-sha256": ECDSA_P256_SHA256,
+    "ecdsa-p384-sha384": ECDSA_P384_SHA384,
+    "rsa-v1_5-sha256": RSA_V1_5_SHA256,
+    "rsa-pss-sha256": RSA_PSS_SHA256,
+}
+
+
+class SigningError(Exception):
+    """The rc.2 key or certificate cannot be used (unreadable, unsupported type, mismatch)."""
+
+
+class OnboardingError(Exception):
+    """Onboarding did not give a clientId. `status` is the HTTP status (None: no answer);
+    `retryable` is False when the same request cannot succeed later (an unreadable
+    certificate), True when it may (no connection; a rejection an operator can lift)."""
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 retryable: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+
+
+def key_id(public_key: Any) -> str:
+    """The kit's key id: lowercase hex SHA-256 of the public key's SubjectPublicKeyInfo DER."""
+    der = public_key.public_bytes(serialization.Encoding.DER,
+                                  serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
+@dataclass(frozen=True)
+class DeviceKey:
+    """The rc.2 signing key with the algorithm it signs with and its key id."""
+
+    private_key: Any
+    algorithm: str
+    key_id: str
+
+
+def _algorithms_for(private_key: Any) -> tuple[str, ...]:
+    """The profile's algorithms this key can sign with, the default first (PSS before
+    PKCS#1 v1.5: the identity profile prefers PSS for RSA signatures)."""
+    if isinstance(private_key, ec.EllipticCurvePrivateKey):
+        return {"secp256r1": ("ecdsa-p256-sha256",),
+                "secp384r1": ("ecdsa-p384-sha384",)}.get(private_key.curve.name, ())
+    if isinstance(private_key, rsa.RSAPrivateKey) and private_key.key_size >= 2048:
+        return ("rsa-pss-sha256", "rsa-v1_5-sha256")
+    return ()
+
+
+def load_device_key(path: Path, algorithm: str | None = None) -> DeviceKey:
+    """Read a PEM private key (EC P-256/P-384 or RSA of at least 2048 bits) and choose its
+    algorithm; `algorithm` must be one the key can sign with."""
+    try:
+        private_key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except OSError as exc:
+        raise SigningError(f"cannot read the rc.2 key {path}: {exc.strerror}") from None
+    except (ValueError, TypeError) as exc:
+        raise SigningError(f"{path} is not an unencrypted PEM private key: {exc}") from None
+    usable = _algorithms_for(private_key)
+    if not usable:
+        raise SigningError(f"{path}: rc.2 signs with EC P-256, EC P-384 or RSA >= 2048 bits "
+                           f"keys; this is a {type(private_key).__name__}")
+    if algorithm is not None and algorithm not in usable:
+        raise SigningError(f"{path}: this key cannot sign with {algorithm} "
+                           f"(it can: {', '.join(usable)})")
+    return DeviceKey(private_key, algorithm or usable[0], key_id(private_key.public_key()))
+
+
+@dataclass
+class _Message:
+    """The request as the library's signer reads it: method, encoded URL, live headers."""
+
+    method: str
+    url: str
+    headers: httpx.Headers
+
+
+def sign_request(request: httpx.Request, key: DeviceKey, *, created: int) -> None:
+    """Add Content-Digest (when there is a body), Signature-Input and Signature, replacing
+    any earlier ones (a request signed again, e.g. after a redirect, must carry one set)."""
+    for name in ("content-digest", "signature-input", "signature"):
+        request.headers.pop(name, None)
+    body = request.read()
+    signer = HTTPMessageSigner(
+        signature_algorithm=ALGORITHMS[key.algorithm],
+        key_resolver=MappingKeyResolver(public_keys={},
+                                        private_keys={key.key_id: key.private_key}))
+    signer.sign(_Message(request.method, str(request.url), request.headers),
+                key_id=key.key_id, created=dt.datetime.fromtimestamp(created, dt.UTC),
+                label=SIGNATURE_LABEL, include_alg=False,
+                covered_component_ids=COVERED_COMPONENTS, body=body or None)
+
+
+class SigningAuth(httpx.Auth):
+    """Signs every request of an httpx client with the device key (see the module
+    docstring). The key is read once: a new rc.2 key means a new onboarding, a new clientId
+    and new paths, which is a restart."""
+
+    requires_request_body = True
+
+    def __init__(self, key: DeviceKey, *, clock: Callable[[], float] = time.time) -> None:
+        self.key = key
+        self._clock = clock
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        sign_request(request, self.key, created=int(self._clock()))
+        yield request
+
+
+# --- onboarding --------------------------------------------------------------------------------
+
+
+def _certificate(path: Path) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except OSError as exc:
+        raise SigningError(f"cannot read the rc.2 certificate {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise SigningError(f"{path} is not a PEM certificate: {exc}") from None
+
+
+def onboarding_body(certificate: x509.Certificate) -> dict[str, str]:
+    """The OnboardingRequest: the certificate as base64 of its PEM text, as the kit sends."""
+    pem = certificate.public_bytes(serialization.Encoding.PEM)
+    return {"apiVersion": ONBOARDING_API_VERSION, "kind": "OnboardingRequest",
+            "certificate": base64.b64encode(pem).decode("ascii")}
+
+
+def _stored_client_id(state_file: Path, *, key: DeviceKey, server: str) -> str | None:
+    """The clientId onboarded earlier with this key at this server, if any."""
+    try:
+        doc = json.loads(state_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise OnboardingError(f"{state_file} is unreadable ({exc}); remove it to onboard "
+                              "again", retryable=False) from None
+    if not isinstance(doc, dict) or doc.get("keyId") != key.key_id \
+            or doc.get("server") != server:
+        return None
+    client = doc.get("clientId")
+    return client if isinstance(client, str) and _CLIENT_ID.match(client) else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Durable replace: a crash leaves the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _detail(response: httpx.Response) -> str:
+    """What the server said: the problem's detail/title, Symphony's `Error`, or the reason."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        for field in ("detail", "title", "error", "Error"):
+            if isinstance(doc.get(field), str) and doc[field]:
+                return str(doc[field])
+    return response.reason_phrase
+
+
+def onboard(client: httpx.Client, *, certificate: Path, key: DeviceKey,
+            state_file: Path) -> str:
+    """The clientId for this device key at `client`'s server: the stored one, or a new one
+    from `POST /api/v1/onboarding` (stored durably before it is returned). Raises
+    `SigningError` for unusable local material and `OnboardingError` otherwise."""
+    server = str(client.base_url).rstrip("/")
+    stored = _stored_client_id(state_file, key=key, server=server)
+    if stored is not None:
+        return stored
+    cert = _certificate(certificate)
+    if key_id(cert.public_key()) != key.key_id:
+        raise SigningError(f"{certificate} does not hold the public key of the rc.2 signing "
+                           "key: the server would verify our signatures with the wrong key")
+    try:
+        # auth=None: unsigned (see the module docstring), whatever the client's default is.
+        response = client.post(ONBOARDING_PATH, json=onboarding_body(cert), auth=None)
+    except httpx.HTTPError as exc:
+        raise OnboardingError(f"onboarding: {type(exc).__name__}: {exc}") from None
+    if response.status_code == 400:
+        raise OnboardingError(f"onboarding refused our certificate as invalid: "
+                              f"{_detail(response)}", status=400, retryable=False)
+    if response.status_code == 403:
+        raise OnboardingError(f"onboarding rejected our certificate ({_detail(response)}); an "
+                              "operator may approve it", status=403)
+    if response.status_code not in (200, 201):
+        raise OnboardingError(f"onboarding: HTTP {response.status_code}: {_detail(response)}",
+                              status=response.status_code)
+    try:
+        client_id = response.json().get("clientId")
+    except (ValueError, AttributeError):
+        client_id = None
+    if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
+        raise OnboardingError(f"onboarding answered {response.status_code} without a usable "
+                              f"clientId: {response.text[:200]!r}", status=response.status_code)
+    _write_atomically(state_file, json.dumps({"clientId": client_id, "keyId": key.key_id,
+                                              "server": server}, indent=2) + "\n")
+    return client_id

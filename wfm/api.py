@@ -43,7 +43,7 @@ from wfm.compiles import CompileService
 from wfm.db import Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, DesiredState, manifest_body
 from wfm.identity import Identity, IdentitySettings
-from wfm.problems import ProblemError, semantic_error
+from wfm.problems import RETIRED, ProblemError, semantic_error
 from wfm.signatures import OnboardingError, onboarding_key
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
@@ -90,7 +90,7 @@ class Api:
                                         'realm="margo-gitops"'})
         if client.retired:
             raise ProblemError(403, "the client relationship has been retired",
-                               margo_type="not-authorized")
+                               margo_type="not-authorized", title=RETIRED)
         return client
 
     def _token_caller(self, request: Request) -> Client | None:
@@ -350,7 +350,7 @@ class Api:
         known = self.clients.by_key_id(key.key_id)
         if known is not None and known.client.retired:
             raise ProblemError(403, "the client relationship for this key has been retired",
-                               margo_type="not-authorized")
+                               margo_type="not-authorized", title=RETIRED)
         if known is None and self.identity.settings.onboarding != "open":
             raise ProblemError(403, "onboarding of new certificates is closed: the operator "
                                "imports them (`margo clients import ID --cert FILE`)",

@@ -48,7 +48,7 @@ from margo.spiffe import (
     verify_svid_chain,
 )
 from wfm.clients import Client, ClientRegistry
-from wfm.problems import ProblemError, problem_response
+from wfm.problems import RETIRED, ProblemError, problem_response
 from wfm.signatures import SignatureError, verify_request
 from wfm.tls import TrustStore, peer_certificates
 
@@ -124,7 +124,7 @@ class Identity:
         self._proxies = [ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies]
         self._trust = (TrustStore(settings.trust_bundle)
                        if settings.trust_bundle is not None and self._proxies else None)
-        self._decisions: dict[str, tuple[float, Client | str]] = {}
+        self._decisions: dict[str, tuple[float, Client | ProblemError]] = {}
         self._lock = threading.Lock()
 
     def open(self, clients: ClientRegistry) -> None:
@@ -198,15 +198,16 @@ class Identity:
             decision = cached[1]
         else:
             try:
-                decision: Client | str = self._decide(client_id)
+                decision: Client | ProblemError = self._decide(client_id)
             except ProblemError as exc:
-                decision = exc.detail
+                decision = exc
             with self._lock:
                 if len(self._decisions) > 100_000:
                     self._decisions.clear()
                 self._decisions[client_id] = (now + DECISION_TTL, decision)
-        if isinstance(decision, str):
-            raise ProblemError(403, decision, margo_type="not-authorized")
+        if isinstance(decision, ProblemError):  # a fresh one: no traceback piles up in the cache
+            raise ProblemError(decision.status, decision.detail, margo_type=decision.margo_type,
+                               title=decision.title)
         return decision
 
     def _decide(self, client_id: str) -> Client:
@@ -214,7 +215,7 @@ class Identity:
         client = self.clients.get(client_id)
         if client is not None and client.retired:
             raise ProblemError(403, f"the client relationship with {client_id!r} has been "
-                               "retired", margo_type="not-authorized")
+                               "retired", margo_type="not-authorized", title=RETIRED)
         listed = self.settings.whole_namespace or client_id in self.settings.accept_clients
         if client is None and not listed:
             raise ProblemError(403, f"client {client_id!r} is not in the accepted-client policy "

@@ -34,14 +34,19 @@ MARGO_TYPES = {
 }
 
 
+#: The title the spec suggests for a retired client's 403 (digest section 6a).
+RETIRED = "Client Relationship Retired"
+
+
 class ProblemError(Exception):
     """An error that becomes a problem+json response."""
 
     def __init__(self, status: int, detail: str, *, margo_type: str | None = None,
                  errors: Sequence[dict[str, str]] = (), retry_after: int | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, title: str | None = None):
         super().__init__(detail)
         self.status, self.detail, self.margo_type = status, detail, margo_type
+        self.title = title  # overrides the type's standard title (e.g. a retired client)
         self.errors, self.retry_after = list(errors), retry_after
         self.headers = dict(headers or {})
 
@@ -60,7 +65,7 @@ def problem_response(error: ProblemError, *, instance: str | None = None) -> Res
     body: dict[str, Any]
     if error.margo_type:
         body = {"type": MARGO_PROBLEM_BASE + error.margo_type,
-                "title": MARGO_TYPES[error.margo_type]}
+                "title": error.title or MARGO_TYPES[error.margo_type]}
     else:
         body = {"type": "about:blank", "title": HTTPStatus(error.status).phrase}
     body["status"] = error.status

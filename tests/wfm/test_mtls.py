@@ -261,7 +261,10 @@ def test_the_accepted_client_policy(server: dict[str, Any], lab: Lab,
         # Retired: refused again whatever proves it, with the Margo problem type.
         assert margo_main(["clients", "retire", "stranger", "--data", str(server["data"])]) == 0
         eventually(lambda: http.get("/api/v1/deployments").status_code == 403)
-        assert "retired" in http.get("/api/v1/deployments").json()["detail"]
+        problem = http.get("/api/v1/deployments").json()
+        assert "retired" in problem["detail"]
+        assert problem["title"] == "Client Relationship Retired"
+        assert problem["type"].endswith("#not-authorized")
     capsys.readouterr()
 
 

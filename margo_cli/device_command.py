@@ -18,7 +18,7 @@ from typing import Any
 
 from margo.errors import DocumentError
 from margo_cli import doctor_command
-from reconciler.config import load_config
+from reconciler.config import DeviceConfig, load_config
 from reconciler.runner import CycleResult
 
 
@@ -44,6 +44,18 @@ def register(commands: Any) -> None:
     show.set_defaults(run=run_capabilities)
 
 
+def _config(path: str) -> DeviceConfig | None:
+    """The validated configuration, or None after printing why it is unusable (exit 2)."""
+    try:
+        return load_config(path)
+    except OSError as exc:
+        print(f"{path}: cannot read: {exc.strerror}", file=sys.stderr)
+    except DocumentError as exc:
+        for problem in exc.problems:
+            print(problem.format(), file=sys.stderr)
+    return None
+
+
 def run_capabilities(args: argparse.Namespace) -> int:
     """What would be reported now, as JSON: for checking a provider's mapping by eye, or
     for sending the cluster proposal's manifest to a server that takes it."""
@@ -51,14 +63,8 @@ def run_capabilities(args: argparse.Namespace) -> int:
     from reconciler.assembly import capability_provider
     from reconciler.kubernetes.provider import KubernetesProvider
 
-    try:
-        config = load_config(args.config)
-    except OSError as exc:
-        print(f"{args.config}: cannot read: {exc.strerror}", file=sys.stderr)
-        return 2
-    except DocumentError as exc:
-        for problem in exc.problems:
-            print(problem.format(), file=sys.stderr)
+    config = _config(args.config)
+    if config is None:
         return 2
 
     class _Types:  # the driver's profile types, without starting an engine
@@ -106,14 +112,8 @@ def _as_json(result: CycleResult) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        config = load_config(args.config)
-    except OSError as exc:
-        print(f"{args.config}: cannot read: {exc.strerror}", file=sys.stderr)
-        return 2
-    except DocumentError as exc:
-        for problem in exc.problems:
-            print(problem.format(), file=sys.stderr)
+    config = _config(args.config)
+    if config is None:
         return 2
     from reconciler.assembly import BusyError, open_reconciler
     from reconciler.identity import IdentityError

@@ -250,13 +250,7 @@ class KubeClient:
 
     def get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The JSON object at `path`; `KubeError` for any failure."""
-        try:
-            response = self._http.get(path, params=dict(params or {}),
-                                      extensions=self._extensions)
-        except httpx.TransportError as exc:
-            raise KubeError(None, "Unreachable", f"{self.access.server}{path}: {exc}") from exc
-        except OSError as exc:  # an unreadable token file
-            raise KubeError(None, "NoCredentials", str(exc)) from exc
+        response = self._send(path, params)
         if not response.is_success:
             raise KubeError.from_response(response)
         try:
@@ -268,16 +262,19 @@ class KubeClient:
             raise KubeError(response.status_code, "BadResponse", f"{path}: not a JSON object")
         return body
 
-    def get_text(self, path: str, params: Mapping[str, str] | None = None) -> tuple[int, str]:
-        """Status and text of a plain-text endpoint (`/livez`, `/readyz`): any status is an
-        answer here; `KubeError` only when the server cannot be reached."""
+    def _send(self, path: str, params: Mapping[str, str] | None) -> httpx.Response:
+        """One GET; `KubeError` (status None) when the server cannot be reached at all."""
         try:
-            response = self._http.get(path, params=dict(params or {}),
-                                      extensions=self._extensions)
+            return self._http.get(path, params=dict(params or {}), extensions=self._extensions)
         except httpx.TransportError as exc:
             raise KubeError(None, "Unreachable", f"{self.access.server}{path}: {exc}") from exc
         except OSError as exc:  # an unreadable token file
             raise KubeError(None, "NoCredentials", str(exc)) from exc
+
+    def get_text(self, path: str, params: Mapping[str, str] | None = None) -> tuple[int, str]:
+        """Status and text of a plain-text endpoint (`/livez`, `/readyz`): any status is an
+        answer here; `KubeError` only when the server cannot be reached."""
+        response = self._send(path, params)
         return response.status_code, response.text
 
     def list(self, path: str, params: Mapping[str, str] | None = None) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from margo_cli import (
     compile_command,
+    conformance_command,
     device_command,
     identity_command,
     lint_chart_command,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     status_command.register(commands)
     device_command.register(commands)
     lint_chart_command.register(commands)
+    conformance_command.register(commands)
     return parser
 
 

@@ -134,7 +134,9 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("screenshots")
 
 
-@pytest.fixture(scope="session")
+# Module scope: Playwright's sync API holds an event loop open in this thread; ending it with
+# the module keeps later tests' asyncio.run() from finding a loop already running.
+@pytest.fixture(scope="module")
 def browser_context(dashboard_fleet: DashboardFleet,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One Chromium with a fresh profile, signed in once through `?token=`."""

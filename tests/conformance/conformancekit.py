@@ -39,8 +39,10 @@ MULTI_COMPONENT = FIXTURES / "multi-component-deployment.json"
 ORAS_CHECKS = FIXTURES / "oras-media-type-checks.json"
 B1_COLLECTION = FIXTURES / "wfm-core" / "postman_collection.json"
 PACKAGE_DIR = FIXTURES / "margo-ctt-package"
-KIT_MIAF = Path(os.environ.get("MARGO_CONFORMANCE_KIT", ROOT.parent / "shared" / "conformance"
-                               / "margo-sandbox")) / "wfm-supplier" / "fixtures" / "miaf"
+# The kit's own placeholder MIAF identities, copied verbatim (they expire: the test that uses
+# them skips with the date once they do); MARGO_CONFORMANCE_KIT points at another kit copy.
+KIT_MIAF = (Path(os.environ["MARGO_CONFORMANCE_KIT"]) / "wfm-supplier" / "fixtures" / "miaf"
+            if "MARGO_CONFORMANCE_KIT" in os.environ else FIXTURES / "miaf")
 
 APP_ARTIFACT_TYPE = "application/vnd.margo.app.v1+json"
 DESCRIPTION_MEDIA_TYPE = "application/vnd.margo.app.description.v1+yaml"

@@ -1,6 +1,6 @@
 """Benchmark: compiling a synthetic fleet into device branches.
 
-    .venv/bin/python bench/compile.py [--devices 10000] [--apps 20] [--intents 30]
+    .venv/bin/python bench/compile.py [--devices 10000] [--apps 20] [--intents 30] [--runs 1]
 
 Generates a fleet source (applications with Helm and Compose profiles, constraints and
 configuration schemas; intents with label/property selectors, literal and expression
@@ -12,6 +12,10 @@ parameters) and a capability snapshot, then prints:
   devices, and the ratio to the full compile;
 * the same trees and commits written by `git fast-import` from a prepared stream (the
   practical lower bound for writing them), and the ratio of the full compile to it.
+
+With ``--runs N`` everything is measured N times from scratch and the ranges are printed:
+on a small machine the time to write 10,000 branch refs varies several-fold between runs
+(for the compiler and for fast-import alike), so single figures mislead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -176,21 +181,16 @@ def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=10_000)
-    parser.add_argument("--apps", type=int, default=20)
-    parser.add_argument("--intents", type=int, default=30)
-    args = parser.parse_args()
+def measure(devices: int, apps: int, intents: int) -> dict[str, float]:
+    """One measurement of every figure, in a fresh directory; prints as it goes."""
     with tempfile.TemporaryDirectory(prefix="margo-bench-") as tmp:
         root = Path(tmp)
-        source, caps = generate(root, args.devices, args.apps, args.intents)
+        source, caps = generate(root, devices, apps, intents)
         repos = root / "repos"
         repos.mkdir()
         report, full = run_compile(source, caps, repos, now=1_800_000_000)
         assert not report.errors, report.errors[:3]
-        print(f"full compile: {full:.1f} s, {args.devices / full:,.0f} devices/s "
+        print(f"full compile: {full:.1f} s, {devices / full:,.0f} devices/s "
               f"({report.devices} devices, {report.deployments} deployments, "
               f"{report.commits} commits)")
         report, noop = run_compile(source, caps, repos, now=1_800_000_100)
@@ -201,11 +201,36 @@ def main() -> None:
                                                                "logLevel: debug"))
         report, incremental = run_compile(source, caps, repos, now=1_800_000_200)
         print(f"incremental (one intent's parameter, {report.commits} devices = "
-              f"{report.commits / args.devices:.0%}): {incremental:.2f} s, "
+              f"{report.commits / devices:.0%}): {incremental:.2f} s, "
               f"{incremental / full:.3f} of full")
         lower = fast_import_lower_bound(DeviceStore(repos), root / "fast-import.git")
         print(f"git fast-import of the same trees and commits: {lower:.1f} s; "
-              f"full compile / fast-import = {full / lower:.2f}")
+              f"full compile / fast-import = {full / lower:.2f}", flush=True)
+    return {"full compile s": full, "no-op s": noop, "incremental s": incremental,
+            "incremental / full": incremental / full, "fast-import s": lower,
+            "full / fast-import": full / lower}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=10_000)
+    parser.add_argument("--apps", type=int, default=20)
+    parser.add_argument("--intents", type=int, default=30)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat every measurement (fresh directories) and print ranges")
+    args = parser.parse_args()
+    runs = []
+    for run in range(args.runs):
+        if args.runs > 1:
+            print(f"-- run {run + 1} of {args.runs}")
+        runs.append(measure(args.devices, args.apps, args.intents))
+    if args.runs > 1:
+        print(f"-- ranges over {args.runs} runs (min - median - max)")
+        for figure in runs[0]:
+            values = sorted(r[figure] for r in runs)
+            print(f"{figure}: {values[0]:.3f} - {statistics.median(values):.3f} - "
+                  f"{values[-1]:.3f}")
 
 
 if __name__ == "__main__":

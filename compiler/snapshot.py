@@ -6,15 +6,23 @@ with `snapshot_from_documents`. A broken document is a located problem and its d
 left alone (its previous desired state stays), never dropped. A cluster proposal's
 `ClusterCapabilitiesManifest` is read as the rc.3 document `margo.cluster` converts it to,
 exactly as the server stores it, so both bodies of one cluster compile alike.
+
+Reading a large keyed file again costs its JSON safety checks and one digest per device.
+When its bytes are exactly those the last compile read (`SnapshotMemo`, kept in the
+compiler's state), both are skipped: those bytes passed the checks then and their documents
+had the recorded digests (see `load_snapshot`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import multiprocessing
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
@@ -22,35 +30,82 @@ from margo.constraints import matching_view
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind, detect
-from margo.loading import Limits, LoadedDocument, load_path
+from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
 from margo.models import DeviceCapabilities
 from margo.normalize import normalise
 from margo.validation import validate_loaded
 
-__all__ = ["Device", "Snapshot", "SnapshotError", "load_snapshot", "snapshot_from_documents"]
+__all__ = ["Device", "Snapshot", "SnapshotError", "SnapshotMemo", "TrustedDigests",
+           "load_snapshot", "snapshot_from_documents"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
 #: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
 KEYED_SNAPSHOT_LIMITS = Limits(max_bytes=256 * 1024 * 1024)
+#: Bumped whenever the same bytes could be read differently (digests, cluster conversion),
+#: so a memo written by an older reader is never taken for this one's.
+MEMO_VERSION = "1"
 
 
 class SnapshotError(RuntimeError):
     """The snapshot as a whole cannot be read."""
 
 
-@dataclass(frozen=True, slots=True)
 class Device:
-    id: str
-    capabilities: DeviceCapabilities
-    digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
-    file: str | None = None
-    #: What constraints and selectors are evaluated against (`margo.constraints.matching_view`:
-    #: properties + root extensions + cluster sections), built once per device, not per match.
-    matching: Mapping[str, Any] = field(init=False, repr=False, compare=False)
+    """One device of the snapshot: its id, capability model, document digest and file.
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "matching", matching_view(self.capabilities.properties,
-                                                           self.capabilities.extensions))
+    The model of a document trusted from an earlier compile (same digest, validated then) is
+    built on first use: a recompile that skips most devices only reads their labels (to
+    index selectors), which come straight from the document, exactly as normalising copies
+    them. Immutable once built.
+    """
+
+    __slots__ = ("_capabilities", "_document", "_matching", "digest", "file", "id")
+
+    id: str
+    digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
+    file: str | None
+
+    def __init__(self, id: str, capabilities: DeviceCapabilities | None, digest: str,
+                 file: str | None = None, *, document: Mapping[str, Any] | None = None) -> None:
+        """Give `capabilities`, or the `document` of an already validated device (whose
+        ``properties.id`` is `id`) to normalise when first needed."""
+        if capabilities is None and document is None:
+            raise ValueError("a Device needs its capabilities or its validated document")
+        self.id, self.digest, self.file = id, digest, file
+        self._capabilities = capabilities
+        self._document = document
+        self._matching: Mapping[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Device({self.id!r}, digest={self.digest!r}, file={self.file!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return ((self.id, self.digest, self.file, self.capabilities)
+                == (other.id, other.digest, other.file, other.capabilities))
+
+    __hash__ = None  # type: ignore[assignment]  # like the frozen model it holds: by value
+
+    @property
+    def capabilities(self) -> DeviceCapabilities:
+        if self._capabilities is None:
+            assert self._document is not None
+            detection = detect(self._document, expect=Kind.DEVICE_CAPABILITIES)
+            assert detection.kind is not None and detection.shape is not None
+            self._capabilities = normalise(detection.kind, detection.shape, self._document)
+            self._document = None
+        return self._capabilities
+
+    @property
+    def matching(self) -> Mapping[str, Any]:
+        """What constraints and selectors are evaluated against
+        (`margo.constraints.matching_view`: properties + root extensions + cluster sections),
+        built once per device, not per match."""
+        if self._matching is None:
+            caps = self.capabilities
+            self._matching = matching_view(caps.properties, caps.extensions)
+        return self._matching
 
     @property
     def properties(self) -> Mapping[str, Any]:
@@ -58,7 +113,48 @@ class Device:
 
     @property
     def labels(self) -> Mapping[str, Any]:
+        if self._capabilities is None and self._document is not None:
+            return _document_labels(self._document)
         return self.capabilities.labels
+
+
+def _document_labels(document: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A capability document's labels as its model holds them (every shape copies the
+    root ``labels`` mapping; a test holds this to `margo.normalize`), without the copy."""
+    labels = document.get("labels")
+    return labels if labels else _NO_LABELS
+
+
+_NO_LABELS: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class SnapshotMemo:
+    """What reading one keyed snapshot file established: `key` identifies its exact bytes
+    (and this reader, `MEMO_VERSION`); `digests` maps each device read from it without
+    problems to its document's digest."""
+
+    key: str
+    digests: Mapping[str, str]
+
+
+class TrustedDigests(dict[str, str]):
+    """Device id -> digest of a document that validated before, as `load_snapshot` takes
+    it; `memo` is the keyed snapshot file the last compile read, if any.
+
+    Why a dict carrying a memo: callers already pass the state's trusted digests through
+    (``load_snapshot(caps, trusted=state.trusted_digests())``), and both are facts the
+    state remembers about the same last compile.
+    """
+
+    def __init__(self, digests: Mapping[str, str], memo: SnapshotMemo | None = None) -> None:
+        super().__init__(digests)
+        self.memo = memo
+
+
+def memo_key(data: bytes) -> str:
+    """The `SnapshotMemo.key` of a keyed snapshot file with these exact bytes."""
+    return f"{MEMO_VERSION}:{hashlib.sha256(data).hexdigest()}"
 
 
 @dataclass
@@ -66,6 +162,8 @@ class Snapshot:
     devices: dict[str, Device] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     broken: set[str] = field(default_factory=set)  # device ids (or file stems) not usable
+    #: For a keyed file: what reading it established, for the state to remember (else None).
+    memo: SnapshotMemo | None = None
 
     @property
     def digest(self) -> str:
@@ -82,16 +180,11 @@ def _claimed_id(doc: Any) -> str | None:
     return claimed if isinstance(claimed, str) else None
 
 
-def _trusted_model(doc: Any, digest: str, trusted: Mapping[str, str]) -> DeviceCapabilities | None:
-    """The model of a document whose exact content validated before (same digest)."""
+def _is_trusted(doc: Any, digest: str, trusted: Mapping[str, str]) -> bool:
+    """Whether this exact content validated before (same digest under the id it claims):
+    its model can then be built without validating it again."""
     claimed = _claimed_id(doc)
-    if claimed is None or trusted.get(claimed) != digest:
-        return None
-    detection = detect(doc, expect=Kind.DEVICE_CAPABILITIES)
-    if detection.kind is None or detection.shape is None:
-        return None
-    model: DeviceCapabilities = normalise(detection.kind, detection.shape, doc)
-    return model
+    return claimed is not None and trusted.get(claimed) == digest
 
 
 def _from_cluster_manifest(snapshot: Snapshot, loaded: LoadedDocument,
@@ -109,34 +202,42 @@ def _from_cluster_manifest(snapshot: Snapshot, loaded: LoadedDocument,
 
 
 def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
-         trusted: Mapping[str, str]) -> None:
+         trusted: Mapping[str, str], known: Mapping[str, str] | None = None) -> None:
+    """Add one document; `known` maps keys to digests established for these exact bytes."""
     if is_cluster_manifest(loaded.value):
         converted = _from_cluster_manifest(snapshot, loaded, key)
         if converted is None:
             return
         loaded = converted
-    digest = data_digest(loaded.value)
-    caps = _trusted_model(loaded.value, digest, trusted) if trusted else None
-    if caps is None:
+    digest = known.get(key) if known and key is not None else None
+    if digest is None:
+        digest = data_digest(loaded.value)
+    caps: DeviceCapabilities | None = None
+    if trusted and _is_trusted(loaded.value, digest, trusted):
+        device_id = _claimed_id(loaded.value)
+        assert device_id is not None
+    else:
         report = validate_loaded(loaded, expect=Kind.DEVICE_CAPABILITIES)
         if not report.valid:
             snapshot.problems.extend(report.problems)
             snapshot.broken.add(str(_claimed_id(loaded.value) or key))
             return
         caps = report.model
-    if key is not None and key != caps.device_id:
+        device_id = caps.device_id
+    if key is not None and key != device_id:
         snapshot.problems.append(loaded.locate(Problem(
-            ("properties", "id"), f"filed under {key!r} but reports id {caps.device_id!r}",
-            expected=key, found=caps.device_id)))
+            ("properties", "id"), f"filed under {key!r} but reports id {device_id!r}",
+            expected=key, found=device_id)))
         snapshot.broken.add(key)
         return
-    if caps.device_id in snapshot.devices:
+    if device_id in snapshot.devices:
         snapshot.problems.append(loaded.locate(Problem(
-            ("properties", "id"), f"device {caps.device_id!r} is reported twice (also in "
-                                  f"{snapshot.devices[caps.device_id].file})")))
-        snapshot.broken.add(caps.device_id)
+            ("properties", "id"), f"device {device_id!r} is reported twice (also in "
+                                  f"{snapshot.devices[device_id].file})")))
+        snapshot.broken.add(device_id)
         return
-    snapshot.devices[caps.device_id] = Device(caps.device_id, caps, digest, loaded.file)
+    snapshot.devices[device_id] = Device(device_id, caps, digest, loaded.file,
+                                         document=None if caps else loaded.value)
 
 
 def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None,
@@ -155,8 +256,12 @@ def load_snapshot(path: str | os.PathLike[str], *,
     `trusted` maps device ids to digests of documents that validated before (the
     compiler's state): a document with exactly that content is normalised without
     validating it again, which is what makes a no-op recompile of a large fleet cheap.
+    A `TrustedDigests` may also carry the `SnapshotMemo` of the keyed file the last compile
+    read: if this file's bytes are exactly those, the digests are taken from it and the
+    file-level JSON checks (duplicate keys, depth, non-finite numbers), which those bytes
+    passed, are not repeated. Any other bytes are read in full.
     """
-    trusted = trusted or {}
+    trusted = {} if trusted is None else trusted  # an empty TrustedDigests may carry a memo
     root = Path(path)
     snapshot = Snapshot()
     try:
@@ -168,18 +273,92 @@ def load_snapshot(path: str | os.PathLike[str], *,
                     snapshot.problems.extend(exc.problems)
                     snapshot.broken.add(file.stem)
             return snapshot
-        loaded = load_path(str(root), limits=KEYED_SNAPSHOT_LIMITS)
+        with open(root, "rb") as handle:  # exactly what `load_path` reads
+            data = handle.read(KEYED_SNAPSHOT_LIMITS.max_bytes + 1)
+        key = memo_key(data)
+        memo = getattr(trusted, "memo", None)
+        known = memo.digests if isinstance(memo, SnapshotMemo) and memo.key == key else None
+        loaded = (_known_json(data, str(root)) if known is not None else None) or load_document(
+            data, file=str(root), limits=KEYED_SNAPSHOT_LIMITS)
     except DocumentError as exc:
         raise SnapshotError("\n".join(p.format() for p in exc.problems)) from None
     except OSError as exc:
         raise SnapshotError(f"{root}: cannot read: {exc.strerror or exc}") from None
     if not isinstance(loaded.value, dict):
         raise SnapshotError(f"{root}: expected a mapping of device id to capabilities document")
-    for key in sorted(loaded.value):
-        sub = LoadedDocument(loaded.value[key], loaded.file,
-                             _Shifted(loaded, key))  # type: ignore[arg-type]
-        _add(snapshot, sub, key, trusted)
+    keys = sorted(loaded.value)
+    unknown = sum(k not in trusted for k in keys)
+    if unknown >= PARALLEL_VALIDATION and "fork" in multiprocessing.get_all_start_methods():
+        _add_in_two_processes(snapshot, loaded, keys, trusted, known or {})
+    else:
+        for device_id in keys:
+            _add(snapshot, _keyed(loaded, device_id), device_id, trusted, known)
+    snapshot.memo = SnapshotMemo(key, {d: device.digest for d, device in
+                                       snapshot.devices.items()})
     return snapshot
+
+
+#: A keyed file with at least this many documents the state does not vouch for is validated
+#: by two processes (validation is pure Python, about 0.2 ms per document).
+PARALLEL_VALIDATION = 2_000
+_FORKED: tuple[LoadedDocument, list[str]] | None = None  # what the forked validator inherits
+
+
+def _keyed(loaded: LoadedDocument, key: str) -> LoadedDocument:
+    """The document filed under `key`, located inside the keyed file."""
+    return LoadedDocument(loaded.value[key], loaded.file,
+                          _Shifted(loaded, key))  # type: ignore[arg-type]
+
+
+def _add_in_two_processes(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
+                          trusted: Mapping[str, str], known: Mapping[str, str]) -> None:
+    """`_add` every key in order, while a forked process validates the second half.
+
+    The child only says which of its documents are valid (with their digests); the parent
+    then trusts those exactly as it trusts documents validated by an earlier compile, and
+    validates the others itself, so problems and their order are what one process gives.
+    """
+    global _FORKED
+    half = len(keys) // 2
+    _FORKED = (loaded, keys)
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            pending = pool.apply_async(_valid_digests, ((half, len(keys)), known))
+            for device_id in keys[:half]:
+                _add(snapshot, _keyed(loaded, device_id), device_id, trusted, known)
+            valid = pending.get()
+    finally:
+        _FORKED = None
+    vouched = {**trusted, **valid}
+    digests = {**known, **valid}
+    for device_id in keys[half:]:
+        _add(snapshot, _keyed(loaded, device_id), device_id, vouched, digests)
+
+
+def _valid_digests(bounds: tuple[int, int], known: Mapping[str, str]) -> dict[str, str]:
+    """In the forked validator: key -> digest of each valid plain capability document of
+    keys[start:end] that reports its key as id (cluster manifests are left to the parent)."""
+    assert _FORKED is not None
+    loaded, keys = _FORKED
+    valid: dict[str, str] = {}
+    for key in keys[slice(*bounds)]:
+        value = loaded.value[key]
+        if is_cluster_manifest(value) or _claimed_id(value) != key:
+            continue
+        report = validate_loaded(LoadedDocument.unlocated(value, loaded.file),
+                                 expect=Kind.DEVICE_CAPABILITIES)
+        if report.valid:
+            valid[key] = known.get(key) or data_digest(value)
+    return valid
+
+
+def _known_json(data: bytes, file: str) -> LoadedDocument | None:
+    """JSON bytes that `load_document` accepted before, decoded to the same value without
+    its safety checks; None for text that is not JSON (read it the ordinary way)."""
+    text = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+    if text.lstrip()[:1] not in ("{", "["):
+        return None
+    return LoadedDocument(json.loads(text), file, SourceMap(text))
 
 
 class _Shifted:

@@ -9,7 +9,9 @@ running grace periods. It holds:
 * per device, the digest of its capability document and whether its last compile
   succeeded, so an untouched device is skipped without rendering;
 * per (device, intent), whether the device was targeted, eligible and deployed, and since
-  when it has been ineligible (grace periods), which also lets commit messages say *why*.
+  when it has been ineligible (grace periods), which also lets commit messages say *why*;
+* the `SnapshotMemo` of the keyed capability file the last compile read (the identity of its
+  bytes and its documents' digests), so reading the same bytes again skips that work.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord"]
+from compiler.snapshot import SnapshotMemo, TrustedDigests
+
+__all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord", "StagedSave"]
 
 SCHEMA_VERSION = "2"
 
@@ -36,6 +41,8 @@ CREATE TABLE IF NOT EXISTS placements (
     device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
     deployed INTEGER NOT NULL, ineligible_since REAL,
     PRIMARY KEY (device_id, intent));
+CREATE TABLE IF NOT EXISTS snapshot_documents (
+    device_id TEXT PRIMARY KEY, digest TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS placements_by_intent ON placements (intent);
 CREATE INDEX IF NOT EXISTS placements_in_grace ON placements (ineligible_since)
     WHERE ineligible_since IS NOT NULL;
@@ -51,8 +58,11 @@ class IntentRecord:
     app_digest: str
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceRecord:
+# Per-device rows are NamedTuples: a compile builds, pickles (from worker processes) and
+# reads back tens of thousands of them, several times cheaper than frozen dataclasses.
+
+
+class DeviceRecord(NamedTuple):
     device_id: str
     caps_digest: str
     compiled_at: float
@@ -60,8 +70,7 @@ class DeviceRecord:
     deployments: int
 
 
-@dataclass(frozen=True, slots=True)
-class PlacementRecord:
+class PlacementRecord(NamedTuple):
     device_id: str
     intent: str
     eligible: bool
@@ -92,7 +101,8 @@ class CompilerState:
 
     def _reset(self) -> None:
         self._db.executescript("DROP TABLE IF EXISTS devices; DELETE FROM intents; "
-                               "DELETE FROM placements;" + _SCHEMA)
+                               "DELETE FROM placements; DROP TABLE IF EXISTS snapshot_documents; "
+                               "DELETE FROM meta WHERE key = 'snapshot';" + _SCHEMA)
 
     def bind(self, repository: str, *, compiler_version: str | None = None) -> None:
         """Forget everything remembered about another repository (e.g. one recreated), or
@@ -133,16 +143,42 @@ class CompilerState:
             out.update(r[0] for r in rows)
         return out
 
+    def placements_of(self, device_ids: Iterable[str]) -> dict[str, dict[str, PlacementRecord]]:
+        """`placements_for` of many devices at once (one query per 500 devices instead of
+        one per device); every device asked for is in the result."""
+        out: dict[str, dict[str, PlacementRecord]] = {}
+        ids = list(dict.fromkeys(device_ids))
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            for device_id in chunk:
+                out[device_id] = {}
+            rows = self._db.execute(
+                "SELECT device_id, intent, eligible, deployed, ineligible_since FROM placements "
+                f"WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
+            for r in rows:
+                out[r[0]][r[1]] = PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4])
+        return out
+
     def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
         rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since "
                                 "FROM placements WHERE device_id=?", (device_id,))
         return {r[1]: PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4]) for r in rows}
 
-    def trusted_digests(self) -> dict[str, str]:
+    def trusted_digests(self) -> TrustedDigests:
         """Device id -> digest of the capability document last compiled successfully
-        (documents with that exact content need not be validated again)."""
-        return {r[0]: r[1] for r in self._db.execute("SELECT device_id, caps_digest "
-                                                     "FROM devices")}
+        (documents with that exact content need not be validated again), carrying the
+        memo of the keyed snapshot file last compiled (see `load_snapshot`)."""
+        digests = {r[0]: r[1] for r in self._db.execute("SELECT device_id, caps_digest "
+                                                        "FROM devices")}
+        return TrustedDigests(digests, self.snapshot_memo())
+
+    def snapshot_memo(self) -> SnapshotMemo | None:
+        """The memo saved by the last compile, or None when it read no keyed file."""
+        key = self._meta("snapshot")
+        if key is None:
+            return None
+        rows = self._db.execute("SELECT device_id, digest FROM snapshot_documents")
+        return SnapshotMemo(key, {r[0]: r[1] for r in rows})
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -156,12 +192,27 @@ class CompilerState:
 
     def save(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
              devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
-             forget_devices: Iterable[str]) -> None:
+             forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None) -> None:
         """Record one compile's outcome atomically. `devices` lists the devices whose
         placements are replaced by `placements`; `forget_devices` must be fully recompiled
-        next time (e.g. they had errors)."""
+        next time (e.g. they had errors). `snapshot` is the memo of the keyed capability
+        file this compile read (None: it read none, and no memo is kept)."""
+        self.stage(intents=intents, forget_intents=forget_intents, devices=devices,
+                   placements=placements, forget_devices=forget_devices,
+                   snapshot=snapshot).commit()
+
+    def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
+              devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
+              forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
+              ) -> StagedSave:
+        """`save`, with its transaction left open until the handle is committed or rolled
+        back: a compile writes its records while Git moves the branches and commits them
+        only if that succeeded. No other use of this state until then."""
         device_list = list(devices)
-        with self.transaction() as db:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            self._save_memo(db, snapshot)
             db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?)",
                            [(i.name, i.digest, i.app_id, i.app_version, i.app_digest)
                             for i in intents])
@@ -176,3 +227,43 @@ class CompilerState:
                              p.ineligible_since) for p in placements])
             forget = [(d,) for d in forget_devices]
             db.executemany("DELETE FROM devices WHERE device_id=?", forget)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return StagedSave(db)
+
+    def _save_memo(self, db: sqlite3.Connection, memo: SnapshotMemo | None) -> None:
+        """Replace the memo unless it is the one already saved (the same bytes give the same
+        digests, so rewriting 10,000 rows would change nothing)."""
+        if memo is not None and memo.key == self._meta("snapshot"):
+            return
+        db.execute("DELETE FROM snapshot_documents")
+        db.execute("DELETE FROM meta WHERE key = 'snapshot'")
+        if memo is not None:
+            db.executemany("INSERT INTO snapshot_documents VALUES (?, ?)",
+                           sorted(memo.digests.items()))
+            self._set_meta("snapshot", memo.key)
+
+
+class StagedSave:
+    """A compile's records written but not yet committed (see `CompilerState.stage`)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db: sqlite3.Connection | None = db
+
+    @property
+    def pending(self) -> bool:
+        """Neither committed nor rolled back yet."""
+        return self._db is not None
+
+    def commit(self) -> None:
+        self._end("COMMIT")
+
+    def rollback(self) -> None:
+        self._end("ROLLBACK")
+
+    def _end(self, statement: str) -> None:
+        if self._db is None:
+            raise RuntimeError("this save was already committed or rolled back")
+        db, self._db = self._db, None
+        db.execute(statement)

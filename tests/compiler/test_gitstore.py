@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from compiler.gitstore import (
     DeviceStore,
     GitStoreError,
     InvalidCommitError,
+    StoredTree,
     blob_id,
     device_id_from_ref,
     device_ref,
+    tree_id_of,
 )
 
 TS = 1_760_000_000
@@ -402,3 +405,180 @@ def test_two_thousand_devices_in_one_write(store: DeviceStore) -> None:
     print(f"\n2,000 devices x 6 files: write {written:.2f} s, tree_ids for all {read:.3f} s")
     assert len(tips) == len(trees) == 2000
     assert trees["site-7/dev-0777"] == {n: blob_id(d) for n, d in files(6, tag="777").items()}
+
+
+# --- streaming writes, kept blobs, tree ids ----------------------------------------------------
+
+
+def _our_git_processes() -> list[str]:
+    """Command lines of the git processes this test process has running (Linux /proc)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and cmdline and cmdline[0].endswith(b"git"):
+            found.append(b" ".join(cmdline).decode(errors="replace"))
+    return found
+
+
+def test_a_generator_is_streamed_to_git_while_it_produces(store: DeviceStore) -> None:
+    """fast-import already runs when the second commit is being produced, and each device's
+    old tip is read when its first commit arrives (so a branch created meanwhile counts)."""
+    seen: list[list[str]] = []
+
+    def commits():
+        yield DeviceCommit("first", files(1), "one\n", TS)
+        seen.append(_our_git_processes())
+        yield DeviceCommit("second", files(2), "two\n", TS)
+        yield DeviceCommit("first", files(3), "three\n", TS + 1)
+
+    tips = store.write(commits())
+    assert [any("fast-import" in p for p in processes) for processes in seen] == [True]
+    assert store.read_files("first") == files(3)
+    assert [c.message for c in store.history("first")] == ["three\n", "one\n"]
+    assert tips == {"first": store.tip("first"), "second": store.tip("second")}
+    assert _our_git_processes() == []
+
+
+def test_an_invalid_commit_late_in_a_stream_moves_no_branch(store: DeviceStore) -> None:
+    before = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+
+    def commits():
+        yield DeviceCommit("dev", files(2), "m\n", TS)
+        yield DeviceCommit("new", files(1), "m\n", TS)
+        yield DeviceCommit("bad", {"a/b": b"x"}, "m\n", TS)
+
+    with pytest.raises(InvalidCommitError, match="contains"):
+        store.write(commits())
+    assert store.tip("dev") == before
+    assert store.device_ids() == ["dev"]
+    assert _our_git_processes() == []
+
+
+def test_an_exception_from_the_producer_aborts_the_write(store: DeviceStore) -> None:
+    def commits():
+        yield DeviceCommit("dev", files(1), "m\n", TS)
+        raise RuntimeError("rendering failed")
+
+    with pytest.raises(RuntimeError, match="rendering failed"):
+        store.write(commits())
+    assert store.device_ids() == []
+    assert _our_git_processes() == []
+
+
+def test_an_invalid_first_commit_never_starts_git(store: DeviceStore) -> None:
+    store.git_executable = "/nonexistent/git"  # starting it would be a GitStoreError
+    with pytest.raises(InvalidCommitError, match="negative"):
+        store.write(iter([DeviceCommit("dev", {}, "m\n", -1)]))
+    assert store.write(iter([])) == {}
+
+
+def test_kept_files_are_referenced_by_blob_id(store: DeviceStore) -> None:
+    store.write([DeviceCommit("dev", files(3), "one\n", TS)])
+    stored = store.tree("dev")
+    assert stored is not None and stored.ids == store.tree_ids("dev")
+    assert stored.tree == store.tree_id("dev")
+    assert stored.read("app-1.yaml") == files(3)["app-1.yaml"]
+    kept = {n: i for n, i in stored.ids.items() if n != "app-2.yaml"}
+    store.write([DeviceCommit("dev", {"new.yaml": b"new\n"}, "two\n", TS, kept=kept)])
+    assert store.read_files("dev") == {**{n: files(3)[n] for n in kept}, "new.yaml": b"new\n"}
+    with pytest.raises(KeyError):
+        stored.read("missing.yaml")
+
+
+@pytest.mark.parametrize(
+    ("kept", "reason"),
+    [({"a": "abc"}, "full blob id"), ({"a": "A" * 40}, "full blob id"), ({"a": 7}, "blob id"),
+     ({"a/b": "0" * 40}, "contains"), ({"app-0.yaml": "0" * 40}, "both written and kept")],
+)
+def test_malformed_kept_files_are_rejected(store: DeviceStore, kept: dict[str, object],
+                                           reason: str) -> None:
+    with pytest.raises(InvalidCommitError, match=reason):
+        store.write([DeviceCommit("dev", files(1), "m\n", TS, kept=kept)])  # type: ignore[arg-type]
+    assert store.device_ids() == []
+
+
+def test_keeping_a_blob_the_repository_lacks_moves_no_branch(store: DeviceStore) -> None:
+    before = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+    tree_id = str(pygit2.Repository(str(store.path))[before].tree_id)
+    for oid in ("1" * 40, tree_id):  # no such object; not a blob
+        with pytest.raises(GitStoreError, match="fast-import failed"):
+            store.write([DeviceCommit("dev", {}, "m\n", TS, kept={"x.yaml": oid})])
+        assert store.tip("dev") == before
+
+
+def test_tree_id_of_is_the_id_git_gives_the_tree(store: DeviceStore) -> None:
+    # Names whose order differs between bytes and naive orderings, quoting and non-ASCII.
+    content = {"a": b"1", "a-b": b"2", "a.b": b"3", "a0": b"4", "Z": b"5", "é.yaml": b"6",
+               '"q"': b"7", "sp ace": b"8", "a_b": b"9", "ab": b""}
+    store.write([DeviceCommit("dev", content, "m\n", TS), DeviceCommit("empty", {}, "m\n", TS)])
+    assert tree_id_of({n: blob_id(d) for n, d in content.items()}) == store.tree_id("dev")
+    assert tree_id_of({}) == store.tree_id("empty") == "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+
+
+_INHERITED: list[StoredTree] = []  # what a forked child inherits (as compile workers do)
+
+
+def _read_in_child(name: str) -> bytes:
+    return _INHERITED[0].read(name)
+
+
+def test_stored_trees_can_be_read_in_forked_workers(store: DeviceStore) -> None:
+    store.write([DeviceCommit("dev", files(2), "m\n", TS)])
+    stored = store.tree("dev")
+    assert stored is not None
+    _INHERITED[:] = [stored]
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_read_in_child, ("app-1.yaml",)) == files(2)["app-1.yaml"]
+    finally:
+        _INHERITED.clear()
+    assert stored.read("app-0.yaml") == files(2)["app-0.yaml"]  # the parent's handle still works
+
+
+def test_while_moving_runs_once_between_writing_objects_and_moving_branches(
+        store: DeviceStore) -> None:
+    calls: list[list[str]] = []
+    tips = store.write([DeviceCommit("dev", files(1), "m\n", TS)],
+                       while_moving=lambda: calls.append(store.device_ids()))
+    assert len(calls) == 1 and store.tip("dev") == tips["dev"]
+    assert store.write([], while_moving=lambda: calls.append([])) == {}
+    assert len(calls) == 1
+
+
+def test_while_moving_runs_even_when_moving_fails_and_its_error_wins(
+        store: DeviceStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
+    real_tip = DeviceStore.tip
+    monkeypatch.setattr(store, "tip", lambda d: stale if d == "dev" else real_tip(store, d))
+    calls: list[int] = []
+    with pytest.raises(GitStoreError, match="update-ref failed"):
+        store.write([DeviceCommit("dev", files(3), "m\n", TS)],
+                    while_moving=lambda: calls.append(1))
+    assert calls == [1]
+    monkeypatch.undo()
+
+    def broken() -> None:
+        raise ValueError("bookkeeping failed")
+
+    with pytest.raises(ValueError, match="bookkeeping failed"):
+        store.write([DeviceCommit("dev", files(3), "m\n", TS)], while_moving=broken)
+    assert store.tip("dev") != current  # git had finished (and succeeded) before the error
+    assert _our_git_processes() == []
+
+
+def test_a_ref_named_like_an_object_id_does_not_change_what_a_write_builds_on(
+        store: DeviceStore) -> None:
+    """Object ids are passed in full; a branch spelled like one is not what they mean."""
+    first = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    other = store.write([DeviceCommit("other", files(2), "x\n", TS)])["other"]
+    repo = pygit2.Repository(str(store.path))
+    repo.references.create(f"refs/heads/{first}", other)
+    second = store.write([DeviceCommit("dev", files(3), "two\n", TS)])["dev"]
+    assert store.history("dev")[0].parent == first
+    assert second == store.tip("dev")

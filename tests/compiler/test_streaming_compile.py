@@ -1,0 +1,218 @@
+"""How a compile writes: commits stream to Git while devices render, the state is saved only
+when every branch has moved, and the lock is held only while something is written. Real Git,
+real SQLite, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pygit2
+import pytest
+from fleetkit import Fleet, app, device, intent
+
+from compiler import compilation
+from compiler.compilation import CompileReport, compile_fleet
+from compiler.gitstore import DeviceStore, GitStoreError
+from compiler.snapshot import load_snapshot
+from compiler.source import load_source
+from compiler.state import CompilerState
+
+#: A `git` that refuses to move branches (everything else is the real git).
+_NO_UPDATE_REF = """#!/bin/sh
+for arg in "$@"; do
+  if [ "$arg" = update-ref ]; then echo "update-ref refused by the test" >&2; exit 1; fi
+done
+exec git "$@"
+"""
+
+
+def _fleet(root: Path) -> Fleet:
+    fleet = Fleet(root)
+    fleet.apps["com-example-app"] = app(constraints={"capacityRequirements": {"memory": "4Gi"}})
+    fleet.apps["com-example-other"] = app("com-example-other")
+    fleet.intents["a"] = intent("a", parameters={"greeting": "{{ device.labels['site'] }}"})
+    fleet.intents["b"] = intent("b", app_id="com-example-other", targets={"selectors": [
+        {"labelSelector": {"matchExpressions": [
+            {"key": "site", "operator": "In", "values": ["s1", "s2", "s3"]}]}}]})
+    for i in range(8):
+        fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{2 + i}Gi", labels={"site": f"s{i}"},
+                                        types=("helm",) if i % 3 else ("compose",))
+    return fleet
+
+
+def _compile(fleet: Fleet, store: DeviceStore, *, now: float,
+             dry_run: bool = False) -> CompileReport:
+    """`Fleet.compile`, but through the given store (e.g. one with another git program)."""
+    fleet.write()
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        return compile_fleet(load_source(fleet.source),
+                             load_snapshot(fleet.caps, trusted=state.trusted_digests()),
+                             store, state, now=now, dry_run=dry_run)
+    finally:
+        state.close()
+
+
+def _remembered(fleet: Fleet) -> tuple[object, ...]:
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        return (state.intents(), state.devices(),
+                state.placements_of(sorted(fleet.devices)))
+    finally:
+        state.close()
+
+
+def test_the_state_remembers_the_trees_git_has(tmp_path: Path) -> None:
+    """Tree ids are computed while rendering, never read back: they must be Git's."""
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+    fleet.devices["d1"]["labels"] = {"site": "s3"}
+    fleet.compile(now=2_000)
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        records = state.devices()
+    finally:
+        state.close()
+    assert sorted(records) == fleet.store.device_ids()
+    for device_id, record in records.items():
+        assert record.tree == fleet.store.tree_id(device_id), device_id
+
+
+def test_a_failed_branch_update_saves_nothing_and_the_next_compile_catches_up(
+        tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path / "fleet")
+    fleet.compile(now=1_000)
+    tips = {d: fleet.store.tip(d) for d in fleet.store.device_ids()}
+    remembered = _remembered(fleet)
+    fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+    del fleet.intents["a"]
+
+    refusing = tmp_path / "git-without-update-ref"
+    refusing.write_text(_NO_UPDATE_REF)
+    refusing.chmod(refusing.stat().st_mode | stat.S_IXUSR)
+    store = DeviceStore(fleet.repos)
+    store.git_executable = str(refusing)
+    with pytest.raises(GitStoreError, match="update-ref refused by the test"):
+        _compile(fleet, store, now=2_000)
+    assert {d: fleet.store.tip(d) for d in fleet.store.device_ids()} == tips
+    assert _remembered(fleet) == remembered  # the staged records were rolled back
+
+    report = fleet.compile(now=3_000)
+    assert report.commits == len(fleet.devices) and not report.errors
+    fresh = Fleet(tmp_path / "fresh", fleet.apps, fleet.intents, fleet.devices)
+    fresh.compile(now=3_000)
+    for device_id in fleet.store.device_ids():
+        assert fleet.tree(device_id) == fresh.tree(device_id), device_id
+
+
+def test_the_lock_is_taken_only_when_something_is_written(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    with DeviceStore(fleet.repos).lock():
+        assert fleet.compile(now=2_000).commits == 0  # a no-op compile writes nothing
+        fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+        remembered = _remembered(fleet)
+        with pytest.raises(GitStoreError, match="another compiler"):
+            fleet.compile(now=3_000)
+        assert _remembered(fleet) == remembered
+    assert fleet.compile(now=4_000).commits == 3  # d1, d2, d3: the devices "b" targets
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_plan_consumes_every_device_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: str) -> None:
+    monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)
+    fleet = _fleet(tmp_path)
+    report = fleet.compile(now=1_000, dry_run=True)
+    assert (report.commits, len(report.results)) == (8, 8)
+    assert fleet.store.device_ids() == []
+    assert _remembered(fleet)[:2] == ({}, {})
+
+
+def test_forked_incremental_compiles_equal_single_process_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers read stored files (to classify changes) through their own Git handle; which
+    devices each intent targets is worked out in two processes (as for a large fleet)."""
+    monkeypatch.setattr(compilation, "PARALLEL_TARGETING", 1)
+    histories, reports = [], []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)
+        fleet = _fleet(tmp_path / workers)
+        fleet.intents["a"]["spec"]["gracePeriod"] = "10m"
+        fleet.compile(now=1_000)
+        fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+        fleet.compile(now=2_000)
+        fleet.devices["d4"]["properties"]["memory"] = "1Gi"  # loses "a", kept for a while
+        fleet.devices["d2"]["labels"] = {"site": "s9"}  # loses "b"
+        report = fleet.compile(now=3_000)
+        assert not report.errors
+        reports.append([(r.device_id, r.status, r.changes, r.notes, r.grace_until)
+                        for r in report.results])
+        histories.append({d: [(c.message, fleet.store.read_files(d, c.id))
+                               for c in fleet.store.history(d)]
+                          for d in fleet.store.device_ids()})
+    assert histories[0] == histories[1]
+    assert reports[0] == reports[1]
+    assert any(notes and grace for _, _, _, notes, grace in reports[0])
+    assert "reconfigure" in histories[0]["d1"][0][0]  # the old file was read to say so
+
+
+def test_unchanged_files_are_kept_exactly(tmp_path: Path) -> None:
+    """Files a compile does not re-render are kept by blob id: same bytes, same tree."""
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    before = {d: fleet.tree(d) for d in fleet.store.device_ids()}
+    fleet.intents["b"]["spec"]["parameters"] = {"greeting": "changed"}
+    fleet.compile(now=2_000)
+    for device_id, files in before.items():
+        after = fleet.tree(device_id)
+        assert after.get("a.yaml") == files.get("a.yaml")
+        assert ("b.yaml" in after) == ("b.yaml" in files)
+
+
+def test_worker_processes_are_gone_after_a_failed_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARGO_COMPILE_WORKERS", "2")
+    fleet = _fleet(tmp_path)
+    store = DeviceStore(fleet.repos)
+    store.git_executable = "false"  # fast-import fails at once
+    with pytest.raises(GitStoreError, match="fast-import failed"):
+        _compile(fleet, store, now=1_000)
+    children = [pid for pid in os.listdir("/proc") if pid.isdigit()
+                and _parent_of(pid) == os.getpid()]
+    assert children == []
+    assert fleet.compile(now=2_000).commits == 8
+
+
+def _parent_of(pid: str) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def test_entries_no_compile_writes_are_removed_when_the_device_is_compiled(
+        tmp_path: Path) -> None:
+    """A subtree or an executable slipped into a device branch is not "the same tree"."""
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    compiled = fleet.tree("d1")
+    repo = pygit2.Repository(str(fleet.store.path))
+    tip = repo[fleet.store.tip("d1")]
+    builder = repo.TreeBuilder(tip.tree)
+    builder.insert("extra", repo.TreeBuilder().write(), pygit2.GIT_FILEMODE_TREE)
+    builder.insert("run.sh", repo.create_blob(b"#!/bin/sh\n"), pygit2.GIT_FILEMODE_BLOB_EXECUTABLE)
+    signature = pygit2.Signature("someone", "someone@example.invalid", 1_500, 0)
+    tampered = repo.create_commit(None, signature, signature, "tamper\n", builder.write(),
+                                  [tip.id])
+    repo.references["refs/heads/devices/d1"].set_target(tampered)
+    stored = fleet.store.tree("d1")
+    assert stored is not None and stored.foreign and "run.sh" not in stored.ids
+    (fleet.repos / "compiler-state.sqlite").unlink()  # recompile every device
+    report = fleet.compile(now=2_000)
+    assert [r.device_id for r in report.results if r.status == "committed"] == ["d1"]
+    assert fleet.tree("d1") == compiled
+    assert not fleet.store.tree("d1").foreign

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from compiler.gcpause import collection_paused
 from compiler.gitstore import DeviceCommit, DeviceStore, StoredTree, blob_id, tree_id_of
 from compiler.intents import Intent
 from compiler.messages import Change, commit_message
@@ -178,8 +179,32 @@ def _spec_sections(data: bytes) -> dict[bytes, bytes]:
     return sections
 
 
-def _classify(old: bytes, new: bytes) -> str:
-    """`reconfigure` when only parameter values changed, `update` otherwise."""
+def _spec_tail(data: bytes) -> bytes:
+    """A canonical document from its top-level ``spec:`` line on (all `_spec_sections`
+    reads); empty without one."""
+    if data.startswith(b"spec:\n"):
+        return data
+    found = data.find(b"\nspec:\n")
+    return b"" if found < 0 else data[found + 1:]
+
+
+def _classify(old: bytes, new: bytes, memo: dict[tuple[bytes, bytes], str] | None = None,
+              ) -> str:
+    """`reconfigure` when only parameter values changed, `update` otherwise. With `memo`,
+    each pair of spec texts is compared once (one intent's edit gives thousands of devices
+    the same pair: their documents differ only above the spec)."""
+    if memo is None:
+        return _classify_specs(_spec_tail(old), _spec_tail(new))
+    key = (_spec_tail(old), _spec_tail(new))
+    found = memo.get(key)
+    if found is None:
+        if len(memo) >= 10_000:
+            memo.clear()
+        found = memo[key] = _classify_specs(*key)
+    return found
+
+
+def _classify_specs(old: bytes, new: bytes) -> str:
     before, after = _spec_sections(old), _spec_sections(new)
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
     return "reconfigure" if before and after and changed == {b"parameters"} else "update"
@@ -205,6 +230,7 @@ class _Context:
     #: innermost loop asks it for every (device, intent) pair.
     targeted: dict[str, frozenset[str]] = field(default_factory=dict)
     _immutable: dict[str, bool] = field(default_factory=dict)
+    classified: dict[tuple[bytes, bytes], str] = field(default_factory=dict)  # `_classify`
 
     def __post_init__(self) -> None:
         self.known = frozenset(self.intents.usable) | self.intents.frozen
@@ -365,7 +391,8 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
                                   (_add_reason(ctx, intent.name, previous.get(intent.name)),)))
     else:
         out.changes.append(Change(fname, intent.name,
-                                  _classify(current.read(fname), rendered.data),
+                                  _classify(current.read(fname), rendered.data,
+                                            ctx.classified),
                                   _change_reasons(ctx, intent.name, caps_changed)))
 
 
@@ -465,9 +492,12 @@ def _work(ctx: _Context, job: _Job) -> _Work:
 #: Above this many devices unknown to the state, list all branches once rather than looking
 #: each device's branch up (a lookup that finds nothing costs about as much as a listed ref).
 _LIST_BRANCHES_ABOVE = 1_000
-#: Compiles that evaluate at least this many (device, intent) pairs are spread over worker
-#: processes (below it, starting workers costs more than it saves).
+#: Compiles that evaluate at least this many (device, intent) pairs, or commit to at least
+#: this many devices (each costs a commit message, a tree and a few digests, ~0.2 ms), are
+#: spread over worker processes; below both, starting workers (~20 ms) costs more than it
+#: saves.
 PARALLEL_THRESHOLD = 10_000
+PARALLEL_DEVICES = 500
 _FORKED: tuple[_Context, list[_Job]] | None = None  # what forked workers inherit
 
 
@@ -498,11 +528,12 @@ def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
     return [_pack(_work(ctx, jobs[i])) for i in range(*bounds)]
 
 
-def _worker_count(evaluations: int) -> int:
+def _worker_count(evaluations: int, devices: int) -> int:
     configured = os.environ.get("MARGO_COMPILE_WORKERS")
     if configured:
         return max(1, int(configured))
-    if evaluations < PARALLEL_THRESHOLD or "fork" not in multiprocessing.get_all_start_methods():
+    if ((evaluations < PARALLEL_THRESHOLD and devices < PARALLEL_DEVICES)
+            or "fork" not in multiprocessing.get_all_start_methods()):
         return 1
     return min(os.cpu_count() or 1, 4)
 
@@ -544,7 +575,7 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
     """
     global _FORKED
     evaluated = sum(len(ctx.changed) if job.reuse else len(ctx.intents.usable) for job in jobs)
-    workers = _worker_count(evaluated)
+    workers = _worker_count(evaluated, len(jobs))
     if workers <= 1:
         for job in (progress(jobs, len(jobs)) if progress else jobs):
             yield _work(ctx, job)
@@ -604,6 +635,7 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept)
 
 
+@collection_paused()
 def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   state: CompilerState, *, now: float | None = None, dry_run: bool = False,
                   progress: Progress | None = None) -> CompileReport:

@@ -966,6 +966,69 @@ def _sequence_renderer(
     return render
 
 
+#: What an expression reads of `device`: (section, key) pairs, key None for the whole
+#: section ("id" is a section of its own). None: it reads `device` some other way.
+Reads = frozenset[tuple[str, str | None]]
+_SECTIONS: Final = frozenset({"id", "properties", "labels", "extensions"})
+#: Keys that `device.labels['k']` may resolve to a method of the mapping when the key is
+#: missing (Jinja falls back to attributes), so their result is not a function of the value.
+_MAPPING_ATTRIBUTES: Final = frozenset(dir(dict))
+
+
+def _section_of(node: nodes.Node) -> str | None:
+    """`device.<section>` or `device['<section>']` → the section name."""
+    if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name):
+        name, section = node.node.name, node.attr
+    elif (isinstance(node, nodes.Getitem) and isinstance(node.node, nodes.Name)
+          and isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str)):
+        name, section = node.node.name, node.arg.value
+    else:
+        return None
+    return section if name == "device" and section in _SECTIONS else None
+
+
+@lru_cache(maxsize=4096)
+def _source_reads(source: str) -> Reads | None:
+    """The parts of `device` one expression string reads, when every use of the name is
+    `device.<section>` (or `device.<section>['<key>']`, key-level); else None."""
+    tree = _ENV.parse(source)
+    uses = sum(1 for name in tree.find_all(nodes.Name) if name.name == "device")
+    sections: dict[int, str] = {}  # id(section node) -> section, found from their parents
+    for node in tree.find_all((nodes.Getattr, nodes.Getitem)):
+        section = _section_of(node)
+        if section is not None:
+            sections[id(node)] = section
+    if len(sections) != uses:
+        return None
+    reads: set[tuple[str, str | None]] = set()
+    keyed: set[int] = set()
+    for node in tree.find_all(nodes.Getitem):
+        section = sections.get(id(node.node))
+        if (section is not None and section != "id" and isinstance(node.arg, nodes.Const)
+                and isinstance(node.arg.value, str)
+                and node.arg.value not in _MAPPING_ATTRIBUTES):
+            reads.add((section, node.arg.value))
+            keyed.add(id(node.node))
+    reads.update((section, None) for node_id, section in sections.items()
+                 if node_id not in keyed)
+    return frozenset(reads)
+
+
+def _value_reads(value: object, depth: int = 0) -> Reads | None:
+    """The union of `_source_reads` over every expression string in a (nested) value."""
+    if isinstance(value, str):
+        return _source_reads(value) if is_expression(value) else frozenset()
+    if depth >= MAX_DEPTH or not isinstance(value, Mapping | list | tuple):
+        return frozenset()
+    reads: set[tuple[str, str | None]] = set()
+    for item in value.values() if isinstance(value, Mapping) else value:
+        found = _value_reads(item, depth + 1)
+        if found is None:
+            return None
+        reads |= found
+    return frozenset(reads)
+
+
 @dataclass(frozen=True)
 class CompiledValue:
     """A parameter value ready to render per device. Construct with `compile_value`.
@@ -980,6 +1043,14 @@ class CompiledValue:
     def __post_init__(self) -> None:
         if self._renderer is None:
             object.__setattr__(self, "_renderer", _compile(self.source))
+
+    @property
+    def reads(self) -> Reads | None:
+        """What the value reads of `device`: (section, key) pairs, key None for a whole
+        section; None when that cannot be told from the expressions. The expressions are
+        pure functions of what they read (no randomness, clock or I/O is reachable), so
+        devices that agree on it get the same value."""
+        return _value_reads(self.source) if self._renderer is not None else frozenset()
 
     @property
     def is_literal(self) -> bool:

@@ -11,17 +11,18 @@ previous state.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compiler.expressions import ExpressionError, device_context
+from compiler.expressions import CompiledValue, ExpressionError, Reads, device_context
 from compiler.intents import Intent
 from compiler.snapshot import Device
 from compiler.source import AppVersion
-from margo.canonical import canonical_yaml
+from margo.canonical import Slot, YamlTemplate, yaml_template
 from margo.emit import deployment_document
 from margo.errors import Problem
 from margo.models import ApplicationDeployment, DeploymentProfile, Parameter, ParameterTarget
@@ -48,8 +49,18 @@ class Rendered:
     data: bytes
 
 
+_NAMESPACE_BYTES = NAMESPACE.bytes
+
+
 def deployment_id(intent_name: str, device_id: str) -> str:
-    return str(uuid.uuid5(NAMESPACE, f"{intent_name}/{device_id}"))
+    """`str(uuid.uuid5(NAMESPACE, "<intent>/<device>"))`, computed without building `UUID`
+    objects (one per deployment: a full compile makes tens of thousands)."""
+    digest = bytearray(hashlib.sha1(_NAMESPACE_BYTES + f"{intent_name}/{device_id}".encode(),
+                                    usedforsecurity=False).digest()[:16])
+    digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
+    digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def file_name(intent_name: str) -> str:
@@ -95,12 +106,31 @@ def _plan(app: AppVersion, profile: DeploymentProfile) -> _ProfilePlan:
         immutable=tuple(n for n, s in settings.items() if s.immutable))
 
 
+@dataclass(frozen=True, slots=True)
+class _ValuePlan:
+    """An intent's parameter values for one application before any device is looked at:
+    the defaults overridden by the intent's literals, and the expressions left to
+    evaluate per device. Callers must not change `values` or `keys` (they are shared)."""
+
+    values: dict[str, Any]  # EMPTY for a parameter without a value
+    keys: dict[str, str]  # name -> value_key
+    expressions: tuple[tuple[str, CompiledValue, Reads | None], ...]  # (name, value, reads)
+    problems: tuple[Problem, ...]  # intent parameters the application does not have
+
+
+#: Templates kept per compile before the memo starts again (each is a few hundred bytes).
+_TEMPLATE_LIMIT = 50_000
+
+
 class RenderCache:
-    """Per-compile memo: profile plans, one device context per device, one validation per
-    distinct (application, parameter, value).
+    """Per-compile memo: profile plans, value plans, one device context per device, one
+    validation per distinct (application, parameter, value), one document template per
+    distinct (intent, application, profile, values).
 
     Most values are literals shared by thousands of devices; validating each distinct
-    value once keeps rendering cheap without skipping any check.
+    value once, and serializing each distinct document once with its device-specific
+    strings left open (`margo.canonical.YamlTemplate`), keeps rendering cheap without
+    skipping any check.
     """
 
     def __init__(self) -> None:
@@ -108,6 +138,43 @@ class RenderCache:
         self._checked: dict[tuple[str, str, str], list[Problem]] = {}
         self._plans: dict[tuple[str, str | None], _ProfilePlan] = {}
         self._keys: dict[tuple[str, str, int], str] = {}
+        self._values: dict[tuple[str, str, str], _ValuePlan] = {}
+        self.templates: dict[tuple[Any, ...], YamlTemplate] = {}
+        self._results: dict[tuple[str, str, str, str], tuple[Any, str]] = {}
+
+    def evaluate(self, intent: Intent, name: str, compiled: CompiledValue,
+                 reads: Reads | None, device: Device) -> tuple[Any, str]:
+        """An expression's value for `device` and its `value_key`; raises ExpressionError.
+
+        Evaluated once per distinct input: an expression is a pure function of what it
+        reads of `device` (`CompiledValue.reads`), so devices that agree on that share the
+        result (``site: "{{ device.labels['zone'] }}"`` runs once per zone, not per device).
+        """
+        inputs = None if reads is None else _device_inputs(device, reads)
+        memo = None if inputs is None else (intent.name, intent.digest, name, inputs)
+        if memo is not None:
+            found = self._results.get(memo)
+            if found is not None:
+                return found
+        value = compiled.render(self.context(device))
+        result = (value, value_key(value))
+        if memo is not None:
+            if len(self._results) >= _TEMPLATE_LIMIT:
+                self._results.clear()
+            self._results[memo] = result
+        return result
+
+    def value_plan(self, intent: Intent, app: AppVersion) -> _ValuePlan:
+        key = (intent.name, intent.digest, app.digest)
+        plan = self._values.get(key)
+        if plan is None:
+            plan = self._values[key] = _value_plan(intent, app, self)
+        return plan
+
+    def remember(self, key: tuple[Any, ...], template: YamlTemplate) -> None:
+        if len(self.templates) >= _TEMPLATE_LIMIT:
+            self.templates.clear()
+        self.templates[key] = template
 
     def plan(self, app: AppVersion, profile: DeploymentProfile) -> _ProfilePlan:
         key = (app.digest, profile.id)
@@ -148,10 +215,7 @@ def value_key(value: Any) -> str:
     return f"{type(value).__name__}:{json.dumps(value, sort_keys=True)}"
 
 
-def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
-            ) -> tuple[dict[str, Any], dict[str, str], list[Problem]]:
-    """Every parameter's value for this device (EMPTY when none) and its `value_key`, with
-    expression errors."""
+def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePlan:
     description = app.description
     values: dict[str, Any] = {}
     keys: dict[str, str] = {}
@@ -159,33 +223,83 @@ def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
         values[name] = p.value if p.has_value else EMPTY
         keys[name] = cache.literal_key(app.digest, name, values[name])
     problems: list[Problem] = []
+    expressions: list[tuple[str, Any]] = []
     for name, compiled in intent.parameters.items():
         if name not in description.parameters:
             problems.append(intent.locate(Problem(
                 ("spec", "parameters", name), f"application {description.id} "
                 f"{description.version} has no parameter {name!r}",
                 expected="one of " + ", ".join(sorted(description.parameters)))))
-            continue
-        if compiled.is_literal:
+        elif compiled.is_literal:
             values[name] = compiled.source
             keys[name] = cache.literal_key(intent.digest, name, compiled.source)
-            continue
+        else:
+            expressions.append((name, compiled, compiled.reads))
+    return _ValuePlan(values, keys, tuple(expressions), tuple(problems))
+
+
+def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
+            ) -> tuple[dict[str, Any], dict[str, str], list[Problem]]:
+    """Every parameter's value for this device (EMPTY when none) and its `value_key`, with
+    expression errors. The dicts may be shared between devices: read them only."""
+    plan = cache.value_plan(intent, app)
+    problems = list(plan.problems)
+    if not plan.expressions:
+        return plan.values, plan.keys, problems
+    values, keys = dict(plan.values), dict(plan.keys)
+    for name, compiled, reads in plan.expressions:
         try:
-            values[name] = compiled.render(cache.context(device))
+            values[name], keys[name] = cache.evaluate(intent, name, compiled, reads, device)
         except ExpressionError as exc:
+            values[name] = EMPTY
             problems.append(intent.locate(Problem(
                 ("spec", "parameters", name), f"on device {device.id}: {exc}")))
-            continue
-        keys[name] = value_key(values[name])
     return values, keys, problems
+
+
+_SECTION_READERS: dict[str, Any] = {
+    "properties": lambda device: device.properties,
+    "labels": lambda device: device.labels,
+    "extensions": lambda device: device.capabilities.extensions,
+}
+
+
+def _plain_mapping(value: Any) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"not JSON data: {type(value).__name__}")
+
+
+def _device_inputs(device: Device, reads: Reads) -> str | None:
+    """What an expression reads of this device, as text that differs whenever the data
+    (types included: 1, 1.0, true) differs; None if it is not plain JSON data (the
+    expression is then simply evaluated)."""
+    parts: list[Any] = []
+    for section, key in sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")):
+        if section == "id":
+            parts.append(["id", device.id])
+            continue
+        data = _SECTION_READERS[section](device)
+        if key is None:
+            parts.append([section, None, data])
+        elif key in data:
+            parts.append([section, key, data[key]])
+        else:
+            parts.append([section, key])  # missing: not the same as null
+    try:
+        return json.dumps(parts, sort_keys=True, allow_nan=False, default=_plain_mapping)
+    except (TypeError, ValueError):
+        return None
 
 
 def _check_values(values: Mapping[str, Any], keys: Mapping[str, str], app: AppVersion,
                   plan: _ProfilePlan, device: Device,
                   previous_values: Mapping[str, Any] | None, intent: Intent,
-                  cache: RenderCache) -> list[Problem]:
+                  cache: RenderCache, *, checked: bool = False) -> list[Problem]:
+    """Problems with the values: configuration rules (unless `checked`, i.e. these exact
+    values passed them before) and `immutable` settings against `previous_values`."""
     problems: list[Problem] = []
-    for name, rule in plan.rules:
+    for name, rule in () if checked else plan.rules:
         if name not in values:
             continue
         for problem in cache.check(app, name, keys[name], values[name], rule):
@@ -223,22 +337,45 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     cache = cache or RenderCache()
     plan = cache.plan(app, profile)
     values, keys, problems = _values(intent, app, device, cache)
+    # Everything the document holds but the two device-specific strings (its id and the
+    # device id): the intent (name, namespace, shape: its digest), the application, the
+    # profile and every parameter's value (also those the configuration rules check that
+    # do not reach this profile: a known key means the rules passed these exact values).
+    key = (intent.name, intent.digest, app.digest, profile.id, tuple(keys.values()))
+    template = cache.templates.get(key)
     problems += _check_values(values, keys, app, plan, device, previous_values(previous),
-                              intent, cache)
+                              intent, cache, checked=template is not None)
     if problems:
         raise RenderError(problems)
+    slots = {"id": deployment_id(intent.name, device.id), "device": device.id}
+    if template is None:
+        template = _template(intent, app, profile.id, plan, values, keys)
+        cache.remember(key, template)
+    return Rendered(file_name(intent.name), template.fill(slots))
+
+
+#: Where each output shape holds the deployment id and the device id.
+_SLOT_PATHS = {"rc.3": {"id": ("id",), "device": ("metadata", "deviceId")},
+               "oct-2024": {"id": ("metadata", "annotations", "id")}}
+
+
+def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,
+              values: Mapping[str, Any], keys: Mapping[str, str]) -> YamlTemplate:
+    """The document of (intent, application, profile, values) for any device, with its id
+    and device id open."""
     parameters = {name: Parameter(name, targets, values[name], True)
                   for name, targets in plan.targets.items() if values[name] is not EMPTY}
     deployment = ApplicationDeployment(
-        id=deployment_id(intent.name, device.id),
-        name=intent.name,
+        id="", name=intent.name,
         namespace=intent.namespace or _default_namespace(app.description.id),
-        application_id=app.description.id,
-        profile=plan.profile,
-        parameters=parameters,
-        device_id=device.id,
-        labels={INTENT_LABEL: intent.name},
-    )
-    spec_key = (app.digest, profile.id, tuple((name, keys[name]) for name in parameters))
+        application_id=app.description.id, profile=plan.profile, parameters=parameters,
+        device_id="", labels={INTENT_LABEL: intent.name})
+    spec_key = (app.digest, profile_id, tuple((name, keys[name]) for name in parameters))
     document = deployment_document(deployment, shape=intent.output_shape, spec_key=spec_key)
-    return Rendered(file_name(intent.name), canonical_yaml(document))
+    for name, path in _SLOT_PATHS[intent.output_shape].items():
+        *parents, last = path
+        holder = document
+        for part in parents:
+            holder = holder[part]
+        holder[last] = Slot(name)
+    return yaml_template(document)

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from compiler.gcpause import collection_paused
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
 from margo.constraints import matching_view
 from margo.digests import data_digest
@@ -240,6 +241,7 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
                                          document=None if caps else loaded.value)
 
 
+@collection_paused()
 def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None,
                             trusted: Mapping[str, str] | None = None) -> Snapshot:
     """A snapshot from already-decoded documents keyed by device id (e.g. the WFM's store)."""
@@ -249,6 +251,7 @@ def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = 
     return snapshot
 
 
+@collection_paused()
 def load_snapshot(path: str | os.PathLike[str], *,
                   trusted: Mapping[str, str] | None = None) -> Snapshot:
     """A directory of capability documents, or one file mapping device id -> document.
@@ -290,6 +293,8 @@ def load_snapshot(path: str | os.PathLike[str], *,
     unknown = sum(k not in trusted for k in keys)
     if unknown >= PARALLEL_VALIDATION and "fork" in multiprocessing.get_all_start_methods():
         _add_in_two_processes(snapshot, loaded, keys, trusted, known or {})
+    elif known is not None:
+        _add_known(snapshot, loaded, keys, trusted, known)
     else:
         for device_id in keys:
             _add(snapshot, _keyed(loaded, device_id), device_id, trusted, known)
@@ -302,6 +307,22 @@ def load_snapshot(path: str | os.PathLike[str], *,
 #: by two processes (validation is pure Python, about 0.2 ms per document).
 PARALLEL_VALIDATION = 2_000
 _FORKED: tuple[LoadedDocument, list[str]] | None = None  # what the forked validator inherits
+
+
+def _add_known(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
+                trusted: Mapping[str, str], known: Mapping[str, str]) -> None:
+    """`_add` every key of a file whose bytes the last compile read: the common case, a
+    plain document the state vouches for under its own id, is added directly (what `_add`
+    would do, minus locating and re-checking); anything else takes `_add`."""
+    devices, file = snapshot.devices, loaded.file
+    for key in keys:
+        value = loaded.value[key]
+        digest = known.get(key)
+        if (digest is not None and trusted.get(key) == digest and key not in devices
+                and _claimed_id(value) == key and not is_cluster_manifest(value)):
+            devices[key] = Device(key, None, digest, file, document=value)
+        else:
+            _add(snapshot, _keyed(loaded, key), key, trusted, known)
 
 
 def _keyed(loaded: LoadedDocument, key: str) -> LoadedDocument:

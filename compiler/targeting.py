@@ -83,11 +83,16 @@ class TargetIndex:
         else:
             selected = set(intent.devices or ()) & self._devices.keys()
             if intent.selector is not None:
-                selector = intent.selector
-                selected.update(
-                    device_id for device_id in self._candidates(intent)
-                    if selector.is_eligible(self._devices[device_id].matching,
-                                            self._devices[device_id].labels))
+                selector, devices = intent.selector, self._devices
+                if selector.reads_properties:
+                    selected.update(
+                        device_id for device_id in self._candidates(intent)
+                        if selector.is_eligible(devices[device_id].matching,
+                                                devices[device_id].labels))
+                else:  # labels only: no device's model needs building to answer
+                    selected.update(
+                        device_id for device_id in self._candidates(intent)
+                        if selector.is_eligible(None, devices[device_id].labels))
             found = frozenset(selected)
         self._targeted[intent.name] = found
         return found

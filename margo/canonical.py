@@ -27,8 +27,8 @@ import yaml
 
 from margo.loading import load_document, resolve_plain_scalar
 
-__all__ = ["Cached", "canonical_json", "canonical_yaml", "format_number", "pretty_json",
-           "sorted_tree"]
+__all__ = ["Cached", "Slot", "YamlTemplate", "canonical_json", "canonical_yaml",
+           "format_number", "pretty_json", "sorted_tree", "yaml_template"]
 
 
 def format_number(value: int | float) -> str:
@@ -121,8 +121,22 @@ _NEEDS_ESCAPE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udff
 _YAML11 = yaml.resolver.Resolver()
 
 
-@lru_cache(maxsize=65536)
+#: Lower-case hyphenated UUIDs: never anything but a string to a YAML 1.1 or 1.2 reader (no
+#: dot, colon or leading sign; hyphens only between digit groups, never a date's 4-2-2), so
+#: plain. Deployment ids are one per (intent, device): checked here rather than filling the
+#: cache below with strings seen once.
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
+
+
 def _yaml_string(text: str) -> str:
+    """A string as a YAML scalar (see `_yaml_string_slow`)."""
+    if _UUID.match(text):
+        return text
+    return _yaml_string_slow(text)
+
+
+@lru_cache(maxsize=65536)
+def _yaml_string_slow(text: str) -> str:
     """A string as a YAML scalar: plain when no YAML 1.1 or 1.2 reader could mistake it for
     anything else, double-quoted (JSON escapes, valid YAML) otherwise."""
     if (
@@ -211,6 +225,8 @@ def _emit(value: Any, indent: str, out: list[str]) -> None:
             if isinstance(item, (dict, list, tuple)) and item:
                 out.append(head + "\n")
                 _emit(item, indent + "  ", out)
+            elif type(item) is Slot:
+                out.extend((head + " ", item, "\n"))
             else:
                 out.append(f"{head} {_inline(item)}\n")
     else:
@@ -221,6 +237,8 @@ def _emit(value: Any, indent: str, out: list[str]) -> None:
                 _emit(item, indent + "  ", nested)
                 out.append(f"{indent}- {nested[0][len(indent) + 2:]}")
                 out.extend(nested[1:])
+            elif type(item) is Slot:
+                out.extend((f"{indent}- ", item, "\n"))
             else:
                 out.append(f"{indent}- {_inline(item)}\n")
 
@@ -244,6 +262,67 @@ def canonical_yaml(value: Any) -> bytes:
         _emit(value, "", out)
         return "".join(out).encode("utf-8")
     return (_inline(value) + "\n").encode("utf-8")
+
+
+class Slot:
+    """A string scalar left open in a `yaml_template`, named so `YamlTemplate.fill` can
+    give it a value."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Slot({self.name!r})"
+
+
+class YamlTemplate:
+    """The canonical YAML of a document with some string scalars left open.
+
+    For thousands of documents that differ only in a few strings (one application's
+    deployment to every device differs in its id and device id): the document is
+    serialized once, and each fill formats only the open strings. A string scalar's text
+    does not depend on where it stands, so a fill is byte-identical to `canonical_yaml` of
+    the document with those strings in place.
+    """
+
+    __slots__ = ("_parts", "slots")
+
+    def __init__(self, lines: list[str | Slot]):
+        parts: list[bytes | str] = []
+        text: list[str] = []
+        for line in lines:
+            if type(line) is Slot:
+                parts.append("".join(text).encode("utf-8"))
+                parts.append(line.name)
+                text = []
+            else:
+                text.append(line)  # type: ignore[arg-type]
+        parts.append("".join(text).encode("utf-8"))
+        self._parts = tuple(parts)  # static bytes at even positions, slot names at odd ones
+        self.slots = tuple(parts[1::2])
+
+    def fill(self, values: dict[str, str]) -> bytes:
+        """The document's bytes with every slot given its value (a string)."""
+        parts = self._parts
+        out = [parts[0]]
+        for index in range(1, len(parts), 2):
+            value = values[parts[index]]  # type: ignore[index]
+            if not isinstance(value, str):
+                raise TypeError(f"slot {parts[index]!r} needs a string, found {value!r}")
+            out.append(_yaml_string(value).encode("utf-8"))
+            out.append(parts[index + 1])  # type: ignore[arg-type]
+        return b"".join(out)  # type: ignore[arg-type]
+
+
+def yaml_template(value: dict[str, Any] | list[Any]) -> YamlTemplate:
+    """A `YamlTemplate` of a non-empty collection in which some scalars are `Slot`s."""
+    if not isinstance(value, (dict, list, tuple)) or not value:
+        raise TypeError("a YAML template needs a non-empty mapping or sequence")
+    lines: list[Any] = []
+    _emit(value, "", lines)
+    return YamlTemplate(lines)
 
 
 def parse_canonical_yaml(data: bytes) -> Any:

@@ -1298,6 +1298,13 @@ class CompiledConstraints:
         return not self.characteristics or any(
             rule.passes(properties, labels) for rule in self.characteristics)
 
+    @property
+    def reads_properties(self) -> bool:
+        """Whether a verdict can depend on the device's properties at all: with labels-only
+        rules it cannot, and callers may pass None instead of building a matching view."""
+        return bool(self.checks or self.characteristics
+                    or any(rule.properties for rule in self.rules))
+
     def is_eligible(
         self, properties: Mapping[str, Any] | None, labels: Mapping[str, Any] | None
     ) -> bool:

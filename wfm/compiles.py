@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compiler.compilation import CompileReport, compile_fleet
+from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
@@ -125,6 +126,7 @@ class CompileService:
             report = compile_fleet(source, snapshot, store, state)
         finally:
             state.close()
+            release_frozen()  # what the compile froze, back to the collector (see gcpause)
         self.last_report, self.compiles = report, self.compiles + 1
         if report.errors:
             self.last_error = "; ".join(p.format() for _, p in report.errors[:5])

@@ -356,6 +356,13 @@ def test_update_versus_reconfigure_is_read_from_the_canonical_text() -> None:
     assert _classify(old, revision) == "update"
     assert _classify(old, namespace) == "update"
     assert _classify(b"not yaml", params) == "update"
+    # Remembering answers by spec text gives the same answers, also for another device's
+    # documents (same spec, other id and device) and for ones whose spec alone differs.
+    memo: dict[tuple[bytes, bytes], str] = {}
+    other_device = variant(lambda d: d["metadata"].update(deviceId="another"))
+    for pair in [(old, params), (other_device, params), (old, revision), (old, namespace),
+                 (b"not yaml", params), (old, params), (other_device, revision)]:
+        assert _classify(*pair, memo) == _classify(*pair)
 
 
 def test_incremental_compiles_end_where_a_fresh_compile_starts(tmp_path: Path) -> None:

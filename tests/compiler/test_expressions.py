@@ -847,3 +847,31 @@ def test_literal_numbers_render_natively(value: int | bool | None) -> None:
 @given(st.text().filter(lambda text: not is_expression(text)))
 def test_text_without_delimiters_is_literal(text: str) -> None:
     assert compile_value(text).render({}) is text
+
+
+@pytest.mark.parametrize(
+    ("value", "reads"),
+    [
+        ("{{ device.labels['zone'] }}", {("labels", "zone")}),
+        ("{{ [device.labels['n'] | default(1), 3] | min }}", {("labels", "n")}),
+        ("{{ (device)['labels']['zone'] }}", {("labels", "zone")}),
+        ("{{ device.properties['cpus'][0].cores }}", {("properties", "cpus")}),
+        ("{{ device.id }}-{{ device['labels'].site }}", {("id", None), ("labels", None)}),
+        ("{{ device.labels.get('zone') }}", {("labels", None)}),
+        ("{{ device.labels | tojson }}", {("labels", None)}),
+        # A missing key falls back to the mapping's attribute of that name: whole section.
+        ("{{ device.labels['items'] }}", {("labels", None)}),
+        ("{{ device.labels[device.id] }}", {("id", None), ("labels", None)}),
+        ({"a": ["{{ device.labels['x'] }}", 3], "b": "{{ device.id }}"},
+         {("labels", "x"), ("id", None)}),
+        ("{{ dict(device=1).device }}", set()),
+        ("plain text", set()),
+        ("{{ device | tojson }}", None),
+        ("{{ device.items() | list }}", None),
+        ("{{ device['lab' ~ 'els'] }}", None),
+        ({"a": "{{ device.labels['x'] }}", "b": "{{ device }}"}, None),
+    ],
+)
+def test_what_an_expression_reads_of_the_device(value: object, reads: set[Any] | None) -> None:
+    found = compile_value(value).reads
+    assert found == (None if reads is None else frozenset(reads))

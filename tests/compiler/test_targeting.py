@@ -27,15 +27,24 @@ def expression(key: str) -> Any:
     )
 
 
+def _rule(labels: list[Any], vendors: list[str] | None) -> dict[str, Any]:
+    rule: dict[str, Any] = {"labelSelector": {"matchExpressions": labels}}
+    if vendors is not None:  # a property clause too: the index must then read properties
+        rule["propertySelector"] = {"matchExpressions": [
+            {"key": "/vendor", "operator": "In", "values": vendors}]}
+    return rule
+
+
 rules = st.lists(
-    st.builds(lambda exprs: {"labelSelector": {"matchExpressions": exprs}},
-              st.lists(st.sampled_from(["zone", "tier"]).flatmap(expression), min_size=1,
-                       max_size=2)),
+    st.builds(_rule, st.lists(st.sampled_from(["zone", "tier"]).flatmap(expression),
+                              min_size=1, max_size=2),
+              st.one_of(st.none(), st.lists(st.sampled_from(["v0", "v1"]), min_size=1,
+                                            max_size=2, unique=True))),
     max_size=3)
 
 
 def device(index: int, labels: dict[str, Any]) -> dict[str, Any]:
-    return {"properties": {"id": f"d{index}", "vendor": "v", "modelNumber": "m",
+    return {"properties": {"id": f"d{index}", "vendor": f"v{index % 2}", "modelNumber": "m",
                            "serialNumber": "s"}, "labels": labels}
 
 

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from margo.canonical import canonical_json, canonical_yaml, format_number, pretty_json
+from margo.canonical import (
+    Slot,
+    _yaml_string,
+    _yaml_string_slow,
+    canonical_json,
+    canonical_yaml,
+    format_number,
+    pretty_json,
+    yaml_template,
+)
 from margo.loading import load_document
 
 # JSON-compatible data, including strings that look like other YAML types.
@@ -100,3 +110,41 @@ def test_long_strings_are_never_folded() -> None:
 def test_pretty_json_is_stable() -> None:
     assert pretty_json({"b": 1, "a": {"d": 2, "c": 3}}) == (
         '{\n  "a": {\n    "c": 3,\n    "d": 2\n  },\n  "b": 1\n}\n')
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=8), json_data, max_size=4),
+       st.one_of(st.text(max_size=20), tricky_strings, st.uuids().map(str)),
+       st.one_of(st.text(max_size=20), tricky_strings, st.uuids().map(str)))
+def test_a_filled_template_is_the_document_serialized_afresh(
+        body: dict[str, object], first: str, second: str) -> None:
+    def document(a: object, b: object) -> dict[str, object]:
+        # Open strings at the root, inside a nested mapping, as a list's first item and as
+        # the first key of a mapping inside a list (the line a "- " shares).
+        return {"id": a, **body, "meta": {"device": b, "n": 1},
+                "list": [a, {"device": b, "x": [b]}]}
+
+    template = yaml_template(document(Slot("a"), Slot("b")))
+    assert template.fill({"a": first, "b": second}) == canonical_yaml(document(first, second))
+    assert template.slots == ("a", "b", "a", "b", "b")
+
+
+def test_templates_refuse_what_cannot_be_filled() -> None:
+    template = yaml_template({"id": Slot("id")})
+    with pytest.raises(TypeError, match="needs a string"):
+        template.fill({"id": 7})  # type: ignore[dict-item]
+    with pytest.raises(KeyError):
+        template.fill({})
+    with pytest.raises(TypeError):
+        yaml_template({})
+    with pytest.raises(TypeError):  # a slot outside a template is not serialized silently
+        canonical_yaml({"id": Slot("id")})
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.uuids())
+def test_uuids_take_the_shortcut_to_the_same_text(value: uuid.UUID) -> None:
+    text = str(value)
+    assert _yaml_string(text) == _yaml_string_slow(text) == text
+    upper = text.upper()  # not the shortcut's form: decided the long way
+    assert _yaml_string(upper) == _yaml_string_slow(upper)

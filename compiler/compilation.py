@@ -221,6 +221,7 @@ class _Context:
     constraints: ProfileConstraints
     now: float
     targets: TargetIndex
+    store: DeviceStore  # device branches are read from it while compiling
     renders: RenderCache = field(default_factory=RenderCache)
     #: Every intent a device's tree may hold a file of, sorted (worked out once, not per
     #: device); a tree's other files are of deleted intents.
@@ -452,17 +453,19 @@ def _affected_devices(ctx: _Context, in_grace: set[str], placed_by_changed: set[
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """Everything a device's compile needs from Git and the state, read up front."""
+    """What a device's compile needs from the state, read up front. Its branch is read by
+    whoever compiles it (a worker process, in parallel), unless it is known to have none."""
 
     device: Device
     record: DeviceRecord | None
     previous: dict[str, PlacementRecord]
-    stored: StoredTree | None  # the branch tip; None for a device without a branch
-    reuse: bool
+    may_have_branch: bool
 
     @property
-    def current(self) -> StoredTree:
-        return _NO_TREE if self.stored is None else self.stored
+    def likely_reuse(self) -> bool:
+        """Whether the compile will probably re-evaluate only changed intents (see `_work`:
+        it also needs the branch where the state left it), for sizing the work up front."""
+        return self.record is not None and self.record.caps_digest == self.device.digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,23 +473,30 @@ class _Work:
     outcome: _DeviceOutcome
     message: str | None  # None: the tree did not change
     tree: str | None  # id of the outcome's tree (None after problems)
+    stored_files: int  # files on the branch before (what an erring device keeps)
+    tip: str | None  # the branch tip the outcome was computed from (None: no branch)
 
 
 def _work(ctx: _Context, job: _Job) -> _Work:
-    """Compile one device: pure, so it can run in a worker process."""
+    """Compile one device: pure but for reading its branch, so it can run in a worker
+    process. Only the intents that changed are evaluated again when the device's
+    capabilities and its branch are as the state last recorded them."""
     device, record = job.device, job.record
+    stored = ctx.store.tree(device.id) if job.may_have_branch else None
+    current = _NO_TREE if stored is None else stored
+    tip = None if stored is None else stored.commit
+    reuse = (record is not None and stored is not None
+             and record.caps_digest == device.digest and record.tree == stored.tree)
     caps_changed = record is not None and record.caps_digest != device.digest
-    outcome = _compile_device(ctx, device, job.current, job.previous, caps_changed,
-                              reuse=job.reuse)
+    outcome = _compile_device(ctx, device, current, job.previous, caps_changed, reuse=reuse)
     if outcome.problems:
-        return _Work(outcome, None, None)
-    stored = job.stored
+        return _Work(outcome, None, None, len(current.ids), tip)
     if stored is not None and not stored.foreign and stored.ids == outcome.ids:
-        return _Work(outcome, None, stored.tree)
+        return _Work(outcome, None, stored.tree, len(current.ids), tip)
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
                 "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
     return _Work(outcome, commit_message(device.id, outcome.changes, trailers),
-                 tree_id_of(outcome.ids))
+                 tree_id_of(outcome.ids), len(current.ids), tip)
 
 
 #: Above this many devices unknown to the state, list all branches once rather than looking
@@ -510,16 +520,18 @@ def _pack(work: _Work) -> tuple[Any, ...]:
     o = work.outcome
     return (o.files, o.kept, o.ids, [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
-            o.problems, o.notes, o.grace_until, work.message, work.tree)
+            o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
+            work.tip)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
     """The `_Work` that `_pack` was given (equal to it)."""
-    files, kept, ids, placements, changes, problems, notes, grace_until, message, tree = packed
+    (files, kept, ids, placements, changes, problems, notes, grace_until, message, tree,
+     stored_files, tip) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
                              kept, ids)
-    return _Work(outcome, message, tree)
+    return _Work(outcome, message, tree, stored_files, tip)
 
 
 def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
@@ -574,13 +586,14 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
     to stop the workers early.
     """
     global _FORKED
-    evaluated = sum(len(ctx.changed) if job.reuse else len(ctx.intents.usable) for job in jobs)
+    evaluated = sum(len(ctx.changed) if job.likely_reuse else len(ctx.intents.usable)
+                    for job in jobs)
     workers = _worker_count(evaluated, len(jobs))
     if workers <= 1:
         for job in (progress(jobs, len(jobs)) if progress else jobs):
             yield _work(ctx, job)
         return
-    every = not all(job.reuse for job in jobs)
+    every = not all(job.likely_reuse for job in jobs)
     # Small chunks: the first commit reaches Git sooner, and no worker is left alone on a
     # big last chunk while the others idle (~0.2 s of work each at fleet scale).
     step = max(1, len(jobs) // (workers * 32))
@@ -620,7 +633,7 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         if outcome.problems or work.tree is None:
             result.status, result.changes = "error", []
             report.errors.extend((device_id, p) for p in outcome.problems)
-            report.deployments += len(job.current.ids)
+            report.deployments += work.stored_files
             outcomes.forget.append(device_id)
             continue
         report.deployments += len(outcome.ids)
@@ -632,7 +645,8 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
             continue
         result.status = "committed"
         report.commits += 1
-        yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept)
+        yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
+                           parent=work.tip, parent_known=True)
 
 
 @collection_paused()
@@ -653,7 +667,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     changed |= {n for n in previous_intents if n not in current_records
                 and n not in intents.frozen}
     ctx = _Context(source, intents, previous_intents, changed, ProfileConstraints(), now,
-                   TargetIndex(snapshot.devices))
+                   TargetIndex(snapshot.devices), store)
     report = CompileReport(source.revision, devices=len(snapshot.devices))
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
                                             *snapshot.problems])
@@ -728,11 +742,5 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)
     branches = set(store.device_ids()) if unknown > _LIST_BRANCHES_ABOVE else None
-    jobs: list[_Job] = []
-    for device, record in todo:
-        has_branch = branches is None or device.id in branches
-        stored = store.tree(device.id) if has_branch else None
-        reuse = (record is not None and stored is not None
-                 and record.caps_digest == device.digest and record.tree == stored.tree)
-        jobs.append(_Job(device, record, placements[device.id], stored, reuse))
-    return jobs
+    return [_Job(device, record, placements[device.id],
+                 branches is None or device.id in branches) for device, record in todo]

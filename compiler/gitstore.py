@@ -131,6 +131,10 @@ class DeviceCommit:
     repository (e.g. from `tree_ids`), so files a compile leaves as they are need not be read
     or sent again. `message` is written verbatim (UTF-8), `timestamp` is the author and
     committer time (UTC).
+
+    With `parent_known`, `parent` is the branch tip the caller computed this tree from
+    (None: the device had no branch) and the commit builds on it; otherwise the store reads
+    the tip itself. Either way the branch moves only if it still points there.
     """
 
     device_id: str
@@ -138,6 +142,8 @@ class DeviceCommit:
     message: str
     timestamp: int
     kept: Mapping[str, str] = field(default_factory=dict)
+    parent: str | None = None
+    parent_known: bool = False
 
 
 class StoredTree:
@@ -147,12 +153,14 @@ class StoredTree:
     `foreign` says the tree also holds entries no compile writes (subtrees, executables,
     links): it then equals no tree of plain files, whatever `ids` says."""
 
-    __slots__ = ("_store", "foreign", "ids", "tree")
+    __slots__ = ("_store", "commit", "foreign", "ids", "tree")
 
     def __init__(self, store: DeviceStore | None, tree: str, ids: dict[str, str], *,
-                 foreign: bool = False) -> None:
-        """`store` may be None only for a tree without files (nothing to read)."""
+                 foreign: bool = False, commit: str | None = None) -> None:
+        """`store` may be None only for a tree without files (nothing to read); `commit` is
+        the commit the tree was read from."""
         self._store, self.tree, self.ids, self.foreign = store, tree, ids, foreign
+        self.commit = commit
 
     def __repr__(self) -> str:
         return f"StoredTree({self.tree!r}, {self.ids!r})"
@@ -274,6 +282,10 @@ def _check_commit(commit: DeviceCommit) -> None:
         if not isinstance(content, bytes):
             raise InvalidCommitError(f"{where}: content of {name!r} must be bytes, "
                                      f"got {type(content).__name__}")
+    if commit.parent_known and commit.parent is not None and (
+            not isinstance(commit.parent, str) or not _FULL_OID_RE.fullmatch(commit.parent)):
+        raise InvalidCommitError(f"{where}: parent must be a full commit id or None, "
+                                 f"got {commit.parent!r}")
     if not isinstance(commit.kept, Mapping):
         raise InvalidCommitError(f"{where}: kept must be a mapping of name -> blob id")
     for name, oid in commit.kept.items():
@@ -409,15 +421,20 @@ class DeviceStore:
                 ids[entry.name] = str(entry.id)
             else:
                 foreign = True
-        return StoredTree(self, str(commit.tree_id), ids, foreign=foreign)
+        return StoredTree(self, str(commit.tree_id), ids, foreign=foreign,
+                          commit=str(commit.id))
 
-    def _blob(self, oid: str) -> bytes:
-        """A blob's content. Safe in a forked child process (compile workers): libgit2
+    def _own_repo(self) -> pygit2.Repository:
+        """The libgit2 handle of this process: compile workers are forked, and libgit2
         handles are not shared across fork, so a child opens the repository again."""
         if os.getpid() != self._pid:
             self._repo, self._pid = self._open(create=False), os.getpid()
+        return self._repo
+
+    def _blob(self, oid: str) -> bytes:
+        """A blob's content (also in a forked child process)."""
         try:
-            kind, data = self._repo.odb.read(pygit2.Oid(hex=oid))
+            kind, data = self._own_repo().odb.read(pygit2.Oid(hex=oid))
         except (KeyError, ValueError, pygit2.GitError):
             raise GitStoreError(f"no object {oid} in {self.path}") from None
         if kind != pygit2.enums.ObjectType.BLOB:
@@ -451,7 +468,7 @@ class DeviceStore:
         return out
 
     def _tip_commit(self, device_id: str) -> pygit2.Commit | None:
-        ref = self._repo.references.get(device_ref(device_id))
+        ref = self._own_repo().references.get(device_ref(device_id))
         return None if ref is None else ref.peel(pygit2.Commit)
 
     def _commit_on_branch(self, device_id: str, tip: pygit2.Commit,
@@ -548,7 +565,8 @@ class DeviceStore:
             device_id = commit.device_id
             previous = last_mark.get(device_id)
             if previous is None:
-                parent = old_tips[device_id] = self.tip(device_id)
+                parent = old_tips[device_id] = (commit.parent if commit.parent_known
+                                                else self.tip(device_id))
             else:
                 parent = f":{previous}"
             order.append(device_id)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pygit2
 import pytest
@@ -22,7 +23,6 @@ from compiler.gitstore import (
     DeviceStore,
     GitStoreError,
     InvalidCommitError,
-    StoredTree,
     blob_id,
     device_id_from_ref,
     device_ref,
@@ -285,7 +285,8 @@ def test_invalid_file_names_are_rejected_before_anything_is_written(
      (DeviceCommit("d", {"a": "text"}, "m", TS), "must be bytes"),  # type: ignore[dict-item]
      (DeviceCommit("d", {}, "m", -1), "negative"),
      (DeviceCommit("d", {}, "m", 1.5), "must be an int"),  # type: ignore[arg-type]
-     (DeviceCommit("d", {}, "\udc80", TS), "UTF-8")],
+     (DeviceCommit("d", {}, "\udc80", TS), "UTF-8"),
+     (DeviceCommit("d", {}, "m", TS, parent="abc", parent_known=True), "full commit id")],
 )
 def test_malformed_commits_are_rejected(store: DeviceStore, commit: DeviceCommit,
                                         reason: str) -> None:
@@ -334,6 +335,33 @@ def test_a_branch_moved_behind_our_back_aborts_the_whole_write(
     monkeypatch.undo()
     assert store.tip("dev") == current
     assert store.tip("new") is None  # all or nothing
+
+
+def test_a_commit_builds_on_the_tip_its_caller_read(store: DeviceStore) -> None:
+    first = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    read = store.tree("dev")
+    assert read is not None and read.commit == first
+    second = store.write([DeviceCommit("dev", files(2), "two\n", TS, parent=read.commit,
+                                       parent_known=True),
+                          DeviceCommit("new", files(1), "m\n", TS, parent=None,
+                                       parent_known=True)])
+    assert store.history("dev")[0].parent == first and second["dev"] == store.tip("dev")
+    assert store.history("new")[0].parent is None
+
+
+@pytest.mark.parametrize("claimed", ["stale", None])
+def test_a_tip_read_before_the_branch_moved_aborts_the_whole_write(
+        store: DeviceStore, claimed: str | None) -> None:
+    """The caller computed its tree from a tip (or from no branch) that is no longer there:
+    nothing moves, the newer commit stays."""
+    stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
+    with pytest.raises(GitStoreError, match="update-ref failed"):
+        store.write([DeviceCommit("new", files(1), "m\n", TS),
+                     DeviceCommit("dev", files(3), "three\n", TS,
+                                  parent=stale if claimed else None, parent_known=True)])
+    assert store.tip("dev") == current
+    assert store.tip("new") is None
 
 
 # --- the compile lock ------------------------------------------------------------------------
@@ -520,7 +548,7 @@ def test_tree_id_of_is_the_id_git_gives_the_tree(store: DeviceStore) -> None:
     assert tree_id_of({}) == store.tree_id("empty") == "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 
 
-_INHERITED: list[StoredTree] = []  # what a forked child inherits (as compile workers do)
+_INHERITED: list[Any] = []  # what a forked child inherits (as compile workers do)
 
 
 def _read_in_child(name: str) -> bytes:
@@ -538,6 +566,24 @@ def test_stored_trees_can_be_read_in_forked_workers(store: DeviceStore) -> None:
     finally:
         _INHERITED.clear()
     assert stored.read("app-0.yaml") == files(2)["app-0.yaml"]  # the parent's handle still works
+
+
+def _tree_in_child(device_id: str) -> tuple[str | None, dict[str, str]]:
+    store = _INHERITED[0]
+    assert isinstance(store, DeviceStore)
+    found = store.tree(device_id)
+    assert found is not None and store._pid == os.getpid()  # its own handle, not the parent's
+    return found.commit, found.ids
+
+
+def test_branches_are_read_in_forked_workers_with_their_own_handle(store: DeviceStore) -> None:
+    tip = store.write([DeviceCommit("dev", files(2), "m\n", TS)])["dev"]
+    _INHERITED[:] = [store]
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_tree_in_child, ("dev",)) == (tip, store.tree_ids("dev"))
+    finally:
+        _INHERITED.clear()
 
 
 def test_while_moving_runs_once_between_writing_objects_and_moving_branches(

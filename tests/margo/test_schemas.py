@@ -78,3 +78,40 @@ def test_fast_gate_agrees_with_the_full_validator(path: Path) -> None:
         assert fast_ok == full.is_valid(variant), name
         checked += 1
     assert checked > 20
+
+
+def _full_intent() -> dict[str, Any]:
+    """An intent using every field of the schema."""
+    return {"apiVersion": "margo-gitops.dev/v1alpha1", "kind": "DeploymentIntent",
+            "metadata": {"name": "everything"},
+            "spec": {"application": {"id": "com-example-app", "version": "1.0.0"},
+                     "profile": {"type": "helm"}, "namespace": "demo",
+                     "parameters": {"greeting": "{{ device.id }}", "n": 2},
+                     "targets": {"devices": ["a", "b"], "selectors": [
+                         {"labelSelector": {"matchExpressions": [
+                             {"key": "zone", "operator": "In", "values": ["z1"]}]},
+                          "propertySelector": {"matchExpressions": [
+                              {"key": "/vendor", "operator": "Exists"}]}}]},
+                     "constraints": {"capacityRequirements": {"memory": "1Gi"}},
+                     "gracePeriod": "1h30m", "outputShape": "oct-2024"}}
+
+
+@pytest.mark.parametrize("path", [*sorted((ROOT / "examples" / "fleet" / "deployments")
+                                          .glob("*.yaml")), None],
+                         ids=lambda p: p.name if p else "every-field")
+def test_fast_intent_gate_agrees_with_the_full_validator(path: Path | None) -> None:
+    from compiler.intents import _validator, fast_intent_check
+
+    original = load_path(str(path)).value if path else _full_intent()
+    fast, full = fast_intent_check(), _validator()
+    assert full.is_valid(original)
+    checked = 0
+    for name, variant in _mutations(original):
+        try:
+            fast(variant)
+            fast_ok = True
+        except JsonSchemaException:
+            fast_ok = False
+        assert fast_ok == full.is_valid(variant), name
+        checked += 1
+    assert checked > 20

@@ -227,6 +227,9 @@ class _Context:
     #: device); a tree's other files are of deleted intents.
     names: list[str] = field(init=False)
     known: frozenset[str] = field(init=False)
+    #: (name, file name) of every usable intent that did not change: what a device whose
+    #: capabilities did not change either may keep exactly as last time (`_keep_steady`).
+    steady: list[tuple[str, str]] = field(init=False)
     #: Intent name -> the devices it targets (`TargetIndex.targeted`), looked up inline: the
     #: innermost loop asks it for every (device, intent) pair.
     targeted: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -236,6 +239,8 @@ class _Context:
     def __post_init__(self) -> None:
         self.known = frozenset(self.intents.usable) | self.intents.frozen
         self.names = sorted(self.known)
+        self.steady = [(name, file_name(name)) for name in self.names
+                       if name in self.intents.usable and name not in self.changed]
 
     def targeted_by(self, name: str) -> frozenset[str]:
         """The devices intent `name` (a usable one) targets."""
@@ -300,23 +305,27 @@ class _DeviceOutcome:
 _NO_TREE = StoredTree(None, "", {})
 
 
-def _unchanged_placement(ctx: _Context, name: str, previous: dict[str, PlacementRecord],
-                         current: StoredTree, out: _DeviceOutcome) -> bool:
+def _keep_steady(ctx: _Context, previous: dict[str, PlacementRecord], current: StoredTree,
+                 out: _DeviceOutcome) -> set[str]:
     """With unchanged capabilities, an unchanged intent decides exactly as last time: keep
     its file (or its absence) and its record instead of evaluating and rendering again.
-    Placements in a grace period are always re-evaluated, since time is an input."""
-    if name in ctx.changed or name in ctx.intents.frozen:
-        return False
-    record = previous.get(name)
-    fname = file_name(name)
-    if record is None:
-        return fname not in current.ids  # not targeted before, so not now
-    if record.ineligible_since is not None:
-        return False
-    if fname in current.ids:
-        out.keep(fname, current)
-    out.placements.append(record)
-    return True
+    Returns the intents so settled. Placements in a grace period are always evaluated
+    again, since time is an input; so is a file the state has no record of."""
+    settled: set[str] = set()
+    ids, kept, new_ids, placements = current.ids, out.kept, out.ids, out.placements
+    for name, fname in ctx.steady:
+        record = previous.get(name)
+        if record is None:
+            if fname not in ids:
+                settled.add(name)  # not targeted before, so not now
+            continue
+        if record.ineligible_since is not None:
+            continue
+        if fname in ids:
+            kept[fname] = new_ids[fname] = ids[fname]
+        placements.append(record)
+        settled.add(name)
+    return settled
 
 
 def _compile_device(ctx: _Context, device: Device, current: StoredTree,
@@ -332,8 +341,9 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
         names = sorted(ctx.known.union(deleted))
     usable, frozen, ids, targeted = (ctx.intents.usable, ctx.intents.frozen, current.ids,
                                      ctx.targeted)
+    settled = _keep_steady(ctx, previous, current, out) if reuse else set()
     for name in names:
-        if reuse and name in usable and _unchanged_placement(ctx, name, previous, current, out):
+        if name in settled:
             continue
         fname = file_name(name)
         had = fname in ids

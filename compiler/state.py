@@ -127,7 +127,7 @@ class CompilerState:
     def devices(self) -> dict[str, DeviceRecord]:
         rows = self._db.execute("SELECT device_id, caps_digest, compiled_at, tree, deployments "
                                 "FROM devices")
-        return {r[0]: DeviceRecord(*r) for r in rows}
+        return {record.device_id: record for record in map(DeviceRecord._make, rows)}
 
     def devices_in_grace(self) -> set[str]:
         """Devices with a deployment kept for a grace period (re-evaluated every compile)."""
@@ -168,8 +168,7 @@ class CompilerState:
         """Device id -> digest of the capability document last compiled successfully
         (documents with that exact content need not be validated again), carrying the
         memo of the keyed snapshot file last compiled (see `load_snapshot`)."""
-        digests = {r[0]: r[1] for r in self._db.execute("SELECT device_id, caps_digest "
-                                                        "FROM devices")}
+        digests = dict(self._db.execute("SELECT device_id, caps_digest FROM devices"))
         return TrustedDigests(digests, self.snapshot_memo())
 
     def snapshot_memo(self) -> SnapshotMemo | None:
@@ -178,7 +177,7 @@ class CompilerState:
         if key is None:
             return None
         rows = self._db.execute("SELECT device_id, digest FROM snapshot_documents")
-        return SnapshotMemo(key, {r[0]: r[1] for r in rows})
+        return SnapshotMemo(key, dict(rows))
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

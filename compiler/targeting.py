@@ -51,8 +51,8 @@ class TargetIndex:
         if index is None:
             index = {}
             for device_id, device in self._devices.items():
-                tag = _tag(device.labels.get(key)) if key in device.labels else None
-                if tag is not None:
+                labels = device.labels
+                if key in labels and (tag := _tag(labels[key])) is not None:
                     index.setdefault(tag, set()).add(device_id)
             self._labels[key] = index
         return index

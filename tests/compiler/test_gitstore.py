@@ -628,3 +628,37 @@ def test_a_ref_named_like_an_object_id_does_not_change_what_a_write_builds_on(
     second = store.write([DeviceCommit("dev", files(3), "two\n", TS)])["dev"]
     assert store.history("dev")[0].parent == first
     assert second == store.tip("dev")
+
+
+def test_stored_trees_read_the_raw_format_as_pygit2_does(store: DeviceStore) -> None:
+    """Plain files by name and blob id, and anything else (subtree, executable, link) only
+    marks the tree foreign — what iterating pygit2's Tree gives."""
+    store.write([DeviceCommit("dev", {"a.yaml": b"1", "é ü.yaml": b"2", "sp ace": b""},
+                              "m\n", TS)])
+    repo = pygit2.Repository(str(store.path))
+    blob, tip = repo.create_blob(b"x"), repo[store.tip("dev")]
+    for mode, foreign in [(pygit2.GIT_FILEMODE_BLOB, False),
+                          (pygit2.GIT_FILEMODE_BLOB_EXECUTABLE, True),
+                          (pygit2.GIT_FILEMODE_LINK, True)]:
+        builder = repo.TreeBuilder(tip.tree)
+        builder.insert("extra", blob, mode)
+        if foreign:
+            builder.insert("sub", tip.tree.id, pygit2.GIT_FILEMODE_TREE)
+        commit = repo.create_commit(device_ref("dev"), tip.author, tip.committer, "m\n",
+                                    builder.write(), [tip.id])
+        stored = store.tree("dev")
+        assert stored is not None and stored.commit == str(commit)
+        tree = repo[commit].tree
+        assert stored.ids == {e.name: str(e.id) for e in tree
+                              if e.filemode == pygit2.GIT_FILEMODE_BLOB}
+        assert stored.foreign is foreign and stored.tree == str(tree.id)
+        tip = repo[commit]
+
+
+@pytest.mark.parametrize("raw", [b"100644 a", b"100644 a\0" + b"\1" * 5, b"100644a\0" + b"\1" * 20])
+def test_a_malformed_tree_object_is_an_error(raw: bytes) -> None:
+    from compiler.gitstore import _plain_files
+
+    with pytest.raises(GitStoreError, match="malformed tree"):
+        _plain_files(raw, 20)
+    assert _plain_files(b"100644 a\0" + b"\1" * 20, 20) == ({"a": "01" * 20}, False)

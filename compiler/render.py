@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from compiler.expressions import CompiledValue, ExpressionError, Reads, device_context
+from compiler.expressions import CompiledValue, ExpressionError, device_context
 from compiler.intents import Intent
 from compiler.snapshot import Device
 from compiler.source import AppVersion
@@ -106,6 +106,10 @@ def _plan(app: AppVersion, profile: DeploymentProfile) -> _ProfilePlan:
         immutable=tuple(n for n, s in settings.items() if s.immutable))
 
 
+#: `CompiledValue.reads` in a fixed order: (section, key or None for the whole section).
+ReadOrder = tuple[tuple[str, str | None], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class _ValuePlan:
     """An intent's parameter values for one application before any device is looked at:
@@ -114,7 +118,8 @@ class _ValuePlan:
 
     values: dict[str, Any]  # EMPTY for a parameter without a value
     keys: dict[str, str]  # name -> value_key
-    expressions: tuple[tuple[str, CompiledValue, Reads | None], ...]  # (name, value, reads)
+    #: (name, value, what it reads of the device in a fixed order; None: all of it)
+    expressions: tuple[tuple[str, CompiledValue, ReadOrder | None], ...]
     problems: tuple[Problem, ...]  # intent parameters the application does not have
 
 
@@ -140,10 +145,10 @@ class RenderCache:
         self._keys: dict[tuple[str, str, int], str] = {}
         self._values: dict[tuple[str, str, str], _ValuePlan] = {}
         self.templates: dict[tuple[Any, ...], YamlTemplate] = {}
-        self._results: dict[tuple[str, str, str, str], tuple[Any, str]] = {}
+        self._results: dict[tuple[Any, ...], tuple[Any, str]] = {}
 
     def evaluate(self, intent: Intent, name: str, compiled: CompiledValue,
-                 reads: Reads | None, device: Device) -> tuple[Any, str]:
+                 reads: ReadOrder | None, device: Device) -> tuple[Any, str]:
         """An expression's value for `device` and its `value_key`; raises ExpressionError.
 
         Evaluated once per distinct input: an expression is a pure function of what it
@@ -234,7 +239,9 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
             values[name] = compiled.source
             keys[name] = cache.literal_key(intent.digest, name, compiled.source)
         else:
-            expressions.append((name, compiled, compiled.reads))
+            reads = compiled.reads
+            expressions.append((name, compiled, None if reads is None else tuple(
+                sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")))))
     return _ValuePlan(values, keys, tuple(expressions), tuple(problems))
 
 
@@ -270,26 +277,42 @@ def _plain_mapping(value: Any) -> dict[str, Any]:
     raise TypeError(f"not JSON data: {type(value).__name__}")
 
 
-def _device_inputs(device: Device, reads: Reads) -> str | None:
-    """What an expression reads of this device, as text that differs whenever the data
-    (types included: 1, 1.0, true) differs; None if it is not plain JSON data (the
-    expression is then simply evaluated)."""
-    parts: list[Any] = []
-    for section, key in sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")):
-        if section == "id":
-            parts.append(["id", device.id])
-            continue
-        data = _SECTION_READERS[section](device)
-        if key is None:
-            parts.append([section, None, data])
-        elif key in data:
-            parts.append([section, key, data[key]])
-        else:
-            parts.append([section, key])  # missing: not the same as null
+_ABSENT: tuple[str] = ("absent",)  # a key the device does not have (not the same as null)
+
+
+def _json_part(value: Any) -> tuple[str, str] | None:
     try:
-        return json.dumps(parts, sort_keys=True, allow_nan=False, default=_plain_mapping)
+        return ("json", json.dumps(value, sort_keys=True, allow_nan=False,
+                                   default=_plain_mapping))
     except (TypeError, ValueError):
         return None
+
+
+def _device_inputs(device: Device, reads: ReadOrder) -> tuple[Any, ...] | None:
+    """What an expression reads of this device (`reads` in a fixed order), as a key that
+    differs whenever the data differs, types included (1, 1.0, true and "1"; -0.0 and
+    0.0); None if it is not plain JSON data (the expression is then simply evaluated)."""
+    parts: list[Any] = []
+    for section, key in reads:
+        if section == "id":
+            parts.append(device.id)
+            continue
+        data = _SECTION_READERS[section](device)
+        if key is not None and key not in data:
+            parts.append(_ABSENT)
+            continue
+        value = data if key is None else data[key]
+        kind = type(value)
+        if kind is str or kind is int or kind is bool or value is None:
+            parts.append((kind, value))  # exact types: (int, 1) != (bool, True)
+        elif kind is float:
+            parts.append((kind, repr(value)))  # repr tells -0.0 from 0.0
+        else:
+            part = _json_part(value)
+            if part is None:
+                return None
+            parts.append(part)
+    return tuple(parts)
 
 
 def _check_values(values: Mapping[str, Any], keys: Mapping[str, str], app: AppVersion,

@@ -110,7 +110,7 @@ def test_values_are_checked_per_device_even_where_they_do_not_reach_the_profile(
 
 
 #: Values that compare or print alike but are different data (None: the device is refused).
-_LABEL_VALUES = st.sampled_from([1, 1.0, True, "1", "true", "x", None])
+_LABEL_VALUES = st.sampled_from([1, 1.0, True, "1", "true", "x", 0.0, -0.0, None])
 
 
 @pytest.fixture(scope="module")

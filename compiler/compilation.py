@@ -485,6 +485,11 @@ class _Work:
     tree: str | None  # id of the outcome's tree (None after problems)
     stored_files: int  # files on the branch before (what an erring device keeps)
     tip: str | None  # the branch tip the outcome was computed from (None: no branch)
+    file_count: int = 0  # files in the new tree
+    #: The commit changes the tip's tree (`DeviceCommit.on_parent`): `outcome.files` and
+    #: `outcome.kept` hold only what differs from it, and `removed` what it loses.
+    on_parent: bool = False
+    removed: tuple[str, ...] = ()
 
 
 def _work(ctx: _Context, job: _Job) -> _Work:
@@ -502,11 +507,18 @@ def _work(ctx: _Context, job: _Job) -> _Work:
     if outcome.problems:
         return _Work(outcome, None, None, len(current.ids), tip)
     if stored is not None and not stored.foreign and stored.ids == outcome.ids:
-        return _Work(outcome, None, stored.tree, len(current.ids), tip)
+        return _Work(outcome, None, stored.tree, len(current.ids), tip, len(outcome.ids))
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
                 "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
-    return _Work(outcome, commit_message(device.id, outcome.changes, trailers),
-                 tree_id_of(outcome.ids), len(current.ids), tip)
+    message = commit_message(device.id, outcome.changes, trailers)
+    tree = tree_id_of(outcome.ids)
+    if stored is None or stored.foreign:
+        return _Work(outcome, message, tree, len(current.ids), tip, len(outcome.ids))
+    # Only the difference from the tip travels on (to the parent process and to Git).
+    before, after = stored.ids, outcome.ids
+    outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
+    removed = tuple(n for n in before if n not in after)
+    return _Work(outcome, message, tree, len(current.ids), tip, len(after), True, removed)
 
 
 #: Above this many devices unknown to the state, list all branches once rather than looking
@@ -528,20 +540,22 @@ def _pack(work: _Work) -> tuple[Any, ...]:
     """A `_Work` as plain tuples: it crosses from a worker process in a pickle, and
     pickling ~10 objects per device costs more than rendering some of them."""
     o = work.outcome
-    return (o.files, o.kept, o.ids, [tuple(p) for p in o.placements],
+    return (o.files, o.kept if work.message is not None else {},
+            [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip)
+            work.tip, work.file_count, work.on_parent, work.removed)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
-    """The `_Work` that `_pack` was given (equal to it)."""
-    (files, kept, ids, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip) = packed
+    """What the parent process needs of the `_Work` that `_pack` was given (not the new
+    tree's ids, which the worker already turned into `tree`, `file_count` and the commit)."""
+    (files, kept, placements, changes, problems, notes, grace_until, message, tree,
+     stored_files, tip, file_count, on_parent, removed) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
-                             kept, ids)
-    return _Work(outcome, message, tree, stored_files, tip)
+                             kept)
+    return _Work(outcome, message, tree, stored_files, tip, file_count, on_parent, removed)
 
 
 def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
@@ -646,9 +660,9 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
             report.deployments += work.stored_files
             outcomes.forget.append(device_id)
             continue
-        report.deployments += len(outcome.ids)
+        report.deployments += work.file_count
         outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
-                                                   work.tree, len(outcome.ids))
+                                                   work.tree, work.file_count)
         outcomes.placements.extend(outcome.placements)
         if work.message is None:
             report.unchanged += 1
@@ -656,7 +670,8 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         result.status = "committed"
         report.commits += 1
         yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
-                           parent=work.tip, parent_known=True)
+                           parent=work.tip, parent_known=True, on_parent=work.on_parent,
+                           removed=work.removed)
 
 
 @collection_paused()

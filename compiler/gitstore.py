@@ -44,7 +44,7 @@ import tempfile
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar
@@ -135,6 +135,11 @@ class DeviceCommit:
     With `parent_known`, `parent` is the branch tip the caller computed this tree from
     (None: the device had no branch) and the commit builds on it; otherwise the store reads
     the tip itself. Either way the branch moves only if it still points there.
+
+    With `on_parent` (which needs a known `parent`), the commit is a change to the parent's
+    tree instead: `files` and `kept` are written into it and the names in `removed` are
+    deleted; everything else stays as it is. Why: a compile that re-renders one intent
+    changes one file of a device's tree, and sending only that costs less than the tree.
     """
 
     device_id: str
@@ -144,6 +149,8 @@ class DeviceCommit:
     kept: Mapping[str, str] = field(default_factory=dict)
     parent: str | None = None
     parent_known: bool = False
+    on_parent: bool = False
+    removed: Collection[str] = ()
 
 
 class StoredTree:
@@ -316,6 +323,17 @@ def _check_commit(commit: DeviceCommit) -> None:
             not isinstance(commit.parent, str) or not _FULL_OID_RE.fullmatch(commit.parent)):
         raise InvalidCommitError(f"{where}: parent must be a full commit id or None, "
                                  f"got {commit.parent!r}")
+    if commit.on_parent and (not commit.parent_known or commit.parent is None):
+        raise InvalidCommitError(f"{where}: a change on the parent's tree needs a known parent")
+    if not commit.on_parent and commit.removed:
+        raise InvalidCommitError(f"{where}: removed names need on_parent (otherwise files "
+                                 "and kept are the whole tree)")
+    if isinstance(commit.removed, str | bytes):
+        raise InvalidCommitError(f"{where}: removed must be a collection of file names")
+    for name in commit.removed:
+        _check_file_name(name, where)
+        if name in commit.files or name in commit.kept:
+            raise InvalidCommitError(f"{where}: {name!r} is both removed and written")
     if not isinstance(commit.kept, Mapping):
         raise InvalidCommitError(f"{where}: kept must be a mapping of name -> blob id")
     for name, oid in commit.kept.items():
@@ -594,11 +612,14 @@ class DeviceStore:
             if previous is None:
                 parent = old_tips[device_id] = (commit.parent if commit.parent_known
                                                 else self.tip(device_id))
+            elif commit.on_parent:
+                raise InvalidCommitError(f"device {device_id!r}: a change on the parent's "
+                                         "tree must be the device's first commit of a write")
             else:
                 parent = f":{previous}"
             order.append(device_id)
             last_mark[device_id] = mark
-            yield _commit_command(commit, mark, parent, self.AUTHOR)
+            yield _commit_command(commit, mark, parent, self.AUTHOR, on_parent=commit.on_parent)
         yield f"reset {_SCRATCH_REF}\ndone\n".encode()
 
     def _update_refs(self, new_tips: Mapping[str, str], old_tips: Mapping[str, str | None],
@@ -687,10 +708,11 @@ def _git_env() -> dict[str, str]:
 
 
 def _commit_command(commit: DeviceCommit, mark: int, parent: str | None,
-                    author: tuple[str, str]) -> bytes:
-    """One commit whose tree is exactly ``commit.files`` plus ``commit.kept``: ``deleteall``,
-    then one inline file per written name, every payload framed by its byte length so any
-    bytes round-trip, and one blob reference per kept name."""
+                    author: tuple[str, str], *, on_parent: bool = False) -> bytes:
+    """One commit whose tree is exactly ``commit.files`` plus ``commit.kept`` (``deleteall``
+    first), or with `on_parent` the parent's tree changed by them and by deleting
+    ``commit.removed``: one inline file per written name, every payload framed by its byte
+    length so any bytes round-trip, one blob reference per kept name."""
     ident = f"{author[0]} <{author[1]}> {commit.timestamp} +0000"
     message = commit.message.encode("utf-8")
     parts = [
@@ -700,7 +722,8 @@ def _commit_command(commit: DeviceCommit, mark: int, parent: str | None,
     ]
     if parent is not None:
         parts.append(f"from {parent}\n".encode())
-    parts.append(b"deleteall\n")
+    if not on_parent:
+        parts.append(b"deleteall\n")  # files + kept are the whole tree
     for name in sorted(commit.files):
         content = commit.files[name]
         parts += [b"M ", _FILE_MODE, b" inline ", _fast_import_path(name),
@@ -708,6 +731,9 @@ def _commit_command(commit: DeviceCommit, mark: int, parent: str | None,
     for name in sorted(commit.kept):  # fast-import checks that each blob exists
         parts += [b"M ", _FILE_MODE, b" ", commit.kept[name].encode(), b" ",
                   _fast_import_path(name), b"\n"]
+    if on_parent:
+        for name in sorted(commit.removed):
+            parts += [b"D ", _fast_import_path(name), b"\n"]
     parts.append(b"\n")
     return b"".join(parts)
 

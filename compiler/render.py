@@ -123,8 +123,8 @@ class _ValuePlan:
     problems: tuple[Problem, ...]  # intent parameters the application does not have
 
 
-#: Templates kept per compile before the memo starts again (each is a few hundred bytes).
-_TEMPLATE_LIMIT = 50_000
+#: Entries a memo (templates, expression results) keeps per compile before starting over.
+_MEMO_LIMIT = 50_000
 
 
 class RenderCache:
@@ -164,7 +164,7 @@ class RenderCache:
         value = compiled.render(self.context(device))
         result = (value, value_key(value))
         if memo is not None:
-            if len(self._results) >= _TEMPLATE_LIMIT:
+            if len(self._results) >= _MEMO_LIMIT:
                 self._results.clear()
             self._results[memo] = result
         return result
@@ -177,7 +177,7 @@ class RenderCache:
         return plan
 
     def remember(self, key: tuple[Any, ...], template: YamlTemplate) -> None:
-        if len(self.templates) >= _TEMPLATE_LIMIT:
+        if len(self.templates) >= _MEMO_LIMIT:
             self.templates.clear()
         self.templates[key] = template
 

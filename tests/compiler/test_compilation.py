@@ -415,3 +415,32 @@ def test_worker_processes_produce_the_same_trees_and_messages(
     for device_id in serial.device_ids():
         assert serial.read_files(device_id) == parallel.read_files(device_id)
         assert serial.history(device_id)[0].message == parallel.history(device_id)[0].message
+
+
+def test_a_branch_someone_else_committed_to_gets_a_whole_tree_again(fleet: Fleet) -> None:
+    """Compiles send Git only the difference from a branch's tree, except when the tree holds
+    what no compile writes (here a subtree): then the whole tree is written, without it."""
+    import pygit2
+
+    from compiler.gitstore import device_ref
+
+    fleet.intents["other"] = intent("other")
+    fleet.compile()
+    expected, box = fleet.tree("k8s-a"), fleet.tree("box-c")
+    repo = pygit2.Repository(str(fleet.store.path))
+    tip = repo[fleet.store.tip("k8s-a")]
+    builder = repo.TreeBuilder(tip.tree)
+    builder.insert("stray", tip.tree.id, pygit2.GIT_FILEMODE_TREE)
+    repo.create_commit(device_ref("k8s-a"), tip.author, tip.committer, "by hand\n",
+                       builder.write(), [tip.id])
+    fleet.intents["other"]["spec"]["parameters"] = {"greeting": "changed"}
+    fleet.compile(now=2_000_000)
+    files = fleet.tree("k8s-a")
+    assert set(files) == set(expected) and files["everywhere.yaml"] == expected["everywhere.yaml"]
+    assert b"changed" in files["other.yaml"]
+    stored = fleet.store.tree("k8s-a")
+    assert stored is not None and not stored.foreign
+    # box-c's branch was not touched by hand: its commit changed other.yaml alone.
+    after = fleet.tree("box-c")
+    assert after["everywhere.yaml"] == box["everywhere.yaml"] and set(after) == set(box)
+    assert after["other.yaml"] != box["other.yaml"] and b"changed" in after["other.yaml"]

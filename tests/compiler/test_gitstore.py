@@ -662,3 +662,47 @@ def test_a_malformed_tree_object_is_an_error(raw: bytes) -> None:
     with pytest.raises(GitStoreError, match="malformed tree"):
         _plain_files(raw, 20)
     assert _plain_files(b"100644 a\0" + b"\1" * 20, 20) == ({"a": "01" * 20}, False)
+
+
+def test_a_commit_on_the_parents_tree_writes_only_the_difference(store: DeviceStore) -> None:
+    tip = store.write([DeviceCommit("dev", files(3), "one\n", TS)])["dev"]
+    before = store.tree_ids("dev")
+    assert before is not None
+    changed = {"app-1.yaml": b"changed\n", "new.yaml": b"new\n"}
+    second = store.write([DeviceCommit("dev", changed, "two\n", TS, parent=tip,
+                                       parent_known=True, on_parent=True,
+                                       removed=["app-2.yaml"])])["dev"]
+    expected = {"app-0.yaml": files(3)["app-0.yaml"], **changed}
+    assert store.read_files("dev") == expected
+    stored = store.tree("dev")
+    assert stored is not None and stored.ids["app-0.yaml"] == before["app-0.yaml"]
+    assert stored.tree == tree_id_of({n: blob_id(c) for n, c in expected.items()})
+    assert store.history("dev")[0].parent == tip and stored.commit == second
+
+
+@pytest.mark.parametrize(("commit", "reason"), [
+    (DeviceCommit("d", {}, "m", TS, on_parent=True), "needs a known parent"),
+    (DeviceCommit("d", {}, "m", TS, parent=None, parent_known=True, on_parent=True),
+     "needs a known parent"),
+    (DeviceCommit("d", {}, "m", TS, removed=["a"]), "need on_parent"),
+    (DeviceCommit("d", {"a": b""}, "m", TS, parent="1" * 40, parent_known=True,
+                  on_parent=True, removed=["a"]), "both removed and written"),
+    (DeviceCommit("d", {}, "m", TS, parent="1" * 40, parent_known=True, on_parent=True,
+                  removed="abc"), "collection of file names"),
+    (DeviceCommit("d", {}, "m", TS, parent="1" * 40, parent_known=True, on_parent=True,
+                  removed=["a/b"]), "contains"),
+])
+def test_malformed_changes_on_a_parent_are_rejected(store: DeviceStore, commit: DeviceCommit,
+                                                     reason: str) -> None:
+    with pytest.raises(InvalidCommitError, match=reason):
+        store.write([commit])
+
+
+def test_a_change_on_the_parent_must_be_the_devices_first_commit_of_a_write(
+        store: DeviceStore) -> None:
+    tip = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
+    with pytest.raises(InvalidCommitError, match="first commit of a write"):
+        store.write([DeviceCommit("dev", files(2), "two\n", TS),
+                     DeviceCommit("dev", {}, "three\n", TS, parent=tip, parent_known=True,
+                                  on_parent=True, removed=["app-0.yaml"])])
+    assert store.tip("dev") == tip

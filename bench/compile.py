@@ -15,13 +15,16 @@ parameters) and a capability snapshot, then prints:
 
 With ``--runs N`` everything is measured N times from scratch and the ranges are printed:
 on a small machine the time to write 10,000 branch refs varies several-fold between runs
-(for the compiler and for fast-import alike), so single figures mislead.
+(for the compiler and for fast-import alike), so single figures mislead. Before each timed
+step the file system is synced (untimed), so no step pays for what an earlier one wrote.
+Set TMPDIR to measure on another file system (e.g. ``TMPDIR=/dev/shm`` leaves the disk out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -144,8 +147,19 @@ def generate(root: Path, devices: int, apps: int, intents: int) -> tuple[Path, P
     return source, caps
 
 
+def settle() -> None:
+    """Flush what earlier steps wrote before timing the next one (`sync`, untimed).
+
+    Why: the kernel writes data back (and, on a file system mounted with `discard`, trims
+    freed blocks) seconds after a step ends; without this, a step that follows a large write
+    (the incremental compile after the full one) pays for the previous step's 10,000 refs.
+    """
+    os.sync()
+
+
 def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[CompileReport,
                                                                             float]:
+    settle()
     start = time.perf_counter()
     state = CompilerState(repos / "compiler-state.sqlite")
     store = DeviceStore(repos)
@@ -175,6 +189,7 @@ def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:
                 name.encode(), len(files[name]), files[name]))
         chunks.append(b"\n")
     stream = b"".join(chunks) + b"done\n"
+    settle()
     start = time.perf_counter()
     subprocess.run(["git", "--git-dir", str(target), "fast-import", "--quiet", "--done"],
                    input=stream, check=True)

@@ -32,7 +32,7 @@ import yaml
 from compiler.gcpause import collection_paused
 from compiler.gitstore import DeviceCommit, DeviceStore, StoredTree, blob_id, tree_id_of
 from compiler.intents import Intent
-from compiler.messages import Change, commit_message
+from compiler.messages import Change, commit_message, warm_up
 from compiler.placement import Placement, ProfileConstraints, place
 from compiler.render import RenderCache, RenderError, file_name, render
 from compiler.snapshot import Device, Snapshot
@@ -628,6 +628,7 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
         # compute them all again.
         _precompute_targets(ctx, [n for n in ctx.intents.usable if every or n in ctx.changed],
                             split=len(jobs) >= PARALLEL_TARGETING)
+        warm_up()  # what every worker would otherwise load for itself
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             parts = pool.imap(_work_range, ranges)
             for part in (progress(parts, len(ranges)) if progress else parts):

@@ -272,7 +272,8 @@ _BLOB_MODE = b"100644"
 
 def _plain_files(tree: bytes, oid_size: int) -> tuple[dict[str, str], bool]:
     """Name -> blob id of the plain files of a raw tree object, and whether it holds
-    anything else (subtrees, executables, links, names that are not UTF-8).
+    anything else (subtrees, executables, links, names a compile cannot write: not UTF-8,
+    or with a newline).
 
     Why not pygit2's `Tree`: it builds an object per entry, three times the cost of
     reading the format, and a compile reads one tree per device. The format is Git's
@@ -288,9 +289,13 @@ def _plain_files(tree: bytes, oid_size: int) -> tuple[dict[str, str], bool]:
             raise GitStoreError(f"malformed tree object (entry at byte {position})")
         if tree[position:space] == _BLOB_MODE:
             try:
-                ids[tree[space + 1:nul].decode("utf-8")] = tree[nul + 1:oid_end].hex()
+                name = tree[space + 1:nul].decode("utf-8")
             except UnicodeDecodeError:
-                foreign = True
+                name = ""
+            if name and _file_name_problem(name) is None:
+                ids[name] = tree[nul + 1:oid_end].hex()
+            else:
+                foreign = True  # a name no compile writes (nor could send back to Git)
         else:
             foreign = True
         position = oid_end

@@ -444,3 +444,27 @@ def test_a_branch_someone_else_committed_to_gets_a_whole_tree_again(fleet: Fleet
     after = fleet.tree("box-c")
     assert after["everywhere.yaml"] == box["everywhere.yaml"] and set(after) == set(box)
     assert after["other.yaml"] != box["other.yaml"] and b"changed" in after["other.yaml"]
+
+
+def test_a_file_name_no_compile_could_write_makes_the_tree_foreign(fleet: Fleet) -> None:
+    """A plain file named with a newline (Git allows it) is never sent back to Git as a
+    removal: the device gets a whole tree without it, and the rest of the fleet compiles."""
+    import pygit2
+
+    from compiler.gitstore import device_ref
+
+    fleet.compile()
+    expected = fleet.tree("k8s-a")
+    repo = pygit2.Repository(str(fleet.store.path))
+    tip = repo[fleet.store.tip("k8s-a")]
+    builder = repo.TreeBuilder(tip.tree)
+    builder.insert("odd\nname.yaml", repo.create_blob(b"x"), pygit2.GIT_FILEMODE_BLOB)
+    repo.create_commit(device_ref("k8s-a"), tip.author, tip.committer, "by hand\n",
+                       builder.write(), [tip.id])
+    stored = fleet.store.tree("k8s-a")
+    assert stored is not None and stored.foreign and "odd\nname.yaml" not in stored.ids
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "changed"}
+    report = fleet.compile(now=2_000_000)
+    assert report.errors == []
+    assert set(fleet.tree("k8s-a")) == set(expected)
+    assert b"changed" in fleet.tree("k8s-a")["everywhere.yaml"]

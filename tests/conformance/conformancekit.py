@@ -9,13 +9,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import signal
-import socket
 import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from typing import Any
 import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from processkit import free_port, stop, wait_until_ready
 
 from conformance.runner import Rc2Identity, SuiteReport
 from margo.canonical import canonical_yaml
@@ -101,12 +99,6 @@ def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=check, timeout=120)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _probe_context(client: tuple[Path, Path] | None) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
@@ -122,7 +114,7 @@ def running_wfm(data: Path, *args: str,
     """`margo serve` with these options on a free loopback port; yields its base URL (https
     when `--tls-cert` is among the options) once `/healthz` answers (presenting `probe`, a
     client certificate, when the server requires one); SIGTERM afterwards."""
-    port = _free_port()
+    port = free_port()
     data.parent.mkdir(parents=True, exist_ok=True)
     log_path = data.parent / f"server-{port}.log"
     scheme = "https" if "--tls-cert" in args else "http"
@@ -133,31 +125,13 @@ def running_wfm(data: Path, *args: str,
              str(port), "--data", str(data), "--log-level", "warning", *args],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_ready(process, base, probe, log_path)
+            with httpx.Client(verify=_probe_context(probe), timeout=2) as http:
+                wait_until_ready(process, lambda: http.get(f"{base}/healthz")
+                                 .status_code == 200, "server", log_path,
+                                 not_yet=(httpx.HTTPError,))
             yield base
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def _wait_ready(process: subprocess.Popen[bytes], base: str,
-                probe: tuple[Path, Path] | None, log_path: Path) -> None:
-    deadline = time.monotonic() + 30
-    with httpx.Client(verify=_probe_context(probe), timeout=2) as http:
-        while True:
-            try:
-                if http.get(f"{base}/healthz").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start: " + log_path.read_text())
-            time.sleep(0.1)
+            stop(process)
 
 
 def valid_now(*pem_files: Path) -> str | None:

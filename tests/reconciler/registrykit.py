@@ -8,14 +8,13 @@ skipping (the drivers must be tested against a real registry).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from processkit import free_port, stop, wait_until_ready
 
 CONFIG = """\
 version: 0.1
@@ -27,12 +26,6 @@ http: {{addr: "127.0.0.1:{port}"}}
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def running_registry(workdir: Path, port: int | None = None) -> Iterator[str]:
     """Start `docker-registry serve`; yield `127.0.0.1:<port>`; stop it afterwards."""
@@ -40,7 +33,7 @@ def running_registry(workdir: Path, port: int | None = None) -> Iterator[str]:
     if not Path(binary).exists():
         raise RuntimeError("docker-registry is not installed: run `make venv` (it installs "
                            "the Debian package)")
-    port = port or _free_port()
+    port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / f"registry-{port}.yml"
     config.write_text(CONFIG.format(root=workdir / "storage", port=port))
@@ -49,22 +42,10 @@ def running_registry(workdir: Path, port: int | None = None) -> Iterator[str]:
                                stderr=subprocess.STDOUT)
     host = f"127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://{host}/v2/", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("registry did not start: "
-                                   + (workdir / f"registry-{port}.log").read_text())
-            time.sleep(0.05)
+        wait_until_ready(process, lambda: httpx.get(f"http://{host}/v2/", timeout=1)
+                         .status_code == 200, "registry", workdir / f"registry-{port}.log",
+                         timeout=20, interval=0.05)
         yield host
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop(process, timeout=10)
         log.close()

@@ -13,12 +13,9 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
-import signal
-import socket
 import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +27,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from processkit import free_port, stop, wait_until_ready
 
 __all__ = [
     "Ca",
@@ -325,7 +323,7 @@ def running_tls_server(data: Path, lab: Lab, *extra: str,
     """Start `margo serve` with the lab's TLS material (plus `extra` options); yield its
     https base URL; stop it (SIGTERM) afterwards. Readiness is probed with `ready` (a client
     SVID) or, without one, with a bare TLS client (for servers not requiring certificates)."""
-    port = _free_port()
+    port = free_port()
     log_path = data.parent / f"server-{port}.log"
     data.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "w")  # noqa: SIM115
@@ -336,30 +334,10 @@ def running_tls_server(data: Path, lab: Lab, *extra: str,
     base = f"https://127.0.0.1:{port}"
     cert, key = ready if ready else (None, None)
     try:
-        deadline = time.monotonic() + 30
         with tls_client(base, cert, key, lab.bundle) as http:
-            while True:
-                try:
-                    if http.get("/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("server did not start: " + log_path.read_text())
-                time.sleep(0.1)
+            wait_until_ready(process, lambda: http.get("/healthz", timeout=1)
+                             .status_code == 200, "server", log_path)
         yield base
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process)
         log.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from typing import Any
 import httpx
 import yaml
 from jsonschema import Draft202012Validator
+from processkit import free_port, stop, wait_until_ready
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
@@ -29,12 +28,6 @@ OPENAPI = {
     "rc.2": "workload-management-api-1.0.0-rc.2.yaml",
 }
 OPENAPI_DIRS = [ROOT / "tests" / "fixtures" / "openapi"]  # verbatim copies of ../shared/spec
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,26 +52,11 @@ def running_server(data: Path, *extra: str) -> Iterator[str]:
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("server did not start: "
-                                   + (data.parent / f"server-{port}.log").read_text())
-            time.sleep(0.1)
+        wait_until_ready(process, lambda: httpx.get(f"{base}/healthz", timeout=1)
+                         .status_code == 200, "server", data.parent / f"server-{port}.log")
         yield base
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process)
         log.close()
 
 

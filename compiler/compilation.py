@@ -46,6 +46,7 @@ from compiler.state import (
 )
 from compiler.targeting import TargetIndex
 from margo.errors import Problem
+from margo.models import DeploymentProfile
 
 __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
 
@@ -103,7 +104,7 @@ class ResolvedIntents:
     def record(self, name: str) -> IntentRecord:
         intent, app = self.usable[name]
         return IntentRecord(name, intent.digest, app.description.id, app.description.version,
-                            app.digest)
+                            app.digest, intent.placement_digest)
 
 
 def resolve_intents(source: FleetSource) -> ResolvedIntents:
@@ -230,17 +231,30 @@ class _Context:
     #: (name, file name) of every usable intent that did not change: what a device whose
     #: capabilities did not change either may keep exactly as last time (`_keep_steady`).
     steady: list[tuple[str, str]] = field(init=False)
+    #: Changed intents that place every device as last time (the same application and the
+    #: same `Intent.placement_digest`, e.g. only parameters were edited): a device whose
+    #: capabilities did not change either keeps its recorded placement (`_place_as_before`).
+    placed_as_before: frozenset[str] = field(init=False)
     #: Intent name -> the devices it targets (`TargetIndex.targeted`), looked up inline: the
     #: innermost loop asks it for every (device, intent) pair.
     targeted: dict[str, frozenset[str]] = field(default_factory=dict)
     _immutable: dict[str, bool] = field(default_factory=dict)
+    _profiles: dict[tuple[str, str | None], DeploymentProfile | None] = field(
+        default_factory=dict)
     classified: dict[tuple[bytes, bytes], str] = field(default_factory=dict)  # `_classify`
+    #: Intent name -> its line of `_inputs_digest` (the same for every device it placed).
+    digest_lines: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.known = frozenset(self.intents.usable) | self.intents.frozen
         self.names = sorted(self.known)
         self.steady = [(name, file_name(name)) for name in self.names
                        if name in self.intents.usable and name not in self.changed]
+        self.placed_as_before = frozenset(
+            name for name in self.changed if name in self.intents.usable
+            and (before := self.previous_intents.get(name)) is not None
+            and (now := self.intents.record(name)).app_digest == before.app_digest
+            and now.placement_digest == before.placement_digest)
 
     def targeted_by(self, name: str) -> frozenset[str]:
         """The devices intent `name` (a usable one) targets."""
@@ -248,6 +262,15 @@ class _Context:
         if found is None:
             found = self.targeted[name] = self.targets.targeted(self.intents.usable[name][0])
         return found
+
+    def profile(self, app: AppVersion, profile_id: str | None) -> DeploymentProfile | None:
+        """The profile of `app` with this id, or None unless exactly one has it."""
+        key = (app.digest, profile_id)
+        if key not in self._profiles:
+            found = [p for p in app.description.profiles
+                     if profile_id is not None and p.id == profile_id]
+            self._profiles[key] = found[0] if len(found) == 1 else None
+        return self._profiles[key]
 
     def has_immutable_settings(self, app: AppVersion) -> bool:
         """Whether a deployment of `app` must be checked against the previous one."""
@@ -358,6 +381,10 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
             if had:
                 out.changes.append(Change(fname, name, "remove", ("intent deleted",)))
             continue
+        intent, app = entry
+        if reuse and name in ctx.placed_as_before and _place_as_before(
+                ctx, out, intent, app, device, current, previous, caps_changed):
+            continue
         members = targeted.get(name)
         if members is None:
             members = ctx.targeted_by(name)
@@ -366,7 +393,6 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
                 out.changes.append(Change(fname, name, "remove",
                                           ("device no longer targeted by the intent",)))
             continue
-        intent, app = entry
         placement = place(intent, app, device, ctx.constraints, targeted=True)
         if placement.eligible:
             _place_eligible(ctx, out, intent, app, placement, device, current, previous,
@@ -374,6 +400,32 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
         else:
             _place_ineligible(ctx, out, intent, app, device, current, previous.get(name))
     return out
+
+
+def _place_as_before(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
+                     device: Device, current: StoredTree, previous: dict[str, PlacementRecord],
+                     caps_changed: bool) -> bool:
+    """Place `device` for an intent of `ctx.placed_as_before` as its record says, without
+    evaluating targets and constraints again; False (evaluate them) when the record cannot
+    say: a grace period (time is an input), a profile it does not name, or a tree that
+    disagrees with it."""
+    record = previous.get(intent.name)
+    had = file_name(intent.name) in current.ids
+    if record is None:  # not targeted last time
+        return not had
+    if record.ineligible_since is not None:
+        return False
+    if not record.eligible:
+        if had:
+            return False
+        out.placements.append(record)
+        return True
+    profile = ctx.profile(app, record.profile)
+    if profile is None:
+        return False
+    _place_eligible(ctx, out, intent, app, Placement(True, profile), device, current,
+                    previous, caps_changed)
+    return True
 
 
 def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
@@ -390,7 +442,8 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
     except RenderError as exc:
         out.problems.extend(exc.problems)
         return
-    out.placements.append(PlacementRecord(device.id, intent.name, True, True, None))
+    out.placements.append(PlacementRecord(device.id, intent.name, True, True, None,
+                                          placement.profile.id))
     oid = blob_id(rendered.data)
     stored = current.ids.get(fname)
     if stored == oid:
@@ -432,13 +485,16 @@ def _place_ineligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: A
 
 
 def _inputs_digest(ctx: _Context, device: Device, placements: Iterable[PlacementRecord]) -> str:
-    h = hashlib.sha256(f"compiler {COMPILER_VERSION}\ncaps {device.digest}\n".encode())
-    for record in sorted(placements, key=lambda p: p.intent):
-        if record.intent in ctx.intents.usable:
-            intent_record = ctx.intents.record(record.intent)
-            h.update(f"{record.intent} {intent_record.digest} {intent_record.app_digest}\n"
-                     .encode())
-    return "sha256:" + h.hexdigest()
+    lines = ctx.digest_lines
+    parts = [f"compiler {COMPILER_VERSION}\ncaps {device.digest}\n".encode()]
+    for name in sorted(record.intent for record in placements):
+        line = lines.get(name)
+        if line is None and name in ctx.intents.usable:
+            record = ctx.intents.record(name)
+            line = lines[name] = f"{name} {record.digest} {record.app_digest}\n".encode()
+        if line is not None:
+            parts.append(line)
+    return "sha256:" + hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 def _needs_compile(device: Device, record: DeviceRecord | None,
@@ -456,8 +512,8 @@ def _affected_devices(ctx: _Context, in_grace: set[str], placed_by_changed: set[
     One set for the fleet, so each device costs one lookup instead of one per intent."""
     affected = in_grace | placed_by_changed
     for name in ctx.changed:
-        if name in ctx.intents.usable:
-            affected |= ctx.targeted_by(name)
+        if name in ctx.intents.usable and name not in ctx.placed_as_before:
+            affected |= ctx.targeted_by(name)  # (else: the devices it placed before)
     return affected
 
 
@@ -626,7 +682,8 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
     try:
         # Computed once here and inherited by every worker, which would otherwise each
         # compute them all again.
-        _precompute_targets(ctx, [n for n in ctx.intents.usable if every or n in ctx.changed],
+        _precompute_targets(ctx, [n for n in ctx.intents.usable if every or (
+            n in ctx.changed and n not in ctx.placed_as_before)],
                             split=len(jobs) >= PARALLEL_TARGETING)
         warm_up()  # what every worker would otherwise load for itself
         with multiprocessing.get_context("fork").Pool(workers) as pool:

@@ -36,6 +36,8 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DURATION = r"^(?=\d)(\d+d)?(\d+h)?(\d+m)?(\d+s)?$"
 _DURATION_PARTS = re.compile(r"(\d+)([dhms])")
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+#: The fields of an intent's spec that `compiler.placement.place` reads.
+_PLACEMENT_FIELDS = ("application", "profile", "targets", "constraints")
 
 
 @cache
@@ -124,6 +126,10 @@ class Intent:
     grace_seconds: int
     output_shape: str
     digest: str
+    #: Digest of what decides which devices get a deployment and with which profile (the
+    #: application named, profile, targets, constraints): an intent edited elsewhere
+    #: (parameters, namespace, grace period...) places every device as before.
+    placement_digest: str
     document: LoadedDocument = field(repr=False, compare=False)
 
     @property
@@ -216,5 +222,7 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
         output_shape=spec.get("outputShape", "rc.3"),
         digest=data_digest(doc),
+        placement_digest=data_digest({key: spec[key] for key in _PLACEMENT_FIELDS
+                                      if key in spec}),
         document=loaded,
     )

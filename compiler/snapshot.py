@@ -7,10 +7,12 @@ left alone (its previous desired state stays), never dropped. A cluster proposal
 `ClusterCapabilitiesManifest` is read as the rc.3 document `margo.cluster` converts it to,
 exactly as the server stores it, so both bodies of one cluster compile alike.
 
-Reading a large keyed file again costs its JSON safety checks and one digest per device.
-When its bytes are exactly those the last compile read (`SnapshotMemo`, kept in the
-compiler's state), both are skipped: those bytes passed the checks then and their documents
-had the recorded digests (see `load_snapshot`).
+Reading a large keyed file again costs its JSON safety checks, decoding it and one digest
+per device. When its bytes are exactly those the last compile read (`SnapshotMemo`, kept in
+the compiler's state), the checks and digests are skipped: those bytes passed the checks
+then and their documents had the recorded digests (see `load_snapshot`). A JSON file whose
+documents the state all trusts is not even decoded: each device's document is decoded from
+its recorded place in the text when first used, and a recompile uses few of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,21 +63,24 @@ class Device:
     them. Immutable once built.
     """
 
-    __slots__ = ("_capabilities", "_document", "_matching", "digest", "file", "id")
+    __slots__ = ("_capabilities", "_document", "_matching", "_span", "digest", "file", "id")
 
     id: str
     digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
     file: str | None
 
     def __init__(self, id: str, capabilities: DeviceCapabilities | None, digest: str,
-                 file: str | None = None, *, document: Mapping[str, Any] | None = None) -> None:
+                 file: str | None = None, *, document: Mapping[str, Any] | None = None,
+                 span: tuple[str, int, int] | None = None) -> None:
         """Give `capabilities`, or the `document` of an already validated device (whose
-        ``properties.id`` is `id`) to normalise when first needed."""
-        if capabilities is None and document is None:
+        ``properties.id`` is `id`) to normalise when first needed, or the `span` of JSON
+        text (text, start, end) that decodes to that document."""
+        if capabilities is None and document is None and span is None:
             raise ValueError("a Device needs its capabilities or its validated document")
         self.id, self.digest, self.file = id, digest, file
         self._capabilities = capabilities
         self._document = document
+        self._span = span
         self._matching: Mapping[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -91,12 +97,19 @@ class Device:
     @property
     def capabilities(self) -> DeviceCapabilities:
         if self._capabilities is None:
-            assert self._document is not None
-            detection = detect(self._document, expect=Kind.DEVICE_CAPABILITIES)
+            document = self._validated_document()
+            detection = detect(document, expect=Kind.DEVICE_CAPABILITIES)
             assert detection.kind is not None and detection.shape is not None
-            self._capabilities = normalise(detection.kind, detection.shape, self._document)
+            self._capabilities = normalise(detection.kind, detection.shape, document)
             self._document = None
         return self._capabilities
+
+    def _validated_document(self) -> Mapping[str, Any]:
+        if self._document is None:
+            assert self._span is not None
+            text, start, end = self._span
+            self._document, self._span = json.loads(text[start:end]), None
+        return self._document
 
     @property
     def matching(self) -> Mapping[str, Any]:
@@ -114,8 +127,8 @@ class Device:
 
     @property
     def labels(self) -> Mapping[str, Any]:
-        if self._capabilities is None and self._document is not None:
-            return _document_labels(self._document)
+        if self._capabilities is None:
+            return _document_labels(self._validated_document())
         return self.capabilities.labels
 
 
@@ -133,10 +146,19 @@ _NO_LABELS: Mapping[str, Any] = MappingProxyType({})
 class SnapshotMemo:
     """What reading one keyed snapshot file established: `key` identifies its exact bytes
     (and this reader, `MEMO_VERSION`); `digests` maps each device read from it without
-    problems to its document's digest."""
+    problems to its document's digest.
+
+    For a JSON file, `spans` gives every key's document as (start, end) character offsets
+    in the file's text, and `plain` the keys whose document is a device capabilities
+    document (not a cluster manifest) reporting that key as its id: what lets a file the
+    state wholly trusts be used without decoding it (`load_snapshot`). Both are empty for
+    other files.
+    """
 
     key: str
     digests: Mapping[str, str]
+    spans: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    plain: frozenset[str] = frozenset()
 
 
 class TrustedDigests(dict[str, str]):
@@ -280,7 +302,12 @@ def load_snapshot(path: str | os.PathLike[str], *,
             data = handle.read(KEYED_SNAPSHOT_LIMITS.max_bytes + 1)
         key = memo_key(data)
         memo = getattr(trusted, "memo", None)
-        known = memo.digests if isinstance(memo, SnapshotMemo) and memo.key == key else None
+        if not (isinstance(memo, SnapshotMemo) and memo.key == key):
+            memo = None
+        if memo is not None and _add_trusted_spans(snapshot, data, str(root), memo, trusted):
+            snapshot.memo = memo
+            return snapshot
+        known = memo.digests if memo is not None else None
         loaded = (_known_json(data, str(root)) if known is not None else None) or load_document(
             data, file=str(root), limits=KEYED_SNAPSHOT_LIMITS)
     except DocumentError as exc:
@@ -298,9 +325,84 @@ def load_snapshot(path: str | os.PathLike[str], *,
     else:
         for device_id in keys:
             _add(snapshot, _keyed(loaded, device_id), device_id, trusted, known)
+    spans, plain = (memo.spans, memo.plain) if memo is not None else _json_spans(data, loaded)
     snapshot.memo = SnapshotMemo(key, {d: device.digest for d, device in
-                                       snapshot.devices.items()})
+                                       snapshot.devices.items()}, spans, plain)
     return snapshot
+
+
+def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: SnapshotMemo,
+                       trusted: Mapping[str, str]) -> bool:
+    """Add every device of a JSON file without decoding it, if the memo of these bytes has
+    every key's span and each key's document is plain and trusted with its recorded digest
+    (what `_add_known` would add directly); False, adding nothing, otherwise."""
+    spans, plain, digests = memo.spans, memo.plain, memo.digests
+    if not spans or len(plain) != len(spans):
+        return False
+    for key in plain:
+        digest = digests.get(key)
+        if digest is None or trusted.get(key) != digest:
+            return False
+    text = _json_text(data)
+    devices = snapshot.devices
+    for key in sorted(spans):
+        start, end = spans[key]
+        devices[key] = Device(key, None, digests[key], file, span=(text, start, end))
+    return True
+
+
+def _json_text(data: bytes) -> str:
+    return data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_spans(data: bytes, loaded: LoadedDocument,
+                ) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
+    """Where each top-level member's value lies in a keyed JSON file's text, and which
+    members are plain (see `SnapshotMemo`); nothing for text `json` does not read as one
+    object with exactly the keys `loaded` has (YAML, for one)."""
+    try:
+        text = _json_text(data)
+        spans = _member_spans(text)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return {}, frozenset()
+    if spans is None or not isinstance(loaded.value, dict) or spans.keys() != loaded.value.keys():
+        return {}, frozenset()
+    plain = frozenset(key for key, value in loaded.value.items()
+                      if _claimed_id(value) == key and not is_cluster_manifest(value))
+    return spans, plain
+
+
+def _member_spans(text: str) -> dict[str, tuple[int, int]] | None:
+    """(start, end) of each member's value of the JSON object that is the whole `text`;
+    None if it is not one (ValueError for malformed JSON inside)."""
+    decoder = json.JSONDecoder()
+    position = _JSON_SPACE.match(text).end()  # type: ignore[union-attr]
+    if text[position:position + 1] != "{":
+        return None
+    position = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
+    spans: dict[str, tuple[int, int]] = {}
+    if text[position:position + 1] == "}":
+        return spans if not text[position + 1:].strip(" \t\n\r") else None
+    while True:
+        if text[position:position + 1] != '"':
+            return None
+        name, position = json.decoder.scanstring(text, position + 1)
+        position = _JSON_SPACE.match(text, position).end()  # type: ignore[union-attr]
+        if text[position:position + 1] != ":" or name in spans:
+            return None
+        start = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
+        _, end = decoder.raw_decode(text, start)
+        spans[name] = (start, end)
+        position = _JSON_SPACE.match(text, end).end()  # type: ignore[union-attr]
+        separator = text[position:position + 1]
+        if separator == "}":
+            return spans if not text[position + 1:].strip(" \t\n\r") else None
+        if separator != ",":
+            return None
+        position = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
 
 
 #: A keyed file of at least this many documents read without a memo (the first compile, or
@@ -380,7 +482,7 @@ def _valid_digests(bounds: tuple[int, int]) -> dict[str, str]:
 def _known_json(data: bytes, file: str) -> LoadedDocument | None:
     """JSON bytes that `load_document` accepted before, decoded to the same value without
     its safety checks; None for text that is not JSON (read it the ordinary way)."""
-    text = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+    text = _json_text(data)
     if text.lstrip()[:1] not in ("{", "["):
         return None
     return LoadedDocument(json.loads(text), file, SourceMap(text))

@@ -4,12 +4,14 @@ It is a cache plus a few timers, never a source of truth: the device branches ar
 it costs one full recompile (which commits nothing, since trees are unchanged) and restarts
 running grace periods. It holds:
 
-* per intent, the digests of the intent and of the application version it used, so the
-  next run knows which intents changed and whom they targeted;
+* per intent, the digests of the intent, of what decides its placement (targets,
+  constraints, profile choice) and of the application version it used, so the next run
+  knows which intents changed, whom they targeted, and whether placements still hold;
 * per device, the digest of its capability document and whether its last compile
   succeeded, so an untouched device is skipped without rendering;
-* per (device, intent), whether the device was targeted, eligible and deployed, and since
-  when it has been ineligible (grace periods), which also lets commit messages say *why*;
+* per (device, intent), whether the device was targeted, eligible and deployed, with which
+  profile, and since when it has been ineligible (grace periods), which also lets commit
+  messages say *why*;
 * the `SnapshotMemo` of the keyed capability file the last compile read (the identity of its
   bytes and its documents' digests), so reading the same bytes again skips that work.
 """
@@ -23,26 +25,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from compiler.gcpause import collection_paused
 from compiler.snapshot import SnapshotMemo, TrustedDigests
 
 __all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord", "StagedSave"]
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS intents (
     name TEXT PRIMARY KEY, digest TEXT NOT NULL, app_id TEXT NOT NULL,
-    app_version TEXT NOT NULL, app_digest TEXT NOT NULL);
+    app_version TEXT NOT NULL, app_digest TEXT NOT NULL, placement_digest TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS devices (
     device_id TEXT PRIMARY KEY, caps_digest TEXT NOT NULL, compiled_at REAL NOT NULL,
     tree TEXT NOT NULL, deployments INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS placements (
     device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
-    deployed INTEGER NOT NULL, ineligible_since REAL,
+    deployed INTEGER NOT NULL, ineligible_since REAL, profile TEXT,
     PRIMARY KEY (device_id, intent));
 CREATE TABLE IF NOT EXISTS snapshot_documents (
-    device_id TEXT PRIMARY KEY, digest TEXT NOT NULL);
+    device_id TEXT PRIMARY KEY, digest TEXT, start INTEGER, end INTEGER,
+    plain INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS placements_by_intent ON placements (intent);
 CREATE INDEX IF NOT EXISTS placements_in_grace ON placements (ineligible_since)
     WHERE ineligible_since IS NOT NULL;
@@ -56,6 +60,8 @@ class IntentRecord:
     app_id: str
     app_version: str
     app_digest: str
+    #: Digest of the intent's fields that decide placement (`Intent.placement_digest`).
+    placement_digest: str
 
 
 # Per-device rows are NamedTuples: a compile builds, pickles (from worker processes) and
@@ -76,6 +82,7 @@ class PlacementRecord(NamedTuple):
     eligible: bool
     deployed: bool
     ineligible_since: float | None
+    profile: str | None = None  # the id of the profile deployed (eligible placements)
 
 
 class CompilerState:
@@ -83,6 +90,7 @@ class CompilerState:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._devices: dict[str, DeviceRecord] | None = None  # read ahead: see `devices`
         self._db = sqlite3.connect(self.path, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -100,8 +108,11 @@ class CompilerState:
         self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def _reset(self) -> None:
-        self._db.executescript("DROP TABLE IF EXISTS devices; DELETE FROM intents; "
-                               "DELETE FROM placements; DROP TABLE IF EXISTS snapshot_documents; "
+        self._devices = None
+        # Dropped, not emptied: an older schema's tables may lack columns.
+        self._db.executescript("DROP TABLE IF EXISTS devices; DROP TABLE IF EXISTS intents; "
+                               "DROP TABLE IF EXISTS placements; "
+                               "DROP TABLE IF EXISTS snapshot_documents; "
                                "DELETE FROM meta WHERE key = 'snapshot';" + _SCHEMA)
 
     def bind(self, repository: str, *, compiler_version: str | None = None) -> None:
@@ -120,11 +131,19 @@ class CompilerState:
         self._db.close()
 
     def intents(self) -> dict[str, IntentRecord]:
-        rows = self._db.execute("SELECT name, digest, app_id, app_version, app_digest "
-                                "FROM intents")
+        rows = self._db.execute("SELECT name, digest, app_id, app_version, app_digest, "
+                                "placement_digest FROM intents")
         return {r[0]: IntentRecord(*r) for r in rows}
 
     def devices(self) -> dict[str, DeviceRecord]:
+        """Every device record.
+
+        A compile reads them twice in a row: `trusted_digests` (before loading the
+        snapshot), then the compile itself; 10,000 rows cost ~20 ms to read and build, so
+        the first read is handed to the next call of this method, once, and no later."""
+        if self._devices is not None:
+            found, self._devices = self._devices, None
+            return found
         rows = self._db.execute("SELECT device_id, caps_digest, compiled_at, tree, deployments "
                                 "FROM devices")
         return {record.device_id: record for record in map(DeviceRecord._make, rows)}
@@ -153,22 +172,26 @@ class CompilerState:
             for device_id in chunk:
                 out[device_id] = {}
             rows = self._db.execute(
-                "SELECT device_id, intent, eligible, deployed, ineligible_since FROM placements "
-                f"WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
+                "SELECT device_id, intent, eligible, deployed, ineligible_since, profile "
+                f"FROM placements WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
             for r in rows:
-                out[r[0]][r[1]] = PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4])
+                out[r[0]][r[1]] = PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5])
         return out
 
     def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
-        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since "
-                                "FROM placements WHERE device_id=?", (device_id,))
-        return {r[1]: PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4]) for r in rows}
+        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since, "
+                                "profile FROM placements WHERE device_id=?", (device_id,))
+        return {r[1]: PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5])
+                for r in rows}
 
+    @collection_paused()  # 20,000 rows become objects that live through the compile
     def trusted_digests(self) -> TrustedDigests:
         """Device id -> digest of the capability document last compiled successfully
         (documents with that exact content need not be validated again), carrying the
         memo of the keyed snapshot file last compiled (see `load_snapshot`)."""
-        digests = dict(self._db.execute("SELECT device_id, caps_digest FROM devices"))
+        devices = self.devices()
+        self._devices = devices  # for the compile's own `devices` call, next
+        digests = {device_id: r.caps_digest for device_id, r in devices.items()}
         return TrustedDigests(digests, self.snapshot_memo())
 
     def snapshot_memo(self) -> SnapshotMemo | None:
@@ -176,11 +199,22 @@ class CompilerState:
         key = self._meta("snapshot")
         if key is None:
             return None
-        rows = self._db.execute("SELECT device_id, digest FROM snapshot_documents")
-        return SnapshotMemo(key, dict(rows))
+        digests: dict[str, str] = {}
+        spans: dict[str, tuple[int, int]] = {}
+        plain: list[str] = []
+        for device_id, digest, start, end, is_plain in self._db.execute(
+                "SELECT device_id, digest, start, end, plain FROM snapshot_documents"):
+            if digest is not None:
+                digests[device_id] = digest
+            if start is not None:
+                spans[device_id] = (start, end)
+            if is_plain:
+                plain.append(device_id)
+        return SnapshotMemo(key, digests, spans, frozenset(plain))
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
+        self._devices = None
         self._db.execute("BEGIN IMMEDIATE")
         try:
             yield self._db
@@ -209,21 +243,22 @@ class CompilerState:
         only if that succeeded. No other use of this state until then."""
         device_list = list(devices)
         db = self._db
+        self._devices = None  # rolled back or not, no longer known without reading
         db.execute("BEGIN IMMEDIATE")
         try:
             self._save_memo(db, snapshot)
-            db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?)",
-                           [(i.name, i.digest, i.app_id, i.app_version, i.app_digest)
-                            for i in intents])
+            db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?, ?)",
+                           [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
+                             i.placement_digest) for i in intents])
             db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
             db.executemany("DELETE FROM placements WHERE device_id=?",
                            [(d.device_id,) for d in device_list])
             db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?, ?, ?)",
                            [(d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
                             for d in device_list])
-            db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?, ?)",
                            [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
-                             p.ineligible_since) for p in placements])
+                             p.ineligible_since, p.profile) for p in placements])
             forget = [(d,) for d in forget_devices]
             db.executemany("DELETE FROM devices WHERE device_id=?", forget)
         except BaseException:
@@ -239,8 +274,10 @@ class CompilerState:
         db.execute("DELETE FROM snapshot_documents")
         db.execute("DELETE FROM meta WHERE key = 'snapshot'")
         if memo is not None:
-            db.executemany("INSERT INTO snapshot_documents VALUES (?, ?)",
-                           sorted(memo.digests.items()))
+            spans, plain = memo.spans, memo.plain
+            db.executemany("INSERT INTO snapshot_documents VALUES (?, ?, ?, ?, ?)",
+                           [(d, memo.digests.get(d), *spans.get(d, (None, None)), d in plain)
+                            for d in sorted(memo.digests.keys() | spans.keys())])
             self._set_meta("snapshot", memo.key)
 
 

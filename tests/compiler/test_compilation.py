@@ -395,6 +395,81 @@ def test_incremental_compiles_end_where_a_fresh_compile_starts(tmp_path: Path) -
         assert store.read_files(device_id) == fresh_store.read_files(device_id), device_id
 
 
+def _counting_place(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the device of every placement the compiler evaluates."""
+    import compiler.compilation as compilation
+    evaluated: list[str] = []
+    real = compilation.place
+
+    def place(intent, app, device, *args, **kwargs):  # type: ignore[no-untyped-def]
+        evaluated.append(device.id)
+        return real(intent, app, device, *args, **kwargs)
+
+    monkeypatch.setattr(compilation, "place", place)
+    return evaluated
+
+
+def _grace_fleet(root: Path) -> Fleet:
+    """Helm and Compose devices, some too small for the helm profile, one of them kept in
+    a grace period, targeted by a selector."""
+    fleet = Fleet(root)
+    fleet.apps["com-example-app"] = app(constraints={"capacityRequirements": {"memory": "4Gi"}})
+    fleet.intents["a"] = intent("a", gracePeriod="1h", parameters={"greeting": "one"},
+                                targets={"selectors": [{"labelSelector": {"matchExpressions": [
+                                    {"key": "site", "operator": "In", "values": ["s1", "s2"]}]}}]})
+    for i in range(6):
+        fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{2 + 2 * (i % 4)}Gi",
+                                        labels={"site": f"s{1 + i % 3}"},
+                                        types=("helm", "compose") if i % 2 else ("compose",))
+    fleet.compile(now=1_000)
+    fleet.devices["d1"]["properties"].update(  # in a grace period from now on
+        memory="1Gi", supportedDeploymentTypes=["helm"])
+    fleet.compile(now=2_000)
+    return fleet
+
+
+def test_a_parameter_edit_places_devices_as_before(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Editing only an intent's parameters cannot change which devices it places, nor with
+    which profile: devices whose capabilities did not change keep their recorded placement
+    (only a grace period is evaluated again, since time is an input), and the trees equal
+    those of a compile from scratch."""
+    fleet = _grace_fleet(tmp_path / "edited")
+    evaluated = _counting_place(monkeypatch)
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "two"}
+    report = fleet.compile(now=3_000)
+    assert set(evaluated) == {"d1"}
+    assert report.commits == 3  # d0, d3, d4 (d1 is kept as it was during its grace period)
+    monkeypatch.undo()
+    fresh = Fleet(tmp_path / "fresh", fleet.apps, fleet.intents, fleet.devices)
+    fresh.compile(now=3_000)
+    for device_id in fleet.devices:
+        if device_id != "d1":  # fresh has no grace period to keep it in
+            assert fleet.tree(device_id) == fresh.tree(device_id), device_id
+    assert fleet.deployment("d3", "a")["spec"]["deploymentProfile"]["type"] == "helm"
+    assert fleet.deployment("d0", "a")["spec"]["deploymentProfile"]["type"] == "compose"
+
+
+@pytest.mark.parametrize("edit", [
+    lambda spec: spec["targets"]["selectors"][0]["labelSelector"]["matchExpressions"][0]
+    .update(values=["s1"]),
+    lambda spec: spec.update(profile={"type": "compose"}),
+    lambda spec: spec.update(constraints={"capacityRequirements": {"memory": "5Gi"}}),
+])
+def test_editing_what_decides_placement_evaluates_every_device(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Targets, profile and constraints decide placement: an edit to any of them (with a
+    parameter edit alongside) is evaluated for every device, as a fresh compile is."""
+    fleet = _grace_fleet(tmp_path / "edited")
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "two"}
+    edit(fleet.intents["a"]["spec"])
+    fleet.compile(now=3_000)
+    fleet.compile(now=9_000)  # every grace period has run out: nothing is kept for one
+    fresh = Fleet(tmp_path / "fresh", fleet.apps, fleet.intents, fleet.devices)
+    fresh.compile(now=9_000)
+    for device_id in fleet.devices:
+        assert fleet.tree(device_id) == fresh.tree(device_id), device_id
+
+
 def test_worker_processes_produce_the_same_trees_and_messages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stores = []

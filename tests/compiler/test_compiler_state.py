@@ -9,6 +9,10 @@ import pytest
 from compiler.snapshot import SnapshotMemo
 from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
 
+#: A memo with a document that has no digest (it had problems) and one that is not plain.
+MEMO = SnapshotMemo("1:abc", {"d0": "sha256:0", "d1": "sha256:1"},
+                    {"d0": (1, 20), "d1": (25, 40), "broken": (45, 50)}, frozenset({"d0"}))
+
 
 @pytest.fixture
 def state(tmp_path: Path):
@@ -19,11 +23,12 @@ def state(tmp_path: Path):
 
 def _records(n: int) -> dict[str, object]:
     devices = [DeviceRecord(f"d{i}", f"sha256:{i}", 1.0, f"tree{i}", 2) for i in range(n)]
-    placements = [PlacementRecord(f"d{i}", name, i % 2 == 0, True, 5.0 if i == 3 else None)
+    placements = [PlacementRecord(f"d{i}", name, i % 2 == 0, True, 5.0 if i == 3 else None,
+                                  "app-helm" if i % 2 == 0 else None)
                   for i in range(n) for name in ("a", "b")]
-    return {"intents": [IntentRecord("a", "sha256:a", "app", "1", "sha256:x")],
+    return {"intents": [IntentRecord("a", "sha256:a", "app", "1", "sha256:x", "sha256:p")],
             "forget_intents": [], "devices": devices, "placements": placements,
-            "forget_devices": [], "snapshot": SnapshotMemo("1:abc", {"d0": "sha256:0"})}
+            "forget_devices": [], "snapshot": MEMO}
 
 
 def test_placements_of_many_devices_equal_one_by_one(state: CompilerState) -> None:
@@ -33,6 +38,8 @@ def test_placements_of_many_devices_equal_one_by_one(state: CompilerState) -> No
     assert list(found) == wanted[:-1]  # each device once, in the order asked
     assert found == {d: state.placements_for(d) for d in wanted[:-1]}
     assert found["unknown"] == {} and found["d2"]["a"].eligible
+    assert found["d2"]["a"].profile == "app-helm" and found["d4"]["a"].profile == "app-helm"
+    assert state.placements_for("d1")["a"].profile is None
     assert state.placements_of([]) == {}
 
 
@@ -44,7 +51,7 @@ def test_a_staged_save_is_invisible_until_committed(tmp_path: Path,
         assert reader.devices() == {} and reader.snapshot_memo() is None
         staged.commit()
         assert sorted(reader.devices()) == ["d0", "d1", "d2"]
-        assert reader.snapshot_memo() == SnapshotMemo("1:abc", {"d0": "sha256:0"})
+        assert reader.snapshot_memo() == MEMO
     finally:
         reader.close()
     assert not staged.pending
@@ -66,3 +73,48 @@ def test_a_rolled_back_save_changes_nothing(state: CompilerState) -> None:
             state.snapshot_memo()) == before
     state.save(**changed)  # type: ignore[arg-type]  # the connection is usable again
     assert "d0" not in state.devices() and state.snapshot_memo() is None
+
+
+def test_a_state_of_an_older_schema_is_started_over(tmp_path: Path) -> None:
+    """The state is a cache: one written by an older compiler (fewer columns) is dropped
+    and rebuilt, not misread."""
+    import sqlite3
+    path = tmp_path / "state.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema', '2');
+        CREATE TABLE intents (name TEXT PRIMARY KEY, digest TEXT NOT NULL,
+            app_id TEXT NOT NULL, app_version TEXT NOT NULL, app_digest TEXT NOT NULL);
+        INSERT INTO intents VALUES ('a', 'sha256:a', 'app', '1', 'sha256:x');
+        CREATE TABLE placements (device_id TEXT NOT NULL, intent TEXT NOT NULL,
+            eligible INTEGER NOT NULL, deployed INTEGER NOT NULL, ineligible_since REAL,
+            PRIMARY KEY (device_id, intent));
+        INSERT INTO placements VALUES ('d0', 'a', 1, 1, NULL);""")
+    old.commit()
+    old.close()
+    state = CompilerState(path)
+    try:
+        assert state.intents() == {} and state.placements_for("d0") == {}
+        state.save(**_records(2))  # type: ignore[arg-type]
+        assert state.intents()["a"].placement_digest == "sha256:p"
+    finally:
+        state.close()
+
+
+def test_the_devices_read_for_trusted_digests_serve_the_next_read_once(
+        state: CompilerState) -> None:
+    """`trusted_digests` reads every device record; the compile's own `devices` call right
+    after gets that read, and any later call reads again (so it sees later saves)."""
+    state.save(**_records(3))  # type: ignore[arg-type]
+    trusted = state.trusted_digests()
+    assert trusted == {f"d{i}": f"sha256:{i}" for i in range(3)}
+    first = state.devices()
+    assert sorted(first) == ["d0", "d1", "d2"]
+    changed = _records(5)
+    changed["forget_devices"] = ["d0"]
+    state.save(**changed)  # type: ignore[arg-type]
+    assert sorted(state.devices()) == ["d1", "d2", "d3", "d4"]
+    state.trusted_digests()
+    state.save(**_records(6))  # type: ignore[arg-type]  # a write drops the read-ahead
+    assert sorted(state.devices()) == [f"d{i}" for i in range(6)]

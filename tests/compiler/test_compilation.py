@@ -279,6 +279,28 @@ def test_a_broken_descriptor_freezes_its_intents(fleet: Fleet) -> None:
     assert any("deployments/everywhere.yaml" in m and "has errors" in m for m in messages)
 
 
+@pytest.mark.parametrize("unfreeze", ["same intent", "parameters fixed"])
+def test_an_intent_unfrozen_is_evaluated_again(fleet: Fleet, unfreeze: str) -> None:
+    """While an intent is frozen its devices keep their deployments and records, even when
+    their capabilities change; once it is usable again, every device is evaluated afresh,
+    never placed from a record made before the freeze (a device that lost eligibility in
+    between loses the deployment)."""
+    fleet.compile(now=1_000_000)
+    assert "everywhere.yaml" in fleet.tree("k8s-a")
+    good = fleet.intents["everywhere"]
+    fleet.intents["everywhere"] = intent("everywhere", namespace="demo",
+                                         parameters={"greting": "typo"})
+    fleet.devices["k8s-a"]["properties"]["memory"] = "1Gi"  # no longer eligible
+    report = fleet.compile(now=2_000_000)
+    assert "everywhere.yaml" in fleet.tree("k8s-a")  # frozen: kept
+    assert any("greting" in p.message for _, p in report.errors)
+    fleet.intents["everywhere"] = good if unfreeze == "same intent" else intent(
+        "everywhere", namespace="demo", parameters={"greeting": "fixed"})
+    report = fleet.compile(now=3_000_000)
+    assert not report.errors
+    assert "everywhere.yaml" not in fleet.tree("k8s-a")
+
+
 def test_unknown_parameters_and_applications_are_located_errors(fleet: Fleet) -> None:
     fleet.intents["typo"] = intent("typo", parameters={"greting": "x"})
     fleet.intents["missing"] = intent("missing", app_id="com-example-nope")

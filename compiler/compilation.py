@@ -694,10 +694,25 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
             n in ctx.changed and n not in ctx.placed_as_before)],
                             split=len(jobs) >= PARALLEL_TARGETING)
         warm_up()  # what every worker would otherwise load for itself
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.imap(_work_range, ranges)
-            for part in (progress(parts, len(ranges)) if progress else parts):
-                yield from map(_unpack, part)
+        # When every device only re-evaluates changed intents (a recompile), a device's
+        # work is light next to sending its result across: this process then compiles
+        # every `workers`-th chunk itself instead of only collecting (measured: 10% off
+        # the devices' phase). With every intent to evaluate (a first compile) it stays
+        # free to collect and stream, or it would hold the workers up (10% slower).
+        share = not every
+        with multiprocessing.get_context("fork").Pool(workers - 1 if share else workers) as pool:
+            mine = range(0, len(ranges), workers) if share else range(0)
+            theirs = pool.imap(_work_range, [r for i, r in enumerate(ranges) if i not in mine])
+
+            def parts() -> Iterator[Iterable[_Work]]:
+                for index, bounds in enumerate(ranges):
+                    if index in mine:
+                        yield [_work(ctx, jobs[i]) for i in range(*bounds)]
+                    else:
+                        yield map(_unpack, next(theirs))
+
+            for part in (progress(parts(), len(ranges)) if progress else parts()):
+                yield from part
     finally:
         _FORKED = None
 

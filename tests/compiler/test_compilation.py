@@ -526,11 +526,51 @@ def test_worker_processes_produce_the_same_trees_and_messages(
             fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{i}Gi")
         report = fleet.compile(now=1_000)
         assert [d for d, _ in report.errors] == ["d5"]
+        fleet.intents["a"]["spec"]["parameters"] = {"greeting": "{{ device.id }}!"}
+        report = fleet.compile(now=2_000)
+        assert report.commits == 7 and [d for d, _ in report.errors] == ["d5"]
         stores.append(fleet.store)
     serial, parallel = stores
     for device_id in serial.device_ids():
         assert serial.read_files(device_id) == parallel.read_files(device_id)
-        assert serial.history(device_id)[0].message == parallel.history(device_id)[0].message
+        assert ([c.message for c in serial.history(device_id)]
+                == [c.message for c in parallel.history(device_id)])
+
+
+def test_a_recompile_shares_the_devices_between_this_process_and_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When every device only re-evaluates a changed intent, this process compiles a share
+    of them itself between the workers' results: same trees, same messages, same order."""
+    import compiler.compilation as compilation
+    stores, local = [], []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)
+        fleet = Fleet(tmp_path / workers)
+        fleet.apps["com-example-app"] = app()
+        fleet.intents["a"] = intent("a", parameters={"greeting": "{{ device.id }}"})
+        for i in range(40):
+            fleet.devices[f"d{i:02d}"] = device(f"d{i:02d}")
+        fleet.compile(now=1_000)
+        fleet.intents["a"]["spec"]["parameters"] = {"greeting": "{{ device.id }}!"}
+        real, here = compilation._work, []
+
+        def counted(ctx, job, real=real, here=here):  # type: ignore[no-untyped-def]
+            here.append(job.device.id)  # (calls in forked workers are not seen here)
+            return real(ctx, job)
+
+        monkeypatch.setattr(compilation, "_work", counted)
+        report = fleet.compile(now=2_000)
+        monkeypatch.setattr(compilation, "_work", real)
+        assert report.commits == 40
+        assert [r.device_id for r in report.results] == sorted(fleet.devices)
+        stores.append(fleet.store)
+        local.append(here)
+    assert len(local[0]) == 40 and 0 < len(local[1]) < 40
+    serial, parallel = stores
+    for device_id in serial.device_ids():
+        assert serial.read_files(device_id) == parallel.read_files(device_id)
+        assert ([c.message for c in serial.history(device_id)]
+                == [c.message for c in parallel.history(device_id)])
 
 
 def test_a_branch_someone_else_committed_to_gets_a_whole_tree_again(fleet: Fleet) -> None:

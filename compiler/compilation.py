@@ -23,7 +23,7 @@ import itertools
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -534,6 +534,8 @@ class _Job:
     record: DeviceRecord | None
     previous: dict[str, PlacementRecord]
     may_have_branch: bool
+    #: The commit the state says the branch was left at, and its files (name -> blob id).
+    known: tuple[str, dict[str, str]] | None = None
 
     @property
     def likely_reuse(self) -> bool:
@@ -554,6 +556,21 @@ class _Work:
     #: `outcome.kept` hold only what differs from it, and `removed` what it loses.
     on_parent: bool = False
     removed: tuple[str, ...] = ()
+    ids: dict[str, str] | None = None  # the new tree's files (None after problems)
+
+
+def _known_tree(ctx: _Context, job: _Job) -> StoredTree | None:
+    """The device's tree as the state recorded it, when its branch is still at the recorded
+    commit: one ref read instead of reading the commit and the tree back (most of what a
+    device recompiled for one intent cost). None (read the branch) otherwise, or if the
+    record is not self-consistent."""
+    known, record = job.known, job.record
+    if known is None or record is None:
+        return None
+    tip, ids = known
+    if ctx.store.branch_target(job.device.id) != tip or tree_id_of(ids) != record.tree:
+        return None
+    return StoredTree(ctx.store, record.tree, ids, commit=tip)
 
 
 def _work(ctx: _Context, job: _Job) -> _Work:
@@ -561,7 +578,9 @@ def _work(ctx: _Context, job: _Job) -> _Work:
     process. Only the intents that changed are evaluated again when the device's
     capabilities and its branch are as the state last recorded them."""
     device, record = job.device, job.record
-    stored = ctx.store.tree(device.id) if job.may_have_branch else None
+    stored = _known_tree(ctx, job)
+    if stored is None and job.may_have_branch:
+        stored = ctx.store.tree(device.id)
     current = _NO_TREE if stored is None else stored
     tip = None if stored is None else stored.commit
     reuse = (record is not None and stored is not None
@@ -571,18 +590,21 @@ def _work(ctx: _Context, job: _Job) -> _Work:
     if outcome.problems:
         return _Work(outcome, None, None, len(current.ids), tip)
     if stored is not None and not stored.foreign and stored.ids == outcome.ids:
-        return _Work(outcome, None, stored.tree, len(current.ids), tip, len(outcome.ids))
+        return _Work(outcome, None, stored.tree, len(current.ids), tip, len(outcome.ids),
+                     ids=outcome.ids)
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
                 "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
     message = commit_message(device.id, outcome.changes, trailers)
     tree = tree_id_of(outcome.ids)
     if stored is None or stored.foreign:
-        return _Work(outcome, message, tree, len(current.ids), tip, len(outcome.ids))
+        return _Work(outcome, message, tree, len(current.ids), tip, len(outcome.ids),
+                     ids=outcome.ids)
     # Only the difference from the tip travels on (to the parent process and to Git).
     before, after = stored.ids, outcome.ids
     outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
     removed = tuple(n for n in before if n not in after)
-    return _Work(outcome, message, tree, len(current.ids), tip, len(after), True, removed)
+    return _Work(outcome, message, tree, len(current.ids), tip, len(after), True, removed,
+                 outcome.ids)
 
 
 #: Above this many devices unknown to the state, list all branches once rather than looking
@@ -608,18 +630,19 @@ def _pack(work: _Work) -> tuple[Any, ...]:
             [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.file_count, work.on_parent, work.removed)
+            work.tip, work.file_count, work.on_parent, work.removed, work.ids)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
     """What the parent process needs of the `_Work` that `_pack` was given (not the new
     tree's ids, which the worker already turned into `tree`, `file_count` and the commit)."""
     (files, kept, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, file_count, on_parent, removed) = packed
+     stored_files, tip, file_count, on_parent, removed, ids) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
                              kept)
-    return _Work(outcome, message, tree, stored_files, tip, file_count, on_parent, removed)
+    return _Work(outcome, message, tree, stored_files, tip, file_count, on_parent, removed,
+                 ids)
 
 
 def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
@@ -724,6 +747,18 @@ class _Outcomes:
     devices: dict[str, DeviceRecord] = field(default_factory=dict)
     placements: list[PlacementRecord] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    #: Device -> (its tip when unchanged, else None until Git says; its files).
+    trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
+
+    def trees_at(self, tips: Mapping[str, str] | None) -> dict[str, tuple[str, dict[str, str]]]:
+        """`trees` with the new tips of the committed devices filled in."""
+        tips = tips or {}
+        out = {}
+        for device_id, (tip, files) in self.trees.items():
+            tip = tip or tips.get(device_id)
+            if tip is not None:
+                out[device_id] = (tip, files)
+        return out
 
 
 def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
@@ -745,6 +780,8 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
                                                    work.tree, work.file_count)
         outcomes.placements.extend(outcome.placements)
+        if work.ids is not None:
+            outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
         if work.message is None:
             report.unchanged += 1
             continue
@@ -783,14 +820,15 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     commits = _commits(jobs, _run_jobs(ctx, jobs, progress), report, outcomes, now)
     staged: list[StagedSave] = []
 
-    def stage() -> None:  # every commit has been produced by now
+    def stage(tips: Mapping[str, str] | None = None) -> None:  # every commit is made by now
         staged.append(state.stage(
             intents=[*current_records.values(), *_frozen_records(previous_intents,
                                                                  intents.frozen)],
             forget_intents=[n for n in previous_intents if n not in current_records
                             and n not in intents.frozen],
             devices=outcomes.devices.values(), placements=outcomes.placements,
-            forget_devices=outcomes.forget, snapshot=snapshot.memo))
+            forget_devices=outcomes.forget, snapshot=snapshot.memo,
+            trees=outcomes.trees_at(tips)))
 
     try:
         if dry_run:
@@ -860,9 +898,12 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
             report.unchanged += 1
             report.deployments += record.deployments if record else 0
     placements = state.placements_of(device.id for device, _ in todo)
+    trees = state.trees_of(device.id for device, record in todo
+                           if record is not None and record.caps_digest == device.digest)
     # Devices the state does not know may still have branches (e.g. the state was lost):
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)
     branches = set(store.device_ids()) if unknown > _LIST_BRANCHES_ABOVE else None
     return [_Job(device, record, placements[device.id],
-                 branches is None or device.id in branches) for device, record in todo]
+                 branches is None or device.id in branches, trees.get(device.id))
+            for device, record in todo]

@@ -447,6 +447,15 @@ class DeviceStore:
         commit = self._tip_commit(device_id)
         return None if commit is None else str(commit.id)
 
+    def branch_target(self, device_id: str) -> str | None:
+        """What the device's branch points at, read from the ref alone (no object is
+        read); None without a branch, or when the ref is symbolic. Cheap enough to tell,
+        for every device a recompile touches, whether its branch is where a compile left
+        it (see `compiler.state.CompilerState.trees_of`)."""
+        ref = self._own_repo().references.get(device_ref(device_id))
+        target = None if ref is None else ref.target
+        return str(target) if isinstance(target, pygit2.Oid) else None
+
     def tree_id(self, device_id: str) -> str | None:
         """The id of the tree at the tip (what the compiler remembers), or None."""
         commit = self._tip_commit(device_id)
@@ -561,7 +570,8 @@ class DeviceStore:
     # --- writing -------------------------------------------------------------------------
 
     def write(self, commits: Iterable[DeviceCommit], *,
-              while_moving: Callable[[], None] | None = None) -> dict[str, str]:
+              while_moving: Callable[[Mapping[str, str]], None] | None = None,
+              ) -> dict[str, str]:
         """Append one commit per `DeviceCommit` to its device's branch; device id -> new tip.
 
         Every commit is written even when its tree equals the tip's: the caller decides.
@@ -577,8 +587,9 @@ class DeviceStore:
         the generator itself, aborts the write before any branch moves). Each device's old tip
         is read when its first commit arrives.
 
-        `while_moving` is called once every object is written, while Git moves the branches
-        (seconds for thousands of them), before it is known whether that succeeds: the caller
+        `while_moving` is called with the new tips (what this returns) once every object is
+        written, while Git moves the branches (seconds for thousands of them), before it is
+        known whether that succeeds: the caller
         overlaps its own bookkeeping with Git's and must undo it if `write` then raises. An
         exception from it is raised once Git has finished, whatever Git did.
         """
@@ -601,7 +612,8 @@ class DeviceStore:
                           stream, Path(scratch), "no device branch was changed")
             marks = _read_marks(marks_path)
         new_tips = {device_id: marks[mark] for mark, device_id in enumerate(order, start=1)}
-        self._update_refs(new_tips, old_tips, while_moving)
+        self._update_refs(new_tips, old_tips,
+                          None if while_moving is None else lambda: while_moving(new_tips))
         return new_tips
 
     def _fast_import_stream(self, commits: Iterable[DeviceCommit], order: list[str],

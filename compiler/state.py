@@ -8,7 +8,9 @@ running grace periods. It holds:
   constraints, profile choice) and of the application version it used, so the next run
   knows which intents changed, whom they targeted, and whether placements still hold;
 * per device, the digest of its capability document and whether its last compile
-  succeeded, so an untouched device is skipped without rendering;
+  succeeded, so an untouched device is skipped without rendering, and the commit its
+  branch was left at with that commit's files (name -> blob id), so a device recompiled
+  for one intent need not read its tree back from Git;
 * per (device, intent), whether the device was targeted, eligible and deployed, with which
   profile, and since when it has been ineligible (grace periods), which also lets commit
   messages say *why*;
@@ -18,8 +20,9 @@ running grace periods. It holds:
 
 from __future__ import annotations
 
+import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,8 @@ CREATE TABLE IF NOT EXISTS placements (
     device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
     deployed INTEGER NOT NULL, ineligible_since REAL, profile TEXT,
     PRIMARY KEY (device_id, intent));
+CREATE TABLE IF NOT EXISTS device_trees (
+    device_id TEXT PRIMARY KEY, tip TEXT NOT NULL, files TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshot_documents (
     device_id TEXT PRIMARY KEY, digest TEXT, start INTEGER, end INTEGER,
     plain INTEGER NOT NULL);
@@ -112,6 +117,7 @@ class CompilerState:
         # Dropped, not emptied: an older schema's tables may lack columns.
         self._db.executescript("DROP TABLE IF EXISTS devices; DROP TABLE IF EXISTS intents; "
                                "DROP TABLE IF EXISTS placements; "
+                               "DROP TABLE IF EXISTS device_trees; "
                                "DROP TABLE IF EXISTS snapshot_documents; "
                                "DELETE FROM meta WHERE key = 'snapshot';" + _SCHEMA)
 
@@ -180,6 +186,20 @@ class CompilerState:
                 out[r[0]][r[1]] = PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5])
         return out
 
+    def trees_of(self, device_ids: Iterable[str]) -> dict[str, tuple[str, dict[str, str]]]:
+        """Device id -> (the commit its branch was left at, that commit's files as name ->
+        blob id), for the devices asked for that have one recorded (one query per 500)."""
+        out: dict[str, tuple[str, dict[str, str]]] = {}
+        ids = list(dict.fromkeys(device_ids))
+        for start in range(0, len(ids), 500):
+            chunk = ids[start:start + 500]
+            rows = self._db.execute(
+                "SELECT device_id, tip, files FROM device_trees "
+                f"WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
+            for device_id, tip, files in rows:
+                out[device_id] = (tip, json.loads(files))
+        return out
+
     def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
         rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since, "
                                 "profile FROM placements WHERE device_id=?", (device_id,))
@@ -227,22 +247,27 @@ class CompilerState:
 
     def save(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
              devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
-             forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None) -> None:
+             forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
+             trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None) -> None:
         """Record one compile's outcome atomically. `devices` lists the devices whose
         placements are replaced by `placements`; `forget_devices` must be fully recompiled
         next time (e.g. they had errors). `snapshot` is the memo of the keyed capability
         file this compile read (None: it read none, and no memo is kept)."""
         self.stage(intents=intents, forget_intents=forget_intents, devices=devices,
                    placements=placements, forget_devices=forget_devices,
-                   snapshot=snapshot).commit()
+                   snapshot=snapshot, trees=trees).commit()
 
     def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
               devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
               forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
+              trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
               ) -> StagedSave:
         """`save`, with its transaction left open until the handle is committed or rolled
         back: a compile writes its records while Git moves the branches and commits them
-        only if that succeeded. No other use of this state until then."""
+        only if that succeeded. No other use of this state until then.
+
+        `trees` gives, for devices of `devices`, the commit their branch is left at and its
+        files; a device of `devices` or `forget_devices` without one has none recorded."""
         device_list = list(devices)
         db = self._db
         self._devices = None  # rolled back or not, no longer known without reading
@@ -263,6 +288,13 @@ class CompilerState:
                              p.ineligible_since, p.profile) for p in placements])
             forget = [(d,) for d in forget_devices]
             db.executemany("DELETE FROM devices WHERE device_id=?", forget)
+            trees = trees or {}
+            db.executemany("DELETE FROM device_trees WHERE device_id=?",
+                           [(d.device_id,) for d in device_list if d.device_id not in trees]
+                           + forget)
+            db.executemany("INSERT OR REPLACE INTO device_trees VALUES (?, ?, ?)",
+                           [(d, tip, json.dumps(files, sort_keys=True, separators=(",", ":")))
+                            for d, (tip, files) in trees.items()])
         except BaseException:
             db.execute("ROLLBACK")
             raise

@@ -573,6 +573,48 @@ def test_a_recompile_shares_the_devices_between_this_process_and_workers(
                 == [c.message for c in parallel.history(device_id)])
 
 
+def test_a_recompile_takes_trees_from_the_state_while_branches_are_where_it_left_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device recompiled for one intent gets its tree from the state (the recorded commit
+    and files) when its branch is still at that commit; a branch that moved, or a record
+    that does not add up, is read from Git. The trees equal a fresh compile's."""
+    import sqlite3
+
+    from compiler.gitstore import DeviceCommit, DeviceStore
+    monkeypatch.setenv("MARGO_COMPILE_WORKERS", "1")
+    fleet = Fleet(tmp_path / "edited")
+    fleet.apps["com-example-app"] = app()
+    fleet.apps["com-example-other"] = app("com-example-other")
+    fleet.intents["a"] = intent("a", parameters={"greeting": "one"})
+    fleet.intents["b"] = intent("b", app_id="com-example-other")
+    for i in range(6):
+        fleet.devices[f"d{i}"] = device(f"d{i}")
+    fleet.compile(now=1_000)
+    read: list[str] = []
+    real = DeviceStore.tree
+    monkeypatch.setattr(DeviceStore, "tree",
+                        lambda self, d: read.append(d) or real(self, d))  # type: ignore[func-returns-value]
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "two"}
+    assert fleet.compile(now=2_000).commits == 6
+    assert read == []
+    # d1's branch moves behind the compiler's back; d2's record is damaged.
+    fleet.store.write([DeviceCommit("d1", {"extra.yaml": b"x: 1\n"}, "by hand\n", 2_500,
+                                    fleet.store.tree_ids("d1") or {})])
+    db = sqlite3.connect(fleet.repos / "compiler-state.sqlite")
+    db.execute("UPDATE device_trees SET files='{\"a.yaml\": \"%s\"}' WHERE device_id='d2'"
+               % ("0" * 40))
+    db.commit()
+    db.close()
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "three"}
+    assert fleet.compile(now=3_000).commits == 6
+    assert sorted(read) == ["d1", "d2"]
+    monkeypatch.undo()
+    fresh = Fleet(tmp_path / "fresh", fleet.apps, fleet.intents, fleet.devices)
+    fresh.compile(now=3_000)
+    for device_id in fleet.devices:
+        assert fleet.tree(device_id) == fresh.tree(device_id), device_id
+
+
 def test_a_branch_someone_else_committed_to_gets_a_whole_tree_again(fleet: Fleet) -> None:
     """Compiles send Git only the difference from a branch's tree, except when the tree holds
     what no compile writes (here a subtree): then the whole tree is written, without it."""

@@ -118,3 +118,22 @@ def test_the_devices_read_for_trusted_digests_serve_the_next_read_once(
     state.trusted_digests()
     state.save(**_records(6))  # type: ignore[arg-type]  # a write drops the read-ahead
     assert sorted(state.devices()) == [f"d{i}" for i in range(6)]
+
+
+def test_recorded_trees_round_trip_and_go_with_their_devices(state: CompilerState) -> None:
+    """A device's recorded tree (tip and files) is replaced with its device record, dropped
+    when a save records the device without one, and forgotten with the device."""
+    records = _records(3)
+    records["trees"] = {"d0": ("c" * 40, {"a.yaml": "1" * 40, "b.yaml": "2" * 40}),
+                        "d1": ("d" * 40, {})}
+    state.save(**records)  # type: ignore[arg-type]
+    assert state.trees_of(["d0", "d1", "d2", "nope"]) == {
+        "d0": ("c" * 40, {"a.yaml": "1" * 40, "b.yaml": "2" * 40}), "d1": ("d" * 40, {})}
+    again = _records(2)  # d0 and d1 again: d0 without a tree now
+    again["trees"] = {"d1": ("e" * 40, {"c.yaml": "3" * 40})}
+    state.save(**again)  # type: ignore[arg-type]
+    assert state.trees_of(["d0", "d1"]) == {"d1": ("e" * 40, {"c.yaml": "3" * 40})}
+    forget = _records(0)
+    forget["forget_devices"] = ["d1"]
+    state.save(**forget)  # type: ignore[arg-type]
+    assert state.trees_of(["d0", "d1"]) == {}

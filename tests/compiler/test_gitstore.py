@@ -588,11 +588,12 @@ def test_branches_are_read_in_forked_workers_with_their_own_handle(store: Device
 
 def test_while_moving_runs_once_between_writing_objects_and_moving_branches(
         store: DeviceStore) -> None:
-    calls: list[list[str]] = []
+    calls: list[tuple[list[str], dict[str, str]]] = []
     tips = store.write([DeviceCommit("dev", files(1), "m\n", TS)],
-                       while_moving=lambda: calls.append(store.device_ids()))
+                       while_moving=lambda new: calls.append((store.device_ids(), dict(new))))
     assert len(calls) == 1 and store.tip("dev") == tips["dev"]
-    assert store.write([], while_moving=lambda: calls.append([])) == {}
+    assert calls[0][1] == tips  # it is told the new tips
+    assert store.write([], while_moving=lambda new: calls.append(([], {}))) == {}
     assert len(calls) == 1
 
 
@@ -605,11 +606,11 @@ def test_while_moving_runs_even_when_moving_fails_and_its_error_wins(
     calls: list[int] = []
     with pytest.raises(GitStoreError, match="update-ref failed"):
         store.write([DeviceCommit("dev", files(3), "m\n", TS)],
-                    while_moving=lambda: calls.append(1))
+                    while_moving=lambda new: calls.append(1))
     assert calls == [1]
     monkeypatch.undo()
 
-    def broken() -> None:
+    def broken(tips: object) -> None:
         raise ValueError("bookkeeping failed")
 
     with pytest.raises(ValueError, match="bookkeeping failed"):
@@ -706,3 +707,13 @@ def test_a_change_on_the_parent_must_be_the_devices_first_commit_of_a_write(
                      DeviceCommit("dev", {}, "three\n", TS, parent=tip, parent_known=True,
                                   on_parent=True, removed=["app-0.yaml"])])
     assert store.tip("dev") == tip
+
+
+def test_branch_target_reads_the_ref_alone(store: DeviceStore) -> None:
+    """What a branch points at, without reading an object: the tip for a branch, None
+    without one, and None for a symbolic ref (whose target is a name, not an object)."""
+    assert store.branch_target("dev") is None
+    tip = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+    assert store.branch_target("dev") == tip == store.tip("dev")
+    store._repo.references.create(device_ref("sym"), device_ref("dev"))
+    assert store.tip("sym") == tip and store.branch_target("sym") is None

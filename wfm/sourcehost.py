@@ -10,6 +10,7 @@ the streaming device hosting in `wfm.githttp`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import subprocess
 from collections.abc import Callable
@@ -66,7 +67,7 @@ async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[i
         "git", "http-backend", env=env, stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
-        out, _ = await asyncio.wait_for(process.communicate(body), timeout=300)
+        out = await asyncio.wait_for(_communicate(process, body), timeout=300)
     except TimeoutError:
         process.kill()
         raise ProblemError(504, "git did not finish in time") from None
@@ -81,6 +82,30 @@ async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[i
         elif name:
             headers[name.strip()] = value.strip()
     return status, headers, payload
+
+
+async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> bytes:
+    """`process.communicate(body)`'s stdout, except that a backend that exits without
+    reading its input (a request it answers at once, such as a refusal) is no error: its
+    output says what happened. (With uvloop, writing to a pipe whose reader has exited
+    raises RuntimeError, which `communicate` lets through as a server error.)"""
+    stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
+    assert stdin is not None and stdout is not None and stderr is not None
+
+    async def feed() -> None:
+        try:
+            if body:
+                stdin.write(body)
+                await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            pass  # the backend has exited; its exit and output tell why
+        finally:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
+                stdin.close()
+
+    _, out, _ = await asyncio.gather(feed(), stdout.read(), stderr.read())
+    await process.wait()
+    return out
 
 
 def source_app(repository: Path, admin_token: str | None,

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from fleetkit import Fleet, app, device, intent
 
+from compiler.gitstore import DeviceStore
 from compiler.render import deployment_id
 from margo.validation import validate_document
 
@@ -511,6 +512,15 @@ def test_a_file_the_state_has_no_record_of_is_evaluated_again(fleet: Fleet) -> N
     assert after["other.yaml"] != before["other.yaml"]
 
 
+def _assert_same_branches(serial: DeviceStore, parallel: DeviceStore) -> None:
+    """Both stores hold the same trees, and every commit has the same message."""
+    assert serial.device_ids() == parallel.device_ids()
+    for device_id in serial.device_ids():
+        assert serial.read_files(device_id) == parallel.read_files(device_id)
+        assert ([c.message for c in serial.history(device_id)]
+                == [c.message for c in parallel.history(device_id)])
+
+
 def test_worker_processes_produce_the_same_trees_and_messages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stores = []
@@ -530,11 +540,7 @@ def test_worker_processes_produce_the_same_trees_and_messages(
         report = fleet.compile(now=2_000)
         assert report.commits == 7 and [d for d, _ in report.errors] == ["d5"]
         stores.append(fleet.store)
-    serial, parallel = stores
-    for device_id in serial.device_ids():
-        assert serial.read_files(device_id) == parallel.read_files(device_id)
-        assert ([c.message for c in serial.history(device_id)]
-                == [c.message for c in parallel.history(device_id)])
+    _assert_same_branches(*stores)
 
 
 def test_a_recompile_shares_the_devices_between_this_process_and_workers(
@@ -566,11 +572,7 @@ def test_a_recompile_shares_the_devices_between_this_process_and_workers(
         stores.append(fleet.store)
         local.append(here)
     assert len(local[0]) == 40 and 0 < len(local[1]) < 40
-    serial, parallel = stores
-    for device_id in serial.device_ids():
-        assert serial.read_files(device_id) == parallel.read_files(device_id)
-        assert ([c.message for c in serial.history(device_id)]
-                == [c.message for c in parallel.history(device_id)])
+    _assert_same_branches(*stores)
 
 
 def test_a_recompile_takes_trees_from_the_state_while_branches_are_where_it_left_them(
@@ -580,7 +582,7 @@ def test_a_recompile_takes_trees_from_the_state_while_branches_are_where_it_left
     that does not add up, is read from Git. The trees equal a fresh compile's."""
     import sqlite3
 
-    from compiler.gitstore import DeviceCommit, DeviceStore
+    from compiler.gitstore import DeviceCommit
     monkeypatch.setenv("MARGO_COMPILE_WORKERS", "1")
     fleet = Fleet(tmp_path / "edited")
     fleet.apps["com-example-app"] = app()

@@ -551,7 +551,6 @@ class _Work:
     tree: str | None  # id of the outcome's tree (None after problems)
     stored_files: int  # files on the branch before (what an erring device keeps)
     tip: str | None  # the branch tip the outcome was computed from (None: no branch)
-    file_count: int = 0  # files in the new tree
     #: The commit changes the tip's tree (`DeviceCommit.on_parent`): `outcome.files` and
     #: `outcome.kept` hold only what differs from it, and `removed` what it loses.
     on_parent: bool = False
@@ -590,21 +589,18 @@ def _work(ctx: _Context, job: _Job) -> _Work:
     if outcome.problems:
         return _Work(outcome, None, None, len(current.ids), tip)
     if stored is not None and not stored.foreign and stored.ids == outcome.ids:
-        return _Work(outcome, None, stored.tree, len(current.ids), tip, len(outcome.ids),
-                     ids=outcome.ids)
+        return _Work(outcome, None, stored.tree, len(current.ids), tip, ids=outcome.ids)
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
                 "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
     message = commit_message(device.id, outcome.changes, trailers)
     tree = tree_id_of(outcome.ids)
     if stored is None or stored.foreign:
-        return _Work(outcome, message, tree, len(current.ids), tip, len(outcome.ids),
-                     ids=outcome.ids)
+        return _Work(outcome, message, tree, len(current.ids), tip, ids=outcome.ids)
     # Only the difference from the tip travels on (to the parent process and to Git).
     before, after = stored.ids, outcome.ids
     outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
     removed = tuple(n for n in before if n not in after)
-    return _Work(outcome, message, tree, len(current.ids), tip, len(after), True, removed,
-                 outcome.ids)
+    return _Work(outcome, message, tree, len(current.ids), tip, True, removed, after)
 
 
 #: Above this many devices unknown to the state, list all branches once rather than looking
@@ -630,19 +626,18 @@ def _pack(work: _Work) -> tuple[Any, ...]:
             [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.file_count, work.on_parent, work.removed, work.ids)
+            work.tip, work.on_parent, work.removed, work.ids)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
-    """What the parent process needs of the `_Work` that `_pack` was given (not the new
-    tree's ids, which the worker already turned into `tree`, `file_count` and the commit)."""
+    """What the parent process needs of the `_Work` that `_pack` was given (the outcome's
+    own `ids` stay behind: `ids` of the work is the same dict)."""
     (files, kept, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, file_count, on_parent, removed, ids) = packed
+     stored_files, tip, on_parent, removed, ids) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
                              kept)
-    return _Work(outcome, message, tree, stored_files, tip, file_count, on_parent, removed,
-                 ids)
+    return _Work(outcome, message, tree, stored_files, tip, on_parent, removed, ids)
 
 
 def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
@@ -770,18 +765,17 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
                               notes=outcome.notes, grace_until=outcome.grace_until)
         report.results.append(result)
-        if outcome.problems or work.tree is None:
+        if outcome.problems or work.tree is None or work.ids is None:
             result.status, result.changes = "error", []
             report.errors.extend((device_id, p) for p in outcome.problems)
             report.deployments += work.stored_files
             outcomes.forget.append(device_id)
             continue
-        report.deployments += work.file_count
+        report.deployments += len(work.ids)
         outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
-                                                   work.tree, work.file_count)
+                                                   work.tree, len(work.ids))
         outcomes.placements.extend(outcome.placements)
-        if work.ids is not None:
-            outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
+        outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
         if work.message is None:
             report.unchanged += 1
             continue

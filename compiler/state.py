@@ -15,7 +15,8 @@ running grace periods. It holds:
   profile, and since when it has been ineligible (grace periods), which also lets commit
   messages say *why*;
 * the `SnapshotMemo` of the keyed capability file the last compile read (the identity of its
-  bytes and its documents' digests), so reading the same bytes again skips that work.
+  bytes, its documents' digests and, for JSON, where each document lies in the text), so
+  reading the same bytes again skips that work.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from compiler.gcpause import collection_paused
 from compiler.snapshot import SnapshotMemo, TrustedDigests
@@ -88,6 +89,14 @@ class PlacementRecord(NamedTuple):
     deployed: bool
     ineligible_since: float | None
     profile: str | None = None  # the id of the profile deployed (eligible placements)
+
+
+_PLACEMENT_COLUMNS = "device_id, intent, eligible, deployed, ineligible_since, profile"
+
+
+def _placement(row: Any) -> PlacementRecord:
+    """A `PlacementRecord` from a row of `_PLACEMENT_COLUMNS` (SQLite stores booleans as 0/1)."""
+    return PlacementRecord(row[0], row[1], bool(row[2]), bool(row[3]), row[4], row[5])
 
 
 class CompilerState:
@@ -173,38 +182,32 @@ class CompilerState:
     def placements_of(self, device_ids: Iterable[str]) -> dict[str, dict[str, PlacementRecord]]:
         """`placements_for` of many devices at once (one query per 500 devices instead of
         one per device); every device asked for is in the result."""
-        out: dict[str, dict[str, PlacementRecord]] = {}
         ids = list(dict.fromkeys(device_ids))
-        for start in range(0, len(ids), 500):
-            chunk = ids[start:start + 500]
-            for device_id in chunk:
-                out[device_id] = {}
-            rows = self._db.execute(
-                "SELECT device_id, intent, eligible, deployed, ineligible_since, profile "
-                f"FROM placements WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
-            for r in rows:
-                out[r[0]][r[1]] = PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5])
+        out: dict[str, dict[str, PlacementRecord]] = {device_id: {} for device_id in ids}
+        for row in self._rows_of_devices(_PLACEMENT_COLUMNS, "placements", ids):
+            out[row[0]][row[1]] = _placement(row)
         return out
 
     def trees_of(self, device_ids: Iterable[str]) -> dict[str, tuple[str, dict[str, str]]]:
         """Device id -> (the commit its branch was left at, that commit's files as name ->
         blob id), for the devices asked for that have one recorded (one query per 500)."""
-        out: dict[str, tuple[str, dict[str, str]]] = {}
-        ids = list(dict.fromkeys(device_ids))
+        rows = self._rows_of_devices("device_id, tip, files", "device_trees",
+                                     list(dict.fromkeys(device_ids)))
+        return {device_id: (tip, json.loads(files)) for device_id, tip, files in rows}
+
+    def _rows_of_devices(self, columns: str, table: str, ids: list[str]) -> Iterator[Any]:
+        """``SELECT columns FROM table`` for these devices, 500 ids per query (SQLite's
+        limit on bound parameters is at least 999)."""
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
-            rows = self._db.execute(
-                "SELECT device_id, tip, files FROM device_trees "
+            yield from self._db.execute(
+                f"SELECT {columns} FROM {table} "
                 f"WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
-            for device_id, tip, files in rows:
-                out[device_id] = (tip, json.loads(files))
-        return out
 
     def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
-        rows = self._db.execute("SELECT device_id, intent, eligible, deployed, ineligible_since, "
-                                "profile FROM placements WHERE device_id=?", (device_id,))
-        return {r[1]: PlacementRecord(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5])
-                for r in rows}
+        rows = self._db.execute(f"SELECT {_PLACEMENT_COLUMNS} FROM placements "
+                                "WHERE device_id=?", (device_id,))
+        return {row[1]: _placement(row) for row in rows}
 
     @collection_paused()  # 20,000 rows become objects that live through the compile
     def trusted_digests(self) -> TrustedDigests:

@@ -80,11 +80,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from compiler.gitstore import device_ref
 
 __all__ = [
+    "BACKEND_GONE",
     "MAX_REQUEST_BYTES",
     "PROCESS_TIMEOUT",
     "REALM",
     "Authorize",
     "git_app",
+    "write_to_backend",
 ]
 
 #: A hook deciding whether the request may read device ``device_id``'s state.
@@ -96,6 +98,21 @@ PROCESS_TIMEOUT = 300.0
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: The Basic-auth realm announced with 401 answers.
 REALM = "margo-gitops"
+#: What writing to a Git backend that has exited raises: BrokenPipeError or
+#: ConnectionResetError with asyncio's own loop, RuntimeError ("the handler is closed")
+#: with uvloop, which the server runs on.
+BACKEND_GONE = (BrokenPipeError, ConnectionResetError, RuntimeError)
+
+
+async def write_to_backend(stdin: asyncio.StreamWriter, data: bytes) -> bool:
+    """Write `data` to a Git backend's stdin; False when the backend has stopped reading
+    (it answered without the rest of the request: its own answer says why)."""
+    try:
+        stdin.write(data)
+        await stdin.drain()
+    except BACKEND_GONE:
+        return False
+    return True
 
 _UPLOAD_PACK = "git-upload-pack"
 _CHUNK = 64 * 1024
@@ -549,12 +566,8 @@ async def _feed(receive: Receive, stdin: asyncio.StreamWriter, cgi: _CgiRequest)
         chunk = message.get("body", b"")
         if cgi.gate is not None:
             await cgi.gate.check(chunk)
-        if chunk:
-            try:
-                stdin.write(chunk)
-                await stdin.drain()
-            except (BrokenPipeError, ConnectionResetError):
-                return  # Git stopped reading: its own answer says why
+        if chunk and not await write_to_backend(stdin, chunk):
+            return  # Git stopped reading: its own answer says why
         if not message.get("more_body", False):
             break
     stdin.close()

@@ -22,6 +22,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
 from wfm.clients import parse_basic
+from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.problems import ProblemError, problem_response
 from wfm.sources import git_environment
 
@@ -88,20 +89,16 @@ async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> byte
     """`process.communicate(body)`'s stdout, except that a backend that exits without
     reading its input (a request it answers at once, such as a refusal) is no error: its
     output says what happened. (With uvloop, writing to a pipe whose reader has exited
-    raises RuntimeError, which `communicate` lets through as a server error.)"""
+    raises RuntimeError, which `communicate` lets through as a server error: see
+    `wfm.githttp.BACKEND_GONE`.)"""
     stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
     assert stdin is not None and stdout is not None and stderr is not None
 
     async def feed() -> None:
-        try:
-            if body:
-                stdin.write(body)
-                await stdin.drain()
-        except (BrokenPipeError, ConnectionResetError, RuntimeError):
-            pass  # the backend has exited; its exit and output tell why
-        finally:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError, RuntimeError):
-                stdin.close()
+        if body:
+            await write_to_backend(stdin, body)  # if it has exited, its output tells why
+        with contextlib.suppress(*BACKEND_GONE):
+            stdin.close()
 
     _, out, _ = await asyncio.gather(feed(), stdout.read(), stderr.read())
     await process.wait()

@@ -1,5 +1,6 @@
-"""The hosted source's git backend: its answer is passed on even when it exits before
-reading the request body (with uvloop, as the server runs, writing to it then raises)."""
+"""Git backends (the hosted source's and the device hosting's): their answer is passed on
+even when they exit before reading the request body (with uvloop, as the server runs,
+writing to them then raises)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 import uvloop
 
+from wfm.githttp import write_to_backend
 from wfm.sourcehost import _communicate
 
 
@@ -35,3 +37,16 @@ def test_asyncio_communicate_is_what_failed_there() -> None:
         assert "handler is closed" in str(exc)
     else:
         raise AssertionError("communicate no longer fails: _communicate may be unneeded")
+
+
+def test_writing_to_a_backend_that_has_exited_says_so() -> None:
+    """The device hosting feeds request bodies through the same helper: under uvloop a
+    backend that stopped reading is reported (False), not raised as a server error."""
+    async def write() -> bool:
+        process = await asyncio.create_subprocess_exec(
+            "true", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+        await process.wait()
+        assert process.stdin is not None
+        return await write_to_backend(process.stdin, b"x" * 10)
+
+    assert uvloop.run(write()) is False

@@ -19,10 +19,11 @@ How a `DeviceStore.write` publishes, and why:
    another core. Its commits are built on a scratch branch that is reset before every commit
    and once more at the end, so fast-import itself never writes any ref; the commit ids come
    back through ``--export-marks``;
-3. ONE ``git update-ref --stdin`` transaction then moves every device branch, each with its
-   expected old value (compare-and-swap). If any branch moved in the meantime, or cannot be
-   locked, no branch is changed. The unreferenced objects of a failed write are harmless and
-   are pruned by a later ``git gc``.
+3. ONE rewrite of ``packed-refs`` then moves every device branch, each with its expected old
+   value (compare-and-swap), published by a single rename (`compiler.packedrefs`: Git's
+   ``update-ref`` would write one loose file per branch, slower than compiling them). If any
+   branch moved in the meantime, or the file is locked, no branch is changed. The
+   unreferenced objects of a failed write are harmless and are pruned by a later ``git gc``.
 
 Readers (the server, the next compile) only use pygit2 and never block on writers. Writers
 serialise with `DeviceStore.lock`, which must be held from reading the tips a compile builds on
@@ -50,6 +51,8 @@ from pathlib import Path
 from typing import IO, ClassVar
 
 import pygit2
+
+from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs
 
 __all__ = [
     "DEVICE_ID_PATTERN",
@@ -588,10 +591,9 @@ class DeviceStore:
         is read when its first commit arrives.
 
         `while_moving` is called with the new tips (what this returns) once every object is
-        written, while Git moves the branches (seconds for thousands of them), before it is
-        known whether that succeeds: the caller
-        overlaps its own bookkeeping with Git's and must undo it if `write` then raises. An
-        exception from it is raised once Git has finished, whatever Git did.
+        written, just before the branches move, so the caller's bookkeeping is ready to
+        commit the moment they have moved; it must undo it if `write` then raises. An
+        exception from it is raised at once, with no branch moved.
         """
         if isinstance(commits, Sequence):
             for commit in commits:
@@ -642,15 +644,27 @@ class DeviceStore:
     def _update_refs(self, new_tips: Mapping[str, str], old_tips: Mapping[str, str | None],
                      while_moving: Callable[[], None] | None = None) -> None:
         """Move every branch at once, each only if it still points where the compile saw it
-        (the zero id means "must not exist yet")."""
-        lines = ["start"]
-        lines += [f"update {device_ref(d)} {new} {old_tips[d] or _ZERO_OID}"
-                  for d, new in new_tips.items()]
-        lines += ["prepare", "commit", ""]
+        (None: must not exist yet), in one rewrite of ``packed-refs`` (`compiler.packedrefs`
+        says why). `while_moving` runs first: if it raises, nothing moves."""
+        updates = {device_ref(d): (old_tips[d], new) for d, new in new_tips.items()}
+        if while_moving is not None:
+            while_moving()
+        try:
+            try:
+                move_refs(self.path, updates)
+            except LooseRefsError:  # written by git or libgit2, or by an older compiler
+                self._pack_refs()
+                move_refs(self.path, updates)
+        except PackedRefsError as exc:
+            raise GitStoreError(f"moving the device branches in {self.path} failed; no "
+                                f"device branch was changed: {exc}") from None
+
+    def _pack_refs(self) -> None:
+        """Fold loose refs into ``packed-refs`` with Git itself (every ref keeps its value;
+        symbolic refs stay loose)."""
         with tempfile.TemporaryDirectory(prefix="margo-gitstore-") as scratch:
-            self._run_git(["update-ref", "--stdin"], ["\n".join(lines).encode()], Path(scratch),
-                          "no device branch was changed unless git says otherwise",
-                          while_running=while_moving)
+            self._run_git(["pack-refs", "--all", "--prune"], [], Path(scratch),
+                          "no device branch was changed")
 
     def _run_git(self, args: Sequence[str], stdin: Iterable[bytes], scratch: Path,
                  consequence: str, *, while_running: Callable[[], None] | None = None) -> None:

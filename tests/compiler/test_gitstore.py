@@ -329,7 +329,7 @@ def test_a_branch_moved_behind_our_back_aborts_the_whole_write(
     real_tip = DeviceStore.tip
     monkeypatch.setattr(store, "tip",
                         lambda d: stale if d == "dev" else real_tip(store, d))
-    with pytest.raises(GitStoreError, match="update-ref failed"):
+    with pytest.raises(GitStoreError, match=r"no device branch was changed: .* expected"):
         store.write([DeviceCommit("new", files(1), "m\n", TS),
                      DeviceCommit("dev", files(3), "three\n", TS)])
     monkeypatch.undo()
@@ -356,7 +356,7 @@ def test_a_tip_read_before_the_branch_moved_aborts_the_whole_write(
     nothing moves, the newer commit stays."""
     stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
     current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
-    with pytest.raises(GitStoreError, match="update-ref failed"):
+    with pytest.raises(GitStoreError, match=r"no device branch was changed: .* expected"):
         store.write([DeviceCommit("new", files(1), "m\n", TS),
                      DeviceCommit("dev", files(3), "three\n", TS,
                                   parent=stale if claimed else None, parent_known=True)])
@@ -597,14 +597,16 @@ def test_while_moving_runs_once_between_writing_objects_and_moving_branches(
     assert len(calls) == 1
 
 
-def test_while_moving_runs_even_when_moving_fails_and_its_error_wins(
+def test_while_moving_runs_even_when_moving_fails_and_its_error_stops_the_move(
         store: DeviceStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It runs before the branches move: a failed move still ran it (the caller undoes its
+    bookkeeping), and its own failure leaves every branch where it was."""
     stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
     current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
     real_tip = DeviceStore.tip
     monkeypatch.setattr(store, "tip", lambda d: stale if d == "dev" else real_tip(store, d))
     calls: list[int] = []
-    with pytest.raises(GitStoreError, match="update-ref failed"):
+    with pytest.raises(GitStoreError, match=r"is at .*, expected"):
         store.write([DeviceCommit("dev", files(3), "m\n", TS)],
                     while_moving=lambda new: calls.append(1))
     assert calls == [1]
@@ -615,7 +617,7 @@ def test_while_moving_runs_even_when_moving_fails_and_its_error_wins(
 
     with pytest.raises(ValueError, match="bookkeeping failed"):
         store.write([DeviceCommit("dev", files(3), "m\n", TS)], while_moving=broken)
-    assert store.tip("dev") != current  # git had finished (and succeeded) before the error
+    assert store.tip("dev") == current
     assert _our_git_processes() == []
 
 
@@ -717,3 +719,28 @@ def test_branch_target_reads_the_ref_alone(store: DeviceStore) -> None:
     assert store.branch_target("dev") == tip == store.tip("dev")
     store._repo.references.create(device_ref("sym"), device_ref("dev"))
     assert store.tip("sym") == tip and store.branch_target("sym") is None
+
+
+def test_branches_written_as_loose_files_are_packed_then_moved(store: DeviceStore) -> None:
+    """A repository whose branches Git wrote one file each (an older compiler, an operator's
+    `git update-ref`): the next write packs them, keeping every value, and moves its own."""
+    tips = store.write([DeviceCommit("a", files(1), "a\n", TS),
+                        DeviceCommit("b", files(2), "b\n", TS)])
+    git(f"--git-dir={store.path}", "update-ref", device_ref("a"), tips["b"])  # now loose
+    git(f"--git-dir={store.path}", "update-ref", "refs/heads/main", tips["a"])
+    new = store.write([DeviceCommit("a", files(3), "a2\n", TS)])["a"]
+    assert store.history("a")[0].parent == tips["b"]
+    assert not (store.path / device_ref("a")).exists()
+    refs = git(f"--git-dir={store.path}", "for-each-ref", "--format=%(refname) %(objectname)")
+    assert refs.splitlines() == [f"refs/heads/devices/a {new}", f"refs/heads/devices/b {tips['b']}",
+                                 f"refs/heads/main {tips['a']}"]
+
+
+def test_a_symbolic_device_branch_is_refused_with_nothing_moved(store: DeviceStore) -> None:
+    """Git cannot pack a symbolic ref, and moving it would move the branch it names."""
+    tip = store.write([DeviceCommit("dev", files(1), "m\n", TS)])["dev"]
+    store._repo.references.create(device_ref("sym"), device_ref("dev"))
+    with pytest.raises(GitStoreError, match=r"loose files, not packed: refs/heads/devices/sym"):
+        store.write([DeviceCommit("new", files(1), "n\n", TS),
+                     DeviceCommit("sym", files(2), "s\n", TS)])
+    assert store.tip("dev") == tip and store.tip("new") is None

@@ -1,0 +1,166 @@
+"""Moving refs by rewriting packed-refs: what Git and libgit2 read back, compare-and-swap,
+Git's lock protocol, and bad files refused with nothing changed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pygit2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compiler.packedrefs import LooseRefsError, PackedRefsError, RefMovedError, move_refs
+
+#: Fixed identity and dates: the same commands make the same commits in any repository.
+_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+        "GIT_AUTHOR_DATE": "1700000000 +0000", "GIT_COMMITTER_DATE": "1700000000 +0000",
+        "PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")}
+
+
+def git(repo: Path, *args: str, input: bytes | None = None) -> str:
+    return subprocess.run(["git", f"--git-dir={repo}", *args], input=input, check=True,
+                          capture_output=True, env=_ENV).stdout.decode()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(path)], check=True)
+    return path
+
+
+def commits(repo: Path, count: int) -> list[str]:
+    """`count` distinct commits (no ref points at them)."""
+    tree = git(repo, "mktree", input=b"").strip()
+    return [git(repo, "commit-tree", tree, "-m", f"c{i}").strip() for i in range(count)]
+
+
+def refs(repo: Path) -> dict[str, str]:
+    lines = git(repo, "for-each-ref", "--format=%(refname) %(objectname)").splitlines()
+    return dict(line.split(" ") for line in lines)
+
+
+def test_git_and_libgit2_read_the_moved_refs_and_no_loose_file_is_written(repo: Path) -> None:
+    a, b = commits(repo, 2)
+    move_refs(repo, {"refs/heads/devices/x": (None, a), "refs/heads/devices/y": (None, b)})
+    assert refs(repo) == {"refs/heads/devices/x": a, "refs/heads/devices/y": b}
+    assert not (repo / "refs" / "heads" / "devices").exists()
+    assert not (repo / "packed-refs.lock").exists()
+    move_refs(repo, {"refs/heads/devices/x": (a, b)})
+    assert str(pygit2.Repository(str(repo)).references["refs/heads/devices/x"].target) == b
+    assert git(repo, "rev-parse", "refs/heads/devices/y").strip() == b
+
+
+def test_the_file_is_what_git_pack_refs_writes_and_other_refs_keep_their_lines(
+        repo: Path) -> None:
+    """An annotated tag keeps its peel line, and `git pack-refs` finds nothing to change."""
+    a, b, c = commits(repo, 3)
+    git(repo, "update-ref", "refs/heads/main", a)
+    git(repo, "tag", "-a", "-m", "release", "v1", a)
+    git(repo, "update-ref", "refs/heads/devices/old", b)
+    git(repo, "pack-refs", "--all", "--prune")
+    before = (repo / "packed-refs").read_bytes()
+    assert b"\n^" + a.encode() in before  # the tag's peeled line
+    move_refs(repo, {"refs/heads/devices/old": (b, c), "refs/heads/devices/new": (None, a)})
+    written = (repo / "packed-refs").read_bytes()
+    git(repo, "pack-refs", "--all", "--prune")
+    assert (repo / "packed-refs").read_bytes() == written
+    assert b"\n^" + a.encode() in written
+    assert refs(repo)["refs/heads/devices/old"] == c
+    assert git(repo, "rev-parse", "v1^{commit}").strip() == a
+
+
+def test_a_file_without_a_header_keeps_claiming_nothing_but_order(repo: Path) -> None:
+    (a,) = commits(repo, 1)
+    (repo / "packed-refs").write_text(f"{a} refs/heads/z\n")
+    move_refs(repo, {"refs/heads/a": (None, a)})
+    assert (repo / "packed-refs").read_text() == (
+        f"# pack-refs with: sorted \n{a} refs/heads/a\n{a} refs/heads/z\n")
+    assert refs(repo) == {"refs/heads/a": a, "refs/heads/z": a}
+
+
+@pytest.mark.parametrize("case", ["moved", "exists", "missing"])
+def test_a_ref_not_where_expected_moves_nothing(repo: Path, case: str) -> None:
+    a, b, c = commits(repo, 3)
+    move_refs(repo, {"refs/heads/devices/x": (None, a)})
+    before = (repo / "packed-refs").read_bytes()
+    wrong = {"moved": ("refs/heads/devices/x", b, c), "exists": ("refs/heads/devices/x", None, c),
+             "missing": ("refs/heads/devices/z", a, c)}[case]
+    with pytest.raises(RefMovedError, match=wrong[0]):
+        move_refs(repo, {"refs/heads/devices/new": (None, b), wrong[0]: wrong[1:]})
+    assert (repo / "packed-refs").read_bytes() == before
+    assert not (repo / "packed-refs.lock").exists()
+
+
+def test_loose_refs_to_move_are_reported_and_others_ignored(repo: Path) -> None:
+    a, b = commits(repo, 2)
+    git(repo, "update-ref", "refs/heads/devices/loose", a)
+    git(repo, "update-ref", "refs/heads/devices/other", a)
+    with pytest.raises(LooseRefsError) as failure:
+        move_refs(repo, {"refs/heads/devices/loose": (a, b), "refs/heads/devices/new": (None, b)})
+    assert failure.value.names == ["refs/heads/devices/loose"]
+    assert not (repo / "packed-refs").exists()
+    move_refs(repo, {"refs/heads/devices/new": (None, b)})  # a loose neighbour is no matter
+    assert refs(repo) == {"refs/heads/devices/loose": a, "refs/heads/devices/new": b,
+                          "refs/heads/devices/other": a}
+
+
+def test_a_held_lock_is_waited_for_then_refused(repo: Path) -> None:
+    (a,) = commits(repo, 1)
+    (repo / "packed-refs.lock").write_text("")
+    with pytest.raises(PackedRefsError, match=r"packed-refs\.lock exists"):
+        move_refs(repo, {"refs/heads/x": (None, a)}, timeout=0.05)
+    assert (repo / "packed-refs.lock").exists()  # not ours to remove
+    assert refs(repo) == {}
+
+
+def test_a_damaged_file_is_refused_with_its_line(repo: Path) -> None:
+    (a,) = commits(repo, 1)
+    damaged = f"# pack-refs with: peeled fully-peeled sorted \n{a} refs/heads/ok\nnot a ref\n"
+    (repo / "packed-refs").write_text(damaged)
+    with pytest.raises(PackedRefsError, match=r"packed-refs:3: not a packed ref line"):
+        move_refs(repo, {"refs/heads/x": (None, a)})
+    assert (repo / "packed-refs").read_text() == damaged
+    assert not (repo / "packed-refs.lock").exists()
+
+
+@pytest.mark.parametrize(("name", "old", "new"), [
+    ("heads/x", None, "a" * 40), ("refs/heads/a b", None, "a" * 40),
+    ("refs/heads/x", None, "A" * 40), ("refs/heads/x", "abc", "a" * 40),
+])
+def test_bad_updates_are_refused_before_anything_is_read(repo: Path, name: str,
+                                                         old: str | None, new: str) -> None:
+    with pytest.raises(PackedRefsError):
+        move_refs(repo, {name: (old, new)})
+    assert not (repo / "packed-refs").exists()
+
+
+_NAMES = st.sampled_from([f"refs/heads/devices/d{i}" for i in range(6)]
+                         + ["refs/heads/main", "refs/tags/t"])
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=st.lists(st.dictionaries(_NAMES, st.integers(0, 3), min_size=1), max_size=4))
+def test_the_refs_are_what_git_update_ref_gives(tmp_path_factory: pytest.TempPathFactory,
+                                                rounds: list[dict[str, int]]) -> None:
+    """Several rounds of moves leave the same refs as Git's own transactions would."""
+    root = tmp_path_factory.mktemp("twins")
+    ours, theirs = root / "ours.git", root / "theirs.git"
+    for path in (ours, theirs):
+        subprocess.run(["git", "init", "-q", "--bare", str(path)], check=True)
+    ids = commits(ours, 4)
+    assert commits(theirs, 4) == ids  # same trees, messages and (no) dates: same ids
+    current: dict[str, str] = {}
+    for moves in rounds:
+        updates = {name: (current.get(name), ids[i]) for name, i in moves.items()}
+        move_refs(ours, updates)
+        script = "".join(f"update {name} {new} {old or '0' * 40}\n"
+                         for name, (old, new) in updates.items())
+        git(theirs, "update-ref", "--stdin", input=script.encode())
+        current.update({name: ids[i] for name, i in moves.items()})
+        assert refs(ours) == refs(theirs) == current

@@ -742,6 +742,8 @@ class _Outcomes:
     devices: dict[str, DeviceRecord] = field(default_factory=dict)
     placements: list[PlacementRecord] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    #: The placements the state had for the devices of `devices` (`_Job.previous`).
+    before: dict[str, dict[str, PlacementRecord]] = field(default_factory=dict)
     #: Device -> (its tip when unchanged, else None until Git says; its files).
     trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
 
@@ -775,6 +777,7 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
                                                    work.tree, len(work.ids))
         outcomes.placements.extend(outcome.placements)
+        outcomes.before[device_id] = job.previous
         outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
         if work.message is None:
             report.unchanged += 1
@@ -822,7 +825,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                             and n not in intents.frozen],
             devices=outcomes.devices.values(), placements=outcomes.placements,
             forget_devices=outcomes.forget, snapshot=snapshot.memo,
-            trees=outcomes.trees_at(tips)))
+            trees=outcomes.trees_at(tips), placements_before=outcomes.before))
 
     try:
         if dry_run:

@@ -251,26 +251,35 @@ class CompilerState:
     def save(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
              devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
              forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
-             trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None) -> None:
+             trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
+             placements_before: Mapping[str, Mapping[str, PlacementRecord]] | None = None,
+             ) -> None:
         """Record one compile's outcome atomically. `devices` lists the devices whose
         placements are replaced by `placements`; `forget_devices` must be fully recompiled
         next time (e.g. they had errors). `snapshot` is the memo of the keyed capability
         file this compile read (None: it read none, and no memo is kept)."""
         self.stage(intents=intents, forget_intents=forget_intents, devices=devices,
                    placements=placements, forget_devices=forget_devices,
-                   snapshot=snapshot, trees=trees).commit()
+                   snapshot=snapshot, trees=trees,
+                   placements_before=placements_before).commit()
 
     def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
               devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
               forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
               trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
+              placements_before: Mapping[str, Mapping[str, PlacementRecord]] | None = None,
               ) -> StagedSave:
         """`save`, with its transaction left open until the handle is committed or rolled
         back: a compile writes its records while Git moves the branches and commits them
         only if that succeeded. No other use of this state until then.
 
         `trees` gives, for devices of `devices`, the commit their branch is left at and its
-        files; a device of `devices` or `forget_devices` without one has none recorded."""
+        files; a device of `devices` or `forget_devices` without one has none recorded.
+
+        `placements_before` is what `placements_of` read for devices of `devices` in this
+        compile: rows equal to it are neither deleted nor written again. Why: a recompile
+        for one intent's parameters keeps every placement, and rewriting them (six per
+        device, in three indexes) was most of its save and of the checkpoint after it."""
         device_list = list(devices)
         db = self._db
         self._devices = None  # rolled back or not, no longer known without reading
@@ -281,8 +290,8 @@ class CompilerState:
                            [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
                              i.placement_digest) for i in intents])
             db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
-            db.executemany("DELETE FROM placements WHERE device_id=?",
-                           [(d.device_id,) for d in device_list])
+            placements = self._delete_placements(db, device_list, placements,
+                                                 placements_before)
             db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?, ?, ?)",
                            [(d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
                             for d in device_list])
@@ -302,6 +311,29 @@ class CompilerState:
             db.execute("ROLLBACK")
             raise
         return StagedSave(db)
+
+    @staticmethod
+    def _delete_placements(db: sqlite3.Connection, devices: list[DeviceRecord],
+                           placements: Iterable[PlacementRecord],
+                           before: Mapping[str, Mapping[str, PlacementRecord]] | None,
+                           ) -> list[PlacementRecord]:
+        """Delete the placements of `devices` that `placements` has no row for; return the
+        rows that must be written (those not already stored as they are)."""
+        if before is None:
+            db.executemany("DELETE FROM placements WHERE device_id=?",
+                           [(d.device_id,) for d in devices])
+            return list(placements)
+        written: list[PlacementRecord] = []
+        present: set[tuple[str, str]] = set()
+        for placement in placements:
+            present.add((placement.device_id, placement.intent))
+            if before.get(placement.device_id, {}).get(placement.intent) != placement:
+                written.append(placement)
+        db.executemany("DELETE FROM placements WHERE device_id=? AND intent=?",
+                       [(d.device_id, intent) for d in devices
+                        for intent in before.get(d.device_id, {})
+                        if (d.device_id, intent) not in present])
+        return written
 
     def _save_memo(self, db: sqlite3.Connection, memo: SnapshotMemo | None) -> None:
         """Replace the memo unless it is the one already saved (the same bytes give the same

@@ -137,3 +137,29 @@ def test_recorded_trees_round_trip_and_go_with_their_devices(state: CompilerStat
     forget["forget_devices"] = ["d1"]
     state.save(**forget)  # type: ignore[arg-type]
     assert state.trees_of(["d0", "d1"]) == {}
+
+
+def test_placements_saved_against_what_was_read_equal_a_full_replace(tmp_path: Path) -> None:
+    """Leaving alone the rows the state already holds gives the table that replacing every
+    row of the devices gives: kept, changed, dropped and added placements alike."""
+    diffed, replaced = (CompilerState(tmp_path / f"{name}.sqlite")
+                        for name in ("diffed", "replaced"))
+    try:
+        for state in (diffed, replaced):
+            state.save(**_records(4))  # type: ignore[arg-type]
+        before = diffed.placements_of(["d0", "d1", "d2"])
+        again = _records(3)
+        placements = [p for p in again["placements"]  # type: ignore[attr-defined]
+                      if (p.device_id, p.intent) != ("d1", "b")]  # d1 loses "b"
+        placements = [p._replace(deployed=False) if (p.device_id, p.intent) == ("d2", "a")
+                      else p for p in placements]
+        again["placements"] = [*placements, PlacementRecord("d0", "c", True, True, None, None)]
+        diffed.save(**again, placements_before=before)  # type: ignore[arg-type]
+        replaced.save(**again)  # type: ignore[arg-type]
+        ids = ["d0", "d1", "d2", "d3"]
+        assert diffed.placements_of(ids) == replaced.placements_of(ids)
+        assert set(diffed.placements_of(["d1"])["d1"]) == {"a"}
+        assert not diffed.placements_of(["d2"])["d2"]["a"].deployed
+    finally:
+        diffed.close()
+        replaced.close()

@@ -10,13 +10,16 @@ parameters) and a capability snapshot, then prints:
 * no-op recompile seconds (nothing changed);
 * incremental seconds after one intent's parameter change that affects about 10% of the
   devices, and the ratio to the full compile;
-* the same trees and commits written by `git fast-import` from a prepared stream (the
-  practical lower bound for writing them), and the ratio of the full compile to it.
+* the same trees and commits written by `git fast-import` from a prepared stream (Git's
+  fastest writer: the practical lower bound for writing the objects), and the ratio of the
+  full compile to it.
 
 With ``--runs N`` everything is measured N times from scratch and the ranges are printed:
-on a small machine the time to write 10,000 branch refs varies several-fold between runs
-(for the compiler and for fast-import alike), so single figures mislead. Before each timed
-step the file system is synced (untimed), so no step pays for what an earlier one wrote.
+on a small virtual machine identical runs differ by 15% and more, so single figures
+mislead. The compiler keeps its branches in ``packed-refs`` (one file); fast-import writes
+one loose file per branch, which on a disk can cost it seconds the compiler does not pay.
+Before each timed step the file system is synced (untimed), so no step pays for what an
+earlier one wrote.
 Set TMPDIR to measure on another file system (e.g. ``TMPDIR=/dev/shm`` leaves the disk out).
 """
 

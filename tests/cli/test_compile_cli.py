@@ -145,3 +145,24 @@ def test_watch_recompiles_after_a_change(fleet: tuple[Path, Path, Path]) -> None
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+def test_each_watch_compile_hands_what_it_froze_back_to_the_collector(
+        fleet: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """A compile freezes what it built (`compiler.gcpause`); the watch loop, which
+    compiles for as long as it runs, must unfreeze after each compile, as the server does,
+    or the cycles of every compile stay in memory."""
+    import gc
+
+    from margo_cli.compile_command import _compile_once, _recompile
+    from margo_cli.main import build_parser
+
+    args = build_parser().parse_args(["compile", *inputs(fleet)])
+    gc.unfreeze()
+    _compile_once(args, dry_run=False)
+    assert gc.get_freeze_count() > 0  # what the watch loop must give back
+    (fleet[1] / "compose-box-amd64.json").unlink()
+    _recompile(args)
+    assert gc.get_freeze_count() == 0
+    assert "commits" in capsys.readouterr().out
+    gc.unfreeze()

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from compiler.compilation import CompileReport, compile_fleet
+from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore, device_ref
 from compiler.snapshot import load_snapshot
 from compiler.source import load_source
@@ -172,7 +173,11 @@ def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[Comp
         report = compile_fleet(load_source(source), snapshot, store, state, now=now)
     finally:
         state.close()
-    return report, time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    # Untimed, as the fleet server and `margo compile --watch` do after every compile: the
+    # next run would otherwise fork workers from a process grown by every compile before.
+    release_frozen()
+    return report, elapsed
 
 
 def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:

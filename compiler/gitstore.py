@@ -455,7 +455,7 @@ class DeviceStore:
         read); None without a branch, or when the ref is symbolic. Cheap enough to tell,
         for every device a recompile touches, whether its branch is where a compile left
         it (see `compiler.state.CompilerState.trees_of`)."""
-        ref = self._own_repo().references.get(device_ref(device_id))
+        ref = self._branch(device_id)
         target = None if ref is None else ref.target
         return str(target) if isinstance(target, pygit2.Oid) else None
 
@@ -530,8 +530,11 @@ class DeviceStore:
         return out
 
     def _tip_commit(self, device_id: str) -> pygit2.Commit | None:
-        ref = self._own_repo().references.get(device_ref(device_id))
+        ref = self._branch(device_id)
         return None if ref is None else ref.peel(pygit2.Commit)
+
+    def _branch(self, device_id: str) -> pygit2.Reference | None:
+        return self._own_repo().references.get(device_ref(device_id))
 
     def _commit_on_branch(self, device_id: str, tip: pygit2.Commit,
                           commit: str) -> pygit2.Commit:

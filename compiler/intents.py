@@ -26,8 +26,9 @@ from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
+from margo.schemas import python_patterns
 from margo.schemas.source import APP_ID, CONSTRAINT_DEFS, DEVICE_ID, closed
-from margo.validation import explain_schema_errors
+from margo.validation import explain_schema_errors, gate_problems
 
 __all__ = ["INTENT_API_VERSION", "Intent", "intent_schema", "load_intent", "parse_duration"]
 
@@ -80,7 +81,7 @@ def intent_schema() -> dict[str, Any]:
 
 @cache
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(intent_schema())
+    return Draft202012Validator(python_patterns(intent_schema()))
 
 
 @cache
@@ -98,9 +99,10 @@ def _schema_problems(loaded: LoadedDocument) -> list[Problem]:
     try:
         fast_intent_check()(loaded.value)
         return []
-    except JsonSchemaException:
-        return [loaded.locate(p, at_key=at_key)
-                for p, at_key in explain_schema_errors(_validator(), loaded.value)]
+    except JsonSchemaException as refusal:
+        found = (explain_schema_errors(_validator(), loaded.value)
+                 or gate_problems(refusal, loaded.value))
+        return [loaded.locate(p, at_key=at_key) for p, at_key in found]
 
 
 def parse_duration(text: str) -> int:

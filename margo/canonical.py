@@ -116,7 +116,7 @@ def sorted_tree(value: Any) -> Any:
     return value
 
 
-_PLAIN_CANDIDATE = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./@+~:=, -]*$")
+_PLAIN_CANDIDATE = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./@+~:=, -]*\Z")
 _NEEDS_ESCAPE = re.compile("[\x7f-\x9f\u2028\u2029\ufeff\ufffe\uffff\ud800-\udfff]")
 _YAML11 = yaml.resolver.Resolver()
 

@@ -29,6 +29,7 @@ from jsonschema import Draft202012Validator
 from margo.errors import DocumentError, Problem
 from margo.normalize import normalise_architecture
 from margo.quantity import parse_quantity
+from margo.schemas import python_patterns
 from margo.schemas.source import DEVICE_ID
 
 __all__ = ["CLUSTER_API_VERSION", "CLUSTER_KIND", "CLUSTER_SECTIONS", "EXTENSION_KEY",
@@ -242,7 +243,7 @@ def _schema() -> dict[str, Any]:
 
 @cache
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(_schema())
+    return Draft202012Validator(python_patterns(_schema()))
 
 
 def cluster_manifest_schema() -> dict[str, Any]:

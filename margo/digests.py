@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["DigestError", "data_digest", "digest_of", "parse_digest", "verify_digest"]
 
-_GRAMMAR = re.compile(r"^([a-z0-9_-]+):([0-9a-f]+)$")
+_GRAMMAR = re.compile(r"^([a-z0-9_-]+):([0-9a-f]+)\Z")
 _SUPPORTED = {"sha256": 64}
 
 

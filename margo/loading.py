@@ -51,14 +51,14 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 # YAML 1.2 core schema, section 10.3.2.
-_NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
-_BOOL_TRUE = re.compile(r"^(?:true|True|TRUE)$")
-_BOOL_FALSE = re.compile(r"^(?:false|False|FALSE)$")
-_INT10 = re.compile(r"^[-+]?[0-9]+$")
-_INT8 = re.compile(r"^0o[0-7]+$")
-_INT16 = re.compile(r"^0x[0-9a-fA-F]+$")
-_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$")
-_INF_NAN = re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_NULL = re.compile(r"^(?:~|null|Null|NULL|)\Z")
+_BOOL_TRUE = re.compile(r"^(?:true|True|TRUE)\Z")
+_BOOL_FALSE = re.compile(r"^(?:false|False|FALSE)\Z")
+_INT10 = re.compile(r"^[-+]?[0-9]+\Z")
+_INT8 = re.compile(r"^0o[0-7]+\Z")
+_INT16 = re.compile(r"^0x[0-9a-fA-F]+\Z")
+_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?\Z")
+_INF_NAN = re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))\Z")
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _KNOWN_TAGS = {

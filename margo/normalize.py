@@ -16,7 +16,7 @@ from margo.kinds import Kind, Shape
 
 __all__ = ["normalise", "normalise_architecture"]
 
-_EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions$")
+_EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions\Z")
 
 PROFILE_TYPES = {"helm": m.ProfileType.HELM, "helm.v3": m.ProfileType.HELM,
                  "compose": m.ProfileType.COMPOSE, "docker-compose": m.ProfileType.COMPOSE,

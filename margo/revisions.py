@@ -17,7 +17,7 @@ _CORE = r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
 _IDENT = r"(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)"
 _PRE = rf"(?:-({_IDENT}(?:\.{_IDENT})*))?"
 _BUILD = r"(?:[_+]([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?"
-_SEMVER = re.compile(f"^{_CORE}{_PRE}{_BUILD}$")
+_SEMVER = re.compile(rf"^{_CORE}{_PRE}{_BUILD}\Z")
 
 
 @total_ordering

@@ -48,9 +48,9 @@ __all__ = [
 
 SCHEME = "spiffe://"
 # RFC 3986 unreserved characters: what SPIFFE allows in a path segment.
-_SEGMENT = re.compile(r"^[A-Za-z0-9._~-]+$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9._~-]+\Z")
 # Trust domains: lowercase letters, digits, dot, dash, underscore (SPIFFE-ID section 2.1).
-_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]+$")
+_TRUST_DOMAIN = re.compile(r"^[a-z0-9._-]+\Z")
 MAX_ID_LENGTH = 2048
 
 

@@ -22,14 +22,13 @@ from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.kinds import Kind, Shape, detect
 from margo.loading import Limits, LoadedDocument, load_document, load_path
 from margo.normalize import normalise
-from margo.schemas import fast_check_for, validator_for
+from margo.schemas import fast_check_for, shown_pattern, validator_for
 from margo.schemas.source import APP_ID, COMPONENT_NAME, DEVICE_ID, SEMVER_UNDERSCORE, UUID
 from margo.semantics import semantic_problems
 
 __all__ = ["ValidationReport", "explain_schema_errors", "validate_document", "validate_file",
            "validate_loaded", "validate_value"]
 
-_EXTENSION = re.compile(r"^x-[a-z][a-z0-9-]*-extensions$")
 _PATTERN_NAMES = {
     APP_ID: "an id of lower-case letters, digits and dashes (at most 200 characters)",
     COMPONENT_NAME: "a name of lower-case letters, digits and dashes",
@@ -154,6 +153,7 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
         return [(Problem(path, f"expected {expected}, found {found} ({short_repr(instance)})",
                          expected=expected, found=short_repr(instance)), False)]
     if validator == "pattern":
+        value = shown_pattern(value)
         expected = _PATTERN_NAMES.get(value, f"a string matching {value}")
         return [(Problem(path, f"expected {expected}, found {short_repr(instance)}",
                          expected=expected, found=short_repr(instance)), False)]
@@ -169,9 +169,28 @@ def schema_problems(instance: Any, kind: Kind, shape: Shape) -> list[tuple[Probl
     try:
         fast_check_for(str(kind), str(shape))(instance)
         return []
-    except JsonSchemaException:
-        pass  # fall through to the validator that explains every problem
-    return explain_schema_errors(validator_for(str(kind), str(shape)), instance)
+    except JsonSchemaException as refusal:
+        return (explain_schema_errors(validator_for(str(kind), str(shape)), instance)
+                or gate_problems(refusal, instance))
+
+
+def gate_problems(refusal: JsonSchemaException, instance: Any) -> list[tuple[Problem, bool]]:
+    """The fastjsonschema gate's own refusal as a problem, for when the explaining validator
+    finds none. The two are built to agree (`margo.schemas.python_patterns`, and tests hold
+    them to it); should they still differ, the document is refused all the same, never
+    let through because the explanation came back empty."""
+    parts = list(getattr(refusal, "path", None) or ["data"])[1:]  # "data" is the root
+    path: list[str | int] = []
+    node = instance
+    for part in parts:
+        key: str | int = int(part) if isinstance(node, list) and part.isdigit() else part
+        path.append(key)
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    message = str(getattr(refusal, "message", refusal)).removeprefix("data")
+    return [(Problem(tuple(path), f"invalid: {message.lstrip('.')}"), False)]
 
 
 def explain_schema_errors(validator: Validator, instance: Any) -> list[tuple[Problem, bool]]:

@@ -18,6 +18,7 @@ from jsonschema import Draft202012Validator
 
 from margo.errors import DocumentError, Problem
 from margo.loading import LoadedDocument, load_document
+from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
@@ -108,7 +109,7 @@ def config_schema() -> dict[str, Any]:
 
 @cache
 def _validator() -> Draft202012Validator:
-    return Draft202012Validator(config_schema())
+    return Draft202012Validator(python_patterns(config_schema()))
 
 
 @dataclass(frozen=True)

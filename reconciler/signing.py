@@ -69,7 +69,7 @@ ONBOARDING_API_VERSION = "onboarding.margo.org/v1alpha1"
 ONBOARDING_PATH = "/api/v1/onboarding"
 SIGNATURE_LABEL = "sig1"
 COVERED_COMPONENTS = ("@method", "@target-uri", "@authority")
-_CLIENT_ID = re.compile(r"^[A-Za-z0-9._~-]{1,200}$")  # it becomes a path segment
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._~-]{1,200}\Z")  # it becomes a path segment
 
 
 class RSA_PSS_SHA256(RSA_PSS_SHA512):

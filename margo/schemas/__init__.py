@@ -8,6 +8,7 @@ without importing this package.
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -17,7 +18,8 @@ from jsonschema import Draft202012Validator
 
 from margo.schemas.source import BUILDERS, file_name
 
-__all__ = ["KINDS_AND_SHAPES", "fast_check_for", "load_schema", "validator_for"]
+__all__ = ["KINDS_AND_SHAPES", "fast_check_for", "load_schema", "python_patterns",
+           "shown_pattern", "validator_for"]
 
 #: Every (kind, shape) pair that has an exported schema, oldest shape first per kind.
 KINDS_AND_SHAPES: tuple[tuple[str, str], ...] = tuple(BUILDERS)
@@ -31,10 +33,44 @@ def load_schema(kind: str, shape: str) -> dict[str, Any]:
     return schema
 
 
+# An end anchor not escaped: what fastjsonschema also rewrites to ``\Z``.
+_DOLLAR = re.compile(r"(?<!\\)\$")
+
+
+def python_patterns(schema: Any) -> Any:
+    """A copy of `schema` whose ``pattern`` values and ``patternProperties`` keys mean in
+    Python's `re` what they mean in ECMA-262, the regex dialect of JSON Schema.
+
+    Why: ``$`` ends an ECMA pattern only at the end of the string, but Python's also before
+    a final newline, so ``jsonschema`` (which searches with `re`) takes ``"demo\\n"`` as a
+    valid ``^[a-z0-9-]+$`` name while the fastjsonschema gate rejects it. Every validator
+    built here from a schema goes through this, so the explaining validator agrees with the
+    gate and a trailing newline is an error in both.
+    """
+    if isinstance(schema, dict):
+        out = {}
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                out[key] = _DOLLAR.sub(r"\\Z", value)
+            elif key == "patternProperties" and isinstance(value, dict):
+                out[key] = {_DOLLAR.sub(r"\\Z", k): python_patterns(v) for k, v in value.items()}
+            else:
+                out[key] = python_patterns(value)
+        return out
+    if isinstance(schema, list):
+        return [python_patterns(item) for item in schema]
+    return schema
+
+
+def shown_pattern(pattern: str) -> str:
+    """A pattern as its schema spells it (undoes `python_patterns`), for messages."""
+    return pattern.replace("\\Z", "$")
+
+
 @cache
 def validator_for(kind: str, shape: str) -> Draft202012Validator:
     """A compiled validator with format checking (formats need jsonschema[format-nongpl])."""
-    schema = load_schema(kind, shape)
+    schema = python_patterns(load_schema(kind, shape))
     return Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
 
 

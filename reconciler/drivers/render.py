@@ -63,8 +63,8 @@ _LEDGER_FORMAT = 1
 
 # Kubernetes namespace names (DNS labels) and Helm release names: both become directory
 # names here, so anything else (a path separator, "..") is refused.
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+_RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?\Z")
 
 
 def _check_names(step: Step) -> None:

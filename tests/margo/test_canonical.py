@@ -148,3 +148,13 @@ def test_uuids_take_the_shortcut_to_the_same_text(value: uuid.UUID) -> None:
     assert _yaml_string(text) == _yaml_string_slow(text) == text
     upper = text.upper()  # not the shortcut's form: decided the long way
     assert _yaml_string(upper) == _yaml_string_slow(upper)
+
+
+@pytest.mark.parametrize("value", [{"a": "A\n"}, {"A\n": None}, {"": None, "A\n": None},
+                                   ["x\n"], {"k": {"deep\n": "line\n"}}])
+def test_a_string_ending_in_a_newline_keeps_it(value: object) -> None:
+    """Python's `$` also matches before a final newline: such a string was written plain,
+    which dropped the newline of a value and made a key unreadable (found by the property
+    test above)."""
+    text = canonical_yaml(value)
+    assert yaml.safe_load(text) == load_document(text).value == value

@@ -34,10 +34,15 @@ def test_schemas_are_valid_2020_12(kind: str, shape: str) -> None:
 
 
 def _mutations(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[str, Any]]:
-    """Each variant changes one thing: drop a key, add an unknown key, retype a value."""
+    """Each variant changes one thing: drop a key, add an unknown key, retype a value, end
+    a string or a key with a newline (where Python's `$` and JSON Schema's part ways)."""
+    if isinstance(doc, str):
+        yield f"{path}-newline", doc + "\n"
     if isinstance(doc, dict):
         for key in list(doc):
             yield f"{path}-drop-{key}", _replace(doc, key, None, drop=True)
+            yield f"{path}-newline-key-{key}", {(k + "\n" if k == key else k): v
+                                                for k, v in doc.items()}
             for variant, value in _mutations(doc[key], (*path, key)):
                 yield variant, _replace(doc, key, value)
         yield f"{path}-extra", {**doc, "unexpectedField": 1}

@@ -131,7 +131,8 @@ def test_plain_http_is_used_only_for_listed_hosts(registry: str, tmp_path: Path)
 
 @pytest.mark.parametrize("repository", [
     "https://charts.example.com/greeter", "greeter", "oci://", "oci://registry.example.com",
-    "oci://registry.example.com/Upper/Case", "oci://registry.example.com/../escape"])
+    "oci://registry.example.com/Upper/Case", "oci://registry.example.com/../escape",
+    "oci://registry.example.com/charts/greeter\n"])
 def test_references_that_are_not_oci_repositories_are_refused(repository: str,
                                                               tmp_path: Path) -> None:
     with ChartCache(tmp_path / "cache") as charts, pytest.raises(ApplyError) as caught:
@@ -141,7 +142,8 @@ def test_references_that_are_not_oci_repositories_are_refused(repository: str,
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("revision", ["", "sha256:abc", "1.0.0 beta", "-1"])
+@pytest.mark.parametrize("revision", ["", "sha256:abc", "1.0.0 beta", "-1", "1.0.0\n",
+                                      "sha256:" + "a" * 64 + "\n"])
 def test_revisions_must_be_a_tag_or_a_full_digest(revision: str, tmp_path: Path) -> None:
     with ChartCache(tmp_path / "cache") as charts, pytest.raises(ApplyError) as caught:
         charts.fetch("oci://127.0.0.1:1/charts/greeter", revision)

@@ -249,7 +249,8 @@ def test_entries_that_are_not_ours_are_ignored_and_kept(driver: RenderDriver,
 
 
 def test_names_that_would_escape_the_output_directory_are_refused(driver: RenderDriver) -> None:
-    for namespace, name in (("../etc", RELEASE), ("edge", "../../x"), ("Edge", RELEASE)):
+    for namespace, name in (("../etc", RELEASE), ("edge", "../../x"), ("Edge", RELEASE),
+                            ("edge\n", RELEASE), ("edge", RELEASE + "\n")):
         step = Step(Action.REMOVE, DEPLOYMENT_ID, "greeter", name, namespace, None, None, "t")
         with pytest.raises(ApplyError) as caught:
             driver.apply(step, None)

@@ -54,7 +54,9 @@ __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 
 #: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
-COMPILER_VERSION = "2"  # 2: placements see root extensions and cluster sections
+#: 2: placements see root extensions and cluster sections. 3: a string ending in a newline
+#: is quoted in the YAML (written plain, it lost the newline).
+COMPILER_VERSION = "3"
 _SUFFIX = ".yaml"
 _FAST_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

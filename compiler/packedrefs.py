@@ -33,11 +33,12 @@ _HEADER_PREFIX = b"# pack-refs with:"
 # Written by `git pack-refs` since 2.x; "sorted" is what we guarantee, the peel traits are only
 # claimed for a file that claimed them already (or a new one: branches at commits need no peel).
 _TRAITS = (b"peeled", b"fully-peeled", b"sorted")
-_OID_RE = re.compile(rb"[0-9a-f]{40}")
-_REF_RE = re.compile(rb"[0-9a-f]{40} refs/[^ \n]+")
-_PEEL_RE = re.compile(rb"\^[0-9a-f]{40}")
+_OID = rb"[0-9a-f]{40}"
+_REF_LINE = _OID + rb" refs/[^ \n]+"
+_PEEL_LINE = rb"\^" + _OID
+_OID_RE, _REF_RE, _PEEL_RE = (re.compile(p) for p in (_OID, _REF_LINE, _PEEL_LINE))
 # Every line after the header: a ref line, each optionally followed by its peeled id.
-_ENTRIES_RE = re.compile(rb"(?:[0-9a-f]{40} refs/[^ \n]+\n(?:\^[0-9a-f]{40}\n)?)*")
+_ENTRIES_RE = re.compile(rb"(?:%s\n(?:%s\n)?)*" % (_REF_LINE, _PEEL_LINE))
 # Git gives up on a held packed-refs.lock after one second (core.packedRefsTimeout).
 LOCK_TIMEOUT = 1.0
 

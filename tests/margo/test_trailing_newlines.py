@@ -13,6 +13,7 @@ from fastjsonschema import JsonSchemaException
 import compiler.intents
 import margo.validation
 from compiler.intents import load_intent
+from margo.canonical import canonical_yaml
 from margo.digests import DigestError, parse_digest
 from margo.errors import DocumentError
 from margo.loading import load_document
@@ -51,11 +52,11 @@ def test_an_application_id_with_a_final_newline_is_a_located_problem() -> None:
 
 
 def test_an_intent_namespace_with_a_final_newline_is_refused() -> None:
-    load_intent(load_document(_yaml(INTENT)), expected_name="demo")
+    load_intent(load_document(canonical_yaml(INTENT)), expected_name="demo")
     bad = copy.deepcopy(INTENT)
     bad["spec"]["namespace"] = "demo\n"
     with pytest.raises(DocumentError) as failure:
-        load_intent(load_document(_yaml(bad)), expected_name="demo")
+        load_intent(load_document(canonical_yaml(bad)), expected_name="demo")
     [problem] = failure.value.problems
     assert problem.path == ("spec", "namespace")
     assert "^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$" in problem.message
@@ -77,7 +78,7 @@ def test_a_gate_refusal_the_explainer_misses_still_refuses(
     bad = copy.deepcopy(INTENT)
     bad["spec"]["namespace"] = "Not A Label"
     with pytest.raises(DocumentError) as failure:
-        load_intent(load_document(_yaml(bad)), expected_name="demo")
+        load_intent(load_document(canonical_yaml(bad)), expected_name="demo")
     assert [p.path for p in failure.value.problems] == [("spec", "namespace")]
 
 
@@ -98,8 +99,3 @@ def test_parsers_refuse_a_final_newline(parse: Any, good: str, error: type[Excep
     parse(good)
     with pytest.raises(error):
         parse(good + "\n")
-
-
-def _yaml(doc: dict[str, Any]) -> bytes:
-    from margo.canonical import canonical_yaml
-    return canonical_yaml(doc)

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv test lint schemas demo bench clean
+.PHONY: all venv test lint schemas demo bench cluster kube clean
 
 all: test
 
@@ -34,11 +34,20 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m margo.schemas --check
 
-test: lint
+test: lint kube
 	$(BIN)/python -m pytest -q
 
 schemas: venv
 	$(BIN)/python -m margo.schemas
+
+# The Kubernetes control plane, built from the pinned Go modules in tools/kube (cached under
+# ~/.cache/margo-gitops/kube, or $$MARGO_KUBE_CACHE), for the tests and for people.
+kube: venv
+	@$(BIN)/python tools/kube/kubebuild.py >/dev/null
+
+# A real control plane on loopback with simulated nodes; prints its kubeconfigs.
+cluster: kube
+	$(BIN)/python tools/kube/cluster.py
 
 demo: venv
 	@PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh

@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from margo.errors import DocumentError
-from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError
+from reconciler.kubernetes.client import (
+    KubeClient,
+    KubeConfigError,
+    KubeError,
+    default_kubeconfig,
+)
 from reconciler.kubernetes.doctor import DoctorReport, LocalClient, doctor, probe_data_dir
 
 __all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
@@ -65,19 +70,6 @@ def register(verbs: Any) -> None:
                      help='print {"verdict": ..., "checks": [{"id", "scope", "status", '
                           '"message"}]}')
     sub.set_defaults(run=run)
-
-
-def default_kubeconfig(environ: Mapping[str, str] | None = None,
-                       home: Path | None = None) -> Path | None:
-    """The kubeconfig kubectl would read: the first existing file of $KUBECONFIG, else
-    ~/.kube/config; None when there is none. (kubectl merges several $KUBECONFIG files;
-    the read-only client reads one.)"""
-    env = os.environ if environ is None else environ
-    for entry in filter(None, env.get("KUBECONFIG", "").split(os.pathsep)):
-        if Path(entry).expanduser().is_file():
-            return Path(entry).expanduser()
-    fallback = (Path.home() if home is None else home) / ".kube" / "config"
-    return fallback if fallback.is_file() else None
 
 
 def _implicit(context: str | None, environ: Mapping[str, str]) -> Target:

@@ -168,7 +168,8 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         return RenderDriver(config.output_dir, charts, oci=stack.enter_context(OciClient()))
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
-                      storage_driver=config.storage_driver)
+                      storage_driver=config.storage_driver, drift=config.drift_detection,
+                      rollback_on_failure=config.rollback_on_failure)
 
 
 def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:

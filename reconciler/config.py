@@ -67,6 +67,8 @@ def config_schema() -> dict[str, Any]:
             "kubeconfig": _TEXT,
             "kubeContext": _TEXT,
             "storageDriver": {"enum": ["secret", "configmap", "memory"]},
+            "driftDetection": {"enum": ["off", "warn", "repair"]},
+            "rollbackOnFailure": {"type": "boolean"},
             "docker": _TEXT,
         }, ["type"]),
         "dataDir": _TEXT,
@@ -156,6 +158,8 @@ class DeviceConfig:
     capabilities_file: Path | None
     host_facts: dict[str, Any] | None
     kubernetes: dict[str, Any] | None = None  # KubernetesProvider keyword arguments
+    drift_detection: str = "warn"  # Helm driver: off | warn | repair
+    rollback_on_failure: bool = False  # Helm driver: roll a failed upgrade back at once
     schedule: Schedule = field(default_factory=Schedule)
     identity: IdentityConfig | None = None
 
@@ -297,6 +301,10 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if len(caps) > 1:
         found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
                              found=", ".join(sorted(caps))))
+    for key in ("driftDetection", "rollbackOnFailure", "storageDriver"):
+        if key in driver and driver["type"] != "helm":
+            found.append(Problem(("driver", key), "only the helm driver takes this setting",
+                                 found=driver["type"]))
     _check_identity(doc, api, found)
     schedule = _schedule(doc.get("schedule", {}), found)
     if found:
@@ -320,7 +328,9 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         capabilities_file=_path(base, caps["file"]) if "file" in caps else None,
         host_facts=caps.get("host"), kubernetes=_kubernetes(caps.get("kubernetes"), base,
                                                             driver),
-        schedule=schedule, identity=_identity(doc.get("identity"), base))
+        schedule=schedule, identity=_identity(doc.get("identity"), base),
+        drift_detection=driver.get("driftDetection", "warn"),
+        rollback_on_failure=bool(driver.get("rollbackOnFailure", False)))
 
 
 def load_config(path: str | Path) -> DeviceConfig:

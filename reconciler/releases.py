@@ -78,6 +78,9 @@ class InstalledRelease:
     healthy: bool  # False when the engine says failed / pending (a crash mid-operation)
     detail: str = ""  # the engine's status word, for messages ("deployed", "failed", ...)
     chart_version: str = ""
+    #: Objects of the release that are gone from the engine (deleted out of band), for
+    #: people; empty when nothing is missing or drift is not checked.
+    drift: str = ""
 
 
 def release_from_labels(labels: Mapping[str, str], *, release_name: str, namespace: str,

@@ -196,7 +196,17 @@ class Reconciler:
         for step in dplan.steps:
             if step.action is Action.UNCHANGED:
                 current = recorded.get(step.component)
-                if current is None or current.state != "installed":
+                drift = step.installed.drift if step.installed is not None else ""
+                if drift:
+                    # Detected, not repaired (the driver's drift mode is `warn`): the
+                    # workload is not what was deployed, so it is not reported installed.
+                    error = {"code": "DRIFTED", "message": drift}
+                    if current is None or current.state != "failed" or current.error != error:
+                        self._report(step.deployment_id, name,
+                                     {step.component: ("failed", error)})
+                    result.failures.append(f"{step.deployment_id}/{step.component}: "
+                                           f"DRIFTED: {drift}")
+                elif current is None or current.state != "installed":
                     self._report(step.deployment_id, name, {step.component: ("installed", None)})
                 continue
             if not self._may_try(step):

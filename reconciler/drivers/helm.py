@@ -21,6 +21,22 @@ before acting, not on the plan's guess):
 The driver assumes it is the only writer of its releases (the spec gives a device a single
 WFM client), so a pending release it meets is a crashed operation, not a live one.
 
+Drift (`drift`): Helm's record says what it applied, not what is there now. With drift
+detection on (`warn`, the default, or `repair`), `installed()` checks that every object of
+each deployed release's manifest still exists (`reconciler.kubernetes.objects`). Missing
+objects are named in `InstalledRelease.drift`. With `warn` the release still counts as
+healthy, and the runner reports the component `failed` with code `DRIFTED` until someone
+puts the objects back. With `repair` the release counts as unhealthy, so the planner
+upgrades it onto the same chart and values, which creates the missing objects again.
+
+A failed install or upgrade (a timeout, an object the API server refuses) leaves Helm's
+record `failed`. Kubernetes keeps the previous ReplicaSets serving while a new rollout
+cannot become ready, so the old version keeps running. The next attempt upgrades the
+failed release after the runner's retry back-off. With `rollback_on_failure` (Helm's
+`--rollback-on-failure`, formerly `--atomic`), Helm also rolls the release back to its
+last good revision at once, so the previous objects are restored exactly. The failure is
+reported either way.
+
 Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
 after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
 friends from the chart cache, otherwise `INSTALL_FAILED` / `UPGRADE_FAILED` /
@@ -32,7 +48,9 @@ errors): only a new desired state can fix that.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import threading
 from collections.abc import Iterator
@@ -46,10 +64,17 @@ from helm_python.config import _opts
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.base import ApplyError
+from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
+from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step
 from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
 
-__all__ = ["HelmDriver"]
+__all__ = ["DRIFT_MODES", "HelmDriver"]
+
+log = logging.getLogger("margo.device.helm")
+
+#: `off`: trust Helm's records; `warn`: report missing objects; `repair`: re-apply them.
+DRIFT_MODES = ("off", "warn", "repair")
 
 # Helm errors a retry cannot fix: the chart refuses the values, or does not render.
 _PERMANENT = (helm.HelmValuesError, helm.HelmRenderError, helm.HelmChartInvalidError,
@@ -81,11 +106,8 @@ class HelmDriver:
     per-release reads and writes (status, rollback, uninstall) act in the configuration's
     namespace, and the `memory` storage driver keeps its records per configuration.
 
-    `compat=True` exists only for Kubernetes API servers without OpenAPI documents and
-    server-side apply (the test emulator): installs and upgrades then pass Helm's raw
-    options `disable_openapi_validation` and `server_side_apply=false`, and namespaces are
-    not created (Helm's namespace creation validates against OpenAPI regardless; the
-    emulator accepts objects in any namespace). Never use it against a real cluster.
+    Installs create the release's namespace and use Helm 4's defaults: server-side apply
+    and OpenAPI validation by the API server.
 
     With `storage_driver="memory"` Helm's records live in this process only and
     `list --all-namespaces` sees none of them, so `installed()` then lists each namespace
@@ -98,16 +120,21 @@ class HelmDriver:
 
     def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
                  kube_context: str | None = None, storage_driver: str = "secret",
-                 compat: bool = False) -> None:
+                 drift: str = "warn", rollback_on_failure: bool = False) -> None:
+        if drift not in DRIFT_MODES:
+            raise ValueError(f"drift must be one of {', '.join(DRIFT_MODES)}, not {drift!r}")
         self.charts = charts
         self.kubeconfig = kubeconfig
         self.kube_context = kube_context
         self.storage_driver = storage_driver
-        self.compat = compat
+        self.drift = drift
+        self.rollback_on_failure = rollback_on_failure
         self._configs: dict[str, helm.Config] = {}
         self._running: dict[int, helm.HelmContext] = {}
         self._cancelled: set[int] = set()
         self._lock = threading.RLock()
+        self._objects: ReleaseObjects | None = None
+        self._manifests: dict[tuple[str, str, int], list[ObjectRef]] = {}
 
     # --- Driver protocol -----------------------------------------------------------------
 
@@ -122,6 +149,8 @@ class HelmDriver:
                 row.get("labels") or {}, release_name=str(row["name"]),
                 namespace=str(row["namespace"]), healthy=status == "deployed", detail=status,
                 chart_version=str(row.get("chart_version", "")))
+            if release is not None and status == "deployed" and self.drift != "off":
+                release = self._with_drift(release, int(row.get("revision") or 0))
             if release is not None:
                 out.append(release)
         return sorted(out, key=lambda r: (r.namespace, r.release_name))
@@ -146,11 +175,14 @@ class HelmDriver:
                 context.cancel()
 
     def close(self) -> None:
-        """Free the Helm configurations (native handles)."""
+        """Free the Helm configurations (native handles) and the drift reader."""
         with self._lock:
             for config in self._configs.values():
                 config.close()
             self._configs.clear()
+            if self._objects is not None:
+                self._objects.client.close()
+                self._objects = None
 
     def config(self, namespace: str) -> helm.Config:
         """The Helm configuration this driver uses for `namespace` ("" = the kubeconfig's
@@ -166,6 +198,46 @@ class HelmDriver:
                                          namespace=namespace or None)
                 self._configs[namespace] = config
             return config
+
+    # --- drift -----------------------------------------------------------------------------
+
+    def _reader(self) -> ReleaseObjects | None:
+        """The API reader for drift checks, opened on first use with the credentials Helm
+        uses; None (drift not checked, said once in the log) when they cannot be used."""
+        if self._objects is None:
+            try:
+                self._objects = ReleaseObjects(KubeClient(default_access(self.kubeconfig,
+                                                                         self.kube_context)))
+            except (KubeConfigError, OSError) as exc:
+                log.warning("drift detection is off: cannot read the cluster (%s)", exc)
+                self.drift = "off"
+                return None
+        return self._objects
+
+    def _with_drift(self, release: InstalledRelease, revision: int) -> InstalledRelease:
+        """`release` with the objects its manifest lists but the cluster no longer has."""
+        reader = self._reader()
+        if reader is None:
+            return release
+        key = (release.namespace, release.release_name, revision)
+        refs = self._manifests.get(key)
+        if refs is None:
+            record = self._status(release.namespace, release.release_name)
+            refs = manifest_objects(str((record or {}).get("manifest", "")))
+            self._manifests = {k: v for k, v in self._manifests.items()
+                               if k[:2] != key[:2]} | {key: refs}
+        try:
+            gone = reader.missing(refs, release.namespace)
+        except KubeError as exc:
+            raise ApplyError("ENGINE_UNAVAILABLE", f"checking release "
+                             f"{release.release_name} for drift: {exc}") from exc
+        if not gone:
+            return release
+        drift = f"missing from the cluster: {', '.join(gone)}"
+        if self.drift == "repair":
+            return dataclasses.replace(release, drift=drift, healthy=False,
+                                       detail=f"drifted ({drift})")
+        return dataclasses.replace(release, drift=drift)
 
     # --- steps -----------------------------------------------------------------------------
 
@@ -202,20 +274,17 @@ class HelmDriver:
     def _release(self, function: str, step: Step, component: DesiredComponent,
                  chart: helm.Chart, labels: dict[str, str], description: str) -> None:
         """One `helm install` / `helm upgrade`, exactly as `helm_python.Config.install` /
-        `.upgrade` call the C ABI (same argument order, same `_opts` JSON builder), plus
-        the raw options compat mode needs, which the 0.2 wrapper does not expose."""
+        `.upgrade` call the C ABI (same argument order, same `_opts` JSON builder)."""
         upgrade = function == "helm_upgrade"
         options: dict[str, Any] = {
             "namespace": step.namespace, "timeout_seconds": _timeout(component),
             "wait": "watcher" if component.wait else None, "labels": labels,
-            "description": description[:200]}
+            "description": description[:200],
+            "rollback_on_failure": self.rollback_on_failure}
         if upgrade:
             options["reset_values"] = True
-        elif not self.compat:
+        else:
             options["create_namespace"] = True
-        if self.compat:
-            options["disable_openapi_validation"] = True
-            options["server_side_apply"] = "false" if upgrade else False
         config = self.config(step.namespace)
         failure = "UPGRADE_FAILED" if upgrade else "INSTALL_FAILED"
         what = f"{'upgrading' if upgrade else 'installing'} {step.release_name}"

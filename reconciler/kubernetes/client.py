@@ -27,7 +27,8 @@ import httpx
 import yaml
 
 __all__ = ["SERVICE_ACCOUNT_DIR", "ClusterAccess", "Forbidden", "KubeClient", "KubeConfigError",
-           "KubeError", "Unauthorized", "in_cluster_access", "load_kubeconfig"]
+           "KubeError", "Unauthorized", "default_access", "default_kubeconfig",
+           "in_cluster_access", "load_kubeconfig"]
 
 #: Where Kubernetes mounts a pod's service account token and CA.
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -174,6 +175,28 @@ def in_cluster_access(environ: Mapping[str, str] | None = None,
     ca = account_dir / "ca.crt"
     return ClusterAccess(server=f"https://{host}:{port}", token_file=token_file,
                          ca_pem=ca.read_bytes() if ca.is_file() else None)
+
+
+def default_kubeconfig(environ: Mapping[str, str] | None = None,
+                       home: Path | None = None) -> Path | None:
+    """The kubeconfig kubectl would read: the first existing file of $KUBECONFIG, else
+    ~/.kube/config; None when there is none. (kubectl merges several $KUBECONFIG files;
+    the read-only client reads one.)"""
+    env = os.environ if environ is None else environ
+    for entry in filter(None, env.get("KUBECONFIG", "").split(os.pathsep)):
+        if Path(entry).expanduser().is_file():
+            return Path(entry).expanduser()
+    fallback = (Path.home() if home is None else home) / ".kube" / "config"
+    return fallback if fallback.is_file() else None
+
+
+def default_access(kubeconfig: Path | None = None, context: str | None = None) -> ClusterAccess:
+    """The cluster Helm (client-go's loading rules) would use: `kubeconfig` when given, else
+    kubectl's default file, else the pod's service account."""
+    found = kubeconfig or default_kubeconfig()
+    if found is not None:
+        return load_kubeconfig(found, context)
+    return in_cluster_access()
 
 
 def _ssl_context(access: ClusterAccess) -> ssl.SSLContext | bool:

@@ -40,8 +40,9 @@ data:
   chartVersion: {{ .Chart.Version | quote }}
 """
 
-# A Deployment never becomes ready on the Kubernetes emulator (nothing runs pods or sets
-# status), which is how the Helm driver's tests show a wait running into its timeout.
+# On the real control plane the scheduler places the pods and kwok makes them Ready; a CPU
+# request larger than any node (`cpu=...` in write_chart) keeps them Pending, which is how
+# the tests show a readiness wait that never succeeds.
 DEPLOYMENT = """\
 apiVersion: apps/v1
 kind: Deployment
@@ -57,7 +58,9 @@ spec:
     spec:
       containers:
         - name: app
-          image: registry.example.com/greeter:1.0.0
+          image: registry.example.com/greeter:{{ .Chart.Version }}
+          resources:
+            requests: {cpu: {{ .Values.cpu | quote }}}
 """
 
 # Fails at render time with Helm's own message, unless config.token is set.
@@ -79,13 +82,14 @@ SCHEMA: dict[str, Any] = {
 
 def write_chart(root: Path, name: str = "greeter", version: str = "1.0.0", *,
                 greeting: str = "Hello", deployment: bool = False, broken: bool = False,
-                schema: bool = True) -> Path:
+                schema: bool = True, cpu: str = "50m") -> Path:
     """Write a chart directory `root/<name>-<version>/` and return it.
 
     Always: a ConfigMap showing `.Values.config.greeting`, `.Values.replicaCount` and the
     chart version, a NOTES.txt and a helper template (neither is a manifest). Options add
-    a Deployment (never ready on the emulator), a template that fails to render, and the
-    values.schema.json (replicaCount 1..10, greeting at most 32 characters)."""
+    a Deployment whose pods request `cpu` (by default small: they run; larger than any node:
+    they stay Pending), a template that fails to render, and the values.schema.json
+    (replicaCount 1..10, greeting at most 32 characters)."""
     chart = root / f"{name}-{version}"
     templates = chart / "templates"
     templates.mkdir(parents=True, exist_ok=True)
@@ -93,7 +97,7 @@ def write_chart(root: Path, name: str = "greeter", version: str = "1.0.0", *,
         "apiVersion": "v2", "name": name, "version": version, "appVersion": version,
         "description": f"{name} test chart", "type": "application"}, sort_keys=False))
     (chart / "values.yaml").write_text(yaml.safe_dump(
-        {"replicaCount": 1, "config": {"greeting": greeting}}, sort_keys=False))
+        {"replicaCount": 1, "cpu": cpu, "config": {"greeting": greeting}}, sort_keys=False))
     if schema:
         (chart / "values.schema.json").write_text(json.dumps(SCHEMA, indent=2))
     (templates / "_helpers.tpl").write_text('{{- define "greeter.name" -}}greeter{{- end -}}\n')

@@ -1,4 +1,5 @@
-"""Session fixtures for the device client's tests: one real OCI registry for all of them."""
+"""Session fixtures for the device client's tests: one real OCI registry and one real
+Kubernetes control plane (built from the pinned Go modules on first use) for all of them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 # The fleet server's test kit (running `margo serve`, adding clients) is shared with tests/wfm.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wfm"))
 
+from kubekit import DEVICE_RBAC, SINGLE_NODE, ControlPlane, KubeCluster
 from registrykit import running_registry
 
 
@@ -19,3 +21,25 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`127.0.0.1:<port>` of a running docker-registry (plain HTTP)."""
     with running_registry(tmp_path_factory.mktemp("registry")) as host:
         yield host
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver (RBAC), controller manager, scheduler and kwok on loopback,
+    with the device client's ServiceAccount and roles applied."""
+    with ControlPlane(tmp_path_factory.mktemp("kube")) as plane:
+        with plane.admin() as admin:
+            admin.apply_file(DEVICE_RBAC)
+        yield plane
+
+
+@pytest.fixture
+def kube(control_plane: ControlPlane, tmp_path: Path) -> Iterator[KubeCluster]:
+    """The control plane with one schedulable node; namespaces the test creates are
+    deleted afterwards."""
+    cluster = KubeCluster(control_plane, tmp_path)
+    cluster.set_nodes(SINGLE_NODE)
+    try:
+        yield cluster
+    finally:
+        cluster.close()

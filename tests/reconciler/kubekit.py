@@ -1,0 +1,116 @@
+"""Test kit: the real Kubernetes control plane (tools/kube) as a test cluster.
+
+One control plane runs for the whole session (`control_plane` in conftest.py: etcd,
+kube-apiserver with RBAC, controller manager, scheduler and kwok, built from the pinned
+Go modules); each test gets a `KubeCluster` that sets the simulated nodes it needs,
+makes a kubeconfig for the device client's ServiceAccount (bound by
+examples/kubernetes/device-rbac.yaml, exactly as documented) and, when the test ends,
+uninstalls every Helm release and waits until their pods are gone, so the next test starts
+from a cluster without workloads. Namespaces are kept: the namespace controller takes 5 s
+or more to delete even an empty one, and a test reusing a terminating namespace would fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "kube"))
+
+from controlplane import ControlPlane  # noqa: E402
+from kubeadmin import KubeAdmin  # noqa: E402
+from kubenodes import SimNode, apply_nodes  # noqa: E402
+
+__all__ = ["DEVICE_RBAC", "GPU_WORKER", "SINGLE_NODE", "THREE_NODES", "ControlPlane",
+           "KubeAdmin", "KubeCluster", "SimNode"]
+
+DEVICE_RBAC = ROOT / "examples" / "kubernetes" / "device-rbac.yaml"
+#: Namespaces that exist in every cluster (and the one the RBAC file creates).
+SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", "margo-system"}
+
+CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
+SINGLE_NODE = (SimNode("edge-0", cpu="4", memory="8Gi", roles=("control-plane",)),)
+THREE_NODES = (
+    SimNode("cp-0", cpu="2", memory="4Gi", roles=("control-plane",), zone="zone-a",
+            taints=(CONTROL_PLANE_TAINT,)),
+    SimNode("worker-a", cpu="4", memory="8Gi", zone="zone-a"),
+    SimNode("worker-b", cpu="4", memory="8Gi", zone="zone-b"),
+)
+GPU_WORKER = SimNode("gpu-worker", cpu="8", memory="32Gi", zone="zone-b", gpus=1,
+                     gpu_product="Tesla-T4")
+
+
+class KubeCluster:
+    """The session's control plane, as one test sees it."""
+
+    def __init__(self, plane: ControlPlane, workdir: Path) -> None:
+        self.plane = plane
+        self.workdir = workdir
+        self.admin: KubeAdmin = plane.admin()
+        self._namespaces_before = self.namespaces()
+
+    @property
+    def version(self) -> str:
+        return self.plane.version
+
+    def namespaces(self) -> set[str]:
+        return {n["metadata"]["name"] for n in self.admin.list("Namespace")}
+
+    def set_nodes(self, nodes: Iterable[SimNode]) -> None:
+        apply_nodes(self.admin, nodes, server_version=self.plane.version)
+
+    def device_kubeconfig(self, name: str = "device.kubeconfig") -> Path:
+        """A kubeconfig for the device client's ServiceAccount (margo-system/margo-device)."""
+        return self.plane.service_account_kubeconfig(self.workdir / name, "margo-device",
+                                                     "margo-system")
+
+    def pods(self, namespace: str, selector: str | None = None) -> list[dict[str, Any]]:
+        return self.admin.list("Pod", namespace, selector=selector)
+
+    def running_pods(self, namespace: str, selector: str | None = None) -> list[dict[str, Any]]:
+        """Pods that are Running and not being deleted."""
+        return [p for p in self.pods(namespace, selector)
+                if (p.get("status") or {}).get("phase") == "Running"
+                and not p["metadata"].get("deletionTimestamp")]
+
+    def release_secrets(self, namespace: str) -> dict[str, str]:
+        """Helm's release records in a namespace: Secret name → its `status` label."""
+        return {s["metadata"]["name"]: s["metadata"]["labels"].get("status", "")
+                for s in self.admin.list("Secret", namespace, selector="owner=helm")}
+
+    def until(self, what: str, predicate: Callable[[], Any], timeout: float = 60.0) -> Any:
+        return self.admin.until(what, predicate, timeout=timeout)
+
+    def helm_releases(self) -> dict[str, list[str]]:
+        """Every Helm release in the cluster (any state): namespace → names."""
+        found: dict[str, list[str]] = defaultdict(list)
+        for secret in self.admin.list("Secret", selector="owner=helm"):
+            labels = secret["metadata"]["labels"]
+            name = labels.get("name", "")
+            if name and name not in found[secret["metadata"]["namespace"]]:
+                found[secret["metadata"]["namespace"]].append(name)
+        return dict(found)
+
+    def clean(self) -> None:
+        """Uninstall every Helm release (as the administrator) and wait for the pods of
+        the namespaces this test created to be gone."""
+        for namespace, names in self.helm_releases().items():
+            with helm.Config(kubeconfig_path=str(self.plane.admin_kubeconfig),
+                             namespace=namespace) as admin:
+                for name in names:
+                    admin.uninstall(name, ignore_not_found=True)
+        created = self.namespaces() - self._namespaces_before - SYSTEM_NAMESPACES
+        self.until("the test's pods gone",
+                   lambda: not any(self.pods(namespace) for namespace in created), timeout=120)
+
+    def close(self) -> None:
+        try:
+            self.clean()
+        finally:
+            self.admin.close()

@@ -25,6 +25,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,6 +58,9 @@ _HIDDEN = {"k0s": "k0s runs {component} as a process on its controller nodes, ou
            "gke": "GKE runs {component} in the managed control plane, which is not visible",
            "aks": "AKS runs {component} in the managed control plane, which is not visible"}
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)")
+#: How much older than its duration a leader-election Lease may be before its holder counts
+#: as stopped: the renew time is the holder's clock, which may run behind ours.
+LEASE_CLOCK_SKEW_SECONDS = 30
 _HEALTH_PATHS = ("/livez", "/readyz")
 
 
@@ -210,8 +214,11 @@ class Observation:
     system_pods: Read = field(default_factory=lambda: Read(None, "not read"))
     client_pods: Read = field(default_factory=lambda: Read(None, "not read"))
     client_deployments: Read = field(default_factory=lambda: Read(None, "not read"))
+    #: kube-system Leases: the scheduler's and controller manager's leader election.
+    leases: Read = field(default_factory=lambda: Read(None, "not read"))
     local_client: LocalClient | None = None
     server: str = ""
+    observed_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 def _reason(exc: KubeError) -> str:
@@ -260,6 +267,7 @@ def observe(client: KubeClient, facts: ClusterFacts, *,
     found = Observation(facts=facts, local_client=local_client, server=client.access.server)
     found.health = _read_health(client)
     found.system_pods = _list(client, "/api/v1/namespaces/kube-system/pods")
+    found.leases = _list(client, "/apis/coordination.k8s.io/v1/namespaces/kube-system/leases")
     found.client_pods = _list(client, "/api/v1/pods", WFM_CLIENT_SELECTOR)
     if found.client_pods.items is None:
         found.client_deployments = _list(client, "/apis/apps/v1/deployments",
@@ -395,6 +403,9 @@ def _check_component(found: Observation, check_id: str, component: str) -> Check
                      f"{component} not Ready: {', '.join(waiting)}"
                      + (f" (Ready: {', '.join(ready)})" if ready else ""))
     platform = found.facts.platform or ""
+    leased = _check_lease(found, check_id, component)
+    if leased is not None:
+        return leased
     if platform in _EMBEDDED:
         text = _EMBEDDED[platform].format(component=component)
         if check_apiserver(found).status == "pass":
@@ -409,6 +420,41 @@ def _check_component(found: Observation, check_id: str, component: str) -> Check
     return Check(check_id, "leader", "unknown",
                  f"no kube-system pod labelled component={component}; it may run outside "
                  "the cluster (a system service), which the API does not show")
+
+
+def _renewed(lease: Mapping[str, Any]) -> datetime | None:
+    text = str((lease.get("spec") or {}).get("renewTime") or "")
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
+
+
+def _check_lease(found: Observation, check_id: str, component: str) -> Check | None:
+    """When no pod shows the component: its leader-election Lease (`kube-system/<name>`,
+    held while it runs with leader election, the default), or None when there is none to
+    read. A component running as a system service is seen this way too."""
+    leases = found.leases.items
+    if not leases:
+        return None
+    lease = next((item for item in leases
+                  if (item.get("metadata") or {}).get("name") == component), None)
+    if lease is None:
+        return None
+    spec = lease.get("spec") or {}
+    holder = str(spec.get("holderIdentity") or "")
+    renewed = _renewed(lease)
+    duration = int(spec.get("leaseDurationSeconds") or 15)
+    if not holder or renewed is None:
+        return Check(check_id, "leader", "fail", f"{component}'s leader-election Lease "
+                     f"kube-system/{component} has no holder: no {component} is running")
+    age = (found.observed_at - renewed).total_seconds()
+    if age > duration + LEASE_CLOCK_SKEW_SECONDS:
+        return Check(check_id, "leader", "fail", f"{component}'s leader-election Lease "
+                     f"(held by {holder}) was last renewed {age:.0f} s ago, more than its "
+                     f"{duration} s duration: {component} has stopped")
+    return Check(check_id, "leader", "pass", f"{component} holds its leader-election Lease "
+                 f"kube-system/{component} ({holder}, renewed {max(age, 0):.0f} s ago)")
 
 
 def check_scheduler(found: Observation) -> Check:

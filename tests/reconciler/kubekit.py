@@ -54,6 +54,7 @@ class KubeCluster:
         self.workdir = workdir
         self.admin: KubeAdmin = plane.admin()
         self._namespaces_before = self.namespaces()
+        self._applied: list[tuple[str, str, str | None]] = []
 
     @property
     def version(self) -> str:
@@ -61,6 +62,14 @@ class KubeCluster:
 
     def namespaces(self) -> set[str]:
         return {n["metadata"]["name"] for n in self.admin.list("Namespace")}
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` as the administrator; it is deleted when the test ends."""
+        meta = obj["metadata"]
+        key = (obj["kind"], meta["name"], meta.get("namespace"))
+        if key not in self._applied:
+            self._applied.append(key)
+        return self.admin.apply(obj)
 
     def set_nodes(self, nodes: Iterable[SimNode]) -> None:
         apply_nodes(self.admin, nodes, server_version=self.plane.version)
@@ -98,8 +107,12 @@ class KubeCluster:
         return dict(found)
 
     def clean(self) -> None:
-        """Uninstall every Helm release (as the administrator) and wait for the pods of
-        the namespaces this test created to be gone."""
+        """Delete what the test applied, uninstall every Helm release (as the
+        administrator) and wait for the pods of the namespaces this test created to be
+        gone."""
+        for kind, name, namespace in reversed(self._applied):
+            self.admin.delete(kind, name, namespace)
+        self._applied.clear()
         for namespace, names in self.helm_releases().items():
             with helm.Config(kubeconfig_path=str(self.plane.admin_kubeconfig),
                              namespace=namespace) as admin:

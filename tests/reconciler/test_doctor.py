@@ -17,6 +17,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,15 @@ from margo.cluster import LABEL_PREFIX
 from margo_cli.doctor_command import default_kubeconfig
 from margo_cli.main import main
 from reconciler.kubernetes.client import KubeClient
+from reconciler.kubernetes.discovery import ClusterFacts
 from reconciler.kubernetes.doctor import (
     CHECK_IDS,
     Check,
     DoctorReport,
     LocalClient,
+    Observation,
+    Read,
+    check_scheduler,
     doctor,
     doctor_labels,
     kubelet_skew,
@@ -466,3 +471,32 @@ def test_provider_reports_the_verdict_as_labels_only_when_asked(emulator: Emulat
                                  doctor=True).observe()
     assert failing["labels"][CONFORMANCE] == "fail"
     assert failing["labels"][FAILURES] == ["apiserver"]
+
+
+def _lease(name: str, holder: str | None, renewed: str | None,
+           duration: int = 15) -> dict[str, Any]:
+    spec: dict[str, Any] = {"leaseDurationSeconds": duration}
+    if holder is not None:
+        spec["holderIdentity"] = holder
+    if renewed is not None:
+        spec["renewTime"] = renewed
+    return {"metadata": {"name": name, "namespace": "kube-system"}, "spec": spec}
+
+
+@pytest.mark.parametrize(("lease", "status", "words"), [
+    (_lease("kube-scheduler", "cp_1", "2026-12-01T10:00:00.000000Z"), "pass", "renewed 5 s ago"),
+    (_lease("kube-scheduler", "cp_1", "2026-12-01T09:59:00.000000Z"), "fail",
+     "last renewed 65 s ago, more than its 15 s duration"),
+    (_lease("kube-scheduler", None, None), "fail", "has no holder"),
+    (_lease("other", "x", "2026-12-01T10:00:00Z"), "unknown", "may run outside the cluster"),
+])
+def test_a_component_without_pods_is_judged_by_its_lease(lease: dict[str, Any], status: str,
+                                                         words: str) -> None:
+    """Leases as the real control plane writes them (tests/reconciler/test_kube_real.py sees
+    live ones); the clock is the observation's, so a stopped holder can be shown."""
+    found = Observation(facts=ClusterFacts(git_version="v1.36.3"), system_pods=Read([]),
+                        leases=Read([lease]),
+                        observed_at=datetime(2026, 12, 1, 10, 0, 5, tzinfo=UTC))
+    check = check_scheduler(found)
+    assert check.status == status
+    assert words in check.message

@@ -84,9 +84,17 @@ class SimNode:
                     "machineID": "", "systemUUID": "", "bootID": ""}}}
 
 
+#: Taints the node lifecycle controller puts on a node until it has seen it Ready.
+_LIFECYCLE_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
 def node_ready(node: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (node.get("status") or {}).get("conditions") or [])
+    """Ready, and the node lifecycle controller has noticed (its not-ready taint is gone):
+    only then does the scheduler place pods there."""
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (node.get("status") or {}).get("conditions") or [])
+    taints = (node.get("spec") or {}).get("taints") or []
+    return ready and not any(t.get("key") in _LIFECYCLE_TAINTS for t in taints)
 
 
 def apply_nodes(admin: KubeAdmin, nodes: Iterable[SimNode], *, server_version: str,

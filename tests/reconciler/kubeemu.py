@@ -1,26 +1,19 @@
-"""A Kubernetes API emulator on loopback for the Helm driver's tests: kmock's
+"""A Kubernetes API emulator on loopback for capability discovery and doctor tests: kmock's
 `KubernetesEmulator` (a real aiohttp server, objects kept in memory), run on its own event
 loop in a background thread, with a kubeconfig pointing at it.
 
-No real API server can be installed on these machines (see dependency-notes section 2).
-Two small fixes make the emulator usable by Helm (client-go):
-- `/api/v1` discovery says `groupVersion: "/v1"` instead of `"v1"`, so client-go finds no
-  core kinds ("no matches for kind ConfigMap in version v1");
-- list responses carry no `kind`, so Helm's readiness watcher cannot decode them and every
-  wait times out; with `<Kind>List` a ConfigMap is ready at once.
+The real control plane (tools/kube, tests/reconciler/kubekit.py) is what the Helm driver,
+discovery and the doctor are tested against; this emulator stays for what that one cannot
+produce on demand: recorded clusters of other distributions (their `/version`, discovery
+documents and node objects, served as recorded) and faults such as expired continue tokens.
 
-What it still cannot do (so the tests do not pretend otherwise): no OpenAPI documents and no
-server-side apply (the driver's `compat` mode), Secrets and ConfigMaps posted as protobuf are
-unreadable (so Helm's records use the `memory` storage driver), nothing runs pods or sets
-any status (a Deployment never becomes ready: a wait on it runs into its timeout), and
-namespaces need not exist.
-
-For capability discovery the emulator can also serve recorded objects (`load`, `remove`),
-recorded `/version`, `/api` and `/apis` bodies (`set_version`, `set_discovery`), answer 403
-like RBAC for chosen resources or paths (`forbid`, `allow`), honour `limit`/`continue`
-pagination and the `field=value` / `field!=value` field selectors the real server offers
-for pods, and expire continue tokens (410) on demand. `set_text` serves plain-text answers
-such as the API server's /livez and /readyz (kmock answers 404 for them).
+It serves recorded objects (`load`, `remove`), recorded `/version`, `/api` and `/apis`
+bodies (`set_version`, `set_discovery`), answers 403 like RBAC for chosen resources or paths
+(`forbid`, `allow`), honours `limit`/`continue` pagination and the `field=value` /
+`field!=value` field selectors the real server offers for pods, and expires continue tokens
+(410) on demand. `set_text` serves plain-text answers such as the API server's /livez and
+/readyz (kmock answers 404 for them). It has no RBAC, scheduler or controllers: nothing it
+serves changes unless a test changes it.
 """
 
 from __future__ import annotations
@@ -115,20 +108,8 @@ class _FixedEmulator(kmock.KubernetesEmulator):
             return self.api_groups
         return await super()._serve_apis(request)
 
-    async def _serve_version(self, request: kmock.Request) -> Any:
-        payload = await super()._serve_version(request)
-        if request.resource is not None and request.resource.group == "":
-            payload["groupVersion"] = request.resource.version  # "v1", not "/v1"
-        return payload
-
     async def _serve_list(self, request: kmock.Request) -> Any:
         payload = await super()._serve_list(request)
-        resource = request.resource
-        if resource is not None and resource in self.resources:
-            kind = self.resources[resource].kind or str(resource.plural).capitalize()
-            payload["kind"] = f"{kind}List"
-            payload["apiVersion"] = (f"{resource.group}/{resource.version}" if resource.group
-                                     else str(resource.version))
         selector = request.params.get("fieldSelector")
         if selector:
             payload["items"] = [i for i in payload["items"] if _selected(i, selector)]
@@ -160,7 +141,7 @@ def write_kubeconfig(path: Path, server: str) -> Path:
 
 
 class Emulator:
-    """A running emulator: `url`, `kubeconfig`, and read access to the objects it holds."""
+    """A running emulator: `url`, `kubeconfig`, and the means to change what it serves."""
 
     def __init__(self, kubeconfig: Path) -> None:
         self.kubeconfig = kubeconfig
@@ -171,22 +152,6 @@ class Emulator:
         self._handler: _FixedEmulator | None = None
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kube-emulator", daemon=True)
-
-    def objects(self, resource: str) -> dict[tuple[str | None, str], dict[str, Any]]:
-        """Current (not deleted) objects of `resource` (`v1/configmaps`,
-        `apps/v1/deployments`) as `(namespace, name) -> object`."""
-        async def snapshot() -> dict[tuple[str | None, str], dict[str, Any]]:
-            assert self._handler is not None
-            wanted = kmock.resource(resource)
-            return {(namespace, name): obj.raw
-                    for (kind, namespace, name), obj in self._handler.objects.items()
-                    if kind == wanted and not obj.deleted}
-        assert self._loop is not None, "the emulator is not running"
-        return asyncio.run_coroutine_threadsafe(snapshot(), self._loop).result(timeout=10)
-
-    def get(self, resource: str, namespace: str, name: str) -> dict[str, Any] | None:
-        """One current object, or None."""
-        return self.objects(resource).get((namespace, name))
 
     # --- serving recorded clusters ----------------------------------------------------------
 
@@ -261,7 +226,6 @@ class Emulator:
 
     def _run(self) -> None:
         try:
-            # asyncio.run cancels and awaits whatever is left (open watch streams) on exit.
             asyncio.run(self._serve())
         except BaseException as exc:  # reported by start()
             self._failure = exc
@@ -281,11 +245,6 @@ class Emulator:
             write_kubeconfig(self.kubeconfig, self.url)
             self._started.set()
             await self._stop.wait()
-            # Helm's readiness watcher leaves watch streams open, which never end by
-            # themselves; aiohttp would wait a minute for them at shutdown. Cut them now.
-            runner = server.server.runner
-            if runner is not None and runner.server is not None:
-                await runner.server.shutdown(0.05)
 
     def start(self) -> None:
         self._thread.start()

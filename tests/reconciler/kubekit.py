@@ -12,6 +12,7 @@ or more to delete even an empty one, and a test reusing a terminating namespace 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "kube"))
 
 from controlplane import ControlPlane  # noqa: E402
-from kubeadmin import KubeAdmin  # noqa: E402
+from kubeadmin import KubeAdmin, NotFound  # noqa: E402
 from kubenodes import SimNode, apply_nodes  # noqa: E402
 
 __all__ = ["DEVICE_RBAC", "GPU_WORKER", "SINGLE_NODE", "THREE_NODES", "ControlPlane",
@@ -108,8 +109,7 @@ class KubeCluster:
 
     def clean(self) -> None:
         """Delete what the test applied, uninstall every Helm release (as the
-        administrator) and wait for the pods of the namespaces this test created to be
-        gone."""
+        administrator) and delete the pods of the namespaces this test created."""
         for kind, name, namespace in reversed(self._applied):
             self.admin.delete(kind, name, namespace)
         self._applied.clear()
@@ -119,6 +119,14 @@ class KubeCluster:
                 for name in names:
                     admin.uninstall(name, ignore_not_found=True)
         created = self.namespaces() - self._namespaces_before - SYSTEM_NAMESPACES
+        for namespace in created:
+            # Without a grace period: pods of a deleted node would otherwise wait for the
+            # pod garbage collector (40 s), and kwok may take a while for the others.
+            for pod in self.pods(namespace):
+                with contextlib.suppress(NotFound):  # gone meanwhile
+                    self.admin.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/"
+                                       f"{pod['metadata']['name']}",
+                                       params={"gracePeriodSeconds": "0"})
         self.until("the test's pods gone",
                    lambda: not any(self.pods(namespace) for namespace in created), timeout=120)
 

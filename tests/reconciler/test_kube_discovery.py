@@ -2,9 +2,11 @@
 (kmock over real HTTP on loopback, see kubeemu.py; clusters assembled in clusterkit.py), the
 read-only client's credentials against a real TLS server, and the provider's debounce.
 
-What the emulator cannot show: real RBAC (403s are configured per resource, not derived from
-rules), a scheduler (pods are placed by the recorded `nodeName`), DaemonSet controllers
-(collector status is written by the test) and watch-driven change; see docs/kubernetes.md.
+Why the emulator here: these clusters are other distributions (k3s, kind, k3d, AKS, EKS)
+whose `/version`, discovery documents and node labels a real control plane of ours cannot
+produce on demand, and faults such as an expired continue token (410) come on request. What
+real RBAC, the real scheduler and the DaemonSet controller do to the same reads is
+tests/reconciler/test_kube_real.py.
 """
 
 from __future__ import annotations

@@ -134,12 +134,13 @@ class ControlPlane:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        """SIGTERM every process (newest first), SIGKILL what has not exited in 10 s."""
+    def stop(self, grace: float = 3.0) -> None:
+        """SIGTERM every process (newest first), SIGKILL what has not exited after `grace`
+        seconds (the API server's graceful shutdown waits for long-running watches)."""
         for process in reversed(self.processes):
             if process.popen.poll() is None:
                 process.popen.terminate()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + grace
         for process in reversed(self.processes):
             try:
                 process.popen.wait(max(0.1, deadline - time.monotonic()))

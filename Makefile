@@ -57,6 +57,7 @@ bench: venv
 	$(BIN)/python bench/compile.py
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/reconcile.py
+	$(BIN)/python bench/kube.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

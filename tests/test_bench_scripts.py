@@ -1,0 +1,20 @@
+"""Every benchmark in bench/ still starts: its imports (the test kits it borrows) resolve
+and its options parse. The figures themselves are measured by `make bench`, never here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_the_benchmark_starts(script: Path) -> None:
+    done = subprocess.run([sys.executable, str(script), "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout

@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml
 	@# A real OCI registry (CNCF distribution) for charts and Compose packages: tests and demo.
 	@command -v docker-registry >/dev/null || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker-registry)
+	@# A real Docker engine (dockerd runs as root here) and busybox for the test images the
+	@# Compose driver's tests build locally (no image can be pulled from the internet).
+	@[ -x /usr/sbin/dockerd ] || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker.io)
+	@dpkg -s busybox-static >/dev/null 2>&1 || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q busybox-static)
 	@# Headless Chromium for the dashboard's browser tests (Playwright drives this one).
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium)

@@ -158,14 +158,20 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
     if config.driver == "compose":
         from reconciler.drivers.compose import ComposeDriver
         from reconciler.oci import OciClient
-        oci = stack.enter_context(OciClient())
-        return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker)
+        from reconciler.registry_credentials import as_pairs
+        oci = stack.enter_context(OciClient(credentials=as_pairs(config.registry_credentials)))
+        return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker,
+                             compose=config.compose, docker_host=config.docker_host,
+                             credentials=config.registry_credentials)
     from reconciler.charts import ChartCache
-    charts = stack.enter_context(ChartCache(config.data_dir / "charts"))
+    charts = stack.enter_context(ChartCache(config.data_dir / "charts",
+                                            credentials=config.registry_credentials))
     if config.driver == "render":
         from reconciler.drivers.render import RenderDriver
         from reconciler.oci import OciClient
-        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(OciClient()))
+        from reconciler.registry_credentials import as_pairs
+        oci = OciClient(credentials=as_pairs(config.registry_credentials))
+        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci))
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
                       storage_driver=config.storage_driver, drift=config.drift_detection,

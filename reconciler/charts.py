@@ -20,15 +20,21 @@ Caching rules, and why:
 
 Plain HTTP is used only for the loopback hosts in `plain_http_hosts` (test and demo
 registries); everything else is HTTPS.
+
+Private registries: `credentials` (`reconciler.registry_credentials`) are handed to Helm's
+registry client as a Docker `config.json` it reads, written with mode 0600 in a private
+0700 folder when the cache first contacts a registry and removed by `close()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,6 +42,7 @@ from types import TracebackType
 import helm_python as helm
 
 from reconciler.drivers.base import ApplyError
+from reconciler.registry_credentials import RegistryCredential, docker_config_text
 
 __all__ = ["DEFAULT_PLAIN_HTTP_HOSTS", "ChartCache", "OciReference", "parse_repository"]
 
@@ -102,9 +109,12 @@ class ChartCache:
     chart; the cache directory stays."""
 
     def __init__(self, cache_dir: Path, *,
-                 plain_http_hosts: frozenset[str] = DEFAULT_PLAIN_HTTP_HOSTS) -> None:
+                 plain_http_hosts: frozenset[str] = DEFAULT_PLAIN_HTTP_HOSTS,
+                 credentials: Sequence[RegistryCredential] = ()) -> None:
         self.cache_dir = Path(cache_dir)
         self.plain_http_hosts = plain_http_hosts
+        self._credentials = tuple(credentials)
+        self._credentials_dir: Path | None = None
         self._blobs = self.cache_dir / "sha256"
         self._fetched: dict[tuple[str, str], Path] = {}
         self._charts: dict[Path, helm.Chart] = {}
@@ -160,6 +170,9 @@ class ChartCache:
             for client in self._clients.values():
                 client.close()
             self._clients.clear()
+            if self._credentials_dir is not None:
+                shutil.rmtree(self._credentials_dir, ignore_errors=True)
+                self._credentials_dir = None
 
     def __enter__(self) -> ChartCache:
         return self
@@ -173,9 +186,27 @@ class ChartCache:
     def _client(self, plain_http: bool) -> helm.RegistryClient:
         client = self._clients.get(plain_http)
         if client is None:
-            client = helm.RegistryClient(plain_http=plain_http)
+            client = helm.RegistryClient(plain_http=plain_http,
+                                         credentials_file=self._credentials_file())
             self._clients[plain_http] = client
         return client
+
+    def _credentials_file(self) -> Path | None:
+        """The private config.json with our registry credentials (None without any)."""
+        if not self._credentials:
+            return None
+        if self._credentials_dir is None:
+            try:
+                text = docker_config_text(self._credentials)
+            except OSError as exc:
+                raise ApplyError("PULL_FAILED", str(exc)) from exc
+            folder = Path(tempfile.mkdtemp(prefix="margo-helm-registry-"))
+            descriptor = os.open(folder / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            self._credentials_dir = folder
+        return self._credentials_dir / "config.json"
 
     def _resolve(self, reference: OciReference, tag: str, *, plain_http: bool) -> str:
         ref = reference.tagged(tag.replace("+", "_"))

@@ -8,6 +8,7 @@ See `docs/device.md` for the reference and examples.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -21,6 +22,7 @@ from margo.loading import LoadedDocument, load_document
 from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
+from reconciler.registry_credentials import REGISTRY_HOST, RegistryCredential, secret_file_problem
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
 
 __all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema", "load_config",
@@ -70,8 +72,16 @@ def config_schema() -> dict[str, Any]:
             "driftDetection": {"enum": ["off", "warn", "repair"]},
             "rollbackOnFailure": {"type": "boolean"},
             "docker": _TEXT,
+            "compose": _TEXT,
+            "dockerHost": {"type": "string", "pattern": r"^(unix|tcp|ssh|fd)://\S+$"},
         }, ["type"]),
         "dataDir": _TEXT,
+        "registries": {
+            "type": "object", "propertyNames": {"pattern": REGISTRY_HOST},
+            "additionalProperties": {
+                **_closed({"username": _TEXT, "usernameFile": _TEXT, "passwordFile": _TEXT},
+                          ["passwordFile"]),
+                "oneOf": [{"required": ["username"]}, {"required": ["usernameFile"]}]}},
         "identity": _closed({
             "svid": _closed({"cert": _TEXT, "key": _TEXT}, ["cert", "key"]),
             "trustBundle": _TEXT,
@@ -160,6 +170,10 @@ class DeviceConfig:
     kubernetes: dict[str, Any] | None = None  # KubernetesProvider keyword arguments
     drift_detection: str = "warn"  # Helm driver: off | warn | repair
     rollback_on_failure: bool = False  # Helm driver: roll a failed upgrade back at once
+    #: Compose driver: "plugin" (the docker CLI's compose plugin) or a standalone binary.
+    compose: str = "auto"
+    docker_host: str | None = None  # Compose driver: DOCKER_HOST for the CLI and engine
+    registry_credentials: tuple[RegistryCredential, ...] = ()
     schedule: Schedule = field(default_factory=Schedule)
     identity: IdentityConfig | None = None
 
@@ -215,6 +229,42 @@ def _kubernetes(raw: dict[str, Any] | None, base: Path,
             "labels": raw.get("labels"), "threshold": raw.get("threshold", 0.10),
             "debounce_seconds": parse_duration(raw.get("debounce", "30s")),
             "doctor": bool(raw.get("doctor", False))}
+
+
+def _compose_cli(driver: dict[str, Any], base: Path, found: list[Problem]) -> str:
+    """`auto`, `plugin`, or the absolute path of a standalone Compose v2 binary that exists."""
+    value = driver.get("compose", "auto")
+    if value in ("auto", "plugin"):
+        return value
+    path = _path(base, value)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        found.append(Problem(("driver", "compose"), "not an executable file",
+                             expected="auto, plugin, or the path of a docker-compose v2 binary",
+                             found=str(path)))
+    return str(path)
+
+
+def _credentials(raw: dict[str, Any], base: Path,
+                 found: list[Problem]) -> tuple[RegistryCredential, ...]:
+    """Per-registry credentials; a password file others can read is a located problem."""
+    out: list[RegistryCredential] = []
+    for host, entry in sorted(raw.items()):
+        password_file = _path(base, entry["passwordFile"])
+        problem = secret_file_problem(password_file)
+        if problem is not None:
+            found.append(Problem(("registries", host, "passwordFile"), problem))
+            continue
+        username = entry.get("username")
+        if "usernameFile" in entry:
+            try:
+                username = _path(base, entry["usernameFile"]).read_text(
+                    encoding="utf-8").strip()
+            except OSError as exc:
+                found.append(Problem(("registries", host, "usernameFile"),
+                                     f"cannot read: {exc.strerror or exc}"))
+                continue
+        out.append(RegistryCredential(host, str(username), password_file))
+    return tuple(out)
 
 
 def _identity(raw: dict[str, Any] | None, base: Path) -> IdentityConfig | None:
@@ -305,6 +355,12 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         if key in driver and driver["type"] != "helm":
             found.append(Problem(("driver", key), "only the helm driver takes this setting",
                                  found=driver["type"]))
+    for key in ("compose", "dockerHost", "docker"):
+        if key in driver and driver["type"] != "compose":
+            found.append(Problem(("driver", key), "only the compose driver takes this setting",
+                                 found=driver["type"]))
+    compose = _compose_cli(driver, base, found)
+    credentials = _credentials(doc.get("registries", {}), base, found)
     _check_identity(doc, api, found)
     schedule = _schedule(doc.get("schedule", {}), found)
     if found:
@@ -330,7 +386,9 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
                                                             driver),
         schedule=schedule, identity=_identity(doc.get("identity"), base),
         drift_detection=driver.get("driftDetection", "warn"),
-        rollback_on_failure=bool(driver.get("rollbackOnFailure", False)))
+        rollback_on_failure=bool(driver.get("rollbackOnFailure", False)),
+        compose=compose, docker_host=driver.get("dockerHost"),
+        registry_credentials=credentials)
 
 
 def load_config(path: str | Path) -> DeviceConfig:

@@ -1,8 +1,9 @@
 """The Compose driver: one Docker Compose project per deployment component.
 
-Each step runs the Docker Compose CLI (the `docker compose` v2 plugin, or a standalone
-`docker-compose` when that is what the device has; detected once). The project name is
-`reconciler.releases.release_name(deployment id, component)`.
+Each step runs Docker Compose v2: the docker CLI's `compose` plugin, or a standalone
+binary (`compose:` in the device configuration; `auto` tries the plugin, then a
+`docker-compose` on PATH). `docker_host` is the engine it talks to (`DOCKER_HOST`). The
+project name is `reconciler.releases.release_name(deployment id, component)`.
 
 Install, upgrade and reconfigure:
 
@@ -13,47 +14,46 @@ Install, upgrade and reconfigure:
    written atomically, reused by later steps with the same package);
 3. write `<work_dir>/<project>/margo.env` (the component's environment, quoted so Compose
    reads it back literally) and `<work_dir>/<project>/margo-override.yaml` (our ownership
-   labels on every service);
+   labels and the list of services on every service);
 4. `docker compose -p <project> -f compose.yaml -f margo-override.yaml [--env-file <package
-   .env>] --env-file margo.env up -d --remove-orphans [--wait --wait-timeout <s>]`, then
-   delete package directories of earlier revisions.
+   .env>] --env-file margo.env pull --policy missing --quiet`: images not yet on the engine
+   are pulled first, so a registry that refuses us is `PULL_FAILED` naming the registry,
+   and an offline device with its images still reconfigures;
+5. the same `... up -d --remove-orphans [--wait --wait-timeout <s>]`, then delete package
+   directories of earlier revisions.
+
+Registry credentials (`reconciler.registry_credentials`) reach the engine through a
+per-call `DOCKER_CONFIG`: a fresh 0700 folder with a 0600 `config.json`, removed as soon
+as the call returns (the plugins folder of the usual config is linked into it, so the
+`compose` plugin is still found).
 
 Remove: `docker compose -p <project> down --remove-orphans` (idempotent: no containers, no
-error), then the project's directory is deleted.
+error; named volumes are kept), then the project's directory is deleted.
 
-What is installed is read from the ENGINE, never from a private list: `docker ps -a` filtered
-on our managed-by label, each container's labels read one by one with the template's
-`.Label` (exact values, no comma-joined label string to split). Containers are grouped by
-their Compose project. A project is healthy when every container is either running (a
-health check may be starting, but not `unhealthy`) or exited with code 0 (a one-shot job
-that finished); any other state (exited non-zero, dead, restarting, paused, created) or
-containers that disagree about the ownership labels (an interrupted upgrade) makes it
-unhealthy, and the planner upgrades it again. Compose has no namespaces: releases report
-namespace "".
+What is installed is read from the engine (`compose_engine`). Compose has no namespaces:
+releases report namespace "".
 
 Errors: a failing `docker compose` is `INSTALL_FAILED` / `UPGRADE_FAILED` (reconfigure
-too) / `UNINSTALL_FAILED` with the tail of its stderr, unless `docker version` then shows
-the daemon is unreachable (`ENGINE_UNAVAILABLE`); a command exceeding the component's
-timeout (plus a grace period) is killed with its process group: `TIMEOUT`; no docker CLI or
-no Compose: `ENGINE_UNAVAILABLE`. Pull and package errors come from `reconciler.oci` and
+too) / `UNINSTALL_FAILED` with the tail of its stderr and the last log lines of every
+container that is not running (a crash during start-up shows its own words), unless
+`docker version` then shows the daemon is unreachable (`ENGINE_UNAVAILABLE`). A failing
+pull is `PULL_FAILED`. A command exceeding the component's timeout (plus a grace period) is
+killed with its process group: `TIMEOUT`. No docker CLI or no Compose:
+`ENGINE_UNAVAILABLE`. Package errors come from `reconciler.oci` and
 `reconciler.compose_package` unchanged.
 
 The command lines and files are built by pure functions (`compose_commands`,
-`env_file_text`, `override_document`, `releases_from_ps`), testable without any engine.
+`env_file_text`, `override_document`), testable without any engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
 import shutil
-import signal
-import subprocess
-from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,20 +64,24 @@ from margo.component_values import env_string
 from reconciler.compose_package import COMPOSE_FILE, extract_package, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.base import ApplyError
+from reconciler.drivers.compose_engine import (
+    LABEL_PROJECT,
+    LABEL_SERVICES,
+    PS_FORMAT,
+    Container,
+    container_healthy,
+    describe,
+    detect_compose_command,
+    parse_ps_output,
+    plugin_path,
+    releases_from_ps,
+    run_cli,
+    tail,
+)
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Step
-from reconciler.releases import (
-    LABEL_COMPONENT,
-    LABEL_DEPLOYMENT,
-    LABEL_DESIRED,
-    LABEL_MANAGED_BY,
-    LABEL_SPEC,
-    LABEL_VALUES,
-    MANAGER,
-    InstalledRelease,
-    ownership_labels,
-    release_from_labels,
-)
+from reconciler.registry_credentials import RegistryCredential, private_docker_config
+from reconciler.releases import LABEL_MANAGED_BY, MANAGER, InstalledRelease, ownership_labels
 
 __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container",
            "ProjectFiles", "compose_commands", "container_healthy", "detect_compose_command",
@@ -86,22 +90,12 @@ __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container
 
 ENV_FILE = "margo.env"
 OVERRIDE_FILE = "margo-override.yaml"
-LABEL_PROJECT = "com.docker.compose.project"
-LABEL_SERVICE = "com.docker.compose.service"
-_READ_LABELS = (LABEL_MANAGED_BY, LABEL_DEPLOYMENT, LABEL_COMPONENT, LABEL_DESIRED, LABEL_SPEC,
-                LABEL_VALUES, LABEL_PROJECT, LABEL_SERVICE)
-#: `docker ps --format`: one JSON object per container, labels read one by one.
-PS_FORMAT = ('{"id":{{json .ID}},"names":{{json .Names}},"state":{{json .State}},'
-             '"status":{{json .Status}},"labels":{'
-             + ",".join(f'"{label}":{{{{json (.Label "{label}")}}}}' for label in _READ_LABELS)
-             + "}}")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_EXIT_CODE = re.compile(r"Exited \((-?\d+)\)")
 _PACKAGE_DIR = re.compile(r"[0-9a-f]{64}")
 _PARTIAL_DIR = re.compile(r"\.[0-9a-f]{64}\.partial-[0-9a-f]+")
 _FAILURE_CODES = {Action.INSTALL: "INSTALL_FAILED", Action.UPGRADE: "UPGRADE_FAILED",
                   Action.RECONFIGURE: "UPGRADE_FAILED", Action.REMOVE: "UNINSTALL_FAILED"}
-_STDERR_TAIL = 2000
+_LOG_LINES = 20
 
 
 # --------------------------------------------------------------------------- files
@@ -163,8 +157,11 @@ def env_file_text(values: Mapping[str, Any]) -> str:
 
 
 def override_document(services: Iterable[str], labels: Mapping[str, str]) -> dict[str, Any]:
-    """A Compose override adding `labels` to every service (Compose merges label maps)."""
-    return {"services": {service: {"labels": dict(labels)} for service in services}}
+    """A Compose override adding `labels` and the list of the package's services to every
+    service (Compose merges label maps), so a container removed out of band is noticed."""
+    names = sorted(services)
+    marked = {**labels, LABEL_SERVICES: ",".join(names)}
+    return {"services": {service: {"labels": dict(marked)} for service in names}}
 
 
 def _write_atomically(path: Path, text: str, mode: int) -> None:
@@ -193,143 +190,24 @@ def compose_commands(step: Step, *, compose: Sequence[str],
         return [[*compose, "-p", project, "down", "--remove-orphans"]]
     if files is None or step.desired is None:
         raise ValueError(f"{step.action} of {project} needs the desired component and its files")
-    argv = [*compose, "-p", project, "-f", str(files.compose_file),
+    base = [*compose, "-p", project, "-f", str(files.compose_file),
             "-f", str(files.override_file)]
     if files.package_env_file is not None:
-        argv += ["--env-file", str(files.package_env_file)]
-    argv += ["--env-file", str(files.env_file), "up", "-d", "--remove-orphans"]
+        base += ["--env-file", str(files.package_env_file)]
+    base += ["--env-file", str(files.env_file)]
+    up = [*base, "up", "-d", "--remove-orphans"]
     if step.desired.wait:
-        argv += ["--wait", "--wait-timeout", str(max(1, math.ceil(step.desired.timeout_seconds)))]
-    return [argv]
+        up += ["--wait", "--wait-timeout", str(max(1, math.ceil(step.desired.timeout_seconds)))]
+    return [[*base, "pull", "--policy", "missing", "--quiet"], up]
 
 
-# --------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class Container:
-    """One container as `docker ps` (with `PS_FORMAT`) describes it."""
-
-    id: str
-    name: str
-    state: str  # created, running, paused, restarting, removing, exited, dead
-    status: str  # "Up 3 minutes (healthy)", "Exited (1) 2 seconds ago", ...
-    labels: Mapping[str, str]  # only labels with a value
-
-    @property
-    def exit_code(self) -> int | None:
-        match = _EXIT_CODE.search(self.status)
-        return int(match.group(1)) if match else None
-
-
-def parse_ps_output(text: str) -> list[Container]:
-    """Containers from `docker ps --format PS_FORMAT` output; `ValueError` when a line is
-    not what that format produces."""
-    containers = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if not isinstance(record, dict) or not isinstance(record.get("labels"), dict):
-            raise ValueError(f"unexpected docker ps line: {line[:200]!r}")
-        labels = {str(k): str(v) for k, v in record["labels"].items() if v}
-        containers.append(Container(id=str(record.get("id", "")),
-                                    name=str(record.get("names", "")),
-                                    state=str(record.get("state", "")),
-                                    status=str(record.get("status", "")), labels=labels))
-    return containers
-
-
-def container_healthy(container: Container) -> bool:
-    """Running (and not reported unhealthy), or a one-shot container that exited 0."""
-    if container.state == "running":
-        return "(unhealthy)" not in container.status
-    return container.state == "exited" and container.exit_code == 0
-
-
-def _describe(container: Container) -> str:
-    if container.state == "exited":
-        return f"{container.name} exited with code {container.exit_code}"
-    if container.state == "running":
-        return f"{container.name} is unhealthy"
-    return f"{container.name} is {container.state}"
-
-
-def _project_release(project: str, containers: list[Container]) -> InstalledRelease | None:
-    ordered = sorted(containers, key=lambda c: c.name)
-    ownership = {tuple(c.labels.get(label, "") for label in _READ_LABELS[:6]) for c in ordered}
-    failing = [c for c in ordered if not container_healthy(c)]
-    if len(ownership) > 1:
-        healthy, detail = False, "containers carry different ownership labels"
-    elif failing:
-        healthy = False
-        detail = "; ".join(_describe(c) for c in failing)
-    else:
-        healthy = True
-        detail = f"running ({len(ordered)} container{'s' if len(ordered) != 1 else ''})"
-    for container in ordered:
-        release = release_from_labels(container.labels, release_name=project, namespace="",
-                                      healthy=healthy, detail=detail)
-        if release is not None:
-            return release
-    return None
-
-
-def releases_from_ps(containers: Iterable[Container]) -> list[InstalledRelease]:
-    """Our releases, one per Compose project whose containers carry our labels."""
-    by_project: dict[str, list[Container]] = defaultdict(list)
-    for container in containers:
-        if container.labels.get(LABEL_MANAGED_BY) == MANAGER and LABEL_PROJECT in container.labels:
-            by_project[container.labels[LABEL_PROJECT]].append(container)
-    releases = (_project_release(p, cs) for p, cs in sorted(by_project.items()))
-    return [release for release in releases if release is not None]
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _tail(text: str) -> str:
-    text = text.strip()
-    return text if len(text) <= _STDERR_TAIL else "..." + text[-_STDERR_TAIL:]
-
-
-def _run(argv: Sequence[str], *, timeout: float,
-         env: Mapping[str, str] | None) -> subprocess.CompletedProcess[str]:
-    """Run a CLI in its own process group; on timeout kill the whole group (the docker CLI
-    runs Compose as a child plugin process) and raise `TIMEOUT`. A missing executable is
-    `ENGINE_UNAVAILABLE`."""
-    try:
-        process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, env=dict(env) if env else None,
-                                   text=True, errors="replace", start_new_session=True)
-    except OSError as exc:
-        raise ApplyError("ENGINE_UNAVAILABLE", f"cannot run {argv[0]}: {exc}") from exc
-    with process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            raise ApplyError("TIMEOUT", f"{' '.join(argv[:4])} ... did not finish within "
-                             f"{timeout:g} s and was stopped") from None
-    return subprocess.CompletedProcess(list(argv), process.returncode, stdout, stderr)
-
-
-def detect_compose_command(docker: str, *, env: Mapping[str, str] | None = None,
-                           standalone: str | None = None,
-                           timeout: float = 30.0) -> list[str]:
-    """`[docker, "compose"]` when the v2 plugin answers `version`, else `[standalone]` when
-    a standalone `docker-compose` is given and answers; else `ENGINE_UNAVAILABLE`."""
-    candidates = [[docker, "compose"]] + ([[standalone]] if standalone else [])
-    for command in candidates:
-        try:
-            if _run([*command, "version"], timeout=timeout, env=env).returncode == 0:
-                return command
-        except ApplyError:
-            continue
-    raise ApplyError("ENGINE_UNAVAILABLE", f"Docker Compose is not available: neither "
-                     f"`{docker} compose` nor a standalone docker-compose answers `version`")
+def image_registry(image: str) -> str:
+    """The registry host of an image reference, as the Docker CLI reads it (a first
+    component with a dot, a colon or `localhost` is a host; else Docker Hub)."""
+    first, slash, _ = image.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return "docker.io"
 
 
 # --------------------------------------------------------------------------- driver
@@ -338,22 +216,31 @@ def detect_compose_command(docker: str, *, env: Mapping[str, str] | None = None,
 class ComposeDriver:
     """Runs `compose` deployments with the Docker Compose CLI (see the module docstring).
 
-    `env` is added to the CLI's environment (e.g. `DOCKER_HOST`). `grace_seconds` is added
-    to a component's timeout before its `up` is killed (Compose's own `--wait-timeout` comes
-    first); `command_timeout` bounds `down`, `ps` and the probes. The caller owns `oci`."""
+    `compose`: `auto`, `plugin` or the path of a standalone Compose v2 binary.
+    `docker_host` sets `DOCKER_HOST`; `env` is added to the CLI's environment.
+    `credentials` are given to the engine for image pulls. `grace_seconds` is added to a
+    component's timeout before its `up` is killed (Compose's own `--wait-timeout` comes
+    first); `command_timeout` bounds `pull`, `down`, `ps` and the probes. The caller owns
+    `oci`."""
 
     name = "compose"
     profile_types = ("compose",)
 
     def __init__(self, work_dir: Path, oci: OciClient, *, docker: str = "docker",
-                 compose_command: list[str] | None = None,
+                 compose: str = "auto", docker_host: str | None = None,
+                 credentials: Sequence[RegistryCredential] = (),
                  env: Mapping[str, str] | None = None, grace_seconds: float = 30.0,
                  command_timeout: float = 120.0) -> None:
         self.work_dir = Path(work_dir)
         self._oci = oci
         self._docker = docker
-        self._compose = list(compose_command) if compose_command else None
-        self._env = {**os.environ, **env} if env else None
+        self._choice = compose
+        self._compose: list[str] | None = None
+        extra = dict(env or {})
+        if docker_host:
+            extra["DOCKER_HOST"] = docker_host
+        self._env = {**os.environ, **extra}
+        self._credentials = tuple(credentials)
         self._grace = grace_seconds
         self._command_timeout = command_timeout
 
@@ -363,18 +250,21 @@ class ComposeDriver:
     # ------------------------------------------------------------------ reading
 
     def installed(self) -> list[InstalledRelease]:
-        argv = [self._docker, "ps", "-a", "--no-trunc", "--filter",
-                f"label={LABEL_MANAGED_BY}={MANAGER}", "--format", PS_FORMAT]
-        try:
-            result = _run(argv, timeout=self._command_timeout, env=self._env)
-        except ApplyError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE", exc.message) from exc
-        if result.returncode != 0:
-            raise ApplyError("ENGINE_UNAVAILABLE", f"docker ps failed: {_tail(result.stderr)}")
+        result = self._docker_run(["ps", "-a", "--no-trunc", "--filter",
+                                   f"label={LABEL_MANAGED_BY}={MANAGER}", "--format",
+                                   PS_FORMAT], unavailable="docker ps failed")
         try:
             return releases_from_ps(parse_ps_output(result.stdout))
         except ValueError as exc:
             raise ApplyError("ENGINE_UNAVAILABLE", f"cannot read docker ps output: {exc}") from exc
+
+    def containers(self, project: str) -> list[Container]:
+        """Every container of one of our projects, as the engine lists it."""
+        result = self._docker_run(["ps", "-a", "--no-trunc", "--filter",
+                                   f"label={LABEL_PROJECT}={project}", "--format", PS_FORMAT],
+                                  unavailable="docker ps failed")
+        return [c for c in parse_ps_output(result.stdout)
+                if c.labels.get(LABEL_MANAGED_BY) == MANAGER]
 
     # ------------------------------------------------------------------ steps
 
@@ -386,14 +276,16 @@ class ComposeDriver:
             return
         if deployment is None or step.desired is None:
             raise ValueError(f"{step.action} of {step.release_name} needs its deployment")
-        files = self._prepare(step, deployment, step.desired)
-        for argv in compose_commands(step, compose=self._compose_command(), files=files):
-            self._compose_run(argv, step, timeout=step.desired.timeout_seconds + self._grace)
+        files, images = self._prepare(step, deployment, step.desired)
+        pull, up = compose_commands(step, compose=self._compose_command(), files=files)
+        self._pull(pull, step, images)
+        self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace)
         self._prune(files)
 
     def _prepare(self, step: Step, deployment: DesiredDeployment,
-                 component: DesiredComponent) -> ProjectFiles:
-        """Pull, verify, validate, extract (once per archive) and write our two files."""
+                 component: DesiredComponent) -> tuple[ProjectFiles, list[str]]:
+        """Pull, verify, validate, extract (once per archive) and write our two files; the
+        files and the images the package names (for messages)."""
         artifact = self._oci.pull(component.repository, component.revision)
         package = validate_package(artifact.data)
         files = project_files(self.work_dir, step.release_name, package.digest,
@@ -415,7 +307,10 @@ class ComposeDriver:
         _write_atomically(files.env_file, env_text, 0o600)
         _write_atomically(files.override_file, "# Written by margo-gitops. Do not edit.\n"
                           + override, 0o644)
-        return files
+        images = sorted({str(service.get("image")) for service in
+                         package.compose["services"].values()
+                         if isinstance(service, dict) and service.get("image")})
+        return files, images
 
     def _remove(self, step: Step) -> None:
         for argv in compose_commands(step, compose=self._compose_command()):
@@ -427,26 +322,81 @@ class ComposeDriver:
     def _compose_command(self) -> list[str]:
         if self._compose is None:
             self._compose = detect_compose_command(
-                self._docker, env=self._env, standalone=shutil.which("docker-compose"),
-                timeout=self._command_timeout)
+                self._docker, self._choice, env=self._env,
+                standalone=shutil.which("docker-compose"), timeout=self._command_timeout)
         return self._compose
 
+    @contextlib.contextmanager
+    def _engine_env(self) -> Iterator[dict[str, str]]:
+        """The CLI's environment for a call that may pull: with credentials, a private
+        DOCKER_CONFIG that exists only for the call."""
+        if not self._credentials:
+            yield self._env
+            return
+        plugin = plugin_path(self._env)
+        links = {"cli-plugins": plugin.parent} if plugin is not None else {}
+        with private_docker_config(self._credentials, extra=links) as folder:
+            yield {**self._env, "DOCKER_CONFIG": str(folder)}
+
+    def _pull(self, argv: list[str], step: Step, images: list[str]) -> None:
+        with self._engine_env() as env:
+            result = run_cli(argv, timeout=self._command_timeout, env=env)
+        if result.returncode == 0:
+            return
+        if not self._daemon_reachable():
+            raise ApplyError("ENGINE_UNAVAILABLE", f"{step.action} of {step.release_name}: "
+                             f"the engine is unreachable: {tail(result.stderr)}")
+        hosts = sorted({image_registry(image) for image in images})
+        credentials = {c.registry for c in self._credentials}
+        known = [f"{h} (credentials configured)" if h in credentials else h for h in hosts]
+        raise ApplyError("PULL_FAILED", f"{step.action} of {step.release_name}: pulling "
+                         f"{', '.join(images)} from {', '.join(known)} failed: "
+                         f"{tail(result.stderr)}")
+
     def _compose_run(self, argv: list[str], step: Step, *, timeout: float) -> None:
-        result = _run(argv, timeout=timeout, env=self._env)
+        with self._engine_env() as env:
+            result = run_cli(argv, timeout=timeout, env=env)
         if result.returncode == 0:
             return
         message = f"{step.action} of {step.release_name}: docker compose exited with " \
-                  f"{result.returncode}: {_tail(result.stderr)}"
+                  f"{result.returncode}: {tail(result.stderr)}"
         if not self._daemon_reachable():
             raise ApplyError("ENGINE_UNAVAILABLE", message)
+        if step.action is not Action.REMOVE:
+            message += self._failing_logs(step.release_name)
         raise ApplyError(_FAILURE_CODES[step.action], message)
+
+    def _failing_logs(self, project: str) -> str:
+        """The last log lines of each container of `project` that is not healthy."""
+        try:
+            failing = [c for c in self.containers(project) if not container_healthy(c)]
+        except ApplyError:
+            return ""
+        parts = []
+        for container in failing:
+            logs = run_cli([self._docker, "logs", "--tail", str(_LOG_LINES), container.id],
+                           timeout=self._command_timeout, env=self._env)
+            text = (logs.stdout + logs.stderr).strip() if logs.returncode == 0 else ""
+            parts.append(f"\n{describe(container)}; its last log lines:\n{tail(text, 1500)}"
+                         if text else f"\n{describe(container)} (no log output)")
+        return "".join(parts)
+
+    def _docker_run(self, args: list[str], *, unavailable: str) -> Any:
+        try:
+            result = run_cli([self._docker, *args], timeout=self._command_timeout,
+                             env=self._env)
+        except ApplyError as exc:
+            raise ApplyError("ENGINE_UNAVAILABLE", exc.message) from exc
+        if result.returncode != 0:
+            raise ApplyError("ENGINE_UNAVAILABLE", f"{unavailable}: {tail(result.stderr)}")
+        return result
 
     def _daemon_reachable(self) -> bool:
         """Whether `docker version` reaches the daemon: tells an engine outage from a
         failing project without matching error text."""
         argv = [self._docker, "version", "--format", "{{json .Server.Version}}"]
         try:
-            return _run(argv, timeout=self._command_timeout, env=self._env).returncode == 0
+            return run_cli(argv, timeout=self._command_timeout, env=self._env).returncode == 0
         except ApplyError:
             return False
 

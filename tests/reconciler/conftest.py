@@ -1,5 +1,6 @@
-"""Session fixtures for the device client's tests: one real OCI registry and one real
-Kubernetes control plane (built from the pinned Go modules on first use) for all of them."""
+"""Session fixtures for the device client's tests: one real OCI registry, one real
+Kubernetes control plane (built from the pinned Go modules on first use) and one real
+Docker engine with locally built test images, for all of them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 # The fleet server's test kit (running `margo serve`, adding clients) is shared with tests/wfm.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wfm"))
 
+from dockerkit import DockerEngine, ImageSet, build_test_images, running_engine
 from kubekit import DEVICE_RBAC, SINGLE_NODE, ControlPlane, KubeCluster
 from registrykit import running_registry
 
@@ -43,3 +45,16 @@ def kube(control_plane: ControlPlane, tmp_path: Path) -> Iterator[KubeCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="session")
+def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEngine]:
+    """A private dockerd (its own data root, exec root and socket) and Compose v2."""
+    with running_engine(tmp_path_factory.mktemp("docker")) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def test_images(docker_engine: DockerEngine, registry: str) -> ImageSet:
+    """busybox-based images, built here and pushed to the session registry."""
+    return build_test_images(docker_engine, registry)

@@ -6,6 +6,7 @@ fetch: a hit that contacted it would fail.
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import helm_python as helm
@@ -15,6 +16,7 @@ from registrykit import running_registry
 
 from reconciler.charts import ChartCache, parse_repository
 from reconciler.drivers.base import ApplyError
+from reconciler.registry_credentials import RegistryCredential, docker_config_text
 
 
 def published(registry: str, tmp_path: Path, repo_path: str, *versions: str) -> str:
@@ -190,3 +192,38 @@ def test_closing_frees_loaded_charts(registry: str, tmp_path: Path) -> None:
     assert chart.closed
     with pytest.raises(helm.HelmError):
         chart.render({})
+
+
+def test_charts_from_a_registry_that_needs_credentials(tmp_path: Path) -> None:
+    """A registry with htpasswd authentication: anonymous and wrong credentials are
+    refused (PULL_FAILED naming the registry, never the password), the right ones pull, and
+    the private credentials file is gone once the cache is closed."""
+    def credential(password: str) -> RegistryCredential:
+        secret = tmp_path / f"password-{password}"
+        secret.write_text(password + "\n")
+        secret.chmod(0o600)
+        return RegistryCredential(host, "deployer", secret)
+
+    with running_registry(tmp_path / "private", users={"deployer": "s3cret-pw"}) as host:
+        config = tmp_path / "pusher" / "config.json"
+        config.parent.mkdir()
+        config.write_text(docker_config_text([credential("s3cret-pw")]))
+        archive = helm.package(write_chart(tmp_path / "src"), destination=tmp_path)
+        with helm.RegistryClient(plain_http=True, credentials_file=config) as client:
+            helm.push(archive, f"oci://{host}/private", client=client, plain_http=True)
+        repository = f"oci://{host}/private/greeter"
+        for credentials in ([], [credential("wrong-pw")]):
+            with ChartCache(tmp_path / "refused", credentials=credentials) as charts, \
+                    pytest.raises(ApplyError) as caught:
+                charts.fetch(repository, "1.0.0")
+            assert caught.value.code == "PULL_FAILED"
+            assert host in caught.value.message
+            assert "wrong-pw" not in caught.value.message
+        before = set(Path(tempfile.gettempdir()).glob("margo-helm-registry-*"))
+        with ChartCache(tmp_path / "cache", credentials=[credential("s3cret-pw")]) as charts:
+            chart = charts.load(charts.fetch(repository, "1.0.0"))
+            assert chart.version == "1.0.0"
+            during = set(Path(tempfile.gettempdir()).glob("margo-helm-registry-*")) - before
+            [folder] = during
+            assert oct((folder / "config.json").stat().st_mode & 0o777) == "0o600"
+        assert not folder.exists()

@@ -125,3 +125,68 @@ def test_bad_configs_are_located(tmp_path: Path, change: tuple[str, str],
     formatted = [p.format() for p in caught.value.problems]
     assert any(f": {where}" in line and "device.yaml:" in line for line in formatted), formatted
     assert all(":0:0:" not in line for line in formatted), formatted
+
+
+COMPOSE = GOOD.replace("driver: {type: render}", """\
+driver: {type: compose, compose: bin/docker-compose, dockerHost: "unix:///run/edge.sock"}
+registries:
+  "127.0.0.1:5000": {username: deployer, passwordFile: secrets/registry}
+  registry.example.com: {usernameFile: secrets/user, passwordFile: secrets/example}""")
+
+
+def compose_home(tmp_path: Path, *, mode: int = 0o600) -> Path:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "docker-compose").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "docker-compose").chmod(0o755)
+    (tmp_path / "secrets").mkdir()
+    for name, text in (("registry", "pw-one\n"), ("example", "pw-two"), ("user", "robot\n")):
+        (tmp_path / "secrets" / name).write_text(text)
+        (tmp_path / "secrets" / name).chmod(mode)
+    return write(tmp_path, COMPOSE)
+
+
+def test_compose_cli_engine_and_registry_credentials(tmp_path: Path) -> None:
+    config = load_config(compose_home(tmp_path))
+    assert config.compose == str(tmp_path / "bin" / "docker-compose")
+    assert config.docker_host == "unix:///run/edge.sock"
+    local, example = config.registry_credentials
+    assert (local.registry, local.username, local.password()) == (
+        "127.0.0.1:5000", "deployer", "pw-one")
+    assert (example.registry, example.username, example.password()) == (
+        "registry.example.com", "robot", "pw-two")
+    assert "pw-one" not in repr(config) and "pw-two" not in repr(config)
+    assert load_config(write(tmp_path, GOOD.replace("{type: render}", "{type: compose}"))
+                       ).compose == "auto"
+
+
+@pytest.mark.parametrize(("change", "where", "words"), [
+    (("compose: bin/docker-compose", "compose: bin/nothing"), "$.driver.compose",
+     "not an executable file"),
+    (('dockerHost: "unix:///run/edge.sock"', "dockerHost: /run/edge.sock"), "$.driver.dockerHost",
+     "expected a string matching"),
+    (("{type: compose,", "{type: render,"), "$.driver.compose",
+     "only the compose driver takes this setting"),
+    (("username: deployer, ", ""), "$.registries['127.0.0.1:5000']", ""),
+    (('"127.0.0.1:5000":', '"not a host/x":'), "$.registries", ""),
+    (("passwordFile: secrets/registry", "password: inline-secret"),
+     "$.registries['127.0.0.1:5000']", ""),
+])
+def test_bad_compose_and_registry_settings_are_located(tmp_path: Path, change: tuple[str, str],
+                                                       where: str, words: str) -> None:
+    path = compose_home(tmp_path)
+    path.write_text(COMPOSE.replace(*change))
+    with pytest.raises(DocumentError) as caught:
+        load_config(path)
+    formatted = [p.format() for p in caught.value.problems]
+    assert any(where in line and words in line and "device.yaml:" in line
+               for line in formatted), formatted
+    assert not any("inline-secret" in line for line in formatted), formatted
+
+
+def test_a_password_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DocumentError) as caught:
+        load_config(compose_home(tmp_path, mode=0o644))
+    [problem, _other] = [p.format() for p in caught.value.problems]
+    assert "$.registries['127.0.0.1:5000'].passwordFile" in problem
+    assert "mode 0644" in problem and "chmod 600" in problem
+    assert "pw-one" not in problem

@@ -12,6 +12,13 @@ the `render` driver (the real Helm engine rendering into a directory). Prints:
 * a cycle applying N changed deployments (every intent's parameter changed);
 * resident memory (RSS) when idle after the cycles, and the peak (VmHWM) during applies.
 
+Then, next to those render figures, the `compose` driver on a real Docker engine
+(tools/docker: a private dockerd, a busybox web image built here and pushed to the
+registry, Compose v2): `--compose-deployments` (default 5) deployments with a health check
+and `wait: true` on one Compose device, timing the first cycle (pull, create, wait healthy),
+an unchanged cycle and a reconfigure cycle (every container recreated with its new
+environment). Skipped with the reason printed when no engine can be started here.
+
 Targets from the issue: unchanged cycle under 50 ms, resident memory under 150 MB.
 """
 
@@ -29,14 +36,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "wfm"))
 sys.path.insert(0, str(ROOT / "tests" / "reconciler"))
+sys.path.insert(0, str(ROOT / "tools" / "docker"))
 
 import yaml  # noqa: E402
 from chartkit import publish_example_charts  # noqa: E402
+from dockerengine import running_engine, why_unavailable  # noqa: E402
 from fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
 from registrykit import running_registry  # noqa: E402
+from testimages import push_image, web_image  # noqa: E402
 
+from margo.archive import deterministic_targz  # noqa: E402
 from reconciler.assembly import open_reconciler  # noqa: E402
 from reconciler.config import load_config  # noqa: E402
+from reconciler.oci import OciClient  # noqa: E402
 from reconciler.runner import Reconciler  # noqa: E402
 
 INTENT = """\
@@ -50,6 +62,49 @@ spec:
   parameters:
     greeting: {greeting}
   targets: {{devices: [{device}]}}
+"""
+
+
+COMPOSE_APP = """\
+apiVersion: margo.org/v1-alpha1
+kind: ApplicationDescription
+id: com-example-bench-web
+metadata:
+  name: Bench Web
+  version: 1.0.0
+  catalog: {{organization: [{{name: Bench}}]}}
+deploymentProfiles:
+  - type: compose
+    id: web
+    components:
+      - name: web
+        properties: {{repository: "oci://{registry}/bench/web", revision: 1.0.0, wait: true,
+                     timeout: 1m0s}}
+parameters:
+  greeting:
+    value: Hello
+    targets: [{{pointer: GREETING, components: [web]}}]
+"""
+COMPOSE_INTENT = """\
+apiVersion: margo-gitops.dev/v1alpha1
+kind: DeploymentIntent
+metadata: {{name: {name}}}
+spec:
+  application: {{id: com-example-bench-web}}
+  profile: {{type: compose}}
+  parameters:
+    greeting: {greeting}
+  targets: {{devices: [bench-compose]}}
+"""
+COMPOSE_FILE = """\
+services:
+  web:
+    image: {image}
+    environment: {{GREETING: "${{GREETING}}"}}
+    healthcheck:
+      test: ["CMD", "wget", "-q", "-O-", "http://127.0.0.1:8080/"]
+      interval: 1s
+      retries: 5
 """
 
 
@@ -106,6 +161,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deployments", type=int, default=20)
     parser.add_argument("--cycles", type=int, default=50)
+    parser.add_argument("--compose-deployments", type=int, default=5)
     args = parser.parse_args()
     n = args.deployments
     with tempfile.TemporaryDirectory() as scratch:
@@ -147,6 +203,64 @@ def main() -> None:
                                   f"{wall:.2f} s wall, {cpu:.2f} s CPU")
                 print(f"resident memory: idle {memory_kib('VmRSS') / 1024:.0f} MiB, "
                       f"peak {memory_kib('VmHWM') / 1024:.0f} MiB (target < 150 MB)")
+            compose_cycles(work, registry, args.compose_deployments, args.cycles)
+
+
+def compose_cycles(work: Path, registry: str, n: int, cycles: int) -> None:
+    """The compose driver on a real engine: first install, unchanged, reconfigure."""
+    reason = why_unavailable()
+    if reason is not None:
+        print(f"compose driver on a real Docker engine: skipped ({reason})")
+        return
+    with running_engine(work / "docker") as engine:
+        image = f"{registry}/bench/web-image:1.0"
+        web_image(engine, image, "1.0")
+        push_image(engine, image)
+        engine.run("rmi", image)
+        with OciClient() as oci:
+            oci.push_artifact(f"oci://{registry}/bench/web", "1.0.0", deterministic_targz(
+                {"web/compose.yaml": COMPOSE_FILE.format(image=image).encode()}))
+        fleet = write_fleet(work / "compose-fleet", registry=registry, intents={})
+        app = fleet / "apps" / "com-example-bench-web" / "margo.yaml"
+        app.parent.mkdir(parents=True)
+        app.write_text(COMPOSE_APP.format(registry=registry))
+        with fleet_server(work / "compose-server", fleet=fleet) as server:
+            home = work / "bench-compose"
+            home.mkdir()
+            (home / "token").write_text(server.token)
+            doc = capabilities("compose-box-amd64", "bench-compose")
+            (home / "caps.json").write_text(json.dumps(doc))
+            server.put_capabilities(doc)
+            (home / "device.yaml").write_text(yaml.safe_dump({
+                "device": {"id": "bench-compose"},
+                "server": {"url": server.base, "clientId": server.client_id,
+                           "tokenFile": "token"},
+                "source": {"type": "margo-rest"},
+                "driver": {"type": "compose", "compose": engine.compose,
+                           "dockerHost": engine.host},
+                "dataDir": "data", "capabilities": {"file": "caps.json"}}))
+            for index in range(n):
+                server.edit_intent(f"web-{index}", COMPOSE_INTENT.format(
+                    name=f"web-{index}", greeting=f"Hello{index}"))
+            server.wait_for_deployments(n, device_id="bench-compose", timeout=60)
+            print(f"device client, compose driver on a real Docker engine, {n} deployments "
+                  "(health check, wait: true)")
+            with open_reconciler(load_config(home / "device.yaml")) as reconciler:
+                wall, cpu, steps = timed(reconciler)
+                print(f"  first cycle: {steps} installs (image pull, create, healthy) in "
+                      f"{wall:.1f} s wall, {cpu:.2f} s CPU")
+                timed(reconciler)  # statuses settle
+                walls, cpus = unchanged(reconciler, cycles)
+                print(f"  unchanged cycle: median {statistics.median(walls):.1f} ms wall "
+                      f"(p90 {p90(walls):.1f}), {statistics.median(cpus):.1f} ms CPU")
+                before = digests(server, "bench-compose")
+                for index in range(n):
+                    server.set_parameter(f"web-{index}", "greeting", f"Changed{index}")
+                server.wait_for(lambda: not (digests(server, "bench-compose") & before), 60,
+                                "every deployment to be recompiled")
+                wall, cpu, steps = timed(reconciler)
+                print(f"  reconfigure cycle: {steps} containers recreated in {wall:.1f} s "
+                      f"wall, {cpu:.2f} s CPU")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 A local OCI registry (Debian's docker-registry) gets the example charts and Compose package;
 `margo serve` hosts the fleet source (a Git repository the demo pushes to) and compiles it;
-three simulated devices run `margo device run` with the `render` driver (the real Helm engine
-writing manifests to disk): a single-node Kubernetes box without GPU, a three-node cluster
-with an NVIDIA GPU node, and a Compose box. A scripted scenario then changes the fleet source
-one commit at a time and waits until every device has converged, printing what each runs.
+three devices run `margo device run`: a single-node Kubernetes box without GPU and a
+three-node cluster with an NVIDIA GPU node (simulated: the `render` driver, the real Helm
+engine writing manifests to disk), and a Compose box that runs real containers on a private
+Docker engine (tools/docker, with a busybox image built here) when one can be started, and
+otherwise says so and renders too. A scripted scenario then changes the fleet source one
+commit at a time and waits until every device has converged, printing what each runs.
 
 Everything lives under one directory (default `.demo/`, or `$DEMO_DIR`). At the end the demo
 prints the dashboard URL and keeps serving until interrupted; with `DEMO_EXIT=1` it stops
@@ -36,6 +38,11 @@ from margo.archive import deterministic_targz
 from reconciler.oci import OciClient
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools" / "docker"))
+
+from dockerengine import DockerEngine, running_engine, why_unavailable  # noqa: E402
+from testimages import greeter_image, push_image  # noqa: E402
+
 EXAMPLES = ROOT / "examples"
 EXAMPLE_REGISTRY = "127.0.0.1:5000"
 MARGO = [sys.executable, "-m", "margo_cli.main"]
@@ -114,9 +121,12 @@ def _answers(url: str, **kwargs: Any) -> bool:
         return False
 
 
-def publish(registry_host: str, scratch: Path) -> None:
+def publish(registry_host: str, scratch: Path, engine: DockerEngine | None,
+            compose_port: int) -> None:
     """Every example chart (plus hello-world 1.1.0 for the update step) and the Hello
-    World Compose package, pushed the way a vendor would."""
+    World Compose package, pushed the way a vendor would. With a Docker engine, the image
+    the package names is built here, pushed, and the package points at it, published on
+    127.0.0.1:`compose_port`."""
     charts = sorted((EXAMPLES / "fleet" / "apps").glob("*/charts/*/Chart.yaml"))
     newer = scratch / "hello-world-1.1.0"
     shutil.copytree(EXAMPLES / "fleet/apps/com-example-hello-world/charts/hello-world", newer)
@@ -128,6 +138,14 @@ def publish(registry_host: str, scratch: Path) -> None:
     compose = EXAMPLES / "fleet/apps/com-example-hello-world/compose"
     files = {str(p.relative_to(compose)): p.read_bytes()
              for p in sorted(compose.rglob("*")) if p.is_file()}
+    if engine is not None:
+        image = f"{registry_host}/demo/hello-world:1.0.0"
+        greeter_image(engine, image)
+        push_image(engine, image)
+        for name, data in files.items():
+            files[name] = (data.replace(b"registry.example.com/hello-world:1.0.0",
+                                        image.encode())
+                           .replace(b'"8080:8080"', f'"127.0.0.1:{compose_port}:8080"'.encode()))
     with OciClient() as oci:
         oci.push_artifact(f"oci://{registry_host}/compose/hello-world", "1.0.0",
                           deterministic_targz(files))
@@ -216,8 +234,16 @@ class Demo:
     def start(self) -> None:
         step("Setting up: registry, fleet source, fleet server, three devices")
         self.registry = self.stack.enter_context(registry(self.home / "registry"))
+        self.engine: DockerEngine | None = None
+        self.engine_problem = why_unavailable()
+        if self.engine_problem is None:
+            try:
+                self.engine = self.stack.enter_context(running_engine(self.home / "docker"))
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                self.engine_problem = str(exc)
+        self.compose_port = free_port()
         with tempfile.TemporaryDirectory() as scratch:
-            publish(self.registry, Path(scratch))
+            publish(self.registry, Path(scratch), self.engine, self.compose_port)
         say(f"  OCI registry      http://{self.registry} (example charts, Compose package)")
         data = self.home / "wfm"
         token = json.loads(run(*MARGO, "clients", "add", "demo-site", "--data", data,
@@ -268,11 +294,17 @@ class Demo:
         doc = json.loads((EXAMPLES / "capabilities" / f"{example}.json").read_text())
         doc["properties"]["id"] = device_id
         self.caps_file(device_id).write_text(json.dumps(doc, indent=2))
+        real = example.startswith("compose") and self.engine is not None
+        driver: dict[str, Any] = {"type": "render", "outputDir": "rendered"}
+        if real:
+            assert self.engine is not None
+            driver = {"type": "compose", "compose": self.engine.compose,
+                      "dockerHost": self.engine.host}
         (home / "device.yaml").write_text(yaml.safe_dump({
             "device": {"id": device_id},
             "server": {"url": self.base, "api": api, "clientId": "demo-site",
                        "tokenFile": "token"},
-            "source": {"type": source}, "driver": {"type": "render", "outputDir": "rendered"},
+            "source": {"type": source}, "driver": driver,
             "dataDir": "data", "capabilities": {"file": "capabilities.json"},
             "schedule": {"interval": "1s"}}, sort_keys=False))
         self.spawn(f"devices/{device_id}/device", [*MARGO, "device", "run", "--config",
@@ -281,7 +313,14 @@ class Demo:
         kind = {"k8s-single-amd64": "1-node Kubernetes, no GPU",
                 "k8s-cluster-gpu": "3-node Kubernetes, NVIDIA GPU",
                 "compose-box-amd64": "Compose box"}[example]
-        say(f"  device            {device_id:<17} {kind}; {source} source, render driver")
+        if real:
+            how = (f"compose driver, real containers on a private Docker engine "
+                   f"(http://127.0.0.1:{self.compose_port}/ once deployed)")
+        elif example.startswith("compose"):
+            how = f"render driver: NO Docker engine here ({self.engine_problem}), so rendered"
+        else:
+            how = "render driver"
+        say(f"  device            {device_id:<17} {kind}; {source} source, {how}")
 
     # --- observing ----------------------------------------------------------------------
 
@@ -400,7 +439,13 @@ class Demo:
         self.expect("Hello World removed from every device",
                     {d: set() for d in everyone} | {GPU_DEVICE: {"vision"}},
                     lambda: not any(k.startswith("hello/") for d in everyone
-                                    for k in self.ledger(d)))
+                                    for k in self.ledger(d)) and not self.containers())
+
+    def containers(self) -> list[str]:
+        """The Compose box's containers on the demo's engine (none without an engine)."""
+        if self.engine is None:
+            return []
+        return self.engine.text("ps", "-a", "--format", "{{.Names}}").split()
 
     def chart_version(self, device_id: str, namespace: str) -> str | None:
         versions = {v["chart"]["version"] for k, v in self.ledger(device_id).items()
@@ -408,6 +453,13 @@ class Demo:
         return versions.pop() if len(versions) == 1 else None
 
     def rendered(self, device_id: str) -> str:
+        """What the device runs for Hello World: the rendered files, or, on the Compose box
+        with a Docker engine, the page its container answers with."""
+        if device_id == "edge-compose" and self.engine is not None:
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.compose_port}/", timeout=2).text
+            except httpx.HTTPError:
+                return ""
         out = self.home / "devices" / device_id / "rendered" / "hello"
         return "".join(p.read_text() for p in sorted(out.rglob("*"))
                        if p.is_file()) if out.exists() else ""
@@ -425,6 +477,9 @@ class Demo:
         say(f"  device repository git --git-dir {self.home}/wfm/repos/fleet-state.git log "
             f"--format='%h %s' devices/{GPU_DEVICE}")
         say(f"  rendered output   {self.home}/devices/<device>/rendered/")
+        if self.engine is not None:
+            say(f"  Compose box       DOCKER_HOST={self.engine.host} docker ps (its engine; "
+                f"http://127.0.0.1:{self.compose_port}/ while Hello World runs)")
         say(f"  logs              {self.home}/*.log, {self.home}/devices/*/device.log")
         say(f"  everything        {self.home}")
 

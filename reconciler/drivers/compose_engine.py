@@ -9,8 +9,8 @@ restarted client on the same project.
 What is installed is read from the engine: `docker ps -a` filtered on our managed-by
 label, each container's labels read one by one with the template's `.Label` (exact
 values, no comma-joined label string to split). Containers are grouped by their Compose
-project. A project is healthy when every container is running (a health check may be
-starting, but not `unhealthy`) or has exited with code 0 (a one-shot job that finished),
+project. A project is healthy when every container is running (healthy, or without a
+health check) or has exited with code 0 (a one-shot job that finished),
 and every service the package declares has a container (our services label lists them,
 so a container removed out of band is noticed). Anything else (exited non-zero, dead,
 restarting, paused, created, a missing service, containers that disagree about the
@@ -179,15 +179,20 @@ def parse_ps_output(text: str) -> list[Container]:
 
 
 def container_healthy(container: Container) -> bool:
-    """Running (and not reported unhealthy), or a one-shot container that exited 0."""
+    """Running (healthy, or without a health check), or a one-shot container that exited
+    0. A health check still starting is not healthy yet: after a crash in the middle of
+    `up --wait`, the next cycle waits for it again instead of reporting it installed."""
     if container.state == "running":
-        return "(unhealthy)" not in container.status
+        return "(unhealthy)" not in container.status and \
+            "(health: starting)" not in container.status
     return container.state == "exited" and container.exit_code == 0
 
 
 def describe(container: Container) -> str:
     if container.state == "exited":
         return f"{container.name} exited with code {container.exit_code}"
+    if container.state == "running" and "(health: starting)" in container.status:
+        return f"{container.name} is starting (its health check has not passed yet)"
     if container.state == "running":
         return f"{container.name} is unhealthy"
     return f"{container.name} is {container.state}"

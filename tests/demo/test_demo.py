@@ -32,6 +32,8 @@ def test_the_demo_scenario_converges_at_every_step(tmp_path: Path) -> None:
     for expected in STEPS:
         assert f"converged: {expected}" in output, output
     assert "NOT CONVERGED" not in output and "Every step converged." in output
+    # The Compose box ran real containers (the suite's machines can start a Docker engine).
+    assert "compose driver, real containers on a private Docker engine" in output, output
     # margo explain says why the single-node box cannot run the GPU application.
     assert "vision: not eligible" in output and "/peripherals ContainsAll" in output
     # The GPU cluster's repository tells the story, one commit per change.

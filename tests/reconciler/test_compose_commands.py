@@ -149,7 +149,7 @@ OURS = {"com.docker.compose.project": "p1", **ownership_labels(
 
 @pytest.mark.parametrize(("state", "status", "healthy"), [
     ("running", "Up 5 minutes", True),
-    ("running", "Up 5 minutes (health: starting)", True),
+    ("running", "Up 5 minutes (health: starting)", False),
     ("running", "Up 5 minutes (healthy)", True),
     ("running", "Up 5 minutes (unhealthy)", False),
     ("exited", "Exited (0) 3 minutes ago", True),

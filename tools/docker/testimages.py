@@ -17,7 +17,8 @@ from pathlib import Path
 
 from dockerengine import DockerEngine
 
-__all__ = ["BUSYBOX", "crash_image", "push_image", "rootfs_tar", "web_image", "worker_command"]
+__all__ = ["BUSYBOX", "crash_image", "greeter_image", "push_image", "rootfs_tar", "web_image",
+           "worker_command"]
 
 BUSYBOX = Path("/bin/busybox")
 APPLETS = ("sh", "httpd", "wget", "sleep", "echo", "cat", "env", "kill", "true", "false")
@@ -81,6 +82,14 @@ def web_image(engine: DockerEngine, ref: str, version: str) -> str:
              + _SUPERVISE.format(command="httpd -f -v -p 8080 -h /www"))
     return _import(engine, ref, {"www/index.html": f"web {version}\n"},
                    ["sh", "-c", start], {"VERSION": version})
+
+
+def greeter_image(engine: DockerEngine, ref: str) -> str:
+    """busybox httpd on :8080 answering with `$GREETING` (the page is written at start, so
+    a reconfigured environment shows on the next request)."""
+    start = ('echo "${GREETING:-Hello}" > /www/index.html; echo "greeter serving: $GREETING"; '
+             + _SUPERVISE.format(command="httpd -f -p 8080 -h /www"))
+    return _import(engine, ref, {"www/index.html": "\n"}, ["sh", "-c", start], {})
 
 
 def worker_command(seconds: int = 3600) -> list[str]:

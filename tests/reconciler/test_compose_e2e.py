@@ -25,6 +25,7 @@ import pytest
 import yaml
 from dockerkit import DockerEngine, ImageSet, compose_package, environment, inspect, web_service
 from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from registrykit import running_registry
 
 from reconciler.oci import OciClient
 
@@ -255,3 +256,59 @@ def test_a_client_killed_in_the_middle_of_up_converges_after_restart(box: Box) -
     projects = box.engine.text("ps", "-a", "--format",
                                '{{.Label "com.docker.compose.project"}}').split()
     assert len(set(projects)) == 1
+
+
+def test_a_private_registry_through_the_device_configuration(
+        engine: DockerEngine, test_images: ImageSet, tmp_path: Path) -> None:
+    """Package and image from a registry that refuses anonymous pulls; the device names
+    its credentials in `registries:`. The password appears nowhere the device or server
+    writes: not in the log, the state, the status reports, the server's database or Git."""
+    password = "pw-7f3a91c2-not-anywhere"
+    with running_registry(tmp_path / "private", users={"deployer": password}) as private:
+        image = f"{private}/margo-test/web:1.0"
+        engine.run("pull", test_images.web_1)
+        engine.run("tag", test_images.web_1, image)
+        engine.run("login", "-u", "deployer", "--password-stdin", private,
+                   input=password.encode())
+        engine.run("push", image)
+        engine.run("logout", private)
+        engine.run("rmi", image, test_images.web_1)
+        repository = f"oci://{private}/compose-e2e/web"
+        with OciClient(credentials={private: ("deployer", password)}) as oci:
+            compose_package(oci, repository, "1.0.0", {"web": web_service(image)})
+        fleet = write_fleet(tmp_path / "fleet", registry=private, intents={})
+        app = fleet / "apps" / APP / "margo.yaml"
+        app.parent.mkdir(parents=True)
+        app.write_text(DESCRIPTION.format(repository=repository, revision="1.0.0"))
+        with fleet_server(tmp_path, fleet=fleet) as server:
+            home = tmp_path / DEVICE
+            home.mkdir()
+            (home / "token").write_text(server.token)
+            secret = home / "registry-password"
+            secret.write_text(password + "\n")
+            secret.chmod(0o600)
+            (home / "capabilities.json").write_text(json.dumps(
+                capabilities("compose-box-amd64", DEVICE)))
+            (home / "device.yaml").write_text(yaml.safe_dump({
+                "device": {"id": DEVICE},
+                "server": {"url": server.base, "clientId": server.client_id,
+                           "tokenFile": "token"},
+                "source": {"type": "margo-rest"},
+                "driver": {"type": "compose", "compose": engine.compose,
+                           "dockerHost": engine.host},
+                "registries": {private: {"username": "deployer",
+                                         "passwordFile": "registry-password"}},
+                "dataDir": "data", "capabilities": {"file": "capabilities.json"},
+                "schedule": {"interval": "1s"}}))
+            box = Box(server, engine, fleet, home / "device.yaml")
+            box.server.edit_intent("web", INTENT.format(greeting="Private"))
+            box.start()
+            try:
+                box.settled("installed")
+                assert box.running(image)
+            finally:
+                box.stop()
+            leaked = [path for root in (home, tmp_path / "data")
+                      for path in root.rglob("*") if path.is_file() and path != secret
+                      and password.encode() in path.read_bytes()]
+            assert leaked == []

@@ -239,8 +239,8 @@ class Demo:
         if self.engine_problem is None:
             try:
                 self.engine = self.stack.enter_context(running_engine(self.home / "docker"))
-            except (RuntimeError, TimeoutError, OSError) as exc:
-                self.engine_problem = str(exc)
+            except (RuntimeError, TimeoutError, OSError, subprocess.SubprocessError) as exc:
+                self.engine_problem = f"the engine did not start: {exc}"
         self.compose_port = free_port()
         with tempfile.TemporaryDirectory() as scratch:
             publish(self.registry, Path(scratch), self.engine, self.compose_port)

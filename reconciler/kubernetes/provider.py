@@ -18,6 +18,7 @@ change because we cannot see it) and `last_error` says why.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Mapping
 from decimal import Decimal
@@ -31,6 +32,8 @@ from reconciler.kubernetes.discovery import capabilities_document, discover, hel
 from reconciler.kubernetes.doctor import LocalClient, check_cluster, doctor_labels
 
 __all__ = ["KubernetesProvider", "significant_change"]
+
+log = logging.getLogger("margo.device.kubernetes")
 
 _VOLATILE_PROPERTIES = ("cpus", "memory", "storage")
 _NODE_AMOUNTS = ("allocatable", "requested", "available")
@@ -137,6 +140,7 @@ class KubernetesProvider:
         self.last_error: Exception | None = None
         self._returned: dict[str, Any] | None = None
         self._change_seen_at: float | None = None
+        self._unknown_logged: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def document(self) -> dict[str, Any] | None:
@@ -158,11 +162,21 @@ class KubernetesProvider:
         labels = self.labels
         with self._client() as client:
             facts = discover(client, helm_version=self.helm_version)
+            self._log_unknown(facts.unknown)
             if self.doctor:  # discovered labels win over the operator's, as documented
                 report = check_cluster(client, facts, local_client=LocalClient.this_process())
                 labels = {**labels, **doctor_labels(report)}
         return capabilities_document(facts, device_id=self.device_id, labels=labels,
                                      **self.identity)
+
+    def _log_unknown(self, unknown: list[dict[str, str]]) -> None:
+        """Say in the log what could not be read (a forbidden read, an API not served),
+        once per change, so an operator sees why the report leaves facts out."""
+        seen = frozenset((u["what"], u["reason"]) for u in unknown)
+        if seen != self._unknown_logged:
+            for what, reason in sorted(seen - self._unknown_logged):
+                log.warning("cluster discovery: %s not reported: %s", what, reason)
+            self._unknown_logged = seen
 
     def gather(self) -> dict[str, Any]:
         """The document to report now: the first one at once, later ones only for changes

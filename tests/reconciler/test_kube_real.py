@@ -10,6 +10,7 @@ real 403s.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from decimal import Decimal
 from pathlib import Path
@@ -25,6 +26,7 @@ from margo.validation import validate_value
 from reconciler.kubernetes.client import KubeClient
 from reconciler.kubernetes.discovery import capabilities_document, discover, pod_requests
 from reconciler.kubernetes.doctor import doctor
+from reconciler.kubernetes.provider import KubernetesProvider
 
 DEVICE = "real-cluster"
 
@@ -145,7 +147,8 @@ def test_a_collector_that_misses_a_node_is_no_collector(kube: KubeCluster) -> No
     assert discovered(kube.device_kubeconfig())["properties"]["otelCollector"] is False
 
 
-def test_reads_the_role_does_not_allow_are_reported_unknown(kube: KubeCluster) -> None:
+def test_reads_the_role_does_not_allow_are_reported_unknown(
+        kube: KubeCluster, caplog: pytest.LogCaptureFixture) -> None:
     """A ServiceAccount that may read nodes but nothing else of discovery's list: the real
     API server answers 403, and the report says what it could not see."""
     kube.set_nodes(THREE_NODES)
@@ -177,6 +180,14 @@ def test_reads_the_role_does_not_allow_are_reported_unknown(kube: KubeCluster) -
     assert properties.get("cpus", []) == []
     assert "otelCollector" not in properties
     assert len(nodes_of(doc)) == 3  # what it may read is still reported
+    # The device client's provider says so in its log too, once.
+    with caplog.at_level(logging.WARNING, logger="margo.device.kubernetes"):
+        provider = KubernetesProvider(DEVICE, kubeconfig=kubeconfig, debounce_seconds=0)
+        provider.gather()
+        provider.gather()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("resources.nodes.available not reported: forbidden" in w for w in warnings)
+    assert len(warnings) == len(unknown)
 
 
 def test_doctor_on_the_real_control_plane(kube: KubeCluster) -> None:

@@ -1,6 +1,7 @@
 """A private Docker engine for tests, benchmarks and the demo: Debian's `dockerd`, with its
-own data root, exec root, socket and pidfile under one folder, so it never touches (or is
-touched by) a Docker the machine may already run.
+own data root and pidfile under one folder (and its socket and exec root in a short folder
+of /tmp, for the length limit of socket paths), so it never touches (or is touched by) a
+Docker the machine may already run.
 
 `running_engine(folder)` starts it and yields a `DockerEngine` (its `host` is the
 `DOCKER_HOST` to use), and stops it afterwards, waiting for it to unmount what it
@@ -20,10 +21,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,29 +116,33 @@ class DockerEngine:
 
 
 def _reachable(docker: str, host: str) -> bool:
-    done = subprocess.run([docker, "version", "--format", "{{.Server.Version}}"],
-                          env={**os.environ, "DOCKER_HOST": host}, capture_output=True,
-                          timeout=10)
+    """Whether the daemon answers; a daemon still initialising may accept and not answer."""
+    try:
+        done = subprocess.run([docker, "version", "--format", "{{.Server.Version}}"],
+                              env={**os.environ, "DOCKER_HOST": host}, capture_output=True,
+                              timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
     return done.returncode == 0
 
 
 @contextlib.contextmanager
-def running_engine(folder: Path, *, timeout: float = 60.0) -> Iterator[DockerEngine]:
+def running_engine(folder: Path, *, timeout: float = 120.0) -> Iterator[DockerEngine]:
     """Start a private dockerd under `folder`; stop it when the block ends."""
     reason = why_unavailable()
     if reason is not None:
         raise RuntimeError(f"cannot start a Docker engine: {reason}")
     folder.mkdir(parents=True, exist_ok=True)
-    # Unix socket paths are limited to 107 bytes; pytest's folders can be long.
-    socket_dir = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"margo-dk-{os.getpid()}"
-    socket_dir.mkdir(mode=0o700, exist_ok=True)
-    sock = socket_dir / f"docker-{secrets.token_hex(4)}.sock"
+    # Unix socket paths are limited to about 104 bytes, and containerd puts its sockets in
+    # the exec root: both live in a short folder of their own, not under `folder`.
+    runtime = Path(tempfile.mkdtemp(prefix="margo-dk-", dir="/tmp"))
+    sock = runtime / "docker.sock"
     host = f"unix://{sock}"
     docker, compose = docker_cli(), compose_binary()
     assert compose is not None  # why_unavailable checked
     log = open(folder / "dockerd.log", "ab")  # noqa: SIM115 (closed below)
     process = subprocess.Popen(
-        [str(dockerd()), "--data-root", str(folder / "data"), "--exec-root", str(folder / "exec"),
+        [str(dockerd()), "--data-root", str(folder / "data"), "--exec-root", str(runtime / "exec"),
          "--host", host, "--pidfile", str(folder / "docker.pid"), "--iptables=false",
          "--ip-masq=false", "--bridge=none", "--log-level=warn"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -162,10 +167,7 @@ def running_engine(folder: Path, *, timeout: float = 60.0) -> Iterator[DockerEng
                 process.kill()
                 process.wait()
         log.close()
-        with contextlib.suppress(OSError):
-            sock.unlink()
-        with contextlib.suppress(OSError):
-            socket_dir.rmdir()
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _remove_everything(docker: str, host: str) -> None:

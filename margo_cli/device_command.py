@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     config = _config(args.config)
     if config is None:
         return 2
-    from reconciler.assembly import BusyError, open_reconciler
+    from reconciler.assembly import open_reconciler
+    from reconciler.datadir import BusyError
     from reconciler.identity import IdentityError
     from reconciler.signing import OnboardingError, SigningError
 

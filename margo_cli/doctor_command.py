@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from margo.errors import DocumentError
+from reconciler.datadir import LocalClient, probe_data_dir
 from reconciler.kubernetes.client import (
     KubeClient,
     KubeConfigError,
     KubeError,
     default_kubeconfig,
 )
-from reconciler.kubernetes.doctor import DoctorReport, LocalClient, doctor, probe_data_dir
+from reconciler.kubernetes.doctor import DoctorReport, doctor
 
 __all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
            "resolve_target", "run"]

@@ -12,8 +12,6 @@ tests and benchmarks assemble exactly what `margo device run` assembles.
 
 from __future__ import annotations
 
-import fcntl
-import os
 from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -28,20 +26,16 @@ from reconciler.capabilities import (
     StaticProvider,
 )
 from reconciler.config import DeviceConfig, IdentityConfig
+from reconciler.datadir import exclusive
 from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
 from reconciler.runner import Reconciler, StatusTarget
 from reconciler.sources import Source
 from reconciler.state import DeviceState
 
-__all__ = ["LOCK_NAME", "BusyError", "TokenAuth", "open_reconciler"]
+__all__ = ["TokenAuth", "open_reconciler"]
 
 USER_AGENT = "margo-gitops-device/0.1"
-LOCK_NAME = ".lock"  # in the data directory, held while a client runs
-
-
-class BusyError(RuntimeError):
-    """Another client process already runs with this data directory."""
 
 
 class TokenAuth(httpx.Auth):
@@ -64,21 +58,6 @@ class TokenAuth(httpx.Auth):
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         request.headers["Authorization"] = f"Bearer {self.token()}"
         yield request
-
-
-@contextmanager
-def _exclusive(data_dir: Path) -> Iterator[None]:
-    """One client per data directory: two would race on the engine and the journal."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise BusyError(f"another `margo device` process is using {data_dir}") from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def _transport(identity: IdentityConfig) -> httpx.BaseTransport | None:
@@ -200,7 +179,7 @@ def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvi
 def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
     """Everything a device client needs, opened in order and closed in reverse."""
     with ExitStack() as stack:
-        stack.enter_context(_exclusive(config.data_dir))
+        stack.enter_context(exclusive(config.data_dir))
         state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
         http, client_id = _connect(config, stack)
         source = _source(config, http, client_id)

@@ -19,24 +19,20 @@ than none. An unreachable API server ends the whole run (`KubeError`), as in dis
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Literal
 
 from margo.cluster import LABEL_PREFIX
-from reconciler.assembly import LOCK_NAME as _LOCK_NAME  # the client's data-dir lock
+from reconciler.datadir import LocalClient
 from reconciler.kubernetes.client import Forbidden, KubeClient, KubeError
 from reconciler.kubernetes.discovery import ClusterFacts, NodeFacts, discover, helm_engine_version
 
-__all__ = ["CHECK_IDS", "Check", "DoctorReport", "LocalClient", "NodeResult", "Observation",
+__all__ = ["CHECK_IDS", "Check", "DoctorReport", "NodeResult", "Observation",
            "Probe", "Read", "check_cluster", "doctor", "doctor_labels", "kubelet_skew",
-           "observe", "probe_data_dir", "run_checks"]
+           "observe", "run_checks"]
 
 Status = Literal["pass", "warn", "fail", "unknown"]
 Scope = Literal["leader", "worker", "cluster"]
@@ -166,43 +162,6 @@ class Probe:
         """The `[-]name failed` lines of a verbose answer, as names."""
         return [line[3:].split(" ", 1)[0] for line in self.body.splitlines()
                 if line.startswith("[-]")]
-
-
-@dataclass(frozen=True)
-class LocalClient:
-    """What this host says about a device client: running True/False, or None when it
-    cannot tell; `detail` says how that was found out."""
-
-    running: bool | None
-    detail: str
-
-    @classmethod
-    def this_process(cls) -> LocalClient:
-        """For the device client's own capability provider: the asker is the client."""
-        return cls(True, "this process is the device client")
-
-
-def probe_data_dir(data_dir: Path) -> LocalClient:
-    """Whether a device client holds the lock on `data_dir` (as `margo device run|once` does
-    for its whole run). Read-only: the folder and lock file are never created. The probe
-    takes a shared lock for an instant when the lock is free, so a client starting in that
-    very instant would see itself as busy and exit 2; run it again."""
-    lock = data_dir / _LOCK_NAME
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return LocalClient(False, f"no device client has run with {data_dir}")
-    except OSError as exc:
-        return LocalClient(None, f"cannot open {lock}: {exc.strerror}")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return LocalClient(True, f"a device client holds {lock}")
-        return LocalClient(None, f"cannot test {lock}: {exc.strerror}")
-    finally:
-        os.close(fd)  # closing also drops the probe's shared lock
-    return LocalClient(False, f"no device client is using {data_dir} now")
 
 
 @dataclass

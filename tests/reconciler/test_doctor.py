@@ -42,20 +42,19 @@ from kubeemu import Emulator, running_emulator, write_kubeconfig
 from margo.cluster import LABEL_PREFIX
 from margo_cli.doctor_command import default_kubeconfig
 from margo_cli.main import main
+from reconciler.datadir import LocalClient, probe_data_dir
 from reconciler.kubernetes.client import KubeClient
 from reconciler.kubernetes.discovery import ClusterFacts
 from reconciler.kubernetes.doctor import (
     CHECK_IDS,
     Check,
     DoctorReport,
-    LocalClient,
     Observation,
     Read,
     check_scheduler,
     doctor,
     doctor_labels,
     kubelet_skew,
-    probe_data_dir,
 )
 from reconciler.kubernetes.provider import KubernetesProvider
 

@@ -159,7 +159,8 @@ def running_engine(folder: Path, *, timeout: float = 120.0) -> Iterator[DockerEn
         yield DockerEngine(folder, host, docker, compose)
     finally:
         if process.poll() is None:
-            _remove_everything(docker, host)
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                _remove_everything(docker, host)
             process.terminate()
             try:
                 process.wait(timeout=30)
@@ -167,7 +168,24 @@ def running_engine(folder: Path, *, timeout: float = 120.0) -> Iterator[DockerEn
                 process.kill()
                 process.wait()
         log.close()
+        _unmount_under(folder)
+        _unmount_under(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _unmount_under(folder: Path) -> None:
+    """Unmount what a dockerd that did not shut down cleanly left mounted under `folder`
+    (it bind-mounts its data root, and overlays of containers), deepest first, so the
+    folder can be deleted."""
+    root = str(folder.resolve())
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return
+    points = [line.split()[4] for line in lines if len(line.split()) > 4]
+    for point in sorted((p for p in points if p == root or p.startswith(root + "/")),
+                        key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
 
 
 def _remove_everything(docker: str, host: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from margo.digests import DigestError, verify_digest
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError
 from reconciler.oci import DOCKER_MANIFEST_V2, OCI_INDEX, OCI_MANIFEST, parse_reference
 
 __all__ = ["RegistryClient", "RegistryError", "RegistryRef"]

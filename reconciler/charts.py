@@ -41,7 +41,7 @@ from types import TracebackType
 
 import helm_python as helm
 
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.registry_credentials import RegistryCredential, docker_config_text
 
 __all__ = ["DEFAULT_PLAIN_HTTP_HOSTS", "ChartCache", "OciReference", "parse_repository"]
@@ -81,12 +81,12 @@ def parse_repository(repository: str) -> OciReference:
     Only OCI is supported because the Margo component properties name OCI repositories and
     because a digest can pin OCI content exactly (HTTP chart repositories cannot)."""
     if not isinstance(repository, str) or not repository.startswith("oci://"):
-        raise ApplyError("UNSUPPORTED_REPOSITORY",
+        raise ApplyError(ErrorCode.UNSUPPORTED_REPOSITORY,
                          f"chart repository {repository!r} is not an oci:// reference; only OCI "
                          "registries are supported", retryable=False)
     host, _, path = repository.removeprefix("oci://").partition("/")
     if not host or not _PATH.match(path):
-        raise ApplyError("UNSUPPORTED_REPOSITORY",
+        raise ApplyError(ErrorCode.UNSUPPORTED_REPOSITORY,
                          f"chart repository {repository!r} is not of the form "
                          "oci://host[:port]/path/name", retryable=False)
     return OciReference(host, path)
@@ -95,7 +95,7 @@ def parse_repository(repository: str) -> OciReference:
 def _check_revision(repository: str, revision: str) -> None:
     if _DIGEST.match(revision) or _TAG.match(revision.replace("+", "_")):
         return
-    raise ApplyError("INVALID_REVISION",
+    raise ApplyError(ErrorCode.INVALID_REVISION,
                      f"chart revision {revision!r} of {repository} is neither a version tag nor "
                      "a sha256:<64 hex> digest (an empty revision would let the registry pick "
                      "the version, so it is refused)", retryable=False)
@@ -156,7 +156,8 @@ class ChartCache:
                 try:
                     chart = helm.Chart.load(path)
                 except helm.HelmError as exc:
-                    raise ApplyError("CHART_INVALID", f"{path}: {exc}", retryable=False) from exc
+                    raise ApplyError(ErrorCode.CHART_INVALID,
+                                     f"{path}: {exc}", retryable=False) from exc
                 self._charts[path] = chart
             return chart
 
@@ -199,7 +200,7 @@ class ChartCache:
             try:
                 text = docker_config_text(self._credentials)
             except OSError as exc:
-                raise ApplyError("PULL_FAILED", str(exc)) from exc
+                raise ApplyError(ErrorCode.PULL_FAILED, str(exc)) from exc
             folder = Path(tempfile.mkdtemp(prefix="margo-helm-registry-"))
             descriptor = os.open(folder / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                  0o600)
@@ -213,9 +214,10 @@ class ChartCache:
         try:
             digest = str(self._client(plain_http).resolve(ref)["digest"])
         except helm.HelmError as exc:
-            raise ApplyError("PULL_FAILED", f"cannot resolve oci://{ref}: {exc}") from exc
+            raise ApplyError(ErrorCode.PULL_FAILED, f"cannot resolve oci://{ref}: {exc}") from exc
         if not _DIGEST.match(digest):
-            raise ApplyError("PULL_FAILED", f"registry answered an unusable digest {digest!r} "
+            raise ApplyError(ErrorCode.PULL_FAILED,
+                             f"registry answered an unusable digest {digest!r} "
                              f"for oci://{ref}")
         return digest
 
@@ -229,10 +231,10 @@ class ChartCache:
                 helm.pull(ref, client=self._client(plain_http), destination=staging,
                           plain_http=plain_http)
             except helm.HelmError as exc:
-                raise ApplyError("PULL_FAILED", f"cannot pull {ref}: {exc}") from exc
+                raise ApplyError(ErrorCode.PULL_FAILED, f"cannot pull {ref}: {exc}") from exc
             archives = sorted(staging.glob("*.tgz"))
             if len(archives) != 1:
-                raise ApplyError("PULL_FAILED", f"pulling {ref} gave {len(archives)} chart "
+                raise ApplyError(ErrorCode.PULL_FAILED, f"pulling {ref} gave {len(archives)} chart "
                                  "archives instead of one")
             archives[0].replace(target)
         finally:

@@ -51,7 +51,7 @@ from typing import Any
 import yaml
 
 from margo.digests import digest_of
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError, ErrorCode
 
 __all__ = ["COMPOSE_FILE", "MAX_COMPOSE_BYTES", "MAX_MEMBERS", "MAX_UNPACKED_BYTES",
            "ComposePackage", "UnsafePackageError", "extract_package", "validate_package"]
@@ -75,7 +75,7 @@ class UnsafePackageError(ApplyError):
 
     def __init__(self, rule: str, message: str, *, member: str | None = None) -> None:
         where = f"member {member!r}: " if member is not None else ""
-        super().__init__("UNSAFE_PACKAGE", f"{where}{message} [{rule}]", retryable=False)
+        super().__init__(ErrorCode.UNSAFE_PACKAGE, f"{where}{message} [{rule}]", retryable=False)
         self.rule = rule
         self.member = member
 

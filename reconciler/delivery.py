@@ -21,7 +21,6 @@ raises httpx errors: every outcome is a value.
 
 from __future__ import annotations
 
-import email.utils
 import json
 import math
 import random
@@ -32,14 +31,14 @@ from typing import Any
 
 import httpx
 
+from reconciler.http_answers import MAX_RETRY_AFTER_SECONDS, parse_retry_after, problem_of
 from reconciler.state import DeviceState, JournalEntry
 
 __all__ = ["MAX_BACKOFF_SECONDS", "DeliveryResult", "Outcome", "Reporter", "backoff_delay",
-           "classify", "parse_retry_after", "send_json"]
+           "classify", "send_json"]
 
 MAX_BACKOFF_SECONDS = 300.0
 BASE_BACKOFF_SECONDS = 1.0
-MAX_RETRY_AFTER_SECONDS = 24 * 3600.0  # a bogus Retry-After must not park reports for years
 
 DELIVERED, RETRY, REJECTED, UNAUTHORIZED, UNCHANGED = (
     "delivered", "retry", "rejected", "unauthorized", "unchanged")
@@ -83,36 +82,6 @@ class DeliveryResult:
     last: Outcome | None = None
 
 
-def parse_retry_after(value: str | None, now: float) -> float | None:
-    """`Retry-After` as seconds from `now`: delta-seconds or an HTTP-date; None if absent or
-    unreadable. Never negative, at most a day."""
-    if value is None or not value.strip():
-        return None
-    text = value.strip()
-    if text.isdigit():
-        seconds = float(text)
-    else:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:  # RFC 9110 dates are GMT
-            return None
-        seconds = when.timestamp() - now
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
-
-
-def _problem(response: httpx.Response) -> dict[str, Any]:
-    content_type = response.headers.get("content-type", "")
-    if "json" not in content_type:
-        return {}
-    try:
-        body = json.loads(response.content)
-    except (ValueError, RecursionError):
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
 def _describe(response: httpx.Response, problem: Mapping[str, Any]) -> str:
     for key in ("detail", "title"):
         value = problem.get(key)
@@ -125,7 +94,7 @@ def _describe(response: httpx.Response, problem: Mapping[str, Any]) -> str:
 def classify(response: httpx.Response, *, now: float) -> Outcome:
     """Classify a response (see the module docstring for the rules)."""
     status = response.status_code
-    problem = _problem(response)
+    problem = problem_of(response)
     detail = _describe(response, problem)
     retry_after = parse_retry_after(response.headers.get("retry-after"), now)
     advisory = problem.get("retryAfterSeconds")

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from margo.digests import DigestError, digest_of, parse_digest, verify_digest
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError, ErrorCode
 
 __all__ = [
     "COMPOSE_ARTIFACT_TYPE",
@@ -136,21 +136,21 @@ def parse_reference(repository: str, reference: str) -> OciReference:
     text = repository.removeprefix("oci://")
     host, _, name = text.partition("/")
     if not _HOST.fullmatch(host) or not _NAME.fullmatch(name):
-        raise ApplyError("PULL_FAILED", f"invalid OCI repository {repository!r}: expected "
+        raise ApplyError(ErrorCode.PULL_FAILED, f"invalid OCI repository {repository!r}: expected "
                          "oci://<host>[:<port>]/<lower-case path>", retryable=False)
     if ":" in reference:
         try:
             parse_digest(reference)
         except DigestError as exc:
-            raise ApplyError("PULL_FAILED", f"invalid OCI digest reference: {exc}",
+            raise ApplyError(ErrorCode.PULL_FAILED, f"invalid OCI digest reference: {exc}",
                              retryable=False) from None
     elif not _TAG.fullmatch(reference):
-        raise ApplyError("PULL_FAILED", f"invalid OCI tag {reference!r}", retryable=False)
+        raise ApplyError(ErrorCode.PULL_FAILED, f"invalid OCI tag {reference!r}", retryable=False)
     return OciReference(host, name, reference)
 
 
 def _pull_failed(message: str, *, retryable: bool = True) -> ApplyError:
-    return ApplyError("PULL_FAILED", message, retryable=retryable)
+    return ApplyError(ErrorCode.PULL_FAILED, message, retryable=retryable)
 
 
 def _http_problem(response: httpx.Response, what: str) -> ApplyError:
@@ -223,7 +223,8 @@ class OciClient:
             return self._manifest(ref)[1]
         self._check_digest_syntax(digest, "the registry's Docker-Content-Digest")
         if ref.is_digest and digest != ref.reference:
-            raise ApplyError("DIGEST_MISMATCH", f"{ref.repository}@{ref.reference}: the registry "
+            raise ApplyError(ErrorCode.DIGEST_MISMATCH,
+                             f"{ref.repository}@{ref.reference}: the registry "
                              f"reports digest {digest}", retryable=False)
         return Descriptor(digest, media_type, size)
 
@@ -301,9 +302,11 @@ class OciClient:
         try:
             body = json.loads(raw)
         except ValueError:
-            raise ApplyError("INVALID_PACKAGE", f"{what} is not JSON", retryable=False) from None
+            raise ApplyError(ErrorCode.INVALID_PACKAGE,
+                             f"{what} is not JSON", retryable=False) from None
         if not isinstance(body, dict):
-            raise ApplyError("INVALID_PACKAGE", f"{what} is not a JSON object", retryable=False)
+            raise ApplyError(ErrorCode.INVALID_PACKAGE,
+                             f"{what} is not a JSON object", retryable=False)
         media_type = str(body.get("mediaType") or content_type)
         return body, Descriptor(digest_of(raw), media_type, len(raw))
 
@@ -312,16 +315,17 @@ class OciClient:
         what = f"{ref.repository}:{ref.reference}"
         if media_type not in _SINGLE_IMAGE_MANIFESTS:
             kind = media_type or "manifest without a media type"
-            raise ApplyError("INVALID_PACKAGE", f"{what} is a {kind}, not a single-artifact "
+            raise ApplyError(ErrorCode.INVALID_PACKAGE,
+                             f"{what} is a {kind}, not a single-artifact "
                              "image manifest", retryable=False)
         layers = body.get("layers")
         if not isinstance(layers, list) or not layers:
-            raise ApplyError("INVALID_PACKAGE", f"{what} has no layers", retryable=False)
+            raise ApplyError(ErrorCode.INVALID_PACKAGE, f"{what} has no layers", retryable=False)
         candidates = layers if len(layers) == 1 else [
             layer for layer in layers if isinstance(layer, dict)
             and str(layer.get("mediaType", "")).endswith(("tar+gzip", "tar.gzip"))]
         if len(candidates) != 1:
-            raise ApplyError("INVALID_PACKAGE", f"{what} has {len(layers)} layers and "
+            raise ApplyError(ErrorCode.INVALID_PACKAGE, f"{what} has {len(layers)} layers and "
                              f"{len(candidates)} tar+gzip archives; expected exactly one archive",
                              retryable=False)
         layer = candidates[0]
@@ -329,7 +333,8 @@ class OciClient:
             None, None)
         if not isinstance(digest, str) or not isinstance(size, int) or isinstance(size, bool) \
                 or size < 0:
-            raise ApplyError("INVALID_PACKAGE", f"{what}: the archive layer needs a digest and "
+            raise ApplyError(ErrorCode.INVALID_PACKAGE,
+                             f"{what}: the archive layer needs a digest and "
                              "a non-negative size", retryable=False)
         self._check_digest_syntax(digest, f"{what}: the archive layer digest")
         annotations = layer.get("annotations")
@@ -351,7 +356,7 @@ class OciClient:
                 raise _http_problem(response, f"fetch {what}")
             data = self._read_limited(response, layer.size, what, mismatch=True)
         if len(data) != layer.size:
-            raise ApplyError("DIGEST_MISMATCH", f"{what}: received {len(data)} bytes, the "
+            raise ApplyError(ErrorCode.DIGEST_MISMATCH, f"{what}: received {len(data)} bytes, the "
                              f"manifest says {layer.size}", retryable=False)
         self._verify(data, layer.digest, what)
         self._remember(key, data)
@@ -384,7 +389,7 @@ class OciClient:
     @staticmethod
     def _push_failed(response: httpx.Response, what: str) -> ApplyError:
         problem = _http_problem(response, what)
-        return ApplyError("PUSH_FAILED", problem.message)
+        return ApplyError(ErrorCode.PUSH_FAILED, problem.message)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -474,7 +479,7 @@ class OciClient:
                 received += len(chunk)
                 if received > limit:
                     if mismatch:
-                        raise ApplyError("DIGEST_MISMATCH", f"{what}: more bytes than the "
+                        raise ApplyError(ErrorCode.DIGEST_MISMATCH, f"{what}: more bytes than the "
                                          f"{limit} its descriptor declares", retryable=False)
                     raise _pull_failed(f"{what}: larger than {limit} bytes", retryable=False)
                 chunks.append(chunk)
@@ -487,11 +492,11 @@ class OciClient:
         try:
             verify_digest(data, expected)
         except DigestError as exc:
-            raise ApplyError("DIGEST_MISMATCH", f"{what}: {exc}", retryable=False) from None
+            raise ApplyError(ErrorCode.DIGEST_MISMATCH, f"{what}: {exc}", retryable=False) from None
 
     @staticmethod
     def _check_digest_syntax(digest: str, what: str) -> None:
         try:
             parse_digest(digest)
         except DigestError as exc:
-            raise ApplyError("INVALID_PACKAGE", f"{what}: {exc}", retryable=False) from None
+            raise ApplyError(ErrorCode.INVALID_PACKAGE, f"{what}: {exc}", retryable=False) from None

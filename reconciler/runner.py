@@ -26,7 +26,8 @@ from datetime import datetime
 from margo.digests import digest_of
 from margo.errors import DocumentError
 from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
-from reconciler.drivers.base import ApplyError, Driver
+from reconciler.drivers.base import Driver
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, DeploymentPlan, Step, plan
 from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
@@ -180,7 +181,7 @@ class Reconciler:
             else {}
         if deployment is not None:
             if deployment.profile_type not in self.driver.profile_types:
-                error = {"code": "UNSUPPORTED_TYPE", "message": f"this device's driver "
+                error = {"code": ErrorCode.UNSUPPORTED_TYPE, "message": f"this device's driver "
                          f"({self.driver.name}) does not run {deployment.profile_type} "
                          "deployments"}
                 self._report(dplan.deployment_id, name,
@@ -200,7 +201,7 @@ class Reconciler:
                 if drift:
                     # Detected, not repaired (the driver's drift mode is `warn`): the
                     # workload is not what was deployed, so it is not reported installed.
-                    error = {"code": "DRIFTED", "message": drift}
+                    error = {"code": ErrorCode.DRIFTED, "message": drift}
                     if current is None or current.state != "failed" or current.error != error:
                         self._report(step.deployment_id, name,
                                      {step.component: ("failed", error)})

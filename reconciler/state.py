@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from reconciler.desired import DesiredState
+from reconciler.errors import ErrorCode
 from reconciler.sources import Adopted
 
 __all__ = ["SCHEMA_VERSION", "BodyFactory", "ComponentRecord", "ComponentReport", "DeadLetter",
@@ -233,7 +234,7 @@ class DeviceState:
                 self._conn.execute("COMMIT")
             except BaseException:
                 if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
+                    self._conn.execute(ErrorCode.ROLLBACK)
                 raise
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:

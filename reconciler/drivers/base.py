@@ -1,8 +1,8 @@
 """What every driver provides: a reading of what is installed, and one step at a time.
 
 A driver never decides *what* to do (the planner does); it only does one step and says
-precisely how it failed. Errors carry a short machine code (reported as the component's
-`error.code`) and the engine's own message.
+precisely how it failed: an `ApplyError` (reconciler.errors) with a short machine code
+(reported as the component's `error.code`) and the engine's own message.
 """
 
 from __future__ import annotations
@@ -13,22 +13,7 @@ from reconciler.desired import DesiredDeployment
 from reconciler.planner import Step
 from reconciler.releases import InstalledRelease
 
-__all__ = ["ApplyError", "Driver"]
-
-
-class ApplyError(Exception):
-    """A step failed. `code` is short and stable (`PULL_FAILED`, `DIGEST_MISMATCH`,
-    `INVALID_PACKAGE`, `UNSAFE_PACKAGE`, `RENDER_FAILED`, `INSTALL_FAILED`, `UPGRADE_FAILED`,
-    `UNINSTALL_FAILED`, `TIMEOUT`, `CANCELLED`, `ENGINE_UNAVAILABLE`,
-    `UNSUPPORTED_REPOSITORY`, `INVALID_REVISION`, `CHART_INVALID`, `INVALID_STEP`); `message` is
-    the engine's explanation, for people; `retryable` says whether the next cycle should try
-    again without the desired state changing (a registry outage: yes)."""
-
-    def __init__(self, code: str, message: str, *, retryable: bool = True) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retryable = retryable
+__all__ = ["Driver"]
 
 
 class Driver(Protocol):

@@ -63,7 +63,6 @@ import yaml
 from margo.component_values import env_string
 from reconciler.compose_package import COMPOSE_FILE, extract_package, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.compose_engine import (
     LABEL_PROJECT,
     LABEL_SERVICES,
@@ -78,6 +77,7 @@ from reconciler.drivers.compose_engine import (
     run_cli,
     tail,
 )
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Step
 from reconciler.registry_credentials import RegistryCredential, private_docker_config
@@ -93,8 +93,10 @@ OVERRIDE_FILE = "margo-override.yaml"
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PACKAGE_DIR = re.compile(r"[0-9a-f]{64}")
 _PARTIAL_DIR = re.compile(r"\.[0-9a-f]{64}\.partial-[0-9a-f]+")
-_FAILURE_CODES = {Action.INSTALL: "INSTALL_FAILED", Action.UPGRADE: "UPGRADE_FAILED",
-                  Action.RECONFIGURE: "UPGRADE_FAILED", Action.REMOVE: "UNINSTALL_FAILED"}
+_FAILURE_CODES = {Action.INSTALL: ErrorCode.INSTALL_FAILED,
+                  Action.UPGRADE: ErrorCode.UPGRADE_FAILED,
+                  Action.RECONFIGURE: ErrorCode.UPGRADE_FAILED,
+                  Action.REMOVE: ErrorCode.UNINSTALL_FAILED}
 _LOG_LINES = 20
 
 
@@ -256,7 +258,8 @@ class ComposeDriver:
         try:
             return releases_from_ps(parse_ps_output(result.stdout))
         except ValueError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE", f"cannot read docker ps output: {exc}") from exc
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE,
+                             f"cannot read docker ps output: {exc}") from exc
 
     def containers(self, project: str) -> list[Container]:
         """Every container of one of our projects, as the engine lists it."""
@@ -301,7 +304,7 @@ class ComposeDriver:
         try:
             env_text = env_file_text(component.values)
         except (TypeError, ValueError) as exc:
-            raise ApplyError("RENDER_FAILED", f"component {component.name!r}: {exc}",
+            raise ApplyError(ErrorCode.RENDER_FAILED, f"component {component.name!r}: {exc}",
                              retryable=False) from exc
         override = yaml.safe_dump(override_document(package.services, labels), sort_keys=True)
         _write_atomically(files.env_file, env_text, 0o600)
@@ -344,12 +347,12 @@ class ComposeDriver:
         if result.returncode == 0:
             return
         if not self._daemon_reachable():
-            raise ApplyError("ENGINE_UNAVAILABLE", f"{step.action} of {step.release_name}: "
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{step.action} of {step.release_name}: "
                              f"the engine is unreachable: {tail(result.stderr)}")
         hosts = sorted({image_registry(image) for image in images})
         credentials = {c.registry for c in self._credentials}
         known = [f"{h} (credentials configured)" if h in credentials else h for h in hosts]
-        raise ApplyError("PULL_FAILED", f"{step.action} of {step.release_name}: pulling "
+        raise ApplyError(ErrorCode.PULL_FAILED, f"{step.action} of {step.release_name}: pulling "
                          f"{', '.join(images)} from {', '.join(known)} failed: "
                          f"{tail(result.stderr)}")
 
@@ -361,7 +364,7 @@ class ComposeDriver:
         message = f"{step.action} of {step.release_name}: docker compose exited with " \
                   f"{result.returncode}: {tail(result.stderr)}"
         if not self._daemon_reachable():
-            raise ApplyError("ENGINE_UNAVAILABLE", message)
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, message)
         if step.action is not Action.REMOVE:
             message += self._failing_logs(step.release_name)
         raise ApplyError(_FAILURE_CODES[step.action], message)
@@ -386,9 +389,9 @@ class ComposeDriver:
             result = run_cli([self._docker, *args], timeout=self._command_timeout,
                              env=self._env)
         except ApplyError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE", exc.message) from exc
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, exc.message) from exc
         if result.returncode != 0:
-            raise ApplyError("ENGINE_UNAVAILABLE", f"{unavailable}: {tail(result.stderr)}")
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{unavailable}: {tail(result.stderr)}")
         return result
 
     def _daemon_reachable(self) -> bool:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.releases import (
     LABEL_COMPONENT,
     LABEL_DEPLOYMENT,
@@ -92,7 +92,7 @@ def run_cli(argv: Sequence[str], *, timeout: float,
                                    stderr=subprocess.PIPE, env=dict(env) if env else None,
                                    text=True, errors="replace", preexec_fn=_stop_with_parent)
     except OSError as exc:
-        raise ApplyError("ENGINE_UNAVAILABLE", f"cannot run {argv[0]}: {exc}") from exc
+        raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"cannot run {argv[0]}: {exc}") from exc
     with process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
@@ -100,7 +100,7 @@ def run_cli(argv: Sequence[str], *, timeout: float,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-            raise ApplyError("TIMEOUT", f"{' '.join(argv[:4])} ... did not finish within "
+            raise ApplyError(ErrorCode.TIMEOUT, f"{' '.join(argv[:4])} ... did not finish within "
                              f"{timeout:g} s and was stopped") from None
     return subprocess.CompletedProcess(list(argv), process.returncode, stdout, stderr)
 
@@ -140,7 +140,7 @@ def detect_compose_command(docker: str, choice: str = "auto", *,
         if answer.returncode == 0 and version is not None and int(version.group(1)) >= 2:
             return command
     tried = " or ".join(f"`{' '.join(c)}`" for c in candidates) or "nothing"
-    raise ApplyError("ENGINE_UNAVAILABLE", f"Docker Compose v2 is not available: {tried} "
+    raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"Docker Compose v2 is not available: {tried} "
                      "does not answer `version`")
 
 

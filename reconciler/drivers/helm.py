@@ -63,7 +63,7 @@ from helm_python.config import _opts
 
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredComponent, DesiredDeployment
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step
@@ -163,7 +163,7 @@ class HelmDriver:
         elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
             self._converge(step, deployment)
         elif step.action is not Action.UNCHANGED:
-            raise ApplyError("INVALID_STEP", f"unknown action {step.action!r}",
+            raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                              retryable=False)
 
     def cancel(self) -> None:
@@ -191,7 +191,7 @@ class HelmDriver:
         with self._lock:
             config = self._configs.get(namespace)
             if config is None:
-                with self._errors("ENGINE_UNAVAILABLE", "configuring Helm"):
+                with self._errors(ErrorCode.ENGINE_UNAVAILABLE, "configuring Helm"):
                     config = helm.Config(kubeconfig_path=self.kubeconfig,
                                          kube_context=self.kube_context,
                                          storage_driver=self.storage_driver,
@@ -229,7 +229,7 @@ class HelmDriver:
         try:
             gone = reader.missing(refs, release.namespace)
         except KubeError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE", f"checking release "
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"checking release "
                              f"{release.release_name} for drift: {exc}") from exc
         if not gone:
             return release
@@ -244,7 +244,8 @@ class HelmDriver:
     def _converge(self, step: Step, deployment: DesiredDeployment | None) -> None:
         component = step.desired
         if component is None or deployment is None:
-            raise ApplyError("INVALID_STEP", f"{step.action} of {step.release_name} needs the "
+            raise ApplyError(ErrorCode.INVALID_STEP,
+                             f"{step.action} of {step.release_name} needs the "
                              "desired component and its deployment", retryable=False)
         chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
         labels = ownership_labels(deployment.deployment_id, component.name,
@@ -256,7 +257,7 @@ class HelmDriver:
         if current is not None and release_from_labels(
                 current.get("labels") or {}, release_name=step.release_name,
                 namespace=step.namespace, healthy=True) is None:
-            raise ApplyError("INSTALL_FAILED", f"release {step.release_name} in namespace "
+            raise ApplyError(ErrorCode.INSTALL_FAILED, f"release {step.release_name} in namespace "
                              f"{step.namespace} exists but is not managed by margo-gitops; "
                              "it is left alone", retryable=False)
         description = f"margo-gitops {step.action}: {step.reason}"
@@ -286,7 +287,7 @@ class HelmDriver:
         else:
             options["create_namespace"] = True
         config = self.config(step.namespace)
-        failure = "UPGRADE_FAILED" if upgrade else "INSTALL_FAILED"
+        failure = ErrorCode.UPGRADE_FAILED if upgrade else ErrorCode.INSTALL_FAILED
         what = f"{'upgrading' if upgrade else 'installing'} {step.release_name}"
         values = dict(component.values)
         try:
@@ -300,24 +301,25 @@ class HelmDriver:
             raise
 
     def _rollback(self, namespace: str, name: str, component: DesiredComponent) -> None:
-        with self._errors("UPGRADE_FAILED", f"rolling back the crashed operation on {name}"):
+        with self._errors(ErrorCode.UPGRADE_FAILED,
+                          f"rolling back the crashed operation on {name}"):
             self.config(namespace).rollback(name, timeout=_timeout(component))
 
     def _uninstall(self, namespace: str, name: str, *, description: str) -> None:
-        with self._errors("UNINSTALL_FAILED", f"uninstalling {name}"):
+        with self._errors(ErrorCode.UNINSTALL_FAILED, f"uninstalling {name}"):
             self.config(namespace).uninstall(name, ignore_not_found=True,
                                              description=description[:200])
 
     def _status(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Helm's current record of a release, or None when there is none."""
-        with self._errors("ENGINE_UNAVAILABLE", f"reading release {name}"):
+        with self._errors(ErrorCode.ENGINE_UNAVAILABLE, f"reading release {name}"):
             try:
                 return self.config(namespace).status(name)
             except helm.HelmNotFoundError:
                 return None
 
     def _list_releases(self) -> list[dict[str, Any]]:
-        with self._errors("ENGINE_UNAVAILABLE", "listing Helm releases"):
+        with self._errors(ErrorCode.ENGINE_UNAVAILABLE, "listing Helm releases"):
             if self.storage_driver != "memory":
                 return self.config("").list(all_namespaces=True, all_states=True)
             with self._lock:
@@ -353,10 +355,10 @@ class HelmDriver:
                 cancelled = key in self._cancelled
                 self._cancelled.discard(key)
             if cancelled:
-                raise ApplyError("CANCELLED", f"{what}: cancelled ({exc})") from exc
-            raise ApplyError("TIMEOUT", f"{what}: {exc}") from exc
+                raise ApplyError(ErrorCode.CANCELLED, f"{what}: cancelled ({exc})") from exc
+            raise ApplyError(ErrorCode.TIMEOUT, f"{what}: {exc}") from exc
         except helm.HelmKubeError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE", f"{what}: {exc}") from exc
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{what}: {exc}") from exc
         except _PERMANENT as exc:
             raise ApplyError(failure, f"{what}: {exc}", retryable=False) from exc
         except helm.HelmError as exc:

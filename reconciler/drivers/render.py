@@ -48,8 +48,8 @@ import helm_python as helm
 from reconciler.charts import ChartCache
 from reconciler.compose_package import validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.compose import env_file_text
+from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, Step
 from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
 
@@ -69,10 +69,11 @@ _RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?\Z")
 
 def _check_names(step: Step) -> None:
     if not _DNS_LABEL.match(step.namespace):
-        raise ApplyError("INVALID_STEP", f"namespace {step.namespace!r} is not a valid "
+        raise ApplyError(ErrorCode.INVALID_STEP, f"namespace {step.namespace!r} is not a valid "
                          "Kubernetes namespace name", retryable=False)
     if not _RELEASE.match(step.release_name):
-        raise ApplyError("INVALID_STEP", f"release name {step.release_name!r} is not a valid "
+        raise ApplyError(ErrorCode.INVALID_STEP,
+                         f"release name {step.release_name!r} is not a valid "
                          "Helm release name", retryable=False)
 
 
@@ -85,7 +86,7 @@ def _manifest_files(rendered: dict[str, str]) -> dict[str, bytes]:
         if path.name == "NOTES.txt" or not rendered[name].strip():
             continue
         if path.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
-            raise ApplyError("UNSAFE_PACKAGE", f"chart template path {name!r} escapes the "
+            raise ApplyError(ErrorCode.UNSAFE_PACKAGE, f"chart template path {name!r} escapes the "
                              "release directory", retryable=False)
         text = rendered[name]
         files[name] = (text if text.endswith("\n") else text + "\n").encode("utf-8")
@@ -167,7 +168,7 @@ class RenderDriver:
             elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
                 self._render(step, deployment)
             elif step.action is not Action.UNCHANGED:
-                raise ApplyError("INVALID_STEP", f"unknown action {step.action!r}",
+                raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                                  retryable=False)
 
     def close(self) -> None:
@@ -178,12 +179,13 @@ class RenderDriver:
     def _render(self, step: Step, deployment: DesiredDeployment | None) -> None:
         component = step.desired
         if component is None or deployment is None:
-            raise ApplyError("INVALID_STEP", f"{step.action} of {step.release_name} needs the "
+            raise ApplyError(ErrorCode.INVALID_STEP,
+                             f"{step.action} of {step.release_name} needs the "
                              "desired component and its deployment", retryable=False)
         compose = deployment.profile_type == "compose"
         if compose:
             if self.oci is None:
-                raise ApplyError("UNSUPPORTED_TYPE", "this render driver has no OCI client "
+                raise ApplyError(ErrorCode.UNSUPPORTED_TYPE, "this render driver has no OCI client "
                                  "for Compose packages", retryable=False)
             package = validate_package(self.oci.fetch_artifact(component.repository,
                                                                component.revision))
@@ -220,7 +222,7 @@ class RenderDriver:
             self._write_ledger(releases)
             if isinstance(exc, ApplyError):
                 raise
-            raise ApplyError("RENDER_FAILED", str(exc), retryable=False) from exc
+            raise ApplyError(ErrorCode.RENDER_FAILED, str(exc), retryable=False) from exc
         self._replace_dir(step.namespace, step.release_name, files)
         entry["status"] = "deployed"
         self._write_ledger(releases)
@@ -284,7 +286,7 @@ class RenderDriver:
         except FileNotFoundError:
             return {}
         except OSError as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE",
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE,
                              f"cannot read the render ledger {self.ledger_path}: {exc}") from exc
         try:
             document = json.loads(data)
@@ -293,7 +295,7 @@ class RenderDriver:
                     not all(isinstance(v, dict) and "/" in k for k, v in releases.items()):
                 raise ValueError("unexpected structure")
         except (ValueError, TypeError, KeyError) as exc:
-            raise ApplyError("ENGINE_UNAVAILABLE",
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE,
                              f"the render ledger {self.ledger_path} is corrupt ({exc}); "
                              "repair or remove it to let the device reinstall") from exc
         return releases

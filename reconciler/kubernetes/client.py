@@ -48,6 +48,12 @@ class KubeError(OSError):
     def unreachable(self) -> bool:
         return self.status is None
 
+    def describe(self) -> str:
+        """Why a read failed, for a report or a check: RBAC refusals say so."""
+        if isinstance(self, Forbidden):
+            return f"forbidden by RBAC: {self.message}"
+        return f"HTTP {self.status} {self.reason}: {self.message}"
+
     @staticmethod
     def from_response(response: httpx.Response) -> KubeError:
         """The error for a non-2xx answer, from its Kubernetes `Status` body when it has one."""

@@ -32,7 +32,7 @@ from margo.cluster import (
 from margo.kinds import Kind
 from margo.quantity import parse_quantity
 from margo.validation import validate_value
-from reconciler.kubernetes.client import Forbidden, KubeClient, KubeError
+from reconciler.kubernetes.client import KubeClient, KubeError
 
 __all__ = ["ClusterFacts", "GpuFacts", "NodeFacts", "capabilities_document", "cluster_manifest",
            "discover", "guess_platform", "helm_engine_version", "node_facts",
@@ -137,12 +137,6 @@ class ClusterFacts:
 
 # --- reading --------------------------------------------------------------------------------
 
-def _reason(exc: KubeError) -> str:
-    if isinstance(exc, Forbidden):
-        return f"forbidden by RBAC: {exc.message}"
-    return f"HTTP {exc.status} {exc.reason}: {exc.message}"
-
-
 def _attempt(facts: ClusterFacts, what: str, read: Callable[[], Any]) -> Any:
     """Run one read; an HTTP failure becomes an `unknown` entry (None is returned), while an
     unreachable server ends the whole discovery."""
@@ -151,7 +145,7 @@ def _attempt(facts: ClusterFacts, what: str, read: Callable[[], Any]) -> Any:
     except KubeError as exc:
         if exc.unreachable:
             raise
-        facts.note_unknown(what, _reason(exc))
+        facts.note_unknown(what, exc.describe())
         return None
 
 

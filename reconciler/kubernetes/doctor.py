@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from margo.cluster import LABEL_PREFIX
 from reconciler.datadir import LocalClient
-from reconciler.kubernetes.client import Forbidden, KubeClient, KubeError
+from reconciler.kubernetes.client import KubeClient, KubeError
 from reconciler.kubernetes.discovery import ClusterFacts, NodeFacts, discover, helm_engine_version
 
 __all__ = ["CHECK_IDS", "Check", "DoctorReport", "NodeResult", "Observation",
@@ -180,12 +180,6 @@ class Observation:
     observed_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
-def _reason(exc: KubeError) -> str:
-    if isinstance(exc, Forbidden):
-        return f"forbidden by RBAC: {exc.message}"
-    return f"HTTP {exc.status} {exc.reason}: {exc.message}"
-
-
 def _labelled(items: Iterable[dict[str, Any]], selector: str) -> list[dict[str, Any]]:
     """`key=value` selected again here: not every server (nor the test emulator) filters."""
     key, value = selector.split("=", 1)
@@ -201,7 +195,7 @@ def _list(client: KubeClient, path: str, selector: str | None = None) -> Read:
     except KubeError as exc:
         if exc.unreachable:
             raise
-        return Read(None, _reason(exc))
+        return Read(None, exc.describe())
     return Read(_labelled(items, selector) if selector else items)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from reconciler.desired import DesiredState
+from reconciler.errors import IntegrityError, SourceError
 
 __all__ = ["Adopted", "IntegrityError", "Source", "SourceError"]
 
@@ -25,26 +26,6 @@ class Adopted:
     manifest_version: int | None = None
     etag: str | None = None
     documents: Mapping[str, bytes] = field(default_factory=dict)  # digest -> exact bytes
-
-
-class SourceError(Exception):
-    """Fetching failed. `code` is short (`UNREACHABLE`, `HTTP_503`, `UNAUTHORIZED`, ...);
-    `retryable` is False when retrying without a change on the server cannot help;
-    `retry_after` is the server's `Retry-After` in seconds, when it sent one."""
-
-    def __init__(self, code: str, message: str, *, retryable: bool = True,
-                 retry_after: float | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retryable = retryable
-        self.retry_after = retry_after
-
-
-class IntegrityError(SourceError):
-    """The server sent something that must not be used: a digest mismatch, a manifestVersion
-    rollback, an unsupported digest algorithm, an invalid document. The whole update is
-    discarded and the previous state kept; it is logged as a security event."""
 
 
 class Source(Protocol):

@@ -36,6 +36,7 @@ from reconciler.desired import (
     index_deployments,
     parse_deployment,
 )
+from reconciler.errors import ErrorCode
 from reconciler.sources import Adopted, IntegrityError, SourceError
 
 __all__ = ["LOCAL_REF", "MAX_PACKS", "NO_BRANCH_VERSION", "GitSource"]
@@ -112,7 +113,7 @@ class GitSource:
                                     manifest_version=None, etag=None, deployments=())
             if adopted.version == NO_BRANCH_VERSION:
                 return None
-            raise SourceError("NO_BRANCH", "the repository lost its branch; keeping the "
+            raise SourceError(ErrorCode.NO_BRANCH, "the repository lost its branch; keeping the "
                               "previous state")
         if tip == adopted.version:
             return None
@@ -154,12 +155,12 @@ class GitSource:
         fetched = self._call(lambda callbacks: remote.fetch(
             [f"+HEAD:{LOCAL_REF}"], callbacks=callbacks, depth=depth))
         if fetched is None:
-            raise SourceError("NO_BRANCH", "the repository's branch disappeared while "
+            raise SourceError(ErrorCode.NO_BRANCH, "the repository's branch disappeared while "
                               "fetching; keeping the previous state")
         try:
             commit = repo.revparse_single(LOCAL_REF).peel(pygit2.Commit)
         except (KeyError, pygit2.GitError, ValueError) as exc:
-            raise SourceError("GIT_ERROR", f"{self._url}: HEAD did not give a commit: "
+            raise SourceError(ErrorCode.GIT_ERROR, f"{self._url}: HEAD did not give a commit: "
                               f"{exc}") from None
         return commit
 
@@ -169,7 +170,7 @@ class GitSource:
         try:
             return operation(_Callbacks(self._username, self._password))
         except (_CredentialsRejected, pygit2.AuthError):
-            raise SourceError("UNAUTHORIZED", f"{self._url}: the server refused the "
+            raise SourceError(ErrorCode.UNAUTHORIZED, f"{self._url}: the server refused the "
                               "credentials", retryable=False) from None
         except (pygit2.GitError, OSError, KeyError, ValueError) as exc:
             error = _classify(self._url, exc)
@@ -226,14 +227,14 @@ def _classify(url: str, exc: Exception) -> SourceError | None:
         return None
     if "authentication replays" in lowered or (status is not None
                                                and status.group(1) == "401"):
-        return SourceError("UNAUTHORIZED", f"{url}: {text}", retryable=False)
+        return SourceError(ErrorCode.UNAUTHORIZED, f"{url}: {text}", retryable=False)
     if status is not None and status.group(1) == "403":
-        return SourceError("FORBIDDEN", f"{url}: {text}", retryable=False)
+        return SourceError(ErrorCode.FORBIDDEN, f"{url}: {text}", retryable=False)
     if status is not None:
         return SourceError(f"HTTP_{status.group(1)}", f"{url}: {text}")
     if any(hint in lowered for hint in _UNREACHABLE_HINTS):
-        return SourceError("UNREACHABLE", f"{url}: {text}")
-    return SourceError("GIT_ERROR", f"{url}: {type(exc).__name__}: {text}")
+        return SourceError(ErrorCode.UNREACHABLE, f"{url}: {text}")
+    return SourceError(ErrorCode.GIT_ERROR, f"{url}: {type(exc).__name__}: {text}")
 
 
 def _pack_count(cache_dir: Path) -> int:
@@ -255,12 +256,12 @@ def _deployments(commit: pygit2.Commit) -> tuple[DesiredDeployment, ...]:
         try:
             parsed.append(parse_deployment(entry.data, file=file))
         except DocumentError as exc:
-            raise IntegrityError("INVALID_DOCUMENT", f"{file} is not a valid "
+            raise IntegrityError(ErrorCode.INVALID_DOCUMENT, f"{file} is not a valid "
                                  f"ApplicationDeployment:\n{exc}") from None
         except ValueError as exc:
-            raise IntegrityError("INVALID_DOCUMENT", str(exc)) from None
+            raise IntegrityError(ErrorCode.INVALID_DOCUMENT, str(exc)) from None
     try:
         index_deployments(parsed)
     except ValueError as exc:
-        raise IntegrityError("INVALID_DOCUMENT", f"commit {short}: {exc}") from None
+        raise IntegrityError(ErrorCode.INVALID_DOCUMENT, f"commit {short}: {exc}") from None
     return tuple(parsed)

@@ -18,15 +18,12 @@ may have compiled in between); only absence from a verified manifest removes a d
 
 from __future__ import annotations
 
-import email.utils
 import json
-import math
 import tarfile
 import time
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -38,6 +35,8 @@ from margo.errors import DocumentError
 from margo.kinds import Kind
 from margo.validation import validate_value
 from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
+from reconciler.errors import ErrorCode
+from reconciler.http_answers import parse_retry_after, problem_of
 from reconciler.sources import Adopted, IntegrityError, SourceError
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "MAX_RESPONSE_BYTES", "RestSource"]
@@ -47,7 +46,7 @@ MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 #: misbehaving server must not be able to exhaust the device's memory.
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
-_NON_RETRYABLE = {401: "UNAUTHORIZED", 403: "FORBIDDEN"}
+_NON_RETRYABLE = {401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.FORBIDDEN}
 _THROTTLED = frozenset({429, 503})
 
 
@@ -155,18 +154,19 @@ class RestSource:
         try:
             members = read_targz(response.body)
         except (ValueError, tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-            raise IntegrityError("INVALID_BUNDLE", f"the bundle {bundle.url} cannot be "
+            raise IntegrityError(ErrorCode.INVALID_BUNDLE, f"the bundle {bundle.url} cannot be "
                                  f"read safely: {exc}") from None
         by_digest = {digest_of(data): data for data in members.values()}
         wanted = {ref.digest for ref in listed}
         unlisted = sorted(name for name, data in members.items()
                           if digest_of(data) not in wanted)
         if unlisted:
-            raise IntegrityError("INVALID_BUNDLE", f"the bundle {bundle.url} holds documents "
+            raise IntegrityError(ErrorCode.INVALID_BUNDLE,
+                                 f"the bundle {bundle.url} holds documents "
                                  f"the manifest does not list: {', '.join(unlisted)}")
         absent = sorted(ref.deployment_id for ref in listed if ref.digest not in by_digest)
         if absent:
-            raise IntegrityError("INVALID_BUNDLE", f"the bundle {bundle.url} lacks listed "
+            raise IntegrityError(ErrorCode.INVALID_BUNDLE, f"the bundle {bundle.url} lacks listed "
                                  f"deployments: {', '.join(absent)}")
         return by_digest
 
@@ -184,9 +184,11 @@ class RestSource:
                 response.read()
                 raise _http_error(response, what)
         except httpx.TransportError as exc:
-            raise SourceError("UNREACHABLE", f"{what}: {type(exc).__name__}: {exc}") from None
+            raise SourceError(ErrorCode.UNREACHABLE,
+                              f"{what}: {type(exc).__name__}: {exc}") from None
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as exc:
-            raise SourceError("BAD_RESPONSE", f"{what}: {type(exc).__name__}: {exc}") from None
+            raise SourceError(ErrorCode.BAD_RESPONSE,
+                              f"{what}: {type(exc).__name__}: {exc}") from None
 
 
 # --- manifest checks (pure) ----------------------------------------------------------------
@@ -197,7 +199,7 @@ def _read_capped(response: httpx.Response, what: str) -> bytes:
     for chunk in response.iter_bytes():
         size += len(chunk)
         if size > MAX_RESPONSE_BYTES:
-            raise SourceError("TOO_LARGE", f"{what} is larger than {MAX_RESPONSE_BYTES} "
+            raise SourceError(ErrorCode.TOO_LARGE, f"{what} is larger than {MAX_RESPONSE_BYTES} "
                               "bytes", retryable=False)
         chunks.append(chunk)
     return b"".join(chunks)
@@ -208,11 +210,11 @@ def _verified_etag(response: _Response) -> str:
     of the exact body: it is what the next poll sends back, so it must name these bytes."""
     etag = response.headers.get("etag")
     if etag is None:
-        raise IntegrityError("DIGEST_MISMATCH", "the manifest came without an ETag; its "
+        raise IntegrityError(ErrorCode.DIGEST_MISMATCH, "the manifest came without an ETag; its "
                              "digest cannot be checked")
     quoted = etag.strip()
     if len(quoted) < 2 or not (quoted.startswith('"') and quoted.endswith('"')):
-        raise IntegrityError("DIGEST_MISMATCH", f"the manifest's ETag {etag!r} is not a "
+        raise IntegrityError(ErrorCode.DIGEST_MISMATCH, f"the manifest's ETag {etag!r} is not a "
                              "strong quoted digest")
     _verify(response.body, quoted[1:-1], "the manifest")
     return etag
@@ -224,23 +226,25 @@ def _verify(data: bytes, digest: str, what: str) -> None:
     try:
         parse_digest(digest)
     except DigestError as exc:
-        raise IntegrityError("UNSUPPORTED_DIGEST", f"{what}: {exc}") from None
+        raise IntegrityError(ErrorCode.UNSUPPORTED_DIGEST, f"{what}: {exc}") from None
     try:
         verify_digest(data, digest)
     except DigestError as exc:
-        raise IntegrityError("DIGEST_MISMATCH", f"{what}: {exc}") from None
+        raise IntegrityError(ErrorCode.DIGEST_MISMATCH, f"{what}: {exc}") from None
 
 
 def _parse_manifest(body: bytes) -> m.StateManifest:
     try:
         doc = json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise IntegrityError("INVALID_MANIFEST", f"the manifest is not JSON: {exc}") from None
+        raise IntegrityError(ErrorCode.INVALID_MANIFEST,
+                             f"the manifest is not JSON: {exc}") from None
     try:
         manifest: m.StateManifest = validate_value(doc, expect=Kind.STATE_MANIFEST,
                                                    file="manifest")
     except DocumentError as exc:
-        raise IntegrityError("INVALID_MANIFEST", f"the manifest is invalid:\n{exc}") from None
+        raise IntegrityError(ErrorCode.INVALID_MANIFEST,
+                             f"the manifest is invalid:\n{exc}") from None
     return manifest
 
 
@@ -249,7 +253,8 @@ def _check_manifest(manifest: m.StateManifest, adopted: Adopted) -> None:
     names is fetched."""
     stored = adopted.manifest_version
     if stored is not None and manifest.manifest_version <= stored:
-        raise IntegrityError("ROLLBACK", f"manifestVersion {manifest.manifest_version} is not "
+        raise IntegrityError(ErrorCode.ROLLBACK,
+                             f"manifestVersion {manifest.manifest_version} is not "
                              f"newer than the adopted {stored}; refusing a replayed or "
                              "rolled-back manifest")
     # Validation (margo.semantics) already refuses unsupported digest algorithms, URLs that
@@ -263,7 +268,7 @@ def _check_manifest(manifest: m.StateManifest, adopted: Adopted) -> None:
         try:
             parse_digest(digest)
         except DigestError as exc:
-            raise IntegrityError("INVALID_MANIFEST", f"{what}: {exc}") from None
+            raise IntegrityError(ErrorCode.INVALID_MANIFEST, f"{what}: {exc}") from None
         _check_relative(url, what)
 
 
@@ -273,7 +278,7 @@ def _check_relative(url: str, what: str) -> None:
     parts = urlsplit(url)
     if (not url.startswith("/") or url.startswith("//") or "\\" in url or parts.scheme
             or parts.netloc):
-        raise IntegrityError("INVALID_MANIFEST", f"{what}: URL {url!r} is not a relative "
+        raise IntegrityError(ErrorCode.INVALID_MANIFEST, f"{what}: URL {url!r} is not a relative "
                              "path on this server")
 
 
@@ -289,13 +294,13 @@ def _parse_document(ref: m.DeploymentRef, data: bytes) -> DesiredDeployment:
     try:
         deployment = parse_deployment(data, file=ref.url)
     except DocumentError as exc:
-        raise IntegrityError("INVALID_DOCUMENT", f"deployment {ref.deployment_id} is not a "
+        raise IntegrityError(ErrorCode.INVALID_DOCUMENT, f"deployment {ref.deployment_id} is not a "
                              f"valid ApplicationDeployment:\n{exc}") from None
     except ValueError as exc:
-        raise IntegrityError("INVALID_DOCUMENT", f"deployment {ref.deployment_id}: {exc}") \
+        raise IntegrityError(ErrorCode.INVALID_DOCUMENT, f"deployment {ref.deployment_id}: {exc}") \
             from None
     if deployment.deployment_id != ref.deployment_id:
-        raise IntegrityError("INVALID_DOCUMENT", f"{ref.url}: the document's id "
+        raise IntegrityError(ErrorCode.INVALID_DOCUMENT, f"{ref.url}: the document's id "
                              f"{deployment.deployment_id!r} is not the manifest's deploymentId "
                              f"{ref.deployment_id!r}")
     return deployment
@@ -308,7 +313,7 @@ def _http_error(response: httpx.Response, what: str) -> SourceError:
     """A `SourceError` for a non-2xx answer, using the RFC 9457 problem when there is one:
     `detail` goes into the message and `retryable: false` is honoured."""
     status = response.status_code
-    problem = _problem(response)
+    problem = problem_of(response)
     detail = problem.get("detail") or problem.get("title") or response.reason_phrase
     message = f"{what}: HTTP {status}: {detail}"
     if status in _NON_RETRYABLE:
@@ -317,36 +322,10 @@ def _http_error(response: httpx.Response, what: str) -> SourceError:
         # Never a deletion: the manifest may name a state the server has moved past.
         # The problem's `retryable: false` is not honoured here: a fresh manifest will name
         # what the server holds now, so the next poll can succeed.
-        return SourceError("NOT_FOUND", f"{message} (not a deletion; retrying later)")
-    retry_after = _retry_after(response.headers.get("retry-after"))
+        return SourceError(ErrorCode.NOT_FOUND, f"{message} (not a deletion; retrying later)")
+    retry_after = parse_retry_after(response.headers.get("retry-after"), time.time())
     if retry_after is None and isinstance(problem.get("retryAfterSeconds"), int | float):
         retry_after = float(problem["retryAfterSeconds"])
     default = status in _THROTTLED or status >= 500 or status == 408
     retryable = problem["retryable"] if isinstance(problem.get("retryable"), bool) else default
     return SourceError(f"HTTP_{status}", message, retryable=retryable, retry_after=retry_after)
-
-
-def _problem(response: httpx.Response) -> dict[str, Any]:
-    content_type = response.headers.get("content-type", "")
-    if "json" not in content_type:
-        return {}
-    try:
-        doc = json.loads(response.content)
-    except (ValueError, RecursionError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def _retry_after(value: str | None) -> float | None:
-    """`Retry-After` as seconds from now: delta-seconds or an HTTP date (RFC 9110 10.2.3)."""
-    if value is None or not value.strip():
-        return None
-    text = value.strip()
-    if text.isdigit():
-        return float(text)
-    try:
-        when = email.utils.parsedate_to_datetime(text)
-    except (TypeError, ValueError):
-        return None
-    seconds = when.timestamp() - time.time()
-    return max(0.0, math.ceil(seconds)) if math.isfinite(seconds) else None

@@ -15,7 +15,7 @@ from chartkit import chart_digest, publish_chart, publish_example_charts, write_
 from registrykit import running_registry
 
 from reconciler.charts import ChartCache, parse_repository
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError
 from reconciler.registry_credentials import RegistryCredential, docker_config_text
 
 

@@ -33,9 +33,9 @@ from dockerkit import (
 from registrykit import running_registry
 
 from reconciler.desired import DesiredDeployment, parse_deployment
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.compose import ENV_FILE, OVERRIDE_FILE, ComposeDriver, project_files
 from reconciler.drivers.compose_engine import LABEL_SERVICES, detect_compose_command
+from reconciler.errors import ApplyError
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Plan, Step, plan
 from reconciler.registry_credentials import RegistryCredential

@@ -36,8 +36,8 @@ from kubekit import ROOT as REPO_ROOT
 from kubekit import SINGLE_NODE, KubeCluster, SimNode
 
 from reconciler.charts import ChartCache
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.helm import HelmDriver
+from reconciler.errors import ApplyError
 from reconciler.planner import plan
 from reconciler.releases import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER, release_name
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from margo.digests import digest_of
-from reconciler.drivers.base import ApplyError
+from reconciler.errors import ApplyError
 from reconciler.oci import (
     COMPOSE_ARTIFACT_TYPE,
     COMPOSE_LAYER_MEDIA_TYPE,

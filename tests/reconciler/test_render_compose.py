@@ -13,8 +13,8 @@ from chartkit import converge
 from margo.archive import deterministic_targz
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredDeployment, parse_deployment
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.render import RenderDriver
+from reconciler.errors import ApplyError
 from reconciler.oci import OciClient
 
 COMPOSE = b"services:\n  hello:\n    image: example/hello:1\n    environment: [GREETING]\n"

@@ -18,8 +18,8 @@ from chartkit import (
 )
 
 from reconciler.charts import ChartCache
-from reconciler.drivers.base import ApplyError
 from reconciler.drivers.render import LEDGER_NAME, RenderDriver
+from reconciler.errors import ApplyError
 from reconciler.planner import Action, Step, plan
 from reconciler.releases import LABEL_MANAGED_BY, release_name, short_digest
 

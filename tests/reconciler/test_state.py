@@ -30,8 +30,9 @@ from serverkit import ROOT, add_client, free_port, running_server
 from margo.digests import digest_of
 from margo.kinds import Kind, Shape
 from margo.validation import validate_value
-from reconciler.delivery import Outcome, Reporter, backoff_delay, parse_retry_after
+from reconciler.delivery import Outcome, Reporter, backoff_delay
 from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
+from reconciler.http_answers import parse_retry_after
 from reconciler.state import SCHEMA_VERSION, ComponentReport, DeviceState, StateError
 from reconciler.statuses import status_body, status_path
 

@@ -24,6 +24,7 @@ from compiler.expressions import CompiledValue, ExpressionError, compile_value
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
+from margo.kinds import Shape
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
 from margo.schemas import python_patterns
@@ -60,7 +61,7 @@ def intent_schema() -> dict[str, Any]:
         }),
         "constraints": {"$ref": "#/$defs/deviceConstraints"},
         "gracePeriod": {"type": "string", "pattern": DURATION},
-        "outputShape": {"enum": ["rc.3", "oct-2024"]},
+        "outputShape": {"enum": [Shape.RC3.value, Shape.OCT_2024.value]},
     }, ["application"])
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -222,7 +223,7 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         selector=selector if selectors else None,  # an empty list selects nothing
         constraints=constraints,
         grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
-        output_shape=spec.get("outputShape", "rc.3"),
+        output_shape=spec.get("outputShape", Shape.RC3.value),
         digest=data_digest(doc),
         placement_digest=data_digest({key: spec[key] for key in _PLACEMENT_FIELDS
                                       if key in spec}),

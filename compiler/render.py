@@ -25,6 +25,7 @@ from compiler.source import AppVersion
 from margo.canonical import Slot, YamlTemplate, yaml_template
 from margo.emit import deployment_document
 from margo.errors import Problem
+from margo.kinds import Shape
 from margo.models import ApplicationDeployment, DeploymentProfile, Parameter, ParameterTarget
 from margo.parameters import EMPTY, check_immutable, validate_value
 
@@ -378,8 +379,8 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
 
 
 #: Where each output shape holds the deployment id and the device id.
-_SLOT_PATHS = {"rc.3": {"id": ("id",), "device": ("metadata", "deviceId")},
-               "oct-2024": {"id": ("metadata", "annotations", "id")}}
+_SLOT_PATHS = {Shape.RC3: {"id": ("id",), "device": ("metadata", "deviceId")},
+               Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
 
 
 def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,

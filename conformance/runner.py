@@ -58,13 +58,12 @@ from http_message_signatures import (
 
 from conformance.checks import Response, field_value, substitute, validate
 from conformance.registry import RegistryClient, RegistryError, RegistryRef
+from margo.rfc9421 import ALGORITHMS, key_id
 from reconciler.signing import (
-    ALGORITHMS,
     COVERED_COMPONENTS,
     SIGNATURE_LABEL,
     DeviceKey,
     SigningError,
-    key_id,
     load_device_key,
     sign_request,
 )

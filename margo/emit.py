@@ -11,6 +11,7 @@ from typing import Any
 
 from margo import models as m
 from margo.canonical import Cached, canonical_json, canonical_yaml
+from margo.kinds import Shape
 
 __all__ = [
     "OCT_2024_DEPLOYMENT_API_VERSION",
@@ -61,7 +62,7 @@ def _parameters(parameters: dict[str, m.Parameter] | Any) -> dict[str, Any]:
     return out
 
 
-def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
+def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = Shape.RC3,
                         spec_key: Any = None) -> dict[str, Any]:
     """An ApplicationDeployment as a dict: `rc.3` (default) or `oct-2024` for old devices.
 
@@ -70,7 +71,7 @@ def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc
     once and reused for every device that gets the same spec (`margo.canonical.Cached`).
     """
     profile = deployment.profile
-    if shape == "oct-2024":
+    if shape == Shape.OCT_2024:
         if profile.type not in _OCT_2024_TYPES:
             raise ValueError(f"profile type {profile.type} has no Oct-2024 spelling")
         annotations = {"id": deployment.id, "applicationId": deployment.application_id,
@@ -88,7 +89,7 @@ def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = "rc
             spec["parameters"] = _parameters(deployment.parameters)
         return {"apiVersion": OCT_2024_DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
                 "metadata": metadata, "spec": _maybe_cached(spec, spec_key, shape)}
-    if shape != "rc.3":
+    if shape != Shape.RC3:
         raise ValueError(f"cannot emit an ApplicationDeployment in shape {shape!r}")
     metadata = {"name": deployment.name, "namespace": deployment.namespace}
     if deployment.device_id is not None:
@@ -116,7 +117,7 @@ def _maybe_cached(spec: dict[str, Any], key: Any, shape: str) -> dict[str, Any]:
     return spec if key is None else Cached(("spec", shape, key), spec)
 
 
-def deployment_yaml(deployment: m.ApplicationDeployment, *, shape: str = "rc.3",
+def deployment_yaml(deployment: m.ApplicationDeployment, *, shape: str = Shape.RC3,
                     spec_key: Any = None) -> bytes:
     """Canonical YAML bytes of an ApplicationDeployment (what digests are computed over)."""
     return canonical_yaml(deployment_document(deployment, shape=shape, spec_key=spec_key))

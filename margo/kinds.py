@@ -33,6 +33,10 @@ class Shape(StrEnum):
     RC3 = "rc.3"
 
 
+#: The API generations a device or server may speak, newest (the default) first.
+GENERATIONS: tuple[str, ...] = (Shape.RC3.value, Shape.RC2.value, Shape.OCT_2024.value)
+
+
 #: `kind` values seen in the wild, mapped to our kinds.
 KIND_NAMES: dict[str, Kind] = {
     "ApplicationDescription": Kind.APPLICATION_DESCRIPTION,

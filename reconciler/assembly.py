@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from margo.errors import DocumentError
+from margo.kinds import Shape
 from reconciler.capabilities import (
     CapabilityProvider,
     CapabilityReporter,
@@ -127,7 +128,7 @@ def _source(config: DeviceConfig, http: httpx.Client, client_id: str) -> Source:
                          username=client_id, password=config.token(),
                          depth=config.git_depth)
     from reconciler.sources.rest_source import RestSource
-    prefix = "/api/v1" if config.api == "rc.3" else f"/api/v1/clients/{client_id}"
+    prefix = "/api/v1" if config.api == Shape.RC3 else f"/api/v1/clients/{client_id}"
     return RestSource(http, prefix=prefix, device_id=config.device_id)
 
 

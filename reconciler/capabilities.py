@@ -28,7 +28,7 @@ import httpx
 
 from margo.digests import data_digest
 from margo.errors import DocumentError
-from margo.kinds import Kind
+from margo.kinds import Kind, Shape
 from margo.normalize import normalise_architecture
 from margo.validation import validate_file, validate_value
 from reconciler.delivery import UNCHANGED, Outcome, send_json
@@ -211,11 +211,11 @@ def shape_capabilities(doc: Mapping[str, Any], generation: str) -> dict[str, Any
     if generation not in GENERATIONS:
         raise ValueError(f"unknown API generation {generation!r}")
     body = _plain(doc)
-    if generation == "oct-2024":
+    if generation == Shape.OCT_2024:
         return _oct_2024(body)
     body.pop("apiVersion", None)
     body.pop("kind", None)
-    if generation == "rc.3":
+    if generation == Shape.RC3:
         return body
     return {"apiVersion": CAPABILITIES_API_VERSION, "kind": CAPABILITIES_KIND, **body}
 
@@ -223,13 +223,13 @@ def shape_capabilities(doc: Mapping[str, Any], generation: str) -> dict[str, Any
 def capabilities_path(generation: str, *, device_id: str, client_id: str | None) -> str:
     """Where `generation` takes capabilities (all by PUT, which every generation has)."""
     device = quote(device_id, safe="/")
-    if generation == "rc.3":
+    if generation == Shape.RC3:
         return f"/api/v1/capabilities/{device}"
-    if generation == "rc.2":
+    if generation == Shape.RC2:
         if not client_id:
             raise ValueError("rc.2 capability paths need the clientId from onboarding")
         return f"/api/v1/clients/{quote(client_id, safe='')}/capabilities/{device}"
-    if generation == "oct-2024":
+    if generation == Shape.OCT_2024:
         return f"/device/{device}/capabilities"
     raise ValueError(f"unknown API generation {generation!r}")
 

@@ -18,7 +18,9 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from jsonschema import Draft202012Validator
 
 from margo.errors import DocumentError, Problem
+from margo.kinds import GENERATIONS, Shape
 from margo.loading import LoadedDocument, load_document
+from margo.rfc9421 import ALGORITHMS
 from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
@@ -29,11 +31,8 @@ __all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schem
            "parse_config"]
 
 CONFIG_API_VERSION = "margo-gitops.dev/v1alpha1"
-GENERATIONS = ("rc.3", "rc.2", "oct-2024")
 DEVICE_ID = r"^[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"
 DURATION = r"^(\d+(\.\d+)?(ms|h|m|s))+$"
-SIGNATURE_ALGORITHMS = ("ecdsa-p256-sha256", "ecdsa-p384-sha384", "rsa-v1_5-sha256",
-                        "rsa-pss-sha256")
 
 
 def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -89,7 +88,7 @@ def config_schema() -> dict[str, Any]:
             "wfmId": {"type": "string", "pattern": r"^[A-Za-z0-9._~-]+$"},
             "tls12": {"type": "boolean"},
             "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
-                            "algorithm": {"enum": list(SIGNATURE_ALGORITHMS)}},
+                            "algorithm": {"enum": list(ALGORITHMS)}},
                            ["key", "certificate"]),
         }),
         "capabilities": _closed({
@@ -292,11 +291,11 @@ def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None
     def problem(path: tuple[str, ...], message: str, **extra: Any) -> None:
         found.append(Problem(path, message, **extra))
 
-    if svid and (api != "rc.3" or source != "margo-rest"):
+    if svid and (api != Shape.RC3 or source != "margo-rest"):
         problem(("identity", "svid"), "an SVID is the rc.3 identity: use server.api rc.3 with "
                 "the margo-rest source (the Git source keeps its per-device token: libgit2 "
                 "has no client certificates)", found=f"{api}, {source}")
-    if rc2 and (api != "rc.2" or source != "margo-rest"):
+    if rc2 and (api != Shape.RC2 or source != "margo-rest"):
         problem(("identity", "rc2"), "rc.2 onboarding and request signing need server.api rc.2 "
                 "with the margo-rest source", found=f"{api}, {source}")
     if svid and rc2:
@@ -336,13 +335,13 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         raise DocumentError(problems)
     found: list[Problem] = []
     server, source, driver = doc["server"], doc["source"], doc["driver"]
-    api = server.get("api", "oct-2024" if source["type"] == "git" else "rc.3")
-    if source["type"] == "git" and api != "oct-2024":
+    api = server.get("api", Shape.OCT_2024.value if source["type"] == "git" else Shape.RC3.value)
+    if source["type"] == "git" and api != Shape.OCT_2024:
         found.append(Problem(("server", "api"), "a device with the git source reports status "
                              "through the Oct-2024 API: rc.3 and rc.2 status reports carry the "
                              "adopted manifestVersion, which only the margo-rest source has",
-                             expected="oct-2024", found=api))
-    if source["type"] == "margo-rest" and api == "oct-2024":
+                             expected=Shape.OCT_2024.value, found=api))
+    if source["type"] == "margo-rest" and api == Shape.OCT_2024:
         found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "
                              "rc.3 or rc.2 with the margo-rest source", found=api))
     if "url" in source and source["type"] != "git":

@@ -25,6 +25,7 @@ from datetime import datetime
 
 from margo.digests import digest_of
 from margo.errors import DocumentError
+from margo.models import DeploymentState as State
 from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
 from reconciler.drivers.base import Driver
 from reconciler.errors import ApplyError, ErrorCode
@@ -185,12 +186,12 @@ class Reconciler:
                          f"({self.driver.name}) does not run {deployment.profile_type} "
                          "deployments"}
                 self._report(dplan.deployment_id, name,
-                             {c.name: ("failed", error) for c in deployment.components})
+                             {c.name: (State.FAILED, error) for c in deployment.components})
                 result.failures.append(f"{dplan.deployment_id}: {error['message']}")
                 return
             self.state.set_component_order(dplan.deployment_id,
                                            [c.name for c in deployment.components])
-            fresh = {c.name: ("pending", None) for c in deployment.components
+            fresh = {c.name: (State.PENDING, None) for c in deployment.components
                      if c.name not in recorded}
             if fresh:
                 self._report(dplan.deployment_id, name, fresh)
@@ -202,13 +203,14 @@ class Reconciler:
                     # Detected, not repaired (the driver's drift mode is `warn`): the
                     # workload is not what was deployed, so it is not reported installed.
                     error = {"code": ErrorCode.DRIFTED, "message": drift}
-                    if current is None or current.state != "failed" or current.error != error:
+                    if current is None or current.state != State.FAILED or current.error != error:
                         self._report(step.deployment_id, name,
-                                     {step.component: ("failed", error)})
+                                     {step.component: (State.FAILED, error)})
                     result.failures.append(f"{step.deployment_id}/{step.component}: "
                                            f"DRIFTED: {drift}")
-                elif current is None or current.state != "installed":
-                    self._report(step.deployment_id, name, {step.component: ("installed", None)})
+                elif current is None or current.state != State.INSTALLED:
+                    self._report(step.deployment_id, name,
+                                 {step.component: (State.INSTALLED, None)})
                 continue
             if not self._may_try(step):
                 result.failures.append(f"{step.deployment_id}/{step.component}: waiting to "
@@ -218,13 +220,13 @@ class Reconciler:
                 continue
             removing = step.action is Action.REMOVE
             self._report(step.deployment_id, name,
-                         {step.component: ("removing" if removing else "installing", None)})
+                         {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
             try:
                 self.driver.apply(step, deployment)
             except ApplyError as exc:
                 self._failed(step, exc)
                 self._report(step.deployment_id, name, {step.component: (
-                    "failed", {"code": exc.code, "message": exc.message})})
+                    State.FAILED, {"code": exc.code, "message": exc.message})})
                 result.steps.append((str(step.action), step.deployment_id, step.component,
                                      f"failed: {exc.code}"))
                 result.failures.append(f"{step.deployment_id}/{step.component}: {exc.code}: "
@@ -233,10 +235,10 @@ class Reconciler:
                     return  # later components are not installed past a failed one
                 continue
             self._retries.pop((step.deployment_id, step.component), None)
-            done = "removed" if removing else "installed"
+            done = State.REMOVED if removing else State.INSTALLED
             if removing and deployment is not None and step.component in {
                     c.name for c in deployment.components}:
-                done = "installing"  # removed only to be re-installed (namespace move)
+                done = State.INSTALLING  # removed only to be re-installed (namespace move)
             self._report(step.deployment_id, name, {step.component: (done, None)})
             result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
         if deployment is None and dplan.deployment_id:
@@ -249,8 +251,8 @@ class Reconciler:
             if deployment_id in desired_ids or deployment_id in installed_ids:
                 continue
             states = self.state.component_states(deployment_id)
-            pending = {name: ("removed", None) for name, record in states.items()
-                       if record.state != "removed"}
+            pending = {name: (State.REMOVED, None) for name, record in states.items()
+                       if record.state != State.REMOVED}
             if pending:
                 self._report(deployment_id, deployment_id, pending)
             self.state.forget(deployment_id)

@@ -12,8 +12,8 @@ What the kit sends, and what `SigningAuth` therefore sends:
 
 with `ecdsa-p256-sha256` (IEEE P1363 r||s, 64 bytes), `ecdsa-p384-sha384`, `rsa-v1_5-sha256`
 or `rsa-pss-sha256`. The signature base and the structured fields come from the maintained
-`http-message-signatures` library; it has no `rsa-pss-sha256` (only SHA-512), which is added
-here as its documented extension point (a `HTTPSignatureAlgorithm` subclass).
+`http-message-signatures` library, the algorithms and key ids from the profile the server
+shares (`margo.rfc9421`).
 
 Onboarding (`POST /api/v1/onboarding`, the certificate as base64 of its PEM, as the kit sends
 it) is sent unsigned: the kit's "Onboard Without Signature Succeeds" step makes that the form
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import hashlib
 import json
 import os
 import re
@@ -38,59 +37,34 @@ from typing import Any
 
 import httpx
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from http_message_signatures import HTTPMessageSigner, HTTPSignatureAlgorithm, MappingKeyResolver
-from http_message_signatures.algorithms import (
-    ECDSA_P256_SHA256,
-    ECDSA_P384_SHA384,
-    RSA_PSS_SHA512,
-    RSA_V1_5_SHA256,
+from cryptography.hazmat.primitives import serialization
+from http_message_signatures import HTTPMessageSigner, MappingKeyResolver
+
+from margo.rfc9421 import (
+    ALGORITHMS,
+    ONBOARDING_API_VERSION,
+    ONBOARDING_KIND,
+    key_id,
+    profile_algorithms,
 )
 
 __all__ = [
-    "ALGORITHMS",
     "COVERED_COMPONENTS",
-    "ONBOARDING_API_VERSION",
-    "RSA_PSS_SHA256",
     "SIGNATURE_LABEL",
     "DeviceKey",
     "OnboardingError",
     "SigningAuth",
     "SigningError",
-    "key_id",
     "load_device_key",
     "onboard",
     "onboarding_body",
     "sign_request",
 ]
 
-ONBOARDING_API_VERSION = "onboarding.margo.org/v1alpha1"
 ONBOARDING_PATH = "/api/v1/onboarding"
 SIGNATURE_LABEL = "sig1"
 COVERED_COMPONENTS = ("@method", "@target-uri", "@authority")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._~-]{1,200}\Z")  # it becomes a path segment
-
-
-class RSA_PSS_SHA256(RSA_PSS_SHA512):
-    """RSASSA-PSS with SHA-256 (MGF1 SHA-256, 32-byte salt): the rc.2 profile's
-    `rsa-pss-sha256`, which the library does not ship."""
-
-    algorithm_id = "rsa-pss-sha256"
-
-    def __init__(self, public_key: Any = None, private_key: Any = None,
-                 password: bytes | None = None) -> None:
-        super().__init__(public_key=public_key, private_key=private_key, password=password)
-        self.padding = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=32)
-        self.hash_algorithm = hashes.SHA256()
-
-
-ALGORITHMS: dict[str, type[HTTPSignatureAlgorithm]] = {
-    "ecdsa-p256-sha256": ECDSA_P256_SHA256,
-    "ecdsa-p384-sha384": ECDSA_P384_SHA384,
-    "rsa-v1_5-sha256": RSA_V1_5_SHA256,
-    "rsa-pss-sha256": RSA_PSS_SHA256,
-}
 
 
 class SigningError(Exception):
@@ -109,13 +83,6 @@ class OnboardingError(Exception):
         self.retryable = retryable
 
 
-def key_id(public_key: Any) -> str:
-    """The kit's key id: lowercase hex SHA-256 of the public key's SubjectPublicKeyInfo DER."""
-    der = public_key.public_bytes(serialization.Encoding.DER,
-                                  serialization.PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
-
-
 @dataclass(frozen=True)
 class DeviceKey:
     """The rc.2 signing key with the algorithm it signs with and its key id."""
@@ -123,17 +90,6 @@ class DeviceKey:
     private_key: Any
     algorithm: str
     key_id: str
-
-
-def _algorithms_for(private_key: Any) -> tuple[str, ...]:
-    """The profile's algorithms this key can sign with, the default first (PSS before
-    PKCS#1 v1.5: the identity profile prefers PSS for RSA signatures)."""
-    if isinstance(private_key, ec.EllipticCurvePrivateKey):
-        return {"secp256r1": ("ecdsa-p256-sha256",),
-                "secp384r1": ("ecdsa-p384-sha384",)}.get(private_key.curve.name, ())
-    if isinstance(private_key, rsa.RSAPrivateKey) and private_key.key_size >= 2048:
-        return ("rsa-pss-sha256", "rsa-v1_5-sha256")
-    return ()
 
 
 def load_device_key(path: Path, algorithm: str | None = None) -> DeviceKey:
@@ -145,7 +101,7 @@ def load_device_key(path: Path, algorithm: str | None = None) -> DeviceKey:
         raise SigningError(f"cannot read the rc.2 key {path}: {exc.strerror}") from None
     except (ValueError, TypeError) as exc:
         raise SigningError(f"{path} is not an unencrypted PEM private key: {exc}") from None
-    usable = _algorithms_for(private_key)
+    usable = profile_algorithms(private_key)
     if not usable:
         raise SigningError(f"{path}: rc.2 signs with EC P-256, EC P-384 or RSA >= 2048 bits "
                            f"keys; this is a {type(private_key).__name__}")
@@ -211,7 +167,7 @@ def _certificate(path: Path) -> x509.Certificate:
 def onboarding_body(certificate: x509.Certificate) -> dict[str, str]:
     """The OnboardingRequest: the certificate as base64 of its PEM text, as the kit sends."""
     pem = certificate.public_bytes(serialization.Encoding.PEM)
-    return {"apiVersion": ONBOARDING_API_VERSION, "kind": "OnboardingRequest",
+    return {"apiVersion": ONBOARDING_API_VERSION, "kind": ONBOARDING_KIND,
             "certificate": base64.b64encode(pem).decode("ascii")}
 
 

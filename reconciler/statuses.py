@@ -24,12 +24,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-__all__ = ["GENERATIONS", "SEVERITY", "STATES", "overall_state", "status_body", "status_path"]
+from margo.kinds import GENERATIONS, Shape
+from margo.models import DeploymentState
 
-GENERATIONS = ("rc.3", "rc.2", "oct-2024")
-STATES = ("pending", "installing", "installed", "failed", "removing", "removed")
-#: Most severe first.
-SEVERITY = ("failed", "removing", "installing", "pending", "removed", "installed")
+__all__ = ["GENERATIONS", "overall_state", "status_body", "status_path"]
+
 STATUS_API_VERSION = "deployment.margo.org/v1alpha1"
 STATUS_KIND = "DeploymentStatusManifest"
 
@@ -47,16 +46,17 @@ def overall_state(states: Sequence[str]) -> str:
     """The most severe of the component states (see the module docstring for the order)."""
     if not states:
         raise ValueError("a deployment status needs at least one component")
-    unknown = [s for s in states if s not in SEVERITY]
+    known = {state.value for state in DeploymentState}
+    unknown = [s for s in states if s not in known]
     if unknown:
         raise ValueError(f"unknown component state {unknown[0]!r} (expected one of "
-                         f"{', '.join(STATES)})")
-    return min(states, key=SEVERITY.index)
+                         f"{', '.join(s.value for s in DeploymentState)})")
+    return str(max(states, key=lambda state: DeploymentState(state).severity))
 
 
 def _spell(state: str, generation: str) -> str:
     """Oct-2024 capitalised its states (`Installed`); later generations use lower case."""
-    return state.capitalize() if generation == "oct-2024" else state
+    return state.capitalize() if generation == Shape.OCT_2024 else state
 
 
 def _error(error: Mapping[str, Any] | Sequence[str], source: str) -> dict[str, str]:
@@ -79,15 +79,15 @@ def status_body(generation: str, *, deployment_id: str, device_id: str | None,
     adopted when this state arose); the older generations have no such field."""
     _check_generation(generation)
     overall = overall_state([state for _, state, _ in components])
-    if generation == "rc.3" and adopted_version is None:
+    if generation == Shape.RC3 and adopted_version is None:
         raise ValueError("rc.3 status reports require the adopted manifestVersion")
     body: dict[str, Any] = {}
-    if generation != "rc.3":
+    if generation != Shape.RC3:
         body = {"apiVersion": STATUS_API_VERSION, "kind": STATUS_KIND}
     body["deploymentId"] = deployment_id
     if device_id is not None:
         body["deviceId"] = device_id
-    if generation == "rc.3":
+    if generation == Shape.RC3:
         body["adoptedManifestVersion"] = adopted_version
     status: dict[str, Any] = {"state": _spell(overall, generation)}
     cause = next((error for _, state, error in components
@@ -111,9 +111,9 @@ def status_path(generation: str, *, deployment_id: str, device_id: str | None,
     keeps its `/` (gateway hierarchy), which the Oct-2024 route matches as a path."""
     _check_generation(generation)
     deployment = quote(deployment_id, safe="")
-    if generation == "rc.3":
+    if generation == Shape.RC3:
         return f"/api/v1/deployments/{deployment}/status"
-    if generation == "rc.2":
+    if generation == Shape.RC2:
         if not client_id:
             raise ValueError("rc.2 status paths need the clientId from onboarding")
         return f"/api/v1/clients/{quote(client_id, safe='')}/deployments/{deployment}/status"

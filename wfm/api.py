@@ -34,7 +34,7 @@ from margo.cluster import (
 )
 from margo.digests import data_digest, digest_of
 from margo.errors import DocumentError
-from margo.kinds import Kind
+from margo.kinds import Kind, Shape
 from margo.models import DeploymentStatus, DeviceCapabilities
 from margo.validation import validate_value
 from wfm import records
@@ -316,7 +316,7 @@ class Api:
         await self.db.write(write)
         # The status of an assigned deployment exists from its assignment on, so a report
         # updates it: 200 (what the official conformance kit expects); Oct-2024 said 201.
-        return Response(status_code=201 if _generation(request) == "oct-2024" else 200)
+        return Response(status_code=201 if _generation(request) == Shape.OCT_2024 else 200)
 
     def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
         self._state(client)
@@ -422,8 +422,8 @@ def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any
 def _generation(request: Request) -> str:
     path = request.url.path
     if path.startswith("/device/"):
-        return "oct-2024"
-    return "rc.2" if path.startswith("/api/v1/clients/") else "rc.3"
+        return Shape.OCT_2024
+    return Shape.RC2 if path.startswith("/api/v1/clients/") else Shape.RC3
 
 
 def _accepts(header: str | None, media_type: str) -> bool:

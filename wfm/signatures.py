@@ -3,8 +3,9 @@
 An rc.2 device onboards a certificate, then signs every request with its key. The server finds
 the key by the signature's `keyid` (lowercase hex SHA-256 of the SPKI DER, as the conformance
 kit computes it), rebuilds the signature base and verifies it. The base and the structured
-header parsing come from the maintained `http-message-signatures` library; this module only
-adds the Margo profile on top:
+header parsing come from the maintained `http-message-signatures` library, the algorithms and
+key ids from the profile the device shares (`margo.rfc9421`); this module only adds the
+server's side on top:
 
 - the algorithm follows from the onboarded key (the kit sends no `alg`): EC P-256 is
   `ecdsa-p256-sha256`, P-384 `ecdsa-p384-sha384`, RSA either `rsa-v1_5-sha256` or
@@ -21,33 +22,34 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives import serialization
 from http_message_signatures import (
     HTTPMessageVerifier,
     HTTPSignatureAlgorithm,
     HTTPSignatureKeyResolver,
     InvalidSignature,
-    algorithms,
 )
 from http_message_signatures.digests import ContentDigest
 from http_message_signatures.exceptions import HTTPMessageSignaturesException
 
+from margo.rfc9421 import (
+    ALGORITHMS,
+    ONBOARDING_API_VERSION,
+    ONBOARDING_KIND,
+    key_id,
+    profile_algorithms,
+)
+
 __all__ = [
-    "ALGORITHMS",
-    "ONBOARDING_API_VERSION",
-    "RSA_PSS_SHA256",
     "OnboardingError",
     "OnboardingKey",
     "SignatureError",
     "algorithms_for",
-    "key_id",
     "onboarding_key",
     "parse_certificate",
     "public_key_pem",
@@ -55,35 +57,6 @@ __all__ = [
 ]
 
 REQUIRED_COMPONENTS = ("@method", "@target-uri")
-ONBOARDING_API_VERSION = "onboarding.margo.org/v1alpha1"
-ONBOARDING_KIND = "OnboardingRequest"
-
-
-class RSA_PSS_SHA256(algorithms.RSA_PSS_SHA512):
-    """`rsa-pss-sha256`, which Margo rc.2 lists but RFC 9421's registry does not (it has
-    rsa-pss-sha512): MGF1-SHA-256, salt of the digest length; any salt length verifies."""
-
-    algorithm_id = "rsa-pss-sha256"
-
-    def __init__(self, public_key: Any = None, private_key: Any = None,
-                 password: bytes | None = None):
-        super().__init__(public_key=public_key, private_key=private_key, password=password)
-        self.padding = padding.PSS(mgf=padding.MGF1(hashes.SHA256()),
-                                   salt_length=padding.PSS.DIGEST_LENGTH)
-        self.hash_algorithm = hashes.SHA256()
-
-    def verify(self, signature: bytes, message: bytes) -> None:
-        self.public_key.verify(signature=signature, data=message, algorithm=self.hash_algorithm,
-                               padding=padding.PSS(mgf=padding.MGF1(hashes.SHA256()),
-                                                   salt_length=padding.PSS.AUTO))
-
-
-ALGORITHMS: dict[str, type[HTTPSignatureAlgorithm]] = {
-    "ecdsa-p256-sha256": algorithms.ECDSA_P256_SHA256,
-    "ecdsa-p384-sha384": algorithms.ECDSA_P384_SHA384,
-    "rsa-v1_5-sha256": algorithms.RSA_V1_5_SHA256,
-    "rsa-pss-sha256": RSA_PSS_SHA256,
-}
 
 
 class SignatureError(Exception):
@@ -94,13 +67,6 @@ class SignatureError(Exception):
         self.status, self.detail = status, detail
 
 
-def key_id(public_key: Any) -> str:
-    """The kit's key id: lowercase hex SHA-256 of the DER SubjectPublicKeyInfo."""
-    der = public_key.public_bytes(serialization.Encoding.DER,
-                                  serialization.PublicFormat.SubjectPublicKeyInfo)
-    return hashlib.sha256(der).hexdigest()
-
-
 def public_key_pem(public_key: Any) -> str:
     return public_key.public_bytes(serialization.Encoding.PEM,
                                    serialization.PublicFormat.SubjectPublicKeyInfo).decode()
@@ -109,15 +75,7 @@ def public_key_pem(public_key: Any) -> str:
 def algorithms_for(public_key: Any) -> list[type[HTTPSignatureAlgorithm]]:
     """The algorithms an onboarded key may sign with; empty when rc.2 allows none (Ed25519,
     other curves, RSA below 2048 bits)."""
-    if isinstance(public_key, ec.EllipticCurvePublicKey):
-        if isinstance(public_key.curve, ec.SECP256R1):
-            return [ALGORITHMS["ecdsa-p256-sha256"]]
-        if isinstance(public_key.curve, ec.SECP384R1):
-            return [ALGORITHMS["ecdsa-p384-sha384"]]
-        return []
-    if isinstance(public_key, rsa.RSAPublicKey) and public_key.key_size >= 2048:
-        return [ALGORITHMS["rsa-v1_5-sha256"], ALGORITHMS["rsa-pss-sha256"]]
-    return []
+    return [ALGORITHMS[name] for name in profile_algorithms(public_key)]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from margo.kinds import Shape
+
 Schema = dict[str, Any]
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -217,11 +219,11 @@ CONFIGURATION: Schema = closed(
 
 def application_description(shape: str) -> Schema:
     """ApplicationDescription (`margo.yaml`) in the given spec shape."""
-    if shape == "oct-2024":
+    if shape == Shape.OCT_2024:
         profile_types = ["helm.v3", "docker-compose"]
         props: Schema = {"anyOf": [oci_properties(typed=False), LEGACY_PACKAGE]}
         extensions = False
-    elif shape == "rc.2":
+    elif shape == Shape.RC2:
         profile_types = ["helm.v3", "helm", "compose"]
         props = {"anyOf": [oci_properties(typed=True), LEGACY_PACKAGE]}
         extensions = True
@@ -236,23 +238,23 @@ def application_description(shape: str) -> Schema:
         "components": array(component(props, extensions=extensions), minItems=1),
         "requiredResources": REQUIRED_RESOURCES,
     }
-    if shape == "rc.3":
+    if shape == Shape.RC3:
         profile_properties["deviceConstraints"] = {"$ref": "#/$defs/deviceConstraints"}
     profile = closed(profile_properties, ["type", "id", "components"], extensions=extensions)
     top: Schema = {
         "apiVersion": NON_EMPTY,
-        "kind": {"const": "application" if shape == "oct-2024" else "ApplicationDescription"},
-        "metadata": app_metadata(with_id=shape != "rc.3"),
+        "kind": {"const": "application" if shape == Shape.OCT_2024 else "ApplicationDescription"},
+        "metadata": app_metadata(with_id=shape != Shape.RC3),
         "deploymentProfiles": array(profile, minItems=1),
         "parameters": DESCRIPTION_PARAMETERS,
         "configuration": CONFIGURATION,
     }
     required = ["apiVersion", "kind", "metadata", "deploymentProfiles"]
-    if shape == "rc.3":
+    if shape == Shape.RC3:
         top["id"] = string(pattern=APP_ID)
         required.insert(0, "id")
     schema = closed(top, required, extensions=extensions)
-    if shape == "rc.3":
+    if shape == Shape.RC3:
         schema["$defs"] = CONSTRAINT_DEFS
     return schema
 
@@ -280,13 +282,13 @@ def application_deployment(shape: str) -> Schema:
         "annotations": annotations,
     }
     metadata_required = ["name", "namespace"]
-    if shape == "oct-2024":
+    if shape == Shape.OCT_2024:
         types = ["helm.v3", "helm", "compose", "docker-compose"]
         props: Schema = {"anyOf": [oci_properties(typed=False), LEGACY_PACKAGE]}
         annotations = {**annotations, "required": ["id", "applicationId"]}
         metadata_properties["annotations"] = annotations
         metadata_required.append("annotations")
-    elif shape == "rc.2":
+    elif shape == Shape.RC2:
         types = ["helm.v3", "helm", "compose"]
         props = {"anyOf": [oci_properties(typed=False), LEGACY_PACKAGE]}
         metadata_properties["deviceId"] = string(pattern=DEVICE_ID_WILDCARD)
@@ -297,34 +299,34 @@ def application_deployment(shape: str) -> Schema:
         metadata_required.append("deviceId")
     profile_properties: Schema = {
         "type": {"enum": types},
-        "components": array(component(props, extensions=shape != "oct-2024"), minItems=1),
+        "components": array(component(props, extensions=shape != Shape.OCT_2024), minItems=1),
     }
-    if shape != "oct-2024":
+    if shape != Shape.OCT_2024:
         profile_properties["deviceConstraints"] = {"$ref": "#/$defs/deviceConstraints"}
     spec_properties: Schema = {
         "deploymentProfile": closed(profile_properties, ["type", "components"],
-                                    extensions=shape != "oct-2024"),
+                                    extensions=shape != Shape.OCT_2024),
         "parameters": DEPLOYMENT_PARAMETERS,
     }
     spec_required = ["deploymentProfile"]
-    if shape != "oct-2024":
+    if shape != Shape.OCT_2024:
         spec_properties["applicationId"] = string(pattern=APP_ID)
-    if shape == "rc.3":
+    if shape == Shape.RC3:
         spec_required.insert(0, "applicationId")
     top: Schema = {
         "apiVersion": NON_EMPTY,
         "kind": {"const": "ApplicationDeployment"},
         "metadata": closed(metadata_properties, metadata_required),
-        "spec": closed(spec_properties, spec_required, extensions=shape != "oct-2024"),
+        "spec": closed(spec_properties, spec_required, extensions=shape != Shape.OCT_2024),
     }
     required = ["metadata", "spec"]
-    if shape in ("oct-2024", "rc.2"):
+    if shape in (Shape.OCT_2024, Shape.RC2):
         required = ["apiVersion", "kind", *required]
-    if shape != "oct-2024":
+    if shape != Shape.OCT_2024:
         top["id"] = string(pattern=UUID)
         required.insert(0, "id")
     schema = closed(top, required)
-    if shape != "oct-2024":
+    if shape != Shape.OCT_2024:
         schema["$defs"] = CONSTRAINT_DEFS
     return schema
 
@@ -345,7 +347,7 @@ IDENTITY_REQUIRED = ["id", "vendor", "modelNumber", "serialNumber"]
 
 def device_capabilities(shape: str) -> Schema:
     """DeviceCapabilitiesManifest in the given spec shape."""
-    if shape == "oct-2024":
+    if shape == Shape.OCT_2024:
         resources = closed({
             "cpu": closed({"cores": {"type": "number", "exclusiveMinimum": 0},
                            "architectures": array({"enum": ARCH_OLD}, minItems=1)}, ["cores"]),
@@ -361,8 +363,8 @@ def device_capabilities(shape: str) -> Schema:
         return closed({"apiVersion": NON_EMPTY, "kind": {"const": "DeviceCapabilitiesManifest"},
                        "properties": properties},
                       ["apiVersion", "kind", "properties"], extensions=True)
-    runtimes = ["oci"] if shape == "rc.2" else ["oci", "custom"]
-    deployment_types = ["helm", "compose"] if shape == "rc.2" else ["helm", "compose", "custom"]
+    runtimes = ["oci"] if shape == Shape.RC2 else ["oci", "custom"]
+    deployment_types = ["helm", "compose"] if shape == Shape.RC2 else ["helm", "compose", "custom"]
     properties = closed({
         **IDENTITY,
         "cpus": array(closed({"cores": {"type": "number", "exclusiveMinimum": 0},
@@ -378,7 +380,7 @@ def device_capabilities(shape: str) -> Schema:
     top: Schema = {"apiVersion": NON_EMPTY, "kind": {"const": "DeviceCapabilitiesManifest"},
                    "properties": properties}
     required = ["properties"]
-    if shape == "rc.2":
+    if shape == Shape.RC2:
         required = ["apiVersion", "kind", "properties"]
     else:
         top["labels"] = {"type": "object", "additionalProperties": LABEL_VALUE}
@@ -393,7 +395,7 @@ ERROR: Schema = closed({"code": {"type": ["string", "integer"]}, "source": strin
 
 def deployment_status(shape: str) -> Schema:
     """DeploymentStatusManifest in the given spec shape."""
-    states = STATES_PR1 if shape == "oct-2024" else STATES
+    states = STATES_PR1 if shape == Shape.OCT_2024 else STATES
     state = closed({"state": {"enum": states}, "error": ERROR}, ["state"])
     top: Schema = {
         "apiVersion": NON_EMPTY,
@@ -405,9 +407,9 @@ def deployment_status(shape: str) -> Schema:
                                     "error": ERROR}, ["name", "state"])),
     }
     required = ["deploymentId", "status", "components"]
-    if shape == "rc.2":
+    if shape == Shape.RC2:
         required = ["apiVersion", "kind", *required]
-    if shape == "rc.3":
+    if shape == Shape.RC3:
         top["adoptedManifestVersion"] = {"type": "integer", "minimum": 1,
                                          "maximum": 18446744073709551615}
         required.insert(1, "adoptedManifestVersion")
@@ -457,15 +459,15 @@ def problem_detail() -> Schema:
 #: (kind, shape) -> schema builder. Shapes are listed oldest first.
 BUILDERS: dict[tuple[str, str], Any] = {
     **{("ApplicationDescription", s): (lambda s=s: application_description(s))
-       for s in ("oct-2024", "rc.2", "rc.3")},
+       for s in (Shape.OCT_2024.value, Shape.RC2.value, Shape.RC3.value)},
     **{("ApplicationDeployment", s): (lambda s=s: application_deployment(s))
-       for s in ("oct-2024", "rc.2", "rc.3")},
+       for s in (Shape.OCT_2024.value, Shape.RC2.value, Shape.RC3.value)},
     **{("DeviceCapabilitiesManifest", s): (lambda s=s: device_capabilities(s))
-       for s in ("oct-2024", "rc.2", "rc.3")},
+       for s in (Shape.OCT_2024.value, Shape.RC2.value, Shape.RC3.value)},
     **{("DeploymentStatusManifest", s): (lambda s=s: deployment_status(s))
-       for s in ("oct-2024", "rc.2", "rc.3")},
-    ("UnsignedAppStateManifest", "rc.3"): state_manifest,
-    ("ProblemDetail", "rc.3"): problem_detail,
+       for s in (Shape.OCT_2024.value, Shape.RC2.value, Shape.RC3.value)},
+    ("UnsignedAppStateManifest", Shape.RC3.value): state_manifest,
+    ("ProblemDetail", Shape.RC3.value): problem_detail,
 }
 
 

@@ -43,15 +43,14 @@ from pkikit import cert_pem, make_key, make_self_signed, write_pem
 from serverkit import free_port, running_server
 
 from margo.errors import DocumentError
+from margo.rfc9421 import ONBOARDING_API_VERSION, key_id
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config
 from reconciler.signing import (
-    ONBOARDING_API_VERSION,
     DeviceKey,
     OnboardingError,
     SigningAuth,
     SigningError,
-    key_id,
     load_device_key,
     onboard,
     sign_request,

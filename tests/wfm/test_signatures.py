@@ -37,8 +37,8 @@ from pkikit import (
 )
 from serverkit import ROOT, check_response, running_server
 
+from margo.rfc9421 import ALGORITHMS, key_id
 from margo_cli.main import main as margo_main
-from wfm.signatures import ALGORITHMS, key_id
 
 ONBOARDING = {"apiVersion": "onboarding.margo.org/v1alpha1", "kind": "OnboardingRequest"}
 KEY_TYPES = {"ecdsa-p256-sha256": "ec-p256", "ecdsa-p384-sha384": "ec-p384",

@@ -20,8 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import multiprocessing
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,10 +31,18 @@ from compiler.gcpause import collection_paused
 from compiler.gitstore import DeviceCommit, DeviceStore, StoredTree, blob_id, tree_id_of
 from compiler.intents import Intent
 from compiler.messages import Change, commit_message, warm_up
+from compiler.parallel import (
+    PARALLEL_TARGETING,
+    forked_state,
+    map_in_chunks,
+    split_in_two,
+    worker_count,
+)
 from compiler.placement import Placement, ProfileConstraints, place
 from compiler.render import RenderCache, RenderError, file_name, render
 from compiler.snapshot import Device, Snapshot
 from compiler.source import AppVersion, FleetSource
+from compiler.specdiff import classify
 from compiler.state import (
     CompilerState,
     DeviceRecord,
@@ -154,65 +160,6 @@ def _parse_previous(data: bytes) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _spec_sections(data: bytes) -> dict[bytes, bytes]:
-    """The text of each `spec` member of a canonical deployment document.
-
-    Canonical YAML puts every key on its own line at a fixed indentation, so the members of
-    `spec` are the lines indented by exactly two spaces inside the `spec:` block; comparing
-    their text is comparing their data, without parsing. Only the text from the top-level
-    ``spec:`` line on is split (the rest cannot be part of it).
-    """
-    found = 0 if data.startswith(b"spec:\n") else data.find(b"\nspec:\n") + 1
-    if found == 0 and not data.startswith(b"spec:\n"):
-        return {}
-    lines = data[found:].split(b"\n")
-    sections: dict[bytes, bytes] = {}
-    name: bytes | None = None
-    start, end = 0, len(lines)
-    for index, line in enumerate(lines[1:], start=1):
-        if not line.startswith(b" "):
-            end = index
-            break
-        if line[2:3] != b" ":
-            if name is not None:
-                sections[name] = b"\n".join(lines[start:index])
-            name, start = line[2:].split(b":", 1)[0], index
-    if name is not None:
-        sections[name] = b"\n".join(lines[start:end])
-    return sections
-
-
-def _spec_tail(data: bytes) -> bytes:
-    """A canonical document from its top-level ``spec:`` line on (all `_spec_sections`
-    reads); empty without one."""
-    if data.startswith(b"spec:\n"):
-        return data
-    found = data.find(b"\nspec:\n")
-    return b"" if found < 0 else data[found + 1:]
-
-
-def _classify(old: bytes, new: bytes, memo: dict[tuple[bytes, bytes], str] | None = None,
-              ) -> str:
-    """`reconfigure` when only parameter values changed, `update` otherwise. With `memo`,
-    each pair of spec texts is compared once (one intent's edit gives thousands of devices
-    the same pair: their documents differ only above the spec)."""
-    if memo is None:
-        return _classify_specs(_spec_tail(old), _spec_tail(new))
-    key = (_spec_tail(old), _spec_tail(new))
-    found = memo.get(key)
-    if found is None:
-        if len(memo) >= 10_000:
-            memo.clear()
-        found = memo[key] = _classify_specs(*key)
-    return found
-
-
-def _classify_specs(old: bytes, new: bytes) -> str:
-    before, after = _spec_sections(old), _spec_sections(new)
-    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
-    return "reconfigure" if before and after and changed == {b"parameters"} else "update"
-
-
 @dataclass
 class _Context:
     """Everything one compile shares across devices."""
@@ -244,7 +191,7 @@ class _Context:
     _immutable: dict[str, bool] = field(default_factory=dict)
     _profiles: dict[tuple[str, str | None], DeploymentProfile | None] = field(
         default_factory=dict)
-    classified: dict[tuple[bytes, bytes], str] = field(default_factory=dict)  # `_classify`
+    classified: dict[tuple[bytes, bytes], str] = field(default_factory=dict)  # `classify`
     #: Intent name -> its line of `_inputs_digest` (the same for every device it placed).
     digest_lines: dict[str, bytes] = field(default_factory=dict)
 
@@ -465,7 +412,7 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
                                   (_add_reason(ctx, intent.name, previous.get(intent.name)),)))
     else:
         out.changes.append(Change(fname, intent.name,
-                                  _classify(current.read(fname), rendered.data,
+                                  classify(current.read(fname), rendered.data,
                                             ctx.classified),
                                   _change_reasons(ctx, intent.name, caps_changed)))
 
@@ -608,15 +555,6 @@ def _work(ctx: _Context, job: _Job) -> _Work:
 #: Above this many devices unknown to the state, list all branches once rather than looking
 #: each device's branch up (a lookup that finds nothing costs about as much as a listed ref).
 _LIST_BRANCHES_ABOVE = 1_000
-#: Compiles that evaluate at least this many (device, intent) pairs, or commit to at least
-#: this many devices (each costs a commit message, a tree and a few digests, ~0.2 ms), are
-#: spread over worker processes; below both, starting workers (~20 ms) costs more than it
-#: saves.
-PARALLEL_THRESHOLD = 10_000
-PARALLEL_DEVICES = 500
-_FORKED: tuple[_Context, list[_Job]] | None = None  # what forked workers inherit
-
-
 _CHANGE_FIELDS = tuple(f.name for f in dataclasses.fields(Change))
 
 
@@ -642,72 +580,34 @@ def _unpack(packed: tuple[Any, ...]) -> _Work:
     return _Work(outcome, message, tree, stored_files, tip, on_parent, removed, ids)
 
 
-def _work_range(bounds: tuple[int, int]) -> list[tuple[Any, ...]]:
-    assert _FORKED is not None
-    ctx, jobs = _FORKED
-    return [_pack(_work(ctx, jobs[i])) for i in range(*bounds)]
-
-
-def _worker_count(evaluations: int, devices: int) -> int:
-    configured = os.environ.get("MARGO_COMPILE_WORKERS")
-    if configured:
-        return max(1, int(configured))
-    if ((evaluations < PARALLEL_THRESHOLD and devices < PARALLEL_DEVICES)
-            or "fork" not in multiprocessing.get_all_start_methods()):
-        return 1
-    return min(os.cpu_count() or 1, 4)
-
-
-#: Fleets of at least this many devices to compile work out which devices each intent targets
-#: in two processes (about 15 ms per intent per 1,000 devices).
-PARALLEL_TARGETING = 2_000
-
-
 def _precompute_targets(ctx: _Context, names: list[str], *, split: bool) -> None:
-    """Fill `ctx.targeted` for `names`; with `split`, a forked process (inheriting `_FORKED`)
-    works out every other intent meanwhile. The sets are the same either way."""
+    """Fill `ctx.targeted` for `names`; with `split` (inside `forked_state`), a forked
+    process works out every other intent meanwhile. The sets are the same either way."""
     todo = [n for n in names if n not in ctx.targeted]
     if not split or len(todo) < 2:
         for name in todo:
             ctx.targeted_by(name)
         return
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        pending = pool.apply_async(_targeted_sets, (todo[1::2],))
-        for name in todo[0::2]:
-            ctx.targeted_by(name)
-        ctx.targeted.update(pending.get())
-
-
-def _targeted_sets(names: list[str]) -> dict[str, frozenset[str]]:
-    """In a forked process: which devices each intent targets."""
-    assert _FORKED is not None
-    ctx = _FORKED[0]
-    return {name: ctx.targeted_by(name) for name in names}
+    ctx.targeted.update(split_in_two(todo))
 
 
 def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Iterator[_Work]:
-    """Compile the devices, in forked worker processes when there are many (rendering is
-    pure Python, and the fleet server's machines have more than one core).
+    """Compile the devices, in forked worker processes when there are many (`parallel`).
 
     A generator, in job order: each result is available as soon as it is computed, so the
     caller streams commits to Git while the rest of the fleet is still rendering. Close it
     to stop the workers early.
     """
-    global _FORKED
     evaluated = sum(len(ctx.changed) if job.likely_reuse else len(ctx.intents.usable)
                     for job in jobs)
-    workers = _worker_count(evaluated, len(jobs))
+    workers = worker_count(evaluated, len(jobs))
     if workers <= 1:
         for job in (progress(jobs, len(jobs)) if progress else jobs):
             yield _work(ctx, job)
         return
     every = not all(job.likely_reuse for job in jobs)
-    # Small chunks: the first commit reaches Git sooner, and no worker is left alone on a
-    # big last chunk while the others idle (~0.2 s of work each at fleet scale).
-    step = max(1, len(jobs) // (workers * 32))
-    ranges = [(start, min(start + step, len(jobs))) for start in range(0, len(jobs), step)]
-    _FORKED = (ctx, jobs)
-    try:
+    with forked_state(work=lambda i: _work(ctx, jobs[i]), pack=_pack,
+                      keyed=lambda names: {n: ctx.targeted_by(n) for n in names}):
         # Computed once here and inherited by every worker, which would otherwise each
         # compute them all again.
         _precompute_targets(ctx, [n for n in ctx.intents.usable if every or (
@@ -715,26 +615,11 @@ def _run_jobs(ctx: _Context, jobs: list[_Job], progress: Progress | None) -> Ite
                             split=len(jobs) >= PARALLEL_TARGETING)
         warm_up()  # what every worker would otherwise load for itself
         # When every device only re-evaluates changed intents (a recompile), a device's
-        # work is light next to sending its result across: this process then compiles
-        # every `workers`-th chunk itself instead of only collecting (measured: 10% off
-        # the devices' phase). With every intent to evaluate (a first compile) it stays
-        # free to collect and stream, or it would hold the workers up (10% slower).
-        share = not every
-        with multiprocessing.get_context("fork").Pool(workers - 1 if share else workers) as pool:
-            mine = range(0, len(ranges), workers) if share else range(0)
-            theirs = pool.imap(_work_range, [r for i, r in enumerate(ranges) if i not in mine])
-
-            def parts() -> Iterator[Iterable[_Work]]:
-                for index, bounds in enumerate(ranges):
-                    if index in mine:
-                        yield [_work(ctx, jobs[i]) for i in range(*bounds)]
-                    else:
-                        yield map(_unpack, next(theirs))
-
-            for part in (progress(parts(), len(ranges)) if progress else parts()):
-                yield from part
-    finally:
-        _FORKED = None
+        # work is light next to sending its result across: this process then shares the
+        # chunks (measured: 10% off the devices' phase). With every intent to evaluate (a
+        # first compile) it only collects and streams, or it would hold the workers up.
+        yield from map_in_chunks(len(jobs), workers=workers, share=not every,
+                                 unpack=_unpack, progress=progress)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`margo lint-chart CHART [--app margo.yaml] [--json]`: is a Helm chart fit for Margo?
 
-The checks live in `compiler.chartlint`; this module only reads the inputs, prints and picks
+The checks live in `authoring.chartlint`; this module only reads the inputs, prints and picks
 the exit status, with the same conventions as `margo validate` so CI scripts can treat both
 alike: 0 clean or warnings only, 1 any error, 2 unusable input (a chart or application that
 cannot be read at all).
@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from compiler.chartlint import AppInput, ChartUnusableError, Finding, lint_chart, open_chart
+from authoring.chartlint import AppInput, ChartUnusableError, Finding, lint_chart, open_chart
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind
 from margo.loading import LoadedDocument, load_path

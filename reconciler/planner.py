@@ -4,6 +4,20 @@ No I/O and no clock: the same inputs always give the same plan, which is what ma
 reconciler testable and a crash at any point safe (re-planning after a restart sees what
 was really installed and continues from there).
 
+The planner alone decides what to do with what a driver found (`ReleaseState`); drivers
+execute one action each and never decide again:
+
+| found | action |
+|---|---|
+| nothing | `install` |
+| `deployed`, other package | `upgrade` |
+| `deployed`, other values | `reconfigure` |
+| `deployed`, same | `unchanged` |
+| `failed` | `upgrade` (apply again) |
+| `pending-install` (a first install that crashed) | `reinstall`: clear it, install |
+| `pending-upgrade` (a later operation that crashed) | `recover`: roll back, upgrade |
+| `unmanaged`, with the name one of our components needs | `skip`: never touched |
+
 Order of execution:
 1. deployments no longer desired are removed first (freeing resources for what follows),
    each one's components in reverse listed order;
@@ -20,7 +34,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from reconciler.desired import DesiredComponent, DesiredDeployment
-from reconciler.releases import InstalledRelease, release_name, short_digest
+from reconciler.releases import InstalledRelease, ReleaseState, release_name, short_digest
 
 __all__ = ["Action", "DeploymentPlan", "Plan", "Step", "plan"]
 
@@ -29,8 +43,14 @@ class Action(StrEnum):
     INSTALL = "install"
     UPGRADE = "upgrade"
     RECONFIGURE = "reconfigure"
+    #: A first install that crashed: clear what it left, install again.
+    REINSTALL = "reinstall"
+    #: A later operation that crashed: go back to the last revision, then upgrade.
+    RECOVER = "recover"
     REMOVE = "remove"
     UNCHANGED = "unchanged"
+    #: The name is taken by something that is not ours: nothing is done (a failure).
+    SKIP = "skip"
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,12 @@ class Plan:
 
 
 def _compare(component: DesiredComponent, installed: InstalledRelease) -> tuple[Action, str]:
-    if not installed.healthy:
+    state = installed.state
+    if state is ReleaseState.PENDING_INSTALL:
+        return Action.REINSTALL, f"the installed release is {installed.detail or state}"
+    if state is ReleaseState.PENDING_UPGRADE:
+        return Action.RECOVER, f"the installed release is {installed.detail or state}"
+    if state is not ReleaseState.DEPLOYED:
         return Action.UPGRADE, f"the installed release is {installed.detail or 'not healthy'}"
     if installed.spec_digest != short_digest(component.spec_digest):
         return Action.UPGRADE, f"package changed (now {component.repository}:{component.revision})"
@@ -102,7 +127,11 @@ def plan(desired: Iterable[DesiredDeployment], installed: Iterable[InstalledRele
     wanted = {d.deployment_id: d for d in desired}
     by_deployment: dict[str, dict[str, InstalledRelease]] = defaultdict(dict)
     duplicates: list[InstalledRelease] = []
+    foreign: dict[str, set[str]] = defaultdict(set)  # release name -> namespaces
     for release in installed:
+        if not release.managed:
+            foreign[release.release_name].add(release.namespace)
+            continue
         slot = by_deployment[release.deployment_id]
         if release.component in slot:
             # Two releases claim the same component (a renamed release, a manual copy with our
@@ -138,6 +167,16 @@ def plan(desired: Iterable[DesiredDeployment], installed: Iterable[InstalledRele
             name = release_name(deployment_id, component.name)
             current = releases.get(component.name)
             if current is None:
+                taken = foreign.get(name, set())
+                if deployment.namespace in taken or (deployment.profile_type != "helm"
+                                                     and taken):
+                    where = f" in namespace {deployment.namespace}" if \
+                        deployment.profile_type == "helm" else ""
+                    steps.append(Step(Action.SKIP, deployment_id, component.name, name,
+                                      deployment.namespace, component, None,
+                                      f"release {name}{where} exists but is not managed by "
+                                      "margo-gitops; it is left alone"))
+                    continue
                 steps.append(Step(Action.INSTALL, deployment_id, component.name, name,
                                   deployment.namespace, component, None, "not installed"))
                 continue

@@ -2,8 +2,9 @@
 
 Drivers read installed releases from the engine's own records (Helm release records,
 Compose project labels, the render driver's ledger) and describe each as an
-`InstalledRelease`. Only releases carrying our ownership labels are ever returned to the
-planner, so a release someone installed by hand is never touched.
+`InstalledRelease` in a closed `ReleaseState`. Only releases carrying all our ownership
+labels are ours; the others are reported `UNMANAGED`, so the planner never installs one of
+our components over them and never removes them.
 
 Label values follow the Kubernetes label rules (at most 63 characters of
 `[A-Za-z0-9._-]`), because Helm stores release labels on its Secret records: digests are
@@ -16,10 +17,12 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 __all__ = ["LABEL_COMPONENT", "LABEL_DEPLOYMENT", "LABEL_DESIRED", "LABEL_MANAGED_BY",
            "LABEL_SPEC", "LABEL_VALUES", "MANAGER", "MAX_RELEASE_NAME", "InstalledRelease",
-           "ownership_labels", "release_from_labels", "release_name", "short_digest"]
+           "ReleaseState", "ownership_labels", "release_from_labels", "release_name",
+           "short_digest", "unmanaged_release"]
 
 LABEL_MANAGED_BY = "margo-gitops.dev/managed-by"
 LABEL_DEPLOYMENT = "margo-gitops.dev/deployment"
@@ -64,9 +67,28 @@ def ownership_labels(deployment_id: str, component: str, *, desired_digest: str,
     }
 
 
+class ReleaseState(StrEnum):
+    """What a driver found, in the few words the planner decides on (the engine's own
+    status word stays in `InstalledRelease.detail`, for people)."""
+
+    #: Running as recorded.
+    DEPLOYED = "deployed"
+    #: The last operation failed, or the workload is not running as it should (a container
+    #: exited, a missing service, objects to repair).
+    FAILED = "failed"
+    #: A first install that did not finish (the client crashed): nothing to go back to.
+    PENDING_INSTALL = "pending-install"
+    #: A later operation (upgrade, rollback) that did not finish: a revision to go back to.
+    PENDING_UPGRADE = "pending-upgrade"
+    #: Not ours (no margo-gitops labels, or not all of them): never touched. Reported so that
+    #: one of our components is never installed over it.
+    UNMANAGED = "unmanaged"
+
+
 @dataclass(frozen=True)
 class InstalledRelease:
-    """One installed component, as the engine's own records describe it."""
+    """One installed component, as the engine's own records describe it. An `UNMANAGED`
+    release has no deployment or component (and empty digests)."""
 
     release_name: str
     namespace: str
@@ -75,26 +97,41 @@ class InstalledRelease:
     desired_digest: str  # short digests (40 hex), as stored in the labels
     spec_digest: str
     values_digest: str
-    healthy: bool  # False when the engine says failed / pending (a crash mid-operation)
+    state: ReleaseState
     detail: str = ""  # the engine's status word, for messages ("deployed", "failed", ...)
     chart_version: str = ""
     #: Objects of the release that are gone from the engine (deleted out of band), for
     #: people; empty when nothing is missing or drift is not checked.
     drift: str = ""
 
+    @property
+    def healthy(self) -> bool:
+        return self.state is ReleaseState.DEPLOYED
+
+    @property
+    def managed(self) -> bool:
+        return self.state is not ReleaseState.UNMANAGED
+
+
+def unmanaged_release(release_name: str, namespace: str, detail: str = "") -> InstalledRelease:
+    """A release (or project) the engine has under a name, that is not ours."""
+    return InstalledRelease(release_name, namespace, "", "", "", "", "", ReleaseState.UNMANAGED,
+                            detail)
+
 
 def release_from_labels(labels: Mapping[str, str], *, release_name: str, namespace: str,
-                        healthy: bool, detail: str = "",
-                        chart_version: str = "") -> InstalledRelease | None:
-    """An `InstalledRelease` from a release's labels, or None when it is not ours."""
+                        state: ReleaseState, detail: str = "",
+                        chart_version: str = "") -> InstalledRelease:
+    """An `InstalledRelease` from a release's labels; `UNMANAGED` when they do not prove it
+    ours (no managed-by label, or a half-labelled release)."""
     if labels.get(LABEL_MANAGED_BY) != MANAGER:
-        return None
+        return unmanaged_release(release_name, namespace, detail)
     try:
         return InstalledRelease(
             release_name=release_name, namespace=namespace,
             deployment_id=labels[LABEL_DEPLOYMENT], component=labels[LABEL_COMPONENT],
             desired_digest=labels.get(LABEL_DESIRED, ""), spec_digest=labels.get(LABEL_SPEC, ""),
-            values_digest=labels.get(LABEL_VALUES, ""), healthy=healthy, detail=detail,
+            values_digest=labels.get(LABEL_VALUES, ""), state=state, detail=detail,
             chart_version=chart_version)
     except KeyError:
-        return None  # a half-labelled release is not provably ours: leave it alone
+        return unmanaged_release(release_name, namespace, detail)

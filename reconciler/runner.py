@@ -218,6 +218,15 @@ class Reconciler:
                 if deployment is not None:
                     return  # later components wait for this one (listed order)
                 continue
+            if step.action is Action.SKIP:  # the name is taken by what is not ours
+                error = {"code": ErrorCode.INSTALL_FAILED, "message": step.reason}
+                self._failed(step, ApplyError(error["code"], step.reason, retryable=False))
+                self._report(step.deployment_id, name, {step.component: (State.FAILED, error)})
+                result.steps.append((str(step.action), step.deployment_id, step.component,
+                                     f"failed: {ErrorCode.INSTALL_FAILED}"))
+                result.failures.append(f"{step.deployment_id}/{step.component}: "
+                                       f"{ErrorCode.INSTALL_FAILED}: {step.reason}")
+                return
             removing = step.action is Action.REMOVE
             self._report(step.deployment_id, name,
                          {step.component: (State.REMOVING if removing else State.INSTALLING, None)})

@@ -252,9 +252,10 @@ class ComposeDriver:
     # ------------------------------------------------------------------ reading
 
     def installed(self) -> list[InstalledRelease]:
-        result = self._docker_run(["ps", "-a", "--no-trunc", "--filter",
-                                   f"label={LABEL_MANAGED_BY}={MANAGER}", "--format",
-                                   PS_FORMAT], unavailable="docker ps failed")
+        """Every Compose project on the engine: ours, classified, and the others as
+        `UNMANAGED` (so none of our components is ever brought up in their name)."""
+        result = self._docker_run(["ps", "-a", "--no-trunc", "--filter", f"label={LABEL_PROJECT}",
+                                   "--format", PS_FORMAT], unavailable="docker ps failed")
         try:
             return releases_from_ps(parse_ps_output(result.stdout))
         except ValueError as exc:
@@ -272,11 +273,16 @@ class ComposeDriver:
     # ------------------------------------------------------------------ steps
 
     def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Carry out one planned step: `remove` is `down`; every other change (install,
+        upgrade, reconfigure, and `reinstall`/`recover`, which Compose needs no special
+        handling for: `up` converges whatever is there) is pull, then `up`."""
         if step.action is Action.UNCHANGED:
             return
         if step.action is Action.REMOVE:
             self._remove(step)
             return
+        if step.action is Action.SKIP:
+            raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
         if deployment is None or step.desired is None:
             raise ValueError(f"{step.action} of {step.release_name} needs its deployment")
         files, images = self._prepare(step, deployment, step.desired)

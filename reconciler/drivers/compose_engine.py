@@ -40,8 +40,8 @@ from reconciler.releases import (
     LABEL_MANAGED_BY,
     LABEL_SPEC,
     LABEL_VALUES,
-    MANAGER,
     InstalledRelease,
+    ReleaseState,
     release_from_labels,
 )
 
@@ -204,33 +204,30 @@ def _missing_services(containers: list[Container]) -> list[str]:
     return sorted(declared - present)
 
 
-def _project_release(project: str, containers: list[Container]) -> InstalledRelease | None:
+def _project_release(project: str, containers: list[Container]) -> InstalledRelease:
     ordered = sorted(containers, key=lambda c: c.name)
     ownership = {tuple(c.labels.get(label, "") for label in _OWNERSHIP) for c in ordered}
     failing = [c for c in ordered if not container_healthy(c)]
     missing = _missing_services(ordered)
     if len(ownership) > 1:
-        healthy, detail = False, "containers carry different ownership labels"
+        state, detail = ReleaseState.FAILED, "containers carry different ownership labels"
     elif failing or missing:
-        healthy = False
+        state = ReleaseState.FAILED
         detail = "; ".join([describe(c) for c in failing]
                            + [f"service {s} has no container" for s in missing])
     else:
-        healthy = True
+        state = ReleaseState.DEPLOYED
         detail = f"running ({len(ordered)} container{'s' if len(ordered) != 1 else ''})"
-    for container in ordered:
-        release = release_from_labels(container.labels, release_name=project, namespace="",
-                                      healthy=healthy, detail=detail)
-        if release is not None:
-            return release
-    return None
+    found = [release_from_labels(c.labels, release_name=project, namespace="", state=state,
+                                 detail=detail) for c in ordered]
+    return next((r for r in found if r.managed), found[0])
 
 
 def releases_from_ps(containers: Iterable[Container]) -> list[InstalledRelease]:
-    """Our releases, one per Compose project whose containers carry our labels."""
+    """One release per Compose project: ours (its containers carry our labels) or
+    `UNMANAGED` (a project someone else started, which is never touched)."""
     by_project: dict[str, list[Container]] = defaultdict(list)
     for container in containers:
-        if container.labels.get(LABEL_MANAGED_BY) == MANAGER and LABEL_PROJECT in container.labels:
+        if LABEL_PROJECT in container.labels:
             by_project[container.labels[LABEL_PROJECT]].append(container)
-    releases = (_project_release(p, cs) for p, cs in sorted(by_project.items()))
-    return [release for release in releases if release is not None]
+    return [_project_release(p, cs) for p, cs in sorted(by_project.items())]

@@ -1,23 +1,22 @@
 """The `helm` driver: components installed as Helm releases, through the Helm v4 engine
 in-process (helm_python), with Helm's own release records as the source of truth.
 
-What the driver reads: `installed()` lists releases in every namespace and keeps those
-carrying our ownership labels (Helm 4 stores release labels on its records and returns them
-from `list`), so a release installed by hand is never returned, upgraded or removed. A
-release is healthy only when Helm says `deployed`; `failed` and `pending-*` (a crash in the
-middle of an operation) are reported unhealthy and the planner applies them again.
+What the driver reads: `installed()` lists releases in every namespace (Helm 4 stores
+release labels on its records and returns them from `list`) and classifies each: ours in
+the state Helm records (`deployed`, `failed`, `pending-install`, `pending-upgrade` for a
+crashed upgrade or rollback), or `unmanaged` when its labels do not prove it ours, so the
+planner never installs over a release someone installed by hand nor removes it.
 
-What one step does (install, upgrade and reconfigure all converge the release onto the
-desired chart and values; which Helm action that takes depends on Helm's record, read just
-before acting, not on the plan's guess):
-- no release (or only an uninstalled record): `install`, creating the namespace;
-- `pending-install` (a crashed first install; nothing to roll back to): `uninstall`, then
+What one step does, exactly as the planner chose it (the driver never decides again):
+- `install`: `helm install`, creating the namespace;
+- `upgrade` / `reconfigure`: `helm upgrade` with the values reset to exactly the desired
+  ones (an empty set must not mean "reuse the old values");
+- `reinstall` (a crashed first install; nothing to roll back to): `uninstall`, then
   `install`, as Helm users do;
-- `pending-upgrade` / `pending-rollback` (a crashed later operation): `rollback` to the
-  previous revision, then `upgrade`;
-- anything else (`deployed`, `failed`, `superseded`): `upgrade` with the values reset to
-  exactly the desired ones (an empty set must not mean "reuse the old values");
-- a release of that name that is not ours is never touched (`INSTALL_FAILED`).
+- `recover` (a crashed later operation): `rollback` to the previous revision, then
+  `upgrade`;
+- `remove`: `helm uninstall`;
+- `skip` (the name is taken by a release that is not ours): refused, `INSTALL_FAILED`.
 The driver assumes it is the only writer of its releases (the spec gives a device a single
 WFM client), so a pending release it meets is a crashed operation, not a live one.
 
@@ -67,12 +66,21 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step
-from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
+from reconciler.releases import (
+    InstalledRelease,
+    ReleaseState,
+    ownership_labels,
+    release_from_labels,
+)
 
 __all__ = ["DRIFT_MODES", "HelmDriver"]
 
 log = logging.getLogger("margo.device.helm")
 
+#: Helm's status words, as the planner needs them (anything else, e.g. `failed`: FAILED).
+_STATES = {"deployed": ReleaseState.DEPLOYED, "pending-install": ReleaseState.PENDING_INSTALL,
+           "pending-upgrade": ReleaseState.PENDING_UPGRADE,
+           "pending-rollback": ReleaseState.PENDING_UPGRADE}
 #: `off`: trust Helm's records; `warn`: report missing objects; `repair`: re-apply them.
 DRIFT_MODES = ("off", "warn", "repair")
 
@@ -139,7 +147,7 @@ class HelmDriver:
     # --- Driver protocol -----------------------------------------------------------------
 
     def installed(self) -> list[InstalledRelease]:
-        """Our releases in every namespace, from Helm's records."""
+        """Every release in every namespace, from Helm's records, classified."""
         out: list[InstalledRelease] = []
         for row in self._list_releases():
             status = str(row.get("status", ""))
@@ -147,24 +155,47 @@ class HelmDriver:
                 continue
             release = release_from_labels(
                 row.get("labels") or {}, release_name=str(row["name"]),
-                namespace=str(row["namespace"]), healthy=status == "deployed", detail=status,
-                chart_version=str(row.get("chart_version", "")))
-            if release is not None and status == "deployed" and self.drift != "off":
+                namespace=str(row["namespace"]), state=_STATES.get(status, ReleaseState.FAILED),
+                detail=status, chart_version=str(row.get("chart_version", "")))
+            if release.healthy and self.drift != "off":
                 release = self._with_drift(release, int(row.get("revision") or 0))
-            if release is not None:
-                out.append(release)
+            out.append(release)
         return sorted(out, key=lambda r: (r.namespace, r.release_name))
 
     def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
-        """Install / upgrade / reconfigure (converge the release) or remove it."""
-        if step.action is Action.REMOVE:
+        """Carry out one planned step (see the module docstring)."""
+        action = step.action
+        if action is Action.UNCHANGED:
+            return
+        if action is Action.REMOVE:
             self._uninstall(step.namespace, step.release_name,
                             description=f"margo-gitops: {step.reason}")
-        elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
-            self._converge(step, deployment)
-        elif step.action is not Action.UNCHANGED:
-            raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
+            return
+        if action is Action.SKIP:
+            raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
+        if action not in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE, Action.REINSTALL,
+                          Action.RECOVER):
+            raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {action!r}",
                              retryable=False)
+        component = step.desired
+        if component is None or deployment is None:
+            raise ApplyError(ErrorCode.INVALID_STEP,
+                             f"{action} of {step.release_name} needs the "
+                             "desired component and its deployment", retryable=False)
+        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
+        labels = ownership_labels(deployment.deployment_id, component.name,
+                                  desired_digest=deployment.digest,
+                                  spec_digest=component.spec_digest,
+                                  values_digest=component.values_digest)
+        description = f"margo-gitops {action}: {step.reason}"
+        if action is Action.REINSTALL:
+            self._uninstall(step.namespace, step.release_name,
+                            description="margo-gitops: clearing a crashed install")
+        elif action is Action.RECOVER:
+            self._rollback(step.namespace, step.release_name, component)
+        function = "helm_install" if action in (Action.INSTALL, Action.REINSTALL) \
+            else "helm_upgrade"
+        self._release(function, step, component, chart, labels, description)
 
     def cancel(self) -> None:
         """Abort every Helm operation in flight (from any thread), e.g. at shutdown; each
@@ -235,42 +266,11 @@ class HelmDriver:
             return release
         drift = f"missing from the cluster: {', '.join(gone)}"
         if self.drift == "repair":
-            return dataclasses.replace(release, drift=drift, healthy=False,
+            return dataclasses.replace(release, drift=drift, state=ReleaseState.FAILED,
                                        detail=f"drifted ({drift})")
         return dataclasses.replace(release, drift=drift)
 
     # --- steps -----------------------------------------------------------------------------
-
-    def _converge(self, step: Step, deployment: DesiredDeployment | None) -> None:
-        component = step.desired
-        if component is None or deployment is None:
-            raise ApplyError(ErrorCode.INVALID_STEP,
-                             f"{step.action} of {step.release_name} needs the "
-                             "desired component and its deployment", retryable=False)
-        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
-        labels = ownership_labels(deployment.deployment_id, component.name,
-                                  desired_digest=deployment.digest,
-                                  spec_digest=component.spec_digest,
-                                  values_digest=component.values_digest)
-        current = self._status(step.namespace, step.release_name)
-        state = str(current.get("status", "")) if current else ""
-        if current is not None and release_from_labels(
-                current.get("labels") or {}, release_name=step.release_name,
-                namespace=step.namespace, healthy=True) is None:
-            raise ApplyError(ErrorCode.INSTALL_FAILED, f"release {step.release_name} in namespace "
-                             f"{step.namespace} exists but is not managed by margo-gitops; "
-                             "it is left alone", retryable=False)
-        description = f"margo-gitops {step.action}: {step.reason}"
-        if state == "pending-install":
-            self._uninstall(step.namespace, step.release_name,
-                            description="margo-gitops: clearing a crashed install")
-            state = ""
-        elif state.startswith("pending-"):
-            self._rollback(step.namespace, step.release_name, component)
-        if state in ("", "uninstalled"):
-            self._release("helm_install", step, component, chart, labels, description)
-        else:
-            self._release("helm_upgrade", step, component, chart, labels, description)
 
     def _release(self, function: str, step: Step, component: DesiredComponent,
                  chart: helm.Chart, labels: dict[str, str], description: str) -> None:

@@ -51,7 +51,12 @@ from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose import env_file_text
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, Step
-from reconciler.releases import InstalledRelease, ownership_labels, release_from_labels
+from reconciler.releases import (
+    InstalledRelease,
+    ReleaseState,
+    ownership_labels,
+    release_from_labels,
+)
 
 if TYPE_CHECKING:
     from reconciler.oci import OciClient
@@ -64,6 +69,9 @@ _LEDGER_FORMAT = 1
 # Kubernetes namespace names (DNS labels) and Helm release names: both become directory
 # names here, so anything else (a path separator, "..") is refused.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+#: The ledger's status words (Helm's), as the planner needs them.
+_STATES = {"deployed": ReleaseState.DEPLOYED, "pending-install": ReleaseState.PENDING_INSTALL,
+           "pending-upgrade": ReleaseState.PENDING_UPGRADE}
 _RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?\Z")
 
 
@@ -148,14 +156,14 @@ class RenderDriver:
             entry = releases[key]
             namespace, _, name = key.partition("/")
             status = str(entry.get("status", ""))
-            healthy = status == "deployed"
-            if healthy and not self._release_dir(namespace, name).is_dir():
-                healthy, status = False, "deployed (output directory missing)"
+            state = _STATES.get(status, ReleaseState.FAILED)
+            if state is ReleaseState.DEPLOYED and not self._release_dir(namespace, name).is_dir():
+                state, status = ReleaseState.FAILED, "deployed (output directory missing)"
             release = release_from_labels(
                 entry.get("labels") or {}, release_name=name, namespace=namespace,
-                healthy=healthy, detail=status,
+                state=state, detail=status,
                 chart_version=str((entry.get("chart") or {}).get("version", "")))
-            if release is not None:
+            if release.managed:
                 out.append(release)
         return out
 
@@ -165,7 +173,10 @@ class RenderDriver:
         with self._lock:
             if step.action is Action.REMOVE:
                 self._remove(step)
-            elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE):
+            elif step.action is Action.SKIP:
+                raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
+            elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE,
+                                 Action.REINSTALL, Action.RECOVER):
                 self._render(step, deployment)
             elif step.action is not Action.UNCHANGED:
                 raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",

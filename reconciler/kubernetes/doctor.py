@@ -28,7 +28,8 @@ from typing import Any, Literal
 from margo.cluster import LABEL_PREFIX
 from reconciler.datadir import LocalClient
 from reconciler.kubernetes.client import KubeClient, KubeError
-from reconciler.kubernetes.discovery import ClusterFacts, NodeFacts, discover, helm_engine_version
+from reconciler.kubernetes.discovery import discover, helm_engine_version
+from reconciler.kubernetes.facts import ClusterFacts, NodeFacts
 
 __all__ = ["CHECK_IDS", "Check", "DoctorReport", "NodeResult", "Observation",
            "Probe", "Read", "check_cluster", "doctor", "doctor_labels", "kubelet_skew",

@@ -28,7 +28,8 @@ from typing import Any
 from margo.cluster import EXTENSION_KEY
 from margo.quantity import parse_quantity
 from reconciler.kubernetes.client import KubeClient
-from reconciler.kubernetes.discovery import capabilities_document, discover, helm_engine_version
+from reconciler.kubernetes.cluster_documents import capabilities_document
+from reconciler.kubernetes.discovery import discover, helm_engine_version
 from reconciler.kubernetes.doctor import LocalClient, check_cluster, doctor_labels
 
 __all__ = ["KubernetesProvider", "significant_change"]

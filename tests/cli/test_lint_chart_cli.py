@@ -20,7 +20,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from compiler.chartlint import schema_allows, values_define
+from authoring.chartlint import schema_allows, values_define
 from margo_cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]

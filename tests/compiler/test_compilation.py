@@ -350,7 +350,8 @@ def test_losing_the_state_recompiles_without_new_commits(fleet: Fleet) -> None:
 
 
 def test_update_versus_reconfigure_is_read_from_the_canonical_text() -> None:
-    from compiler.compilation import _classify, _spec_sections
+    from compiler.specdiff import classify as _classify
+    from compiler.specdiff import spec_sections as _spec_sections
     from margo.canonical import canonical_yaml
 
     base = {"id": "x", "metadata": {"name": "n", "namespace": "ns", "deviceId": "d"},

@@ -29,6 +29,7 @@ from reconciler.releases import (
     LABEL_COMPONENT,
     LABEL_MANAGED_BY,
     MANAGER,
+    ReleaseState,
     ownership_labels,
     release_name,
 )
@@ -173,7 +174,10 @@ def test_projects_are_read_from_container_labels() -> None:
                                               LABEL_MANAGED_BY: MANAGER}),
         ps_line("loose-1", "running", "Up", **{LABEL_MANAGED_BY: MANAGER}),
         ""])
-    [release] = releases_from_ps(parse_ps_output(text))
+    found = {r.release_name: r for r in releases_from_ps(parse_ps_output(text))}
+    assert {name: r.state for name, r in found.items() if name != "p1"} == {
+        "by-hand": ReleaseState.UNMANAGED, "half": ReleaseState.UNMANAGED}
+    release = found["p1"]
     assert (release.release_name, release.deployment_id, release.component) == ("p1", "d1", "c1")
     assert (release.spec_digest, release.values_digest) == ("2" * 40, "3" * 40)
     assert release.healthy is False and release.detail == "p1-job-1 exited with code 2"

@@ -39,7 +39,13 @@ from reconciler.errors import ApplyError
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Plan, Step, plan
 from reconciler.registry_credentials import RegistryCredential
-from reconciler.releases import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER, release_name
+from reconciler.releases import (
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    ReleaseState,
+    release_name,
+)
 
 DEPLOYMENT_ID = "5f3c7a52-1f0e-4c1e-9a37-6f4f3f0c2b11"
 PROJECT = release_name(DEPLOYMENT_ID, "hello-world")
@@ -196,9 +202,10 @@ def test_foreign_projects_are_never_reported_or_touched(engine: DockerEngine,
     engine.run("run", "-d", "--name", "half-web-1", "--label", "com.docker.compose.project=half",
                "--label", f"{LABEL_MANAGED_BY}={MANAGER}", test_images.web_1)
     compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
-    assert driver.installed() == []
+    assert {(r.release_name, r.state) for r in driver.installed()} == {
+        ("by-hand", ReleaseState.UNMANAGED), ("half", ReleaseState.UNMANAGED)}
     converge(driver, deployment(repository))
-    assert [r.release_name for r in driver.installed()] == [PROJECT]
+    assert [r.release_name for r in driver.installed() if r.managed] == [PROJECT]
     converge(driver)
     names = engine.text("ps", "--format", "{{.Names}}").split()
     assert sorted(names) == ["by-hand-web-1", "half-web-1"]

@@ -44,7 +44,6 @@ from margo_cli.doctor_command import default_kubeconfig
 from margo_cli.main import main
 from reconciler.datadir import LocalClient, probe_data_dir
 from reconciler.kubernetes.client import KubeClient
-from reconciler.kubernetes.discovery import ClusterFacts
 from reconciler.kubernetes.doctor import (
     CHECK_IDS,
     Check,
@@ -56,6 +55,7 @@ from reconciler.kubernetes.doctor import (
     doctor_labels,
     kubelet_skew,
 )
+from reconciler.kubernetes.facts import ClusterFacts
 from reconciler.kubernetes.provider import KubernetesProvider
 
 DEPLOYMENTS = "apps/v1/deployments"

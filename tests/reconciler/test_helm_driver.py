@@ -39,7 +39,13 @@ from reconciler.charts import ChartCache
 from reconciler.drivers.helm import HelmDriver
 from reconciler.errors import ApplyError
 from reconciler.planner import plan
-from reconciler.releases import LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER, release_name
+from reconciler.releases import (
+    LABEL_DEPLOYMENT,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    ReleaseState,
+    release_name,
+)
 
 RELEASE = release_name(DEPLOYMENT_ID, "greeter")
 
@@ -212,9 +218,11 @@ def test_releases_without_our_labels_are_never_returned_or_touched(
     install_by_hand(kube, charts, repos["greeter"], "half-labelled",
                     labels={LABEL_MANAGED_BY: MANAGER})  # no deployment/component labels
     converge(driver, [greeter(repos["greeter"], "2.0.0")])
-    assert [r.release_name for r in driver.installed()] == [RELEASE]
-    converge(driver, [])
-    assert driver.installed() == []
+    found = {r.release_name: r.state for r in driver.installed()}
+    assert found == {RELEASE: ReleaseState.DEPLOYED, "by-hand": ReleaseState.UNMANAGED,
+                     "half-labelled": ReleaseState.UNMANAGED}
+    converge(driver, [])  # removes ours only
+    assert {r.release_name for r in driver.installed()} == {"by-hand", "half-labelled"}
     assert set(kube.release_secrets("edge")) == {"sh.helm.release.v1.by-hand.v1",
                                                   "sh.helm.release.v1.half-labelled.v1"}
     assert configmap(kube, "by-hand-config") is not None
@@ -224,6 +232,8 @@ def test_a_foreign_release_with_our_name_is_left_alone(driver: HelmDriver, kube:
                                                        charts: ChartCache,
                                                        repos: dict[str, str]) -> None:
     install_by_hand(kube, charts, repos["greeter"], RELEASE)
+    [foreign] = driver.installed()
+    assert foreign.state is ReleaseState.UNMANAGED
     with pytest.raises(ApplyError) as caught:
         converge(driver, [greeter(repos["greeter"], "2.0.0", greeting="Mine now")])
     assert caught.value.code == "INSTALL_FAILED"

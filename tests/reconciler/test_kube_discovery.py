@@ -58,12 +58,9 @@ from reconciler.kubernetes.client import (
     in_cluster_access,
     load_kubeconfig,
 )
-from reconciler.kubernetes.discovery import (
-    capabilities_document,
-    discover,
-    guess_platform,
-    pod_requests,
-)
+from reconciler.kubernetes.cluster_documents import capabilities_document
+from reconciler.kubernetes.discovery import discover
+from reconciler.kubernetes.facts import guess_platform, pod_requests
 from reconciler.kubernetes.provider import KubernetesProvider, significant_change
 
 DEVICE = "plant-a/cluster-1"

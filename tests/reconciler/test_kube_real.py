@@ -24,8 +24,10 @@ from margo.kinds import Kind
 from margo.quantity import parse_quantity
 from margo.validation import validate_value
 from reconciler.kubernetes.client import KubeClient
-from reconciler.kubernetes.discovery import capabilities_document, discover, pod_requests
+from reconciler.kubernetes.cluster_documents import capabilities_document
+from reconciler.kubernetes.discovery import discover
 from reconciler.kubernetes.doctor import doctor
+from reconciler.kubernetes.facts import pod_requests
 from reconciler.kubernetes.provider import KubernetesProvider
 
 DEVICE = "real-cluster"

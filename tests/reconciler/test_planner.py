@@ -11,10 +11,12 @@ from reconciler.desired import DesiredDeployment, parse_deployment, parse_durati
 from reconciler.planner import plan
 from reconciler.releases import (
     InstalledRelease,
+    ReleaseState,
     ownership_labels,
     release_from_labels,
     release_name,
     short_digest,
+    unmanaged_release,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +54,8 @@ def two(**replace: str) -> DesiredDeployment:
 
 
 def installed_from(deployment: DesiredDeployment, *, skip: tuple[str, ...] = (),
-                   healthy: bool = True) -> list[InstalledRelease]:
+                   healthy: bool = True,
+                   state: ReleaseState | None = None) -> list[InstalledRelease]:
     out = []
     for component in deployment.components:
         if component.name in skip:
@@ -61,10 +64,11 @@ def installed_from(deployment: DesiredDeployment, *, skip: tuple[str, ...] = (),
                                   desired_digest=deployment.digest,
                                   spec_digest=component.spec_digest,
                                   values_digest=component.values_digest)
+        found = state or (ReleaseState.DEPLOYED if healthy else ReleaseState.FAILED)
         release = release_from_labels(labels, release_name=release_name(
             deployment.deployment_id, component.name), namespace=deployment.namespace,
-            healthy=healthy, detail="deployed" if healthy else "failed")
-        assert release is not None
+            state=found, detail=str(found))
+        assert release.managed
         out.append(release)
     return out
 
@@ -165,13 +169,41 @@ def test_namespace_change_moves_the_release() -> None:
         ("remove", "shop"), ("install", "store"), ("remove", "shop"), ("install", "store")]
 
 
-def test_releases_without_our_labels_are_invisible() -> None:
+def test_releases_without_all_our_labels_are_unmanaged() -> None:
+    deployed = ReleaseState.DEPLOYED
     assert release_from_labels({"app": "mine"}, release_name="x", namespace="n",
-                               healthy=True) is None
+                               state=deployed).state is ReleaseState.UNMANAGED
     labels = ownership_labels("d", "c", desired_digest="sha256:" + "a" * 64,
                               spec_digest="sha256:" + "b" * 64, values_digest="sha256:" + "c" * 64)
     del labels["margo-gitops.dev/component"]
-    assert release_from_labels(labels, release_name="x", namespace="n", healthy=True) is None
+    half = release_from_labels(labels, release_name="x", namespace="n", state=deployed)
+    assert (half.state, half.managed, half.deployment_id) == (ReleaseState.UNMANAGED, False, "")
+
+
+@pytest.mark.parametrize(("state", "action", "reason"), [
+    (ReleaseState.DEPLOYED, "unchanged", "up to date"),
+    (ReleaseState.FAILED, "upgrade", "the installed release is failed"),
+    (ReleaseState.PENDING_INSTALL, "reinstall", "the installed release is pending-install"),
+    (ReleaseState.PENDING_UPGRADE, "recover", "the installed release is pending-upgrade"),
+])
+def test_what_was_found_decides_the_action(state: ReleaseState, action: str,
+                                           reason: str) -> None:
+    deployment = two()
+    steps = plan([deployment], installed_from(deployment, state=state)).deployments[0].steps
+    assert [(str(s.action), s.reason) for s in steps] == [(action, reason)] * 2
+
+
+def test_a_name_taken_by_what_is_not_ours_is_skipped_and_never_removed() -> None:
+    deployment = two()
+    database = release_name(deployment.deployment_id, "database")
+    taken = [unmanaged_release(database, "shop"), unmanaged_release("by-hand", "shop"),
+             unmanaged_release(release_name(deployment.deployment_id, "frontend"), "other")]
+    [dplan] = plan([deployment], taken).deployments
+    assert [(str(s.action), s.component) for s in dplan.steps] == [
+        ("skip", "database"), ("install", "frontend")]  # another namespace: no clash
+    assert dplan.steps[0].reason == (f"release {database} in namespace shop exists but is not "
+                                     "managed by margo-gitops; it is left alone")
+    assert plan([], taken).deployments == ()
 
 
 def test_duplicate_claims_keep_the_deterministic_name() -> None:

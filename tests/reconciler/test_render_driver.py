@@ -144,7 +144,7 @@ def test_a_crash_mid_render_is_unhealthy_and_applied_again(driver: RenderDriver,
     assert not installed.healthy and installed.detail == "pending-upgrade"
     the_plan = converge(driver, [desired])
     assert [(s.action, s.reason) for s in the_plan.changes] == [
-        (Action.UPGRADE, "the installed release is pending-upgrade")]
+        (Action.RECOVER, "the installed release is pending-upgrade")]
     assert driver.installed()[0].healthy
     assert not staging.exists()
     assert ledger(driver)[f"edge/{RELEASE}"]["revision"] == 2

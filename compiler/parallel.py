@@ -1,0 +1,110 @@
+"""Spreading a compile over forked worker processes.
+
+Rendering is pure Python and the fleet server's machines have more than one core, so large
+compiles fork workers that inherit everything the parent computed (the source, the
+snapshot, the targeting sets) instead of receiving it in a pickle. Only results cross back,
+as plain tuples (`pack`/`unpack`, which the caller defines for its own result type).
+
+`forked_state(...)` publishes what workers inherit for the duration of a block; inside it,
+`map_in_chunks` yields every item's result in order (as soon as each is ready, so the
+caller can stream them on), and `split_in_two` computes half of a keyed job in one forked
+process while the caller computes the other half. Outside such a block nothing is forked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+__all__ = ["PARALLEL_DEVICES", "PARALLEL_TARGETING", "PARALLEL_THRESHOLD", "forked_state",
+           "map_in_chunks", "split_in_two", "worker_count"]
+
+R = TypeVar("R")
+Progress = Callable[[Iterable[Any], int], Iterable[Any]]
+
+#: Compiles that evaluate at least this many (device, intent) pairs, or commit to at least
+#: this many devices (each costs a commit message, a tree and a few digests, ~0.2 ms), are
+#: spread over worker processes; below both, starting workers (~20 ms) costs more than it
+#: saves.
+PARALLEL_THRESHOLD = 10_000
+PARALLEL_DEVICES = 500
+#: Fleets of at least this many devices to compile work out which devices each intent targets
+#: in two processes (about 15 ms per intent per 1,000 devices).
+PARALLEL_TARGETING = 2_000
+
+#: What forked workers inherit: the per-item work, its packer, and the keyed half-job.
+_INHERITED: dict[str, Callable[..., Any]] = {}
+
+
+def worker_count(evaluations: int, devices: int) -> int:
+    """How many processes a compile of this size should use (`MARGO_COMPILE_WORKERS`
+    overrides; 1 where `fork` is not available)."""
+    configured = os.environ.get("MARGO_COMPILE_WORKERS")
+    if configured:
+        return max(1, int(configured))
+    if ((evaluations < PARALLEL_THRESHOLD and devices < PARALLEL_DEVICES)
+            or "fork" not in multiprocessing.get_all_start_methods()):
+        return 1
+    return min(os.cpu_count() or 1, 4)
+
+
+@contextmanager
+def forked_state(*, work: Callable[[int], Any], pack: Callable[[Any], Any],
+                 keyed: Callable[[list[str]], dict[str, Any]] | None = None) -> Iterator[None]:
+    """Publish `work(index)`, `pack(result)` and `keyed(names)` to the workers forked inside
+    the block."""
+    _INHERITED.update(work=work, pack=pack, keyed=keyed or (lambda names: {}))
+    try:
+        yield
+    finally:
+        _INHERITED.clear()
+
+
+def _run_range(bounds: tuple[int, int]) -> list[Any]:
+    work, pack = _INHERITED["work"], _INHERITED["pack"]
+    return [pack(work(i)) for i in range(*bounds)]
+
+
+def _run_keyed(names: list[str]) -> dict[str, Any]:
+    return _INHERITED["keyed"](names)
+
+
+def split_in_two(names: list[str]) -> dict[str, Any]:
+    """`keyed(names)`, half of the names computed in a forked process meanwhile."""
+    keyed = _INHERITED["keyed"]
+    if len(names) < 2:
+        return keyed(names)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        pending = pool.apply_async(_run_keyed, (names[1::2],))
+        mine = keyed(names[0::2])
+        return {**mine, **pending.get()}
+
+
+def map_in_chunks(count: int, *, workers: int, share: bool, unpack: Callable[[Any], R],
+                  progress: Progress | None = None) -> Iterator[R]:
+    """`work(i)` for every i in `range(count)`, in order, over `workers` processes.
+
+    Small chunks: the first result arrives sooner, and no worker is left alone on a big
+    last chunk while the others idle. With `share`, this process computes every
+    `workers`-th chunk itself instead of only collecting (right when each item is light
+    next to sending its result across; wrong when items are heavy, where collecting and
+    streaming keeps the workers fed)."""
+    work = _INHERITED["work"]
+    step = max(1, count // (workers * 32))
+    ranges = [(start, min(start + step, count)) for start in range(0, count, step)]
+    with multiprocessing.get_context("fork").Pool(workers - 1 if share else workers) as pool:
+        mine = range(0, len(ranges), workers) if share else range(0)
+        theirs = pool.imap(_run_range, [r for i, r in enumerate(ranges) if i not in mine])
+
+        def parts() -> Iterator[Iterable[R]]:
+            for index, bounds in enumerate(ranges):
+                if index in mine:
+                    yield [work(i) for i in range(*bounds)]
+                else:
+                    yield map(unpack, next(theirs))
+
+        for part in (progress(parts(), len(ranges)) if progress else parts()):
+            yield from part

@@ -49,11 +49,11 @@ schemas: venv
 # The Kubernetes control plane, built from the pinned Go modules in tools/kube (cached under
 # ~/.cache/margo-gitops/kube, or $$MARGO_KUBE_CACHE), for the tests and for people.
 kube: venv
-	@$(BIN)/python tools/kube/kubebuild.py >/dev/null
+	@$(BIN)/python -m tools.kube.kubebuild >/dev/null
 
 # A real control plane on loopback with simulated nodes; prints its kubeconfigs.
 cluster: kube
-	$(BIN)/python tools/kube/cluster.py
+	$(BIN)/python -m tools.kube.cluster
 
 demo: venv
 	@PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh

@@ -27,23 +27,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "wfm"))
-sys.path.insert(0, str(ROOT / "tests" / "reconciler"))
-sys.path.insert(0, str(ROOT / "tools" / "kube"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
 
 import yaml  # noqa: E402
-from chartkit import publish_example_charts  # noqa: E402
-from controlplane import ControlPlane  # noqa: E402
-from fleetserver import FleetServer, fleet_server, write_fleet  # noqa: E402
-from kubebuild import binaries  # noqa: E402
-from kubekit import DEVICE_RBAC, THREE_NODES  # noqa: E402
-from kubenodes import apply_nodes  # noqa: E402
-from registrykit import running_registry  # noqa: E402
+from kits.chartkit import publish_example_charts  # noqa: E402
+from kits.fleetserver import FleetServer, fleet_server, write_fleet  # noqa: E402
+from kits.kubekit import DEVICE_RBAC, THREE_NODES  # noqa: E402
+from kits.registrykit import running_registry  # noqa: E402
 
 from reconciler.assembly import open_reconciler  # noqa: E402
 from reconciler.config import load_config  # noqa: E402
 from reconciler.runner import Reconciler  # noqa: E402
+from tools.kube.controlplane import ControlPlane  # noqa: E402
+from tools.kube.kubebuild import binaries  # noqa: E402
+from tools.kube.kubenodes import apply_nodes  # noqa: E402
 
 DEVICE = "bench-cluster"
 INTENT = """\

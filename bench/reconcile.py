@@ -33,23 +33,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "wfm"))
-sys.path.insert(0, str(ROOT / "tests" / "reconciler"))
-sys.path.insert(0, str(ROOT / "tools" / "docker"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
 
 import yaml  # noqa: E402
-from chartkit import publish_example_charts  # noqa: E402
-from dockerengine import running_engine, why_unavailable  # noqa: E402
-from fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
-from registrykit import running_registry  # noqa: E402
-from testimages import push_image, web_image  # noqa: E402
+from kits.chartkit import publish_example_charts  # noqa: E402
+from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
+from kits.registrykit import running_registry  # noqa: E402
 
 from margo.archive import deterministic_targz  # noqa: E402
 from reconciler.assembly import open_reconciler  # noqa: E402
 from reconciler.config import load_config  # noqa: E402
 from reconciler.oci import OciClient  # noqa: E402
 from reconciler.runner import Reconciler  # noqa: E402
+from tools.docker.dockerengine import running_engine, why_unavailable  # noqa: E402
+from tools.docker.testimages import push_image, web_image  # noqa: E402
 
 INTENT = """\
 apiVersion: margo-gitops.dev/v1alpha1

@@ -26,10 +26,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "wfm"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
 
-from serverkit import running_server  # noqa: E402
+from kits.serverkit import running_server  # noqa: E402
 
 from wfm.clients import ClientRegistry  # noqa: E402
 from wfm.db import Database  # noqa: E402

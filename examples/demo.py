@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -36,12 +35,13 @@ import yaml
 
 from margo.archive import deterministic_targz
 from reconciler.oci import OciClient
+from tools.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools" / "docker"))
+sys.path.insert(0, str(ROOT))  # tools/docker
 
-from dockerengine import DockerEngine, running_engine, why_unavailable  # noqa: E402
-from testimages import greeter_image, push_image  # noqa: E402
+from tools.docker.dockerengine import DockerEngine, running_engine, why_unavailable  # noqa: E402
+from tools.docker.testimages import greeter_image, push_image  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 EXAMPLE_REGISTRY = "127.0.0.1:5000"
@@ -77,14 +77,7 @@ def run(*args: str | Path, cwd: Path = ROOT, check: bool = True,
 
 
 def wait_until(what: str, predicate: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.25)
+    return poll_until(what, predicate, timeout=timeout, interval=0.25)
 
 
 # --- the parts ----------------------------------------------------------------------------

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kits.serverkit import ROOT, add_client, running_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wfm"))
-from serverkit import ROOT, add_client, running_server
+from tools.polling import poll_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -103,11 +101,9 @@ def dashboard_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dashbo
         for device_id, doc in devices.items():
             assert http.put(f"/api/v1/capabilities/{device_id}", json=doc).status_code == 201
         fleet = DashboardFleet(base, http)
-        deadline = time.monotonic() + 20
-        while not any(d["intent"] == "vision-plant-a" for d in fleet.operator_get(
-                "/api/fleet/devices/plant-a-cluster")["deployments"]):
-            assert time.monotonic() < deadline, "the fleet was not compiled in time"
-            time.sleep(0.1)
+        poll_until("the fleet compiled", lambda: any(
+            d["intent"] == "vision-plant-a" for d in fleet.operator_get(
+                "/api/fleet/devices/plant-a-cluster")["deployments"]), timeout=20)
         fleet.report("plant-a-cluster", "hello-everywhere", "installed")
         fleet.report("plant-a-cluster", "vision-plant-a", "installing")
         fleet.report("line-box", "hello-everywhere", "failed",

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fleetkit import Fleet, app, device, intent
+from kits.fleetkit import Fleet, app, device, intent
 
 from compiler.explain import explain_device
 from compiler.snapshot import load_snapshot

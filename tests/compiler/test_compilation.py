@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fleetkit import Fleet, app, device, intent
+from kits.fleetkit import Fleet, app, device, intent
 
 from compiler.gitstore import DeviceStore
 from compiler.render import deployment_id

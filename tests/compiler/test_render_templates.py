@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import yaml
-from fleetkit import Fleet, app, device, intent
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kits.fleetkit import Fleet, app, device, intent
 
 from compiler.compilation import resolve_intents
 from compiler.placement import ProfileConstraints, place

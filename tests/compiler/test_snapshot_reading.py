@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from fleetkit import Fleet, app, device, intent
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kits.fleetkit import Fleet, app, device, intent
 from test_cluster_placement import cluster_device, node
 
 import compiler.snapshot as snapshot_module

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetkit import Fleet, app, intent
+from kits.fleetkit import Fleet, app, intent
 
 from compiler.source import load_source
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pygit2
 import pytest
-from fleetkit import Fleet, app, device, intent
+from kits.fleetkit import Fleet, app, device, intent
 
 from compiler import compilation
 from compiler.compilation import CompileReport, compile_fleet

@@ -1,23 +1,13 @@
 """Fixtures for the conformance kit's tests: one real OCI registry (Debian docker-registry)
-holding the kit's application package in the Margo layout, shared by the modules here.
-
-The test PKI (`pkikit`, tests/wfm) and the registry kit (`registrykit`, tests/reconciler) are
-imported by bare name, so both directories go on sys.path.
-"""
+holding the kit's application package in the Margo layout, shared by the modules here."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wfm"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reconciler"))
-
-from conformancekit import PACKAGE_DIR, push_margo_package
-from registrykit import running_registry
+from kits.conformancekit import PACKAGE_DIR, push_margo_package
+from kits.registrykit import running_registry
 
 PACKAGE_REPOSITORY = "margo-ctt/hello-world"
 PACKAGE_TAG = "1.0"  # the Application Description's metadata.version (tag MUST equal it)

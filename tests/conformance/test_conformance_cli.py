@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conformancekit import RecordingServer
+from kits.conformancekit import RecordingServer
 
 from margo_cli.main import main as margo_main
 

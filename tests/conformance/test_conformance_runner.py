@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conformancekit import RecordingServer, write_rc2_identity
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
-from pkikit import issue_client_svid, make_lab
+from kits.conformancekit import RecordingServer, write_rc2_identity
+from kits.pkikit import issue_client_svid, make_lab
 
 from conformance.runner import (
     CERTIFICATE_PLACEHOLDER,

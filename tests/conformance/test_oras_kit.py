@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conformancekit import A1_SUITE, ORAS_CHECKS, PACKAGE_DIR, push_margo_package, report_line
+from kits.conformancekit import A1_SUITE, ORAS_CHECKS, PACKAGE_DIR, push_margo_package, report_line
 
 from conformance.registry import RegistryClient, RegistryError, RegistryRef
 from conformance.runner import CertDir, Runner, RunnerOptions, Suite, load_suite

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from conformancekit import B1_COLLECTION
+from kits.conformancekit import B1_COLLECTION
 
 from conformance.postman import (
     convert_collection,

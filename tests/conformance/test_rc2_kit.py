@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conformancekit import (
+from kits.conformancekit import (
     B1_COLLECTION,
     fleet_source,
     margo,
@@ -36,11 +35,12 @@ from conformancekit import (
     running_wfm,
     write_rc2_identity,
 )
-from pkikit import Lab, client_context, make_lab
+from kits.pkikit import Lab, client_context, make_lab
 
 from conformance.postman import DEVICE_CAPABILITIES_BODY
 from conformance.runner import CertDir, Rc2Identity, Runner, load_suite
 from reconciler.signing import SigningAuth
+from tools.polling import poll_until
 
 DEVICE = "kit-rc2-device"
 # Response-example ids of the core collection (see the module docstring).
@@ -81,13 +81,11 @@ def assign_deployment(base: str, lab: Lab, identity: Rc2Identity) -> dict[str, A
                       auth=SigningAuth(identity.key), timeout=10) as http:
         assert http.post(f"/api/v1/clients/{DEVICE}/capabilities",
                          json=body).status_code == 201
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def assigned() -> dict[str, Any] | None:
             manifest: dict[str, Any] = http.get(f"/api/v1/clients/{DEVICE}/deployments").json()
-            if manifest["deployments"]:
-                return manifest
-            time.sleep(0.1)
-    raise AssertionError("the deployment was never assigned")
+            return manifest if manifest["deployments"] else None
+
+        return poll_until("the deployment assigned", assigned, timeout=20)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conformancekit import (
+from kits.conformancekit import (
     A1_SUITE,
     HEADER_INTEGRITY,
     KIT_MIAF,
@@ -33,7 +33,7 @@ from conformancekit import (
     running_wfm,
     valid_now,
 )
-from pkikit import Lab, issue_client_svid, make_ca, make_lab
+from kits.pkikit import Lab, issue_client_svid, make_ca, make_lab
 
 from conformance.runner import CertDir, Runner, RunnerOptions, load_suite
 

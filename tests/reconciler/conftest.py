@@ -4,18 +4,15 @@ Docker engine with locally built test images, for all of them."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 # The fleet server's test kit (running `margo serve`, adding clients) is shared with tests/wfm.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "wfm"))
-
-from dockerkit import DockerEngine, ImageSet, build_test_images, running_engine
-from kubekit import DEVICE_RBAC, SINGLE_NODE, ControlPlane, KubeCluster
-from registrykit import running_registry
+from kits.dockerkit import DockerEngine, ImageSet, build_test_images, running_engine
+from kits.kubekit import DEVICE_RBAC, SINGLE_NODE, ControlPlane, KubeCluster
+from kits.registrykit import running_registry
 
 
 @pytest.fixture(scope="session")

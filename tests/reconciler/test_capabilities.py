@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serverkit import add_client, assert_matches_openapi, free_port, running_server
+from kits.serverkit import add_client, assert_matches_openapi, free_port, running_server
 
 from margo.errors import DocumentError
 from margo.kinds import Kind, Shape

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import helm_python as helm
 import pytest
-from chartkit import chart_digest, publish_chart, publish_example_charts, write_chart
-from registrykit import running_registry
+from kits.chartkit import chart_digest, publish_chart, publish_example_charts, write_chart
+from kits.registrykit import running_registry
 
 from reconciler.charts import ChartCache, parse_repository
 from reconciler.errors import ApplyError

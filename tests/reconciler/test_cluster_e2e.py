@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubekit import GPU_WORKER, THREE_NODES, KubeCluster
+from kits.kubekit import GPU_WORKER, THREE_NODES, KubeCluster
 
 from margo.cluster import is_cluster_manifest, validate_cluster_manifest
 from reconciler.config import load_config

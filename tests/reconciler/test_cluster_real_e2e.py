@@ -18,7 +18,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
@@ -26,13 +25,14 @@ from typing import Any
 
 import pytest
 import yaml
-from chartkit import publish_chart, publish_example_charts
-from fleetserver import FleetServer, fleet_server, write_fleet
-from kubekit import GPU_WORKER, SINGLE_NODE, THREE_NODES, KubeCluster, SimNode
+from kits.chartkit import publish_chart, publish_example_charts
+from kits.fleetserver import FleetServer, fleet_server, write_fleet
+from kits.kubekit import GPU_WORKER, SINGLE_NODE, THREE_NODES, KubeCluster, SimNode
 
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config
 from reconciler.runner import Reconciler
+from tools.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "fleet"
@@ -65,14 +65,11 @@ spec:
 def until(what: str, predicate: Callable[[], Any], reconciler: Reconciler | None = None,
           timeout: float = 60) -> Any:
     """Poll (running device cycles meanwhile, as `margo device run` would) until true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        last = reconciler.cycle() if reconciler is not None else None
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; last cycle: {last}"
-        time.sleep(0.2)
+    cycles: list[Any] = [None]
+    run = (lambda: cycles.__setitem__(0, reconciler.cycle())) if reconciler is not None \
+        else None
+    return poll_until(what, predicate, timeout=timeout, interval=0.2, each=run,
+                      describe=lambda: f"last cycle: {cycles[0]}")
 
 
 def device_home(tmp_path: Path, server: FleetServer, kube: KubeCluster, *,

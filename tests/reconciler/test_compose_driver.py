@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dockerkit import (
+from kits.dockerkit import (
     DockerEngine,
     ImageSet,
     compose_package,
@@ -30,7 +30,7 @@ from dockerkit import (
     web_service,
     worker_command,
 )
-from registrykit import running_registry
+from kits.registrykit import running_registry
 
 from reconciler.desired import DesiredDeployment, parse_deployment
 from reconciler.drivers.compose import ENV_FILE, OVERRIDE_FILE, ComposeDriver, project_files

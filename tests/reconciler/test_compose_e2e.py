@@ -23,9 +23,16 @@ from typing import Any
 
 import pytest
 import yaml
-from dockerkit import DockerEngine, ImageSet, compose_package, environment, inspect, web_service
-from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
-from registrykit import running_registry
+from kits.dockerkit import (
+    DockerEngine,
+    ImageSet,
+    compose_package,
+    environment,
+    inspect,
+    web_service,
+)
+from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.registrykit import running_registry
 
 from reconciler.oci import OciClient
 

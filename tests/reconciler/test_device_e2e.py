@@ -24,10 +24,10 @@ from typing import Any
 
 import pytest
 import yaml
-from chartkit import publish_chart, publish_example_charts, write_chart
-from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
-from netkit import cuttable_proxy
-from registrykit import running_registry
+from kits.chartkit import publish_chart, publish_example_charts, write_chart
+from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.netkit import cuttable_proxy
+from kits.registrykit import running_registry
 
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config

@@ -24,7 +24,7 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from clusterkit import (
+from kits.clusterkit import (
     DAEMONSETS,
     NODES,
     PODS,
@@ -37,7 +37,7 @@ from clusterkit import (
     recorded,
     serve,
 )
-from kubeemu import Emulator, running_emulator, write_kubeconfig
+from kits.kubeemu import Emulator, running_emulator, write_kubeconfig
 
 from margo.cluster import LABEL_PREFIX
 from margo_cli.doctor_command import default_kubeconfig

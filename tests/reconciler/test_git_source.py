@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pygit2
 import pytest
-from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
-from serverkit import free_port
+from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.serverkit import free_port
 
 from margo.digests import digest_of
 from reconciler.desired import DesiredState

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import helm_python as helm
 import pytest
-from chartkit import (
+from kits.chartkit import (
     DEPLOYMENT_ID,
     actions,
     converge,
@@ -32,8 +32,8 @@ from chartkit import (
     publish_example_charts,
     write_chart,
 )
-from kubekit import ROOT as REPO_ROOT
-from kubekit import SINGLE_NODE, KubeCluster, SimNode
+from kits.kubekit import ROOT as REPO_ROOT
+from kits.kubekit import SINGLE_NODE, KubeCluster, SimNode
 
 from reconciler.charts import ChartCache
 from reconciler.drivers.helm import HelmDriver
@@ -315,7 +315,7 @@ HOLD_OPERATION = """\
 import sys
 sys.path[:0] = {paths!r}
 from pathlib import Path
-from chartkit import converge, greeter
+from kits.chartkit import converge, greeter
 from reconciler.charts import ChartCache
 from reconciler.drivers.helm import HelmDriver
 with ChartCache(Path({cache!r})) as cache:
@@ -329,7 +329,7 @@ def kill_during(kube: KubeCluster, tmp_path: Path, kubeconfig: Path, repository:
     """Start a driver in another process on `repository` (which never becomes ready) and
     SIGKILL it once Helm's record of the release reaches `state`."""
     script = HOLD_OPERATION.format(
-        paths=[str(REPO_ROOT), str(REPO_ROOT / "tests" / "reconciler")],
+        paths=[str(REPO_ROOT), str(REPO_ROOT / "tests")],
         cache=str(tmp_path / "killed-cache"), kubeconfig=str(kubeconfig), repository=repository)
     log = tmp_path / "killed.log"
     with open(log, "wb") as output:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from pkikit import (
+from kits.pkikit import (
     Ca,
     Svid,
     issue_client_svid,
@@ -39,6 +39,7 @@ from pkikit import (
     running_tls_server,
     write_pem,
 )
+from kits.stubserver import serving as stub_serving
 
 from margo.archive import deterministic_targz
 from margo.digests import digest_of
@@ -171,19 +172,14 @@ class TlsServer(ThreadingHTTPServer):
 
 @contextmanager
 def serving(context: ssl.SSLContext, app: App = ok_app) -> Iterator[TlsServer]:
-    server = TlsServer(context, app)
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
+    def cut(server: TlsServer) -> None:
         with server._lock:
             for sock in server._open:
                 with suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-        server.server_close()
-        thread.join()
+
+    with stub_serving(server=TlsServer(context, app), before_close=cut) as server:
+        yield server
 
 
 def pem(*certs: x509.Certificate) -> str:

@@ -22,7 +22,7 @@ import helm_python
 import httpx
 import pytest
 import yaml
-from clusterkit import (
+from kits.clusterkit import (
     CRDS,
     DAEMONSETS,
     GPU_NODE,
@@ -43,7 +43,7 @@ from clusterkit import (
     recorded,
     serve,
 )
-from kubeemu import Emulator, running_emulator, write_kubeconfig
+from kits.kubeemu import Emulator, running_emulator, write_kubeconfig
 
 from margo.cluster import EXTENSION_KEY, LABEL_PREFIX, validate_cluster_manifest
 from margo.kinds import Kind

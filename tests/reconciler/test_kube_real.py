@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubekit import CONTROL_PLANE_TAINT, GPU_WORKER, THREE_NODES, KubeCluster, SimNode
+from kits.kubekit import CONTROL_PLANE_TAINT, GPU_WORKER, THREE_NODES, KubeCluster, SimNode
 
 from margo.cluster import LABEL_PREFIX
 from margo.kinds import Kind

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +19,7 @@ from typing import Any
 import helm_python
 import httpx
 import pytest
+from kits.stubserver import serving
 
 from margo.digests import digest_of
 from reconciler.errors import ApplyError
@@ -154,16 +154,8 @@ def behaviour() -> Behaviour:
 @pytest.fixture
 def proxy(registry: str, behaviour: Behaviour) -> Iterator[str]:
     """`host:port` of a proxy in front of the session registry, doing `behaviour`."""
-    server = Proxy(registry, behaviour)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
-                              daemon=True)
-    thread.start()
-    try:
+    with serving(server=Proxy(registry, behaviour), poll_interval=0.01) as server:
         yield server.host
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chartkit import converge
+from kits.chartkit import converge
 
 from margo.archive import deterministic_targz
 from reconciler.charts import ChartCache

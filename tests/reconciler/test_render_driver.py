@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chartkit import (
+from kits.chartkit import (
     DEPLOYMENT_ID,
     actions,
     converge,

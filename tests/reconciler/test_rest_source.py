@@ -12,7 +12,6 @@ import io
 import itertools
 import json
 import tarfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,8 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
-from fleetserver import FleetServer, capabilities, fleet_server, write_fleet
-from serverkit import free_port
+from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.serverkit import free_port
+from kits.stubserver import serving
 
 from margo.archive import deterministic_targz
 from margo.digests import digest_of
@@ -441,13 +441,8 @@ class _Throttling(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def throttling() -> Iterator[ThreadingHTTPServer]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Throttling)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield httpd
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with serving(_Throttling) as httpd:
+        yield httpd
 
 
 def _fetch_error(httpd: ThreadingHTTPServer) -> SourceError:

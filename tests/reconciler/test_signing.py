@@ -15,12 +15,11 @@ import datetime as dt
 import hashlib
 import json
 import re
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,9 @@ from http_message_signatures.algorithms import (
     RSA_PSS_SHA512,
     RSA_V1_5_SHA256,
 )
-from pkikit import cert_pem, make_key, make_self_signed, write_pem
-from serverkit import free_port, running_server
+from kits.pkikit import cert_pem, make_key, make_self_signed, write_pem
+from kits.serverkit import free_port, running_server
+from kits.stubserver import serving, url
 
 from margo.errors import DocumentError
 from margo.rfc9421 import ONBOARDING_API_VERSION, key_id
@@ -197,15 +197,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def wfm() -> Iterator[Rc2Wfm]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    state = Rc2Wfm(base=f"http://127.0.0.1:{httpd.server_address[1]}")
-    httpd.wfm = state  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield state
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with serving(_Handler) as httpd:
+        httpd.wfm = state = Rc2Wfm(base=url(httpd))
+        yield state
 
 
 @dataclass

@@ -15,17 +15,16 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serverkit import ROOT, add_client, free_port, running_server
+from kits.serverkit import ROOT, add_client, free_port, running_server
+from kits.stubserver import serving, url
 
 from margo.digests import digest_of
 from margo.kinds import Kind, Shape
@@ -35,6 +34,7 @@ from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
 from reconciler.http_answers import parse_retry_after
 from reconciler.state import SCHEMA_VERSION, ComponentReport, DeviceState, StateError
 from reconciler.statuses import status_body, status_path
+from tools.polling import poll_until
 
 DEPLOYMENT = b"""id: 11111111-2222-4333-8444-555555555555
 metadata: {name: demo, namespace: demo, deviceId: dev-1}
@@ -348,15 +348,15 @@ class Fleet:
         doc["properties"]["id"] = device_id
         with self.client() as http:
             assert http.put(f"/api/v1/capabilities/{device_id}", json=doc).status_code == 201
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
+            def assigned() -> tuple[DesiredDeployment, int] | None:
                 manifest = http.get("/api/v1/deployments").json()
                 for ref in manifest["deployments"]:
                     deployment = parse_deployment(http.get(ref["url"]).content)
                     if deployment.device_id == device_id:
                         return deployment, int(manifest["manifestVersion"])
-                time.sleep(0.1)
-        raise AssertionError(f"no deployment for {device_id}")
+                return None
+
+            return poll_until(f"a deployment for {device_id}", assigned, timeout=20)
 
     def history(self, deployment_id: str) -> list[dict[str, Any]]:
         """The status reports the server stored for a deployment, in arrival order."""
@@ -540,22 +540,18 @@ class Scripted:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                       daemon=True)
+        self._serving = serving(Handler)
 
     @property
     def base(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return url(self.server)
 
     def __enter__(self) -> Scripted:
-        self.thread.start()
+        self.server = self._serving.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        self._serving.__exit__(*exc_info)
 
 
 def problem(status: int, **fields: Any) -> bytes:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from serverkit import assert_matches_openapi
+from kits.serverkit import assert_matches_openapi
 
 from margo.kinds import Kind, Shape
 from margo.validation import validate_value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gzip
 import hashlib
@@ -16,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serverkit import (
+from kits.serverkit import (
     ROOT,
     add_client,
     assert_matches_openapi,
@@ -24,6 +25,8 @@ from serverkit import (
     killable_server,
     running_server,
 )
+
+from tools.polling import poll_until
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
 CAPS = ROOT / "examples" / "capabilities"
@@ -57,12 +60,16 @@ def client(server: dict[str, Any], name: str = "site-a") -> httpx.Client:
 
 def wait_for_deployments(http: httpx.Client, path: str = "/api/v1/deployments",
                          at_least: int = 1) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while True:
-        manifest: dict[str, Any] = http.get(path).json()
-        if len(manifest["deployments"]) >= at_least or time.monotonic() > deadline:
-            return manifest
-        time.sleep(0.2)
+    """The manifest once it lists `at_least` deployments (or the last one after 20 s)."""
+    seen: list[dict[str, Any]] = [{}]
+
+    def enough() -> bool:
+        seen[0] = http.get(path).json()
+        return len(seen[0]["deployments"]) >= at_least
+
+    with contextlib.suppress(TimeoutError):
+        poll_until("the deployments", enough, timeout=20, interval=0.2)
+    return seen[0]
 
 
 def test_requests_without_credentials_are_refused(server: dict[str, Any]) -> None:
@@ -239,12 +246,9 @@ def test_manifest_version_survives_a_restart_and_grows_on_change(tmp_path: Path)
         moved = caps("k8s-cluster-gpu")  # another site: the greeting changes
         moved["labels"]["example.com/site"] = "plant-z"
         http.put("/api/v1/capabilities/k8s-cluster-gpu", json=moved)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            current = http.get("/api/v1/deployments").json()
-            if current["manifestVersion"] > version:
-                break
-            time.sleep(0.2)
+        current = poll_until("the next manifest", lambda: (
+            found if (found := http.get("/api/v1/deployments").json())["manifestVersion"]
+            > version else None), timeout=20, interval=0.2)
         assert current["manifestVersion"] == version + 1
         assert len(current["deployments"]) == 3  # vision-plant-a no longer targeted
 

@@ -12,9 +12,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from serverkit import add_client, check_response, running_server
+from kits.serverkit import add_client, check_response, running_server
 
 from margo.cluster import device_capabilities_from_cluster
+from tools.polling import poll_until
 
 APP = "com-example-vision"
 GPU_NODE = {"x-margo-gitops-extensions": {"cluster": {"nodes": [
@@ -107,10 +108,9 @@ def test_rc3_put_stores_a_cluster_like_a_device_and_compiles_for_it(
     with client(server, "site-a") as http:
         assert http.put("/api/v1/capabilities/plant-a", json=body).status_code == 201
         assert http.put("/api/v1/capabilities/plant-a", json=body).status_code == 200
-        deadline = time.monotonic() + 20
-        while not http.get("/api/v1/deployments").json()["deployments"]:
-            assert time.monotonic() < deadline, "no deployment was compiled for the cluster"
-            time.sleep(0.2)
+        poll_until("a deployment compiled for the cluster",
+                   lambda: http.get("/api/v1/deployments").json()["deployments"], timeout=20,
+                   interval=0.2)
         [ref] = http.get("/api/v1/deployments").json()["deployments"]
         deployment = yaml.safe_load(http.get(ref["url"]).content)
     assert deployment["metadata"]["deviceId"] == "plant-a"

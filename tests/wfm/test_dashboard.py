@@ -8,7 +8,6 @@ import html
 import json
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,10 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from kits.serverkit import ROOT, add_client, running_server
 from markupsafe import escape
-from serverkit import ROOT, add_client, running_server
 
+from tools.polling import poll_until
 from wfm.dashboard import (
     COOKIE_NAME,
     STATES,
@@ -105,10 +105,7 @@ class Fleet:
 
 
 def wait_for(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    poll_until(what, predicate, timeout=20)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serverkit import ROOT, add_client, running_server
+from kits.serverkit import ROOT, add_client, running_server
+
+from tools.polling import poll_until
 
 CAPS = ROOT / "examples" / "capabilities"
 
@@ -33,12 +36,16 @@ def caps(name: str) -> dict[str, Any]:
 
 
 def poll(http: httpx.Client, predicate: Any, path: str = "/api/v1/deployments") -> Any:
-    deadline = time.monotonic() + 20
-    while True:
-        body = http.get(path).json()
-        if predicate(body) or time.monotonic() > deadline:
-            return body
-        time.sleep(0.2)
+    """The body at `path` once `predicate` holds (or the last one after 20 s)."""
+    seen: list[Any] = [None]
+
+    def holds() -> bool:
+        seen[0] = http.get(path).json()
+        return bool(predicate(seen[0]))
+
+    with contextlib.suppress(TimeoutError):
+        poll_until(f"{path} to change", holds, timeout=20, interval=0.2)
+    return seen[0]
 
 
 def github_push(secret: str, ref: str, after: str) -> tuple[bytes, dict[str, str]]:

@@ -33,6 +33,7 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceCommit, DeviceStore, device_ref
+from tools.polling import poll_until
 from wfm import githttp
 from wfm.githttp import git_app
 
@@ -105,10 +106,9 @@ def running(app: ASGIApp) -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+        poll_until("uvicorn to start", lambda: server.started or not thread.is_alive(),
+                   timeout=10, interval=0.01)
+        assert server.started, "uvicorn did not start"
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serverkit import ROOT, add_client, running_server
+from kits.serverkit import ROOT, add_client, running_server
+
+from tools.polling import poll_until
 
 INTENT = """\
 apiVersion: margo-gitops.dev/v1alpha1
@@ -29,10 +31,7 @@ def deployments(http: httpx.Client) -> list[dict[str, Any]]:
 
 
 def wait(predicate: Any, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
+    poll_until("the condition", predicate, timeout=timeout)
 
 
 def test_grace_period_expiry_removes_the_deployment_without_new_reports(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from pkikit import (
+from kits.pkikit import (
     Ca,
     issue_svid,
     make_ca,
@@ -24,7 +24,7 @@ from pkikit import (
     running_tls_server,
     tls_client,
 )
-from pkikit import write_pem as write
+from kits.pkikit import write_pem as write
 
 from margo import spiffe
 from margo_cli.main import main as margo

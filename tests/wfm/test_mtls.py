@@ -9,6 +9,7 @@ handshake (no certificate, untrusted CA, outside the validity period, TLS 1.2) o
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import json
 import shutil
@@ -24,7 +25,7 @@ import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from pkikit import (
+from kits.pkikit import (
     Lab,
     client_context,
     issue_client_svid,
@@ -36,10 +37,11 @@ from pkikit import (
     tls_client,
     write_pem,
 )
-from serverkit import ROOT, check_response, running_server
+from kits.serverkit import ROOT, check_response, running_server
 
 from margo import spiffe
 from margo_cli.main import main as margo_main
+from tools.polling import poll_until
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
 NOT_AUTHORIZED = "https://docs.margo.org/specification/problem-types#not-authorized"
@@ -91,12 +93,16 @@ def refused_in_handshake(base: str, lab: Lab, cert: Path | None, key: Path | Non
 
 
 def wait_for_deployments(http: httpx.Client, at_least: int) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while True:
-        manifest: dict[str, Any] = http.get("/api/v1/deployments").json()
-        if len(manifest["deployments"]) >= at_least or time.monotonic() > deadline:
-            return manifest
-        time.sleep(0.2)
+    """The manifest once it lists `at_least` deployments (or the last one after 20 s)."""
+    seen: list[dict[str, Any]] = [{}]
+
+    def enough() -> bool:
+        seen[0] = http.get("/api/v1/deployments").json()
+        return len(seen[0]["deployments"]) >= at_least
+
+    with contextlib.suppress(TimeoutError):
+        poll_until("the deployments", enough, timeout=20, interval=0.2)
+    return seen[0]
 
 
 def eventually(check: Any, seconds: float = 10) -> None:

@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from http_message_signatures import HTTPMessageSigner
 from http_message_signatures.resolvers import MappingKeyResolver
-from pkikit import (
+from kits.pkikit import (
     PrivateKey,
     make_lab,
     make_self_signed,
@@ -35,10 +35,11 @@ from pkikit import (
     tls_client,
     write_pem,
 )
-from serverkit import ROOT, check_response, running_server
+from kits.serverkit import ROOT, check_response, running_server
 
 from margo.rfc9421 import ALGORITHMS, key_id
 from margo_cli.main import main as margo_main
+from tools.polling import poll_until
 
 ONBOARDING = {"apiVersion": "onboarding.margo.org/v1alpha1", "kind": "OnboardingRequest"}
 KEY_TYPES = {"ecdsa-p256-sha256": "ec-p256", "ecdsa-p384-sha384": "ec-p384",
@@ -241,12 +242,9 @@ def test_one_client_never_reaches_another_clients_state(http: httpx.Client) -> N
     other.onboard(http)
     assert owner.send(http, "POST", f"{owner.rc2}/capabilities", caps("box-owned")).status_code \
         == 201
-    deadline = time.monotonic() + 20
-    while True:
-        manifest = owner.send(http, "GET", f"{owner.rc2}/deployments").json()
-        if manifest["deployments"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    manifest = poll_until("the deployment assigned", lambda: (
+        found if (found := owner.send(http, "GET", f"{owner.rc2}/deployments").json())[
+            "deployments"] else None), timeout=20, interval=0.2)
     ref = manifest["deployments"][0]
     other_path = f"{other.rc2}/deployments/{ref['deploymentId']}/{ref['digest']}"
     assert other.send(http, "GET", other_path).status_code == 404

@@ -15,7 +15,7 @@ import tarfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dockerengine import DockerEngine
+from tools.docker.dockerengine import DockerEngine
 
 __all__ = ["BUSYBOX", "crash_image", "greeter_image", "push_image", "rootfs_tar", "web_image",
            "worker_command"]

@@ -1,6 +1,6 @@
 """`make cluster`: a real Kubernetes control plane on loopback for people to try things on.
 
-    .venv/bin/python tools/kube/cluster.py [--dir .cluster] [--workers 2] [--no-gpu]
+    .venv/bin/python -m tools.kube.cluster [--dir .cluster] [--workers 2] [--no-gpu]
 
 Builds the control plane once (kubebuild.py), starts it (controlplane.py), registers a
 control-plane node and the workers with kwok (the last worker has an NVIDIA GPU unless
@@ -17,10 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from controlplane import ControlPlane
-from kubenodes import SimNode, apply_nodes
+from tools.kube.controlplane import ControlPlane
+from tools.kube.kubenodes import SimNode, apply_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 RBAC = ROOT / "examples" / "kubernetes" / "device-rbac.yaml"

@@ -32,9 +32,10 @@ from typing import Any
 
 import httpx
 import yaml
-from kubeadmin import KubeAdmin, tls_context
-from kubebuild import STAGES_FILE, binaries, kubernetes_version
-from kubepki import Pki, create_pki
+
+from tools.kube.kubeadmin import KubeAdmin, tls_context
+from tools.kube.kubebuild import STAGES_FILE, binaries, kubernetes_version
+from tools.kube.kubepki import Pki, create_pki
 
 __all__ = ["ControlPlane", "write_kubeconfig"]
 

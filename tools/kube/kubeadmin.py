@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import ssl
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from tools.polling import poll_until
 
 __all__ = ["KINDS", "KubeAdmin", "NotFound", "tls_context"]
 
@@ -154,11 +155,4 @@ class KubeAdmin:
     def until(self, what: str, predicate: Callable[[], Any], *, timeout: float = 60.0,
               interval: float = 0.2) -> Any:
         """Poll `predicate` until it returns something true; fail naming `what`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-            time.sleep(interval)
+        return poll_until(what, predicate, timeout=timeout, interval=interval)

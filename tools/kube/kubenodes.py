@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubeadmin import KubeAdmin
+from tools.kube.kubeadmin import KubeAdmin
 
 __all__ = ["SimNode", "apply_nodes", "node_ready"]
 

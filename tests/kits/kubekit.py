@@ -13,7 +13,6 @@ or more to delete even an empty one, and a test reusing a terminating namespace 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -21,12 +20,11 @@ from typing import Any
 
 import helm_python as helm
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "kube"))
+from tools.kube.controlplane import ControlPlane
+from tools.kube.kubeadmin import KubeAdmin, NotFound
+from tools.kube.kubenodes import SimNode, apply_nodes
 
-from controlplane import ControlPlane  # noqa: E402
-from kubeadmin import KubeAdmin, NotFound  # noqa: E402
-from kubenodes import SimNode, apply_nodes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["DEVICE_RBAC", "GPU_WORKER", "SINGLE_NODE", "THREE_NODES", "ControlPlane",
            "KubeAdmin", "KubeCluster", "SimNode"]

@@ -12,7 +12,6 @@ import os
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,9 +22,10 @@ from typing import Any
 import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from processkit import free_port, stop, wait_until_ready
 
 from conformance.runner import Rc2Identity, SuiteReport
+from kits.processkit import free_port, stop, wait_until_ready
+from kits.stubserver import serving
 from margo.canonical import canonical_yaml
 from margo.digests import digest_of
 
@@ -264,13 +264,9 @@ class RecordingServer:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        if tls is not None:
-            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,),
-                                        daemon=True)
         scheme = "https" if tls else "http"
         self.base = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
+        self._serving = serving(server=self._server, tls=tls, poll_interval=0.02)
 
     def _reply(self, key: str) -> Reply:
         reply = self.replies.get(key, (404, {"Content-Type": "text/plain"}, b"not scripted"))
@@ -283,10 +279,8 @@ class RecordingServer:
                              json.dumps(doc).encode())
 
     def __enter__(self) -> RecordingServer:
-        self._thread.start()
+        self._serving.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._serving.__exit__(*exc)

@@ -27,7 +27,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from processkit import free_port, stop, wait_until_ready
+
+from kits.processkit import free_port, stop, wait_until_ready
 
 __all__ = [
     "Ca",

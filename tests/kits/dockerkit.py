@@ -13,21 +13,18 @@ names: a tar.gz with one top directory holding compose.yaml) and pushes it.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from margo.archive import deterministic_targz
+from reconciler.oci import OciClient
+from tools.docker.dockerengine import DockerEngine, running_engine, why_unavailable
+from tools.docker.testimages import crash_image, push_image, web_image, worker_command
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "docker"))
-
-from dockerengine import DockerEngine, running_engine, why_unavailable  # noqa: E402
-from testimages import crash_image, push_image, web_image, worker_command  # noqa: E402
-
-from margo.archive import deterministic_targz  # noqa: E402
-from reconciler.oci import OciClient  # noqa: E402
 
 __all__ = ["DockerEngine", "ImageSet", "build_test_images", "compose_package",
            "running_engine", "web_service", "why_unavailable", "worker_command"]

@@ -38,7 +38,6 @@ import http.server
 import ipaddress
 import json
 import ssl
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,7 +49,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from kubeemu import Emulator
+
+from kits.kubeemu import Emulator
+from kits.stubserver import serving, url
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "kubernetes"
 NODES = "v1/nodes"
@@ -277,13 +278,5 @@ def https_echo(pki: Pki) -> Iterator[str]:
     context.load_cert_chain(pki.server_cert, pki.server_key)
     context.load_verify_locations(pki.ca)
     context.verify_mode = ssl.CERT_OPTIONAL
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
-    server.socket = context.wrap_socket(server.socket, server_side=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(_EchoHandler, tls=context) as server:
+        yield url(server)

@@ -3,12 +3,12 @@ against the official OpenAPI documents."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -18,9 +18,11 @@ from typing import Any
 import httpx
 import yaml
 from jsonschema import Draft202012Validator
-from processkit import free_port, stop, wait_until_ready
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
+
+from kits.processkit import free_port, stop, wait_until_ready
+from tools.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 OPENAPI = {
@@ -69,13 +71,9 @@ def killable_server(data: Path, *extra: str) -> Iterator[tuple[str, subprocess.P
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # the test sees a server that never answered
+            poll_until("the server", lambda: httpx.get(f"{base}/healthz", timeout=1)
+                       .status_code == 200, timeout=30, not_yet=(httpx.TransportError,))
         yield base, process
     finally:
         if process.poll() is None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import bcrypt
 import httpx
-from processkit import free_port, stop, wait_until_ready
+
+from kits.processkit import free_port, stop, wait_until_ready
 
 CONFIG = """\
 version: 0.1

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from serverkit import ROOT, add_client, running_server
+
+from kits.serverkit import ROOT, add_client, running_server
+from tools.polling import poll_until
 
 __all__ = ["CAPABILITIES", "EXAMPLE_FLEET", "MANIFEST", "FleetServer", "capabilities",
            "fleet_server", "write_fleet"]
@@ -147,14 +148,7 @@ class FleetServer:
     def wait_for(self, predicate: Callable[[], T], timeout: float = 20.0,
                  what: str = "the condition") -> T:
         """Poll `predicate` until it returns something truthy; return that."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-            time.sleep(0.05)
+        return poll_until(what, predicate, timeout=timeout, interval=0.05)
 
     def wait_for_deployments(self, count: int, device_id: str | None = None,
                              timeout: float = 20.0) -> dict[str, Any]:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from tools.polling import poll_until
 
 
 def free_port() -> int:
@@ -25,16 +26,15 @@ def wait_until_ready(process: subprocess.Popen[bytes], ready: Callable[[], bool]
                      not_yet: tuple[type[Exception], ...] = (httpx.TransportError,)) -> None:
     """Call `ready` until it says yes (`not_yet` errors count as no); RuntimeError with the
     process's log if it exits first or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if ready():
-                return
-        except not_yet:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
+    def answers() -> bool:
+        if process.poll() is not None:
             raise RuntimeError(f"{what} did not start: " + log_path.read_text())
-        time.sleep(interval)
+        return ready()
+
+    try:
+        poll_until(what, answers, timeout=timeout, interval=interval, not_yet=not_yet)
+    except TimeoutError:
+        raise RuntimeError(f"{what} did not start: " + log_path.read_text()) from None
 
 
 def stop(process: subprocess.Popen[bytes], *, timeout: float = 20) -> None:

@@ -6,7 +6,7 @@ history is linear and never rewritten. Why one shared repository rather than one
 creating 10,000 repositories dominates a first compile (≈ 60-80 s measured) while streaming all
 commits through one ``git fast-import`` takes a few seconds; the fleet server hides the other
 devices' refs (``uploadpack.hideRefs``) so each device still sees only its own branch
-(see ``/work/shared/design.md``, "Measured facts that shape the Git layout").
+(the figures: docs/benchmarks.md, `bench/compile.py`).
 
 How a `DeviceStore.write` publishes, and why:
 

@@ -1,4 +1,4 @@
-"""Commit messages for people, rendered from `templates/commit-message.txt.j2`.
+"""Commit messages for people, rendered from `compiler/templates/commit-message.txt.j2`.
 
 The message says what changed in the device's desired state and why (intent edited,
 application version changed, capabilities changed, device became (in)eligible); trailers
@@ -20,7 +20,7 @@ from jinja2.runtime import Context
 
 __all__ = ["TEMPLATES", "Change", "commit_message", "warm_up"]
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data
 
 
 @dataclass(frozen=True, slots=True)

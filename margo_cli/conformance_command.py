@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
+
+from margo_cli.usage import UsageError
 
 __all__ = ["register"]
 
@@ -68,12 +69,10 @@ def run_wfm(args: argparse.Namespace) -> int:
         suite = load_suite(Path(args.suite), args.group)
         cert_dir = CertDir.load(Path(args.cert_dir))
     except SuiteError as exc:
-        print(f"margo conformance: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"margo conformance: {exc}") from None
     if not args.base_url.startswith(("http://", "https://")):
-        print(f"margo conformance: --base-url must be an http(s) URL, not {args.base_url!r}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"margo conformance: --base-url must be an http(s) URL, not "
+                         f"{args.base_url!r}")
     options = RunnerOptions(registry_ref=args.registry_ref,
                             registry_plain_http=args.registry_plain_http,
                             poll_interval=args.poll_interval, timeout=args.timeout)

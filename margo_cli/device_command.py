@@ -18,6 +18,7 @@ from typing import Any
 
 from margo.errors import DocumentError
 from margo_cli import doctor_command
+from margo_cli.usage import UsageError
 from reconciler.config import DeviceConfig, load_config
 from reconciler.runner import CycleResult
 
@@ -44,16 +45,14 @@ def register(commands: Any) -> None:
     show.set_defaults(run=run_capabilities)
 
 
-def _config(path: str) -> DeviceConfig | None:
-    """The validated configuration, or None after printing why it is unusable (exit 2)."""
+def _config(path: str) -> DeviceConfig:
+    """The validated configuration; `UsageError` (exit 2) saying why it is unusable."""
     try:
         return load_config(path)
     except OSError as exc:
-        print(f"{path}: cannot read: {exc.strerror}", file=sys.stderr)
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     except DocumentError as exc:
-        for problem in exc.problems:
-            print(problem.format(), file=sys.stderr)
-    return None
+        raise UsageError("\n".join(problem.format() for problem in exc.problems)) from None
 
 
 def run_capabilities(args: argparse.Namespace) -> int:
@@ -64,16 +63,13 @@ def run_capabilities(args: argparse.Namespace) -> int:
     from reconciler.kubernetes.provider import KubernetesProvider
 
     config = _config(args.config)
-    if config is None:
-        return 2
 
     class _Types:  # the driver's profile types, without starting an engine
         profile_types = ("compose",) if config.driver == "compose" else ("helm",)
 
     provider = capability_provider(config, _Types())  # type: ignore[arg-type]
     if provider is None:
-        print(f"{args.config}: no capabilities provider is configured", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.config}: no capabilities provider is configured")
     try:
         doc = (provider.observe() if isinstance(provider, KubernetesProvider)
                else provider.gather())
@@ -113,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     config = _config(args.config)
-    if config is None:
-        return 2
     from reconciler.assembly import open_reconciler
     from reconciler.datadir import BusyError
     from reconciler.identity import IdentityError
@@ -141,8 +135,6 @@ def run(args: argparse.Namespace) -> int:
             reconciler.run(on_cycle=show)
             return 0
     except BusyError as exc:
-        print(str(exc), file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     except (IdentityError, SigningError, OnboardingError) as exc:
-        print(f"{args.config}: identity: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{args.config}: identity: {exc}") from None

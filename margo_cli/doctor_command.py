@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from margo.errors import DocumentError
+from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 from reconciler.datadir import LocalClient, probe_data_dir
 from reconciler.kubernetes.client import (
     KubeClient,
@@ -37,11 +37,6 @@ from reconciler.kubernetes.doctor import DoctorReport, doctor
 __all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
            "resolve_target", "run"]
 
-EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """The command line or configuration does not name a usable cluster."""
 
 
 @dataclass(frozen=True)
@@ -141,22 +136,17 @@ def format_table(report: DoctorReport) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    target = resolve_target(args)
     try:
-        target = resolve_target(args)
         client = _open(target)
-    except UsageError as exc:
-        print(str(exc), file=sys.stderr)
-        return EXIT_UNUSABLE
     except (KubeConfigError, OSError) as exc:
-        print(f"cannot use the cluster's credentials: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        raise UsageError(f"cannot use the cluster's credentials: {exc}") from None
     with client:
         try:
             report = doctor(client, local_client=target.local_client)
         except KubeError as exc:
             what = "no cluster reachable" if exc.unreachable else "cannot read the cluster"
-            print(f"{what} at {client.access.server}: {exc}", file=sys.stderr)
-            return EXIT_UNUSABLE
+            raise UsageError(f"{what} at {client.access.server}: {exc}") from None
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

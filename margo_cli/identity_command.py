@@ -22,10 +22,11 @@ import argparse
 import datetime as dt
 import json
 import os
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from margo.files import write_atomically
+from margo_cli.usage import UsageError
 
 __all__ = ["register"]
 
@@ -94,8 +95,7 @@ def _data(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"margo: {message}", file=sys.stderr)
-    return 2
+    raise UsageError(f"margo: {message}")
 
 
 class _Registry:
@@ -348,14 +348,7 @@ def run_trust_rotate(args: argparse.Namespace) -> int:
             and new_sequence < old_sequence and not args.force):
         return _fail(f"trust rotate: spiffe_sequence {new_sequence} is lower than the installed "
                      f"{old_sequence} (a regressed bundle); --force to install it anyway")
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Atomic replacement: the server reads either the old or the new bundle, never half.
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".bundle-")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, target)
+    write_atomically(target, data)
     print(f"installed {len(anchors)} anchor(s) into {target}")
     return 0

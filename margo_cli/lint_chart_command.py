@@ -18,12 +18,14 @@ from margo.errors import DocumentError, Problem
 from margo.kinds import Kind
 from margo.loading import LoadedDocument, load_path
 from margo.validation import validate_loaded
+from margo_cli.usage import EXIT_FAILED, EXIT_OK, EXIT_UNUSABLE, UsageError
 
-EXIT_OK, EXIT_ERRORS, EXIT_UNUSABLE = 0, 1, 2
+EXIT_ERRORS = EXIT_FAILED
 
 
-class UnusableInputError(Exception):
-    """Input that cannot be linted at all; carries the findings that say why."""
+class UnusableInputError(UsageError):
+    """Input that cannot be linted at all; carries the findings that say why (printed as
+    JSON with `--json`, which is why this command catches it itself)."""
 
     def __init__(self, findings: list[Finding]):
         super().__init__("\n".join(f.format() for f in findings))

@@ -21,6 +21,7 @@ from margo_cli import (
     status_command,
     validate_command,
 )
+from margo_cli.usage import EXIT_UNUSABLE, UsageError
 
 __all__ = ["main"]
 
@@ -48,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
+    except UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_UNUSABLE
     except BrokenPipeError:  # e.g. `margo validate ... | head`
         return 0
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from margo_cli.usage import UsageError
 
 
 def register(commands: Any) -> None:
@@ -84,6 +85,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(_device(args) if args.device else _fleet(args))
     except (RuntimeError, httpx.HTTPError, OSError) as exc:
-        print(f"margo status: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"margo status: {exc}") from None
     return 0

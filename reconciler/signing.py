@@ -26,9 +26,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from http_message_signatures import HTTPMessageSigner, MappingKeyResolver
 
+from margo.files import write_atomically
 from margo.rfc9421 import (
     ALGORITHMS,
     ONBOARDING_API_VERSION,
@@ -187,26 +186,6 @@ def _stored_client_id(state_file: Path, *, key: DeviceKey, server: str) -> str |
     return client if isinstance(client, str) and _CLIENT_ID.match(client) else None
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Durable replace: a crash leaves the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 def _detail(response: httpx.Response) -> str:
     """What the server said: the problem's detail/title, Symphony's `Error`, or the reason."""
     try:
@@ -254,6 +233,6 @@ def onboard(client: httpx.Client, *, certificate: Path, key: DeviceKey,
     if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
         raise OnboardingError(f"onboarding answered {response.status_code} without a usable "
                               f"clientId: {response.text[:200]!r}", status=response.status_code)
-    _write_atomically(state_file, json.dumps({"clientId": client_id, "keyId": key.key_id,
+    write_atomically(state_file, json.dumps({"clientId": client_id, "keyId": key.key_id,
                                               "server": server}, indent=2) + "\n")
     return client_id

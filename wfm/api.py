@@ -123,9 +123,8 @@ class Api:
             client = self.authenticate(request)
         except ProblemError:
             return False
-        row = self.db.read(lambda conn: conn.execute(
-            "SELECT client_id FROM devices WHERE device_id = ?", (device_id,)).fetchone())
-        return row is not None and row[0] == client.client_id
+        return self.db.read(lambda conn: records.device_owner(conn, device_id)) == \
+            client.client_id
 
     def scoped(self, request: Request) -> tuple[Client, str]:
         """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
@@ -223,21 +222,11 @@ class Api:
     async def _manifest_version(self, client: Client, state_digest: str) -> int:
         """The client's manifestVersion for this state: 1 for the first, +1 whenever the
         served state changes; persisted, so it never goes back (restarts included)."""
-        def write(conn: sqlite3.Connection) -> int:
-            conn.execute("UPDATE clients SET manifest_version = manifest_version + 1, "
-                         "manifest_state = ? WHERE client_id = ? AND "
-                         "(manifest_state != ? OR manifest_version = 0)",
-                         (state_digest, client.client_id, state_digest))
-            row = conn.execute("SELECT manifest_version FROM clients WHERE client_id = ?",
-                               (client.client_id,)).fetchone()
-            return int(row[0])
-
-        row = self.db.read(lambda conn: conn.execute(
-            "SELECT manifest_version, manifest_state FROM clients WHERE client_id = ?",
-            (client.client_id,)).fetchone())
-        if row is not None and row[0] > 0 and row[1] == state_digest:
-            return int(row[0])
-        return await self.db.write(write)
+        current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
+        if current is not None and current[0] > 0 and current[1] == state_digest:
+            return current[0]
+        return await self.db.write(lambda conn: records.advance_manifest_version(
+            conn, client.client_id, state_digest))
 
     async def get_manifest(self, request: Request) -> Response:
         client, prefix = self.scoped(request)
@@ -324,10 +313,8 @@ class Api:
             for served in state.deployments:
                 if served.deployment_id == deployment_id:
                     return served.device_id
-        row = self.db.read(lambda conn: conn.execute(
-            "SELECT device_id FROM statuses WHERE deployment_id = ? AND client_id = ?",
-            (deployment_id, client.client_id)).fetchone())
-        return None if row is None else (row[0] or "")
+        return self.db.read(lambda conn: records.status_device(conn, deployment_id,
+                                                               client.client_id))
 
     # --- rc.2 onboarding and Oct-2024 tokens -------------------------------------------
 

@@ -17,6 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from margo.files import write_atomically
+
 __all__ = ["ensure_ca"]
 
 
@@ -52,7 +54,5 @@ def ensure_ca(directory: Path, *, common_name: str = "margo-gitops WFM CA") -> s
                                        serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
     pem = cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
-    temporary = certificate.with_suffix(".tmp")
-    temporary.write_text(pem, "ascii")
-    os.replace(temporary, certificate)
+    write_atomically(certificate, pem)
     return pem

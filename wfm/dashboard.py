@@ -45,7 +45,7 @@ __all__ = ["COOKIE_NAME", "REFRESH_SECONDS", "STATES", "AppInfo", "Catalogue", "
            "dashboard_routes", "device_kind", "device_view", "failing_clauses", "gpu_count",
            "load_catalogue", "node_count", "render_page", "session_value"]
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates" / "dashboard"
+TEMPLATES = Path(__file__).resolve().parent / "templates" / "dashboard"  # package data
 REFRESH_SECONDS = 5
 COOKIE_NAME = "margo_dashboard"
 #: Deployment states, most severe first: counts and badges are listed in this order.

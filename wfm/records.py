@@ -1,5 +1,7 @@
-"""What devices report, as stored: capabilities (current + history) and deployment status
-(current + history). Functions here run inside the database's writer or reader threads."""
+"""The server's rows, read and written: what devices report (capabilities and deployment
+status, current and history), which client owns a device, and each client's
+manifestVersion. Functions here run inside the database's writer or reader threads; the
+API holds no SQL of its own."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CapabilityWrite", "DeviceRow", "StatusWrite", "client_devices", "device_documents",
-           "device_row", "forget_device", "store_capabilities", "store_status"]
+__all__ = ["CapabilityWrite", "DeviceRow", "StatusWrite", "advance_manifest_version",
+           "client_devices", "device_documents", "device_owner", "device_row", "forget_device",
+           "manifest_version", "status_device", "store_capabilities", "store_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,42 @@ def device_row(conn: sqlite3.Connection, device_id: str) -> DeviceRow | None:
     if row is None:
         return None
     return DeviceRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
+
+
+def device_owner(conn: sqlite3.Connection, device_id: str) -> str | None:
+    """The client a device belongs to, or None for a device never reported."""
+    row = conn.execute("SELECT client_id FROM devices WHERE device_id = ?",
+                       (device_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def manifest_version(conn: sqlite3.Connection, client_id: str) -> tuple[int, str] | None:
+    """A client's current manifestVersion and the digest of the state it was given for."""
+    row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
+                       "WHERE client_id = ?", (client_id,)).fetchone()
+    return None if row is None else (int(row[0]), str(row[1] or ""))
+
+
+def advance_manifest_version(conn: sqlite3.Connection, client_id: str,
+                             state_digest: str) -> int:
+    """The manifestVersion for `state_digest`: +1 when the served state changed (or for the
+    first one), else the current one. Only ever grows."""
+    conn.execute("UPDATE clients SET manifest_version = manifest_version + 1, "
+                 "manifest_state = ? WHERE client_id = ? AND "
+                 "(manifest_state != ? OR manifest_version = 0)",
+                 (state_digest, client_id, state_digest))
+    row = conn.execute("SELECT manifest_version FROM clients WHERE client_id = ?",
+                       (client_id,)).fetchone()
+    return int(row[0])
+
+
+def status_device(conn: sqlite3.Connection, deployment_id: str,
+                  client_id: str) -> str | None:
+    """The device a deployment's stored status was reported for ("" when the report named
+    none), or None when there is no status."""
+    row = conn.execute("SELECT device_id FROM statuses WHERE deployment_id = ? AND "
+                       "client_id = ?", (deployment_id, client_id)).fetchone()
+    return None if row is None else (row[0] or "")
 
 
 def client_devices(conn: sqlite3.Connection, client_id: str) -> tuple[str, ...]:

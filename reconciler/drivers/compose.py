@@ -61,6 +61,7 @@ from typing import Any
 import yaml
 
 from margo.component_values import env_string
+from margo.files import write_atomically
 from reconciler.compose_package import COMPOSE_FILE, extract_package, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose_engine import (
@@ -164,17 +165,6 @@ def override_document(services: Iterable[str], labels: Mapping[str, str]) -> dic
     names = sorted(services)
     marked = {**labels, LABEL_SERVICES: ",".join(names)}
     return {"services": {service: {"labels": dict(marked)} for service in names}}
-
-
-def _write_atomically(path: Path, text: str, mode: int) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        os.fchmod(handle.fileno(), mode)
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(staging, path)
 
 
 # --------------------------------------------------------------------------- commands
@@ -313,9 +303,9 @@ class ComposeDriver:
             raise ApplyError(ErrorCode.RENDER_FAILED, f"component {component.name!r}: {exc}",
                              retryable=False) from exc
         override = yaml.safe_dump(override_document(package.services, labels), sort_keys=True)
-        _write_atomically(files.env_file, env_text, 0o600)
-        _write_atomically(files.override_file, "# Written by margo-gitops. Do not edit.\n"
-                          + override, 0o644)
+        write_atomically(files.env_file, env_text, mode=0o600)
+        write_atomically(files.override_file, "# Written by margo-gitops. Do not edit.\n"
+                         + override)
         images = sorted({str(service.get("image")) for service in
                          package.compose["services"].values()
                          if isinstance(service, dict) and service.get("image")})

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import tempfile
 import threading
 import uuid
 from collections.abc import Mapping
@@ -45,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import helm_python as helm
 
+from margo.files import write_atomically
 from reconciler.charts import ChartCache
 from reconciler.compose_package import validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
@@ -109,21 +108,6 @@ def _compose_files(package: Mapping[str, bytes], values: Mapping[str, Any]) -> d
              for name, data in package.items()}
     files[".env"] = env_file_text(values).encode("utf-8")
     return dict(sorted(files.items()))
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so readers (and a crash) see the old or the new bytes."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 class RenderDriver:
@@ -316,4 +300,4 @@ class RenderDriver:
         document = {"format": _LEDGER_FORMAT,
                     "releases": {key: releases[key] for key in sorted(releases)}}
         data = json.dumps(document, indent=2, sort_keys=True).encode("utf-8") + b"\n"
-        _write_atomically(self.ledger_path, data)
+        write_atomically(self.ledger_path, data)

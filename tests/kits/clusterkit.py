@@ -1,5 +1,5 @@
 """Test clusters for capability discovery, assembled from recorded API objects
-(tests/fixtures/kubernetes, copied verbatim from /work/shared/fixtures/kubernetes; its
+(tests/fixtures/kubernetes, recorded from real clusters and copied verbatim; its
 README says where each object was recorded), plus a TLS API stand-in for the client's
 credential tests.
 

@@ -29,7 +29,8 @@ OPENAPI = {
     "rc.3": "workload-management-api-1.0.0-rc.3.yaml",
     "rc.2": "workload-management-api-1.0.0-rc.2.yaml",
 }
-OPENAPI_DIRS = [ROOT / "tests" / "fixtures" / "openapi"]  # verbatim copies of ../shared/spec
+#: Verbatim copies of the official OpenAPI documents.
+OPENAPI_DIRS = [ROOT / "tests" / "fixtures" / "openapi"]
 
 
 def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -1,7 +1,7 @@
 """margo.cluster: the proposal's ClusterCapabilitiesManifest, its schema, and the rc.3
 document that carries it (both directions), on the proposal's own complete example
 (tests/fixtures/kubernetes/proposal-complete-example.json, copied from section 3 of
-/work/shared/spec/kubernetes-cluster-capabilities.md) and on documents built by hand."""
+the Kubernetes cluster capabilities proposal) and on documents built by hand."""
 
 from __future__ import annotations
 

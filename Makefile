@@ -38,6 +38,7 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m margo.schemas --check
 
 test: lint kube

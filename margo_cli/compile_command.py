@@ -23,6 +23,8 @@ from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
 
+__all__ = ["STATE_FILE", "register", "run_compile", "run_explain", "run_plan"]
+
 EXIT_OK, EXIT_ERRORS, EXIT_BAD_INPUT = 0, 1, 2
 STATE_FILE = "compiler-state.sqlite"
 

@@ -22,6 +22,8 @@ from margo_cli.usage import UsageError
 from reconciler.config import DeviceConfig, load_config
 from reconciler.runner import CycleResult
 
+__all__ = ["describe", "register", "run", "run_capabilities"]
+
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("device", help="the device client: converge on desired state")

@@ -20,6 +20,8 @@ from margo.loading import LoadedDocument, load_path
 from margo.validation import validate_loaded
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, EXIT_UNUSABLE, UsageError
 
+__all__ = ["EXIT_ERRORS", "UnusableInputError", "load_app", "register", "run"]
+
 EXIT_ERRORS = EXIT_FAILED
 
 

@@ -22,6 +22,8 @@ from margo.loading import load_path
 from margo.models import ApplicationDescription, DeviceCapabilities
 from margo.validation import validate_loaded, validate_value
 
+__all__ = ["BadInput", "BatchMatcher", "register", "run"]
+
 EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
 
 

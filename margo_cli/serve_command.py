@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from wfm.compiles import SourceConfig
 
+__all__ = ["CLIENT_CERT_MODES", "ONBOARDING_MODES", "identity_settings", "register", "run_serve"]
+
 if TYPE_CHECKING:  # the server's modules load only when it runs: `margo --help` stays fast
     from margo.spiffe import SpiffeId
     from wfm.identity import IdentitySettings

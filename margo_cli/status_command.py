@@ -11,6 +11,8 @@ import httpx
 
 from margo_cli.usage import UsageError
 
+__all__ = ["register", "run"]
+
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("status", help="show devices and deployments of a server")

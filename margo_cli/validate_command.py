@@ -9,6 +9,8 @@ from typing import Any
 
 from margo.validation import ValidationReport, validate_file
 
+__all__ = ["register", "run"]
+
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
 
 

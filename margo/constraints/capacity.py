@@ -14,6 +14,8 @@ from margo.constraints.results import Failure, _is_number, _number, _show
 from margo.constraints.vocabulary import ARCHITECTURE_ALIASES
 from margo.quantity import format_quantity, parse_quantity
 
+__all__ = []
+
 
 @lru_cache(maxsize=4096)
 def _parse_reported_text(text: str) -> Decimal | str:

@@ -24,6 +24,8 @@ from margo.constraints.results import Failure, _kind, _number, _show
 from margo.constraints.vocabulary import _MISSING
 from margo.quantity import format_quantity
 
+__all__ = ["Bound", "Version", "parse_version_range"]
+
 _NO_CLUSTER: Final = "the device reported no Kubernetes cluster data"
 _LISTED_NODES: Final = 8  # near misses named per failure; the rest are counted
 _NAMED_QUALIFIERS: Final = 5

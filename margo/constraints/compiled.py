@@ -12,6 +12,8 @@ from margo.constraints.results import _ELIGIBLE, Failure, MatchResult
 from margo.constraints.rules import _CharacteristicRule, _Rule
 from margo.constraints.vocabulary import _EMPTY
 
+__all__ = ["CompiledConstraints"]
+
 
 @dataclass(frozen=True, slots=True)
 class CompiledConstraints:

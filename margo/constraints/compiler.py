@@ -76,6 +76,8 @@ from margo.constraints.vocabulary import (
 from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.quantity import format_quantity, parse_quantity
 
+__all__ = ["compile_constraints", "match"]
+
 
 def _pointer_text(key: str) -> str:
     return key if key else '""'

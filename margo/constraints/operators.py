@@ -16,6 +16,8 @@ from margo.constraints.vocabulary import (
     Test,
 )
 
+__all__ = []
+
 
 def _in_test(values: tuple[Any, ...]) -> Test:
     """Strictly typed membership: "1" is not 1 and true is not 1."""

@@ -16,6 +16,8 @@ from margo.constraints.vocabulary import (
     Lookup,
 )
 
+__all__ = ["cluster_of", "matching_view", "parse_pointer"]
+
 
 def parse_pointer(text: str) -> tuple[str, ...]:
     """Split an RFC 6901 JSON Pointer into unescaped reference tokens (`""` is the whole doc).

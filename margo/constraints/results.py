@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
 
+__all__ = ["Failure", "MatchResult"]
+
 
 def _jsonable(value: Any) -> Any:
     """Tuples and mappings from callers become plain lists and dicts for `json.dumps`."""

@@ -12,6 +12,8 @@ from margo.constraints.operators import _Expression
 from margo.constraints.results import Failure
 from margo.constraints.vocabulary import _MISSING, DEVICE_CHARACTERISTIC, EXTENSION
 
+__all__ = []
+
 
 @dataclass(frozen=True, slots=True)
 class _Rule:

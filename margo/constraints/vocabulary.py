@@ -8,6 +8,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+__all__ = [
+    "ARCHITECTURE_ALIASES",
+    "CLUSTER_SECTIONS",
+    "DEVICE_CHARACTERISTIC",
+    "DRAFT_OPERATORS",
+    "EXTENSION",
+    "OPERATORS",
+    "Lookup",
+    "Test",
+]
+
 #: The matchExpression operators the spec defines (case-sensitive).
 OPERATORS: Final = frozenset(
     {"In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt", "ContainsAll", "ContainsAny"}

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
 
 import yaml  # noqa: E402
+from benchkit import HELLO_INTENT, memory_kib, p90, timed  # noqa: E402
 from kits.chartkit import publish_example_charts  # noqa: E402
 from kits.fleetserver import FleetServer, fleet_server, write_fleet  # noqa: E402
 from kits.kubekit import DEVICE_RBAC, THREE_NODES  # noqa: E402
@@ -37,45 +38,11 @@ from kits.registrykit import running_registry  # noqa: E402
 
 from reconciler.assembly import open_reconciler  # noqa: E402
 from reconciler.config import load_config  # noqa: E402
-from reconciler.runner import Reconciler  # noqa: E402
 from tools.kube.controlplane import ControlPlane  # noqa: E402
 from tools.kube.kubebuild import binaries  # noqa: E402
 from tools.kube.kubenodes import apply_nodes  # noqa: E402
 
 DEVICE = "bench-cluster"
-INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata: {{name: {name}}}
-spec:
-  application: {{id: com-example-hello-world}}
-  profile: {{type: helm}}
-  namespace: bench-{index}
-  parameters:
-    greeting: {greeting}
-  targets: {{devices: [{device}]}}
-"""
-
-
-def memory_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def timed(reconciler: Reconciler) -> tuple[float, int]:
-    started = time.perf_counter()
-    result = reconciler.cycle()
-    if result.failures:
-        raise SystemExit(f"cycle failed: {result.failures}")
-    return time.perf_counter() - started, len(result.steps)
-
-
-def p90(values: list[float]) -> float:
-    return sorted(values)[max(0, int(len(values) * 0.9) - 1)]
-
-
 def device_config(work: Path, server: FleetServer, kubeconfig: Path) -> Path:
     home = work / DEVICE
     home.mkdir()
@@ -122,13 +89,13 @@ def main() -> None:
                     with open_reconciler(load_config(config)) as reconciler:
                         reconciler.cycle()  # reports the cluster's capabilities
                         for index in range(n):
-                            server.edit_intent(f"hello-{index}", INTENT.format(
+                            server.edit_intent(f"hello-{index}", HELLO_INTENT.format(
                                 name=f"hello-{index}", index=index, greeting=f"Hello{index}",
                                 device=DEVICE))
                         server.wait_for_deployments(n, device_id=DEVICE, timeout=120)
                         print(f"device client, Helm driver on {len(THREE_NODES)} nodes, {n} "
                               "deployments of Hello World (wait: true)")
-                        wall, steps = timed(reconciler)
+                        wall, _, steps = timed(reconciler)
                         print(f"  first cycle: {steps} installs in {wall:.1f} s "
                               f"({wall / max(1, steps):.2f} s per release)")
                         timed(reconciler)  # statuses settle
@@ -141,7 +108,7 @@ def main() -> None:
                         server.wait_for(lambda: not ({
                             d["digest"] for d in server.device(DEVICE)["deployments"]}
                             & before), 120, "every deployment recompiled")
-                        wall, steps = timed(reconciler)
+                        wall, _, steps = timed(reconciler)
                         print(f"  reconfigure cycle: {steps} upgrades in {wall:.1f} s "
                               f"({wall / max(1, steps):.2f} s per release)")
                         print(f"  resident memory: idle {memory_kib('VmRSS') / 1024:.0f} MiB, "

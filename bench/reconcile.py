@@ -29,13 +29,13 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
 
 import yaml  # noqa: E402
+from benchkit import HELLO_INTENT, digests, memory_kib, p90, timed  # noqa: E402
 from kits.chartkit import publish_example_charts  # noqa: E402
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
 from kits.registrykit import running_registry  # noqa: E402
@@ -47,20 +47,6 @@ from reconciler.oci import OciClient  # noqa: E402
 from reconciler.runner import Reconciler  # noqa: E402
 from tools.docker.dockerengine import running_engine, why_unavailable  # noqa: E402
 from tools.docker.testimages import push_image, web_image  # noqa: E402
-
-INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata: {{name: {name}}}
-spec:
-  application: {{id: com-example-hello-world}}
-  profile: {{type: helm}}
-  namespace: bench-{index}
-  parameters:
-    greeting: {greeting}
-  targets: {{devices: [{device}]}}
-"""
-
 
 COMPOSE_APP = """\
 apiVersion: margo.org/v1-alpha1
@@ -105,21 +91,6 @@ services:
 """
 
 
-def memory_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def timed(reconciler: Reconciler) -> tuple[float, float, int]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    result = reconciler.cycle()
-    if result.failures:
-        raise SystemExit(f"cycle failed: {result.failures}")
-    return time.perf_counter() - wall, time.process_time() - cpu, len(result.steps)
-
-
 def device_home(workdir: Path, server: FleetServer, device_id: str, source: str) -> Path:
     home = workdir / device_id
     home.mkdir()
@@ -145,14 +116,6 @@ def unchanged(reconciler: Reconciler, cycles: int) -> tuple[list[float], list[fl
     return walls, cpus
 
 
-def digests(server: FleetServer, device_id: str) -> set[str]:
-    return {d["digest"] for d in server.device(device_id)["deployments"]}
-
-
-def p90(values: list[float]) -> float:
-    return sorted(values)[int(len(values) * 0.9) - 1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +134,7 @@ def main() -> None:
                            for source in ("margo-rest", "git")}
                 for source in configs:
                     for index in range(n):
-                        server.edit_intent(f"{source}-{index}", INTENT.format(
+                        server.edit_intent(f"{source}-{index}", HELLO_INTENT.format(
                             name=f"{source}-{index}", index=index, greeting=f"Hello{index}",
                             device=f"bench-{source}"))
                 for source in configs:

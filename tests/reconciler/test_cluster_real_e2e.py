@@ -18,7 +18,8 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,19 @@ def device_home(tmp_path: Path, server: FleetServer, kube: KubeCluster, *,
     return home / "device.yaml"
 
 
+@contextmanager
+def serving_fleet(fleet: Path, tmp_path: Path, kube: KubeCluster, *,
+                  without: tuple[str, ...] = ()) -> Iterator[tuple[FleetServer, Path]]:
+    """A server on a copy of the module's fleet (less the intents `without`), and the
+    device's configuration for it."""
+    workdir = tmp_path / "server"
+    shutil.copytree(fleet, workdir / "fleet")
+    for intent in without:
+        (workdir / "fleet" / "deployments" / f"{intent}.yaml").unlink()
+    with fleet_server(workdir, fleet=workdir / "fleet") as server:
+        yield server, device_home(tmp_path, server, kube)
+
+
 def deployed(server: FleetServer, intent: str) -> list[dict[str, Any]]:
     """The device's deployments of `intent`; none while the server has not heard of it."""
     response = server._http.get("/api/fleet/devices/edge-cluster")
@@ -117,10 +131,8 @@ def fleet(registry: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ha_web_spreads_over_nodes_and_the_gpu_application_follows_the_gpu_node(
         fleet: Path, kube: KubeCluster, tmp_path: Path) -> None:
     kube.set_nodes(THREE_NODES)
-    workdir = tmp_path / "server"
-    shutil.copytree(fleet, workdir / "fleet")
-    with fleet_server(workdir, fleet=workdir / "fleet") as server, \
-            open_reconciler(load_config(device_home(tmp_path, server, kube))) as reconciler:
+    with serving_fleet(fleet, tmp_path, kube) as (server, config), \
+            open_reconciler(load_config(config)) as reconciler:
         until("HA web installed", lambda: installed(server, "ha-web"), reconciler)
         pods = kube.running_pods("web")
         # Two replicas (two schedulable nodes), on two different nodes: the chart's
@@ -165,10 +177,8 @@ def test_ha_web_spreads_over_nodes_and_the_gpu_application_follows_the_gpu_node(
 def test_one_node_keeps_one_replica_and_the_application_placed(
         fleet: Path, kube: KubeCluster, tmp_path: Path) -> None:
     kube.set_nodes(SINGLE_NODE)
-    workdir = tmp_path / "server"
-    shutil.copytree(fleet, workdir / "fleet")
-    with fleet_server(workdir, fleet=workdir / "fleet") as server, \
-            open_reconciler(load_config(device_home(tmp_path, server, kube))) as reconciler:
+    with serving_fleet(fleet, tmp_path, kube) as (server, config), \
+            open_reconciler(load_config(config)) as reconciler:
         until("HA web installed", lambda: installed(server, "ha-web"), reconciler)
         [pod] = kube.running_pods("web")
         assert pod["spec"]["nodeName"] == "edge-0"
@@ -183,11 +193,7 @@ def test_one_node_keeps_one_replica_and_the_application_placed(
 def test_drift_is_reported_then_repaired_when_the_device_asks(
         fleet: Path, kube: KubeCluster, tmp_path: Path) -> None:
     kube.set_nodes(SINGLE_NODE)
-    workdir = tmp_path / "server"
-    shutil.copytree(fleet, workdir / "fleet")
-    (workdir / "fleet" / "deployments" / "vision.yaml").unlink()
-    with fleet_server(workdir, fleet=workdir / "fleet") as server:
-        config = device_home(tmp_path, server, kube)
+    with serving_fleet(fleet, tmp_path, kube, without=("vision",)) as (server, config):
         with open_reconciler(load_config(config)) as reconciler:
             until("HA web installed", lambda: installed(server, "ha-web"), reconciler)
             [release] = reconciler.driver.installed()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kits.composekit import DEPLOYMENT_ID, PROJECT, compose_deployment
 
-from reconciler.desired import DesiredDeployment, parse_deployment
+from reconciler.desired import DesiredDeployment
 from reconciler.drivers.compose import (
     ENV_FILE,
     OVERRIDE_FILE,
@@ -31,35 +33,11 @@ from reconciler.releases import (
     MANAGER,
     ReleaseState,
     ownership_labels,
-    release_name,
 )
 
-DEPLOYMENT_ID = "5f3c7a52-1f0e-4c1e-9a37-6f4f3f0c2b11"
-PROJECT = release_name(DEPLOYMENT_ID, "hello-world")
 
-DEPLOYMENT = """\
-id: {id}
-metadata: {{name: hello, namespace: hello, deviceId: compose-box}}
-spec:
-  applicationId: com-example-hello
-  deploymentProfile:
-    type: compose
-    components:
-      - name: hello-world
-        properties: {{repository: "oci://{registry}/compose/hello", revision: {revision},
-                     wait: {wait}, timeout: {timeout}}}
-  parameters:
-    greeting:
-      value: {greeting}
-      targets: [{{pointer: GREETING, components: [hello-world]}}]
-"""
-
-
-def deployment(registry: str, *, revision: str = "1.0.0", greeting: str = "Hello",
-               wait: bool = True, timeout: str = "0m30s") -> DesiredDeployment:
-    return parse_deployment(DEPLOYMENT.format(
-        id=DEPLOYMENT_ID, registry=registry, revision=revision, wait=str(wait).lower(),
-        timeout=timeout, greeting=json.dumps(greeting)).encode())
+def deployment(registry: str, **options: Any) -> DesiredDeployment:
+    return compose_deployment(f"oci://{registry}/compose/hello", **options)
 
 
 def install_step(deployment: DesiredDeployment, action: Action = Action.INSTALL) -> Step:

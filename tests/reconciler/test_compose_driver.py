@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import os
 import socket
 import tarfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kits.chartkit import converge as converge_all
+from kits.composekit import DEPLOYMENT_ID, PROJECT, compose_deployment
 from kits.dockerkit import (
     DockerEngine,
     ImageSet,
@@ -32,7 +34,7 @@ from kits.dockerkit import (
 )
 from kits.registrykit import running_registry
 
-from reconciler.desired import DesiredDeployment, parse_deployment
+from reconciler.desired import DesiredDeployment
 from reconciler.drivers.compose import ENV_FILE, OVERRIDE_FILE, ComposeDriver, project_files
 from reconciler.drivers.compose_engine import LABEL_SERVICES, detect_compose_command
 from reconciler.errors import ApplyError
@@ -44,35 +46,11 @@ from reconciler.releases import (
     LABEL_MANAGED_BY,
     MANAGER,
     ReleaseState,
-    release_name,
 )
 
-DEPLOYMENT_ID = "5f3c7a52-1f0e-4c1e-9a37-6f4f3f0c2b11"
-PROJECT = release_name(DEPLOYMENT_ID, "hello-world")
 
-DEPLOYMENT = """\
-id: {id}
-metadata: {{name: hello, namespace: hello, deviceId: compose-box}}
-spec:
-  applicationId: com-example-hello
-  deploymentProfile:
-    type: compose
-    components:
-      - name: hello-world
-        properties: {{repository: "{repository}", revision: {revision},
-                     wait: {wait}, timeout: {timeout}}}
-  parameters:
-    greeting:
-      value: {greeting}
-      targets: [{{pointer: GREETING, components: [hello-world]}}]
-"""
-
-
-def deployment(repository: str, *, revision: str = "1.0.0", greeting: str = "Hello",
-               wait: bool = True, timeout: str = "0m30s") -> DesiredDeployment:
-    return parse_deployment(DEPLOYMENT.format(
-        id=DEPLOYMENT_ID, repository=repository, revision=revision, wait=str(wait).lower(),
-        timeout=timeout, greeting=json.dumps(greeting)).encode())
+def deployment(repository: str, **options: Any) -> DesiredDeployment:
+    return compose_deployment(repository, **options)
 
 
 @pytest.fixture
@@ -114,11 +92,7 @@ def driver(engine: DockerEngine, oci: OciClient, tmp_path: Path) -> ComposeDrive
 
 def converge(driver: ComposeDriver, *deployments: DesiredDeployment) -> Plan:
     """One reconcile pass: read the engine, plan, apply every change."""
-    result = plan(deployments, driver.installed())
-    for deployment_plan in result.deployments:
-        for step in deployment_plan.changes:
-            driver.apply(step, deployment_plan.deployment)
-    return result
+    return converge_all(driver, list(deployments))
 
 
 def actions(result: Plan) -> list[str]:
@@ -440,23 +414,19 @@ def test_images_and_packages_from_a_registry_that_needs_credentials(
                               secret_file(tmp_path / "password", "s3cret-pw"))
     wrong = RegistryCredential(private_registry, "deployer",
                                secret_file(tmp_path / "wrong", "not-the-password"))
-    # Wrong credentials: the package pull fails, naming the registry, never the secret.
-    with OciClient(credentials={private_registry: wrong.pair()}) as oci:
-        driver = make_driver(engine, oci, tmp_path / "work", credentials=[wrong])
-        with pytest.raises(ApplyError) as caught:
-            converge(driver, deployment(repository))
-    assert caught.value.code == "PULL_FAILED"
-    assert private_registry in caught.value.message
-    assert "not-the-password" not in caught.value.message
-    # Right package credentials, wrong image credentials: the engine's pull fails.
-    with OciClient(credentials={private_registry: good.pair()}) as oci:
-        driver = make_driver(engine, oci, tmp_path / "work", credentials=[wrong])
-        with pytest.raises(ApplyError) as caught:
-            converge(driver, deployment(repository))
+    # Wrong package credentials (the OCI client's pull), then right package credentials
+    # with wrong image credentials (the engine's pull): PULL_FAILED naming the registry,
+    # never the secret.
+    for package, images in ((wrong, wrong), (good, wrong)):
+        with OciClient(credentials={private_registry: package.pair()}) as oci, \
+                pytest.raises(ApplyError) as caught:
+            converge(make_driver(engine, oci, tmp_path / "work", credentials=[images]),
+                     deployment(repository))
         assert caught.value.code == "PULL_FAILED"
         assert private_registry in caught.value.message
         assert "not-the-password" not in caught.value.message
-        # Both right: installed, and no credentials file is left behind.
+    # Both right: installed, and no credentials file is left behind.
+    with OciClient(credentials={private_registry: good.pair()}) as oci:
         driver = make_driver(engine, oci, tmp_path / "work", credentials=[good])
         assert actions(converge(driver, deployment(repository))) == ["install"]
     assert inspect(engine, containers(engine)["web"])["State"]["Health"]["Status"] == "healthy"

@@ -161,6 +161,32 @@ class Box:
         return {service: name for _, service, name in rows}
 
 
+def fleet_with_web(tmp_path: Path, registry: str, repository: str) -> Path:
+    """A fleet source with the web application (at 1.0.0) and no intents."""
+    fleet = write_fleet(tmp_path / "fleet", registry=registry, intents={})
+    app = fleet / "apps" / APP / "margo.yaml"
+    app.parent.mkdir(parents=True)
+    app.write_text(DESCRIPTION.format(repository=repository, revision="1.0.0"))
+    return fleet
+
+
+def device_config(home: Path, server: FleetServer, engine: DockerEngine,
+                  **extra: Any) -> Path:
+    """The Compose box's directory: token, capabilities and device.yaml (plus `extra`)."""
+    home.mkdir()
+    (home / "token").write_text(server.token)
+    (home / "capabilities.json").write_text(json.dumps(capabilities("compose-box-amd64",
+                                                                    DEVICE)))
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": DEVICE},
+        "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
+        "source": {"type": "margo-rest"},
+        "driver": {"type": "compose", "compose": engine.compose, "dockerHost": engine.host},
+        "dataDir": "data", "capabilities": {"file": "capabilities.json"},
+        "schedule": {"interval": "1s"}, **extra}))
+    return home / "device.yaml"
+
+
 @pytest.fixture
 def box(engine: DockerEngine, test_images: ImageSet, registry: str,
         tmp_path: Path) -> Iterator[Box]:
@@ -173,24 +199,9 @@ def box(engine: DockerEngine, test_images: ImageSet, registry: str,
             "migrate": {"image": test_images.crash, "depends_on": []}})
         compose_package(oci, repository, "1.3.0", {
             "web": web_service(test_images.web_2, command=SLOW)})
-    fleet = write_fleet(tmp_path / "fleet", registry=registry, intents={})
-    app = fleet / "apps" / APP / "margo.yaml"
-    app.parent.mkdir(parents=True)
-    app.write_text(DESCRIPTION.format(repository=repository, revision="1.0.0"))
+    fleet = fleet_with_web(tmp_path, registry, repository)
     with fleet_server(tmp_path, fleet=fleet) as server:
-        home = tmp_path / DEVICE
-        home.mkdir()
-        (home / "token").write_text(server.token)
-        (home / "capabilities.json").write_text(json.dumps(capabilities("compose-box-amd64",
-                                                                        DEVICE)))
-        (home / "device.yaml").write_text(yaml.safe_dump({
-            "device": {"id": DEVICE},
-            "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
-            "source": {"type": "margo-rest"},
-            "driver": {"type": "compose", "compose": engine.compose, "dockerHost": engine.host},
-            "dataDir": "data", "capabilities": {"file": "capabilities.json"},
-            "schedule": {"interval": "1s"}}))
-        the_box = Box(server, engine, fleet, home / "device.yaml")
+        the_box = Box(server, engine, fleet, device_config(tmp_path / DEVICE, server, engine))
         try:
             yield the_box
         finally:
@@ -283,31 +294,15 @@ def test_a_private_registry_through_the_device_configuration(
         repository = f"oci://{private}/compose-e2e/web"
         with OciClient(credentials={private: ("deployer", password)}) as oci:
             compose_package(oci, repository, "1.0.0", {"web": web_service(image)})
-        fleet = write_fleet(tmp_path / "fleet", registry=private, intents={})
-        app = fleet / "apps" / APP / "margo.yaml"
-        app.parent.mkdir(parents=True)
-        app.write_text(DESCRIPTION.format(repository=repository, revision="1.0.0"))
+        fleet = fleet_with_web(tmp_path, private, repository)
         with fleet_server(tmp_path, fleet=fleet) as server:
             home = tmp_path / DEVICE
-            home.mkdir()
-            (home / "token").write_text(server.token)
+            config = device_config(home, server, engine, registries={private: {
+                "username": "deployer", "passwordFile": "registry-password"}})
             secret = home / "registry-password"
             secret.write_text(password + "\n")
             secret.chmod(0o600)
-            (home / "capabilities.json").write_text(json.dumps(
-                capabilities("compose-box-amd64", DEVICE)))
-            (home / "device.yaml").write_text(yaml.safe_dump({
-                "device": {"id": DEVICE},
-                "server": {"url": server.base, "clientId": server.client_id,
-                           "tokenFile": "token"},
-                "source": {"type": "margo-rest"},
-                "driver": {"type": "compose", "compose": engine.compose,
-                           "dockerHost": engine.host},
-                "registries": {private: {"username": "deployer",
-                                         "passwordFile": "registry-password"}},
-                "dataDir": "data", "capabilities": {"file": "capabilities.json"},
-                "schedule": {"interval": "1s"}}))
-            box = Box(server, engine, fleet, home / "device.yaml")
+            box = Box(server, engine, fleet, config)
             box.server.edit_intent("web", INTENT.format(greeting="Private"))
             box.start()
             try:

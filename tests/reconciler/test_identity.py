@@ -70,6 +70,9 @@ class Connection:
     request_bytes: bool = False
     requests: list[tuple[str, str, bytes]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    # Set when the server has finished with the connection: the client may refuse and close
+    # before the server's thread has even completed its side of the handshake.
+    over: threading.Event = field(default_factory=threading.Event)
 
 
 Answer = tuple[int, dict[str, str], bytes]
@@ -141,6 +144,12 @@ class TlsServer(ThreadingHTTPServer):
         with self._lock:
             self.connections.append(seen)
             self._by_address[client_address] = seen
+        try:
+            self._serve_connection(seen, request, client_address)
+        finally:
+            seen.over.set()
+
+    def _serve_connection(self, seen: Connection, request: Any, client_address: Any) -> None:
         request.settimeout(10)
         try:
             tls = self.context.wrap_socket(request, server_side=True)
@@ -180,6 +189,8 @@ def serving(context: ssl.SSLContext, app: App = ok_app) -> Iterator[TlsServer]:
 
     with stub_serving(server=TlsServer(context, app), before_close=cut) as server:
         yield server
+    for seen in server.connections:  # what the server saw is complete before tests read it
+        seen.over.wait(timeout=10)
 
 
 def pem(*certs: x509.Certificate) -> str:

@@ -36,7 +36,7 @@ __all__ = ["CLUSTER_API_VERSION", "CLUSTER_KIND", "CLUSTER_SECTIONS", "EXTENSION
            "LABEL_PREFIX", "cluster_body", "cluster_labels", "cluster_manifest_from_capabilities",
            "cluster_manifest_schema", "cores", "device_capabilities_from_cluster",
            "exact_binary", "gpu_manufacturer", "is_cluster_manifest", "is_gpu_resource",
-           "rounded_binary", "validate_cluster_manifest"]
+           "placement_properties", "rounded_binary", "validate_cluster_manifest"]
 
 CLUSTER_API_VERSION = "cluster.margo.org/v1alpha1"
 CLUSTER_KIND = "ClusterCapabilitiesManifest"
@@ -164,6 +164,8 @@ def _node_schema() -> dict[str, Any]:
     """Our per-node addition (`resources.nodes`): open, so newer clients can add facts."""
     gpu = _closed({"resource": _TEXT, "count": _COUNT, "manufacturer": _TEXT, "model": _TEXT},
                   ["resource", "count"])
+    workload = _closed({"deployment": _TEXT, "pods": _COUNT, "requested": _node_resources()},
+                       ["deployment", "pods", "requested"])
     taint = _closed({"key": _TEXT, "value": _STR, "effect": _TEXT}, ["key", "effect"])
     return _open({
         "name": _TEXT, "roles": _STRINGS, "controlPlane": {"type": "boolean"},
@@ -172,6 +174,7 @@ def _node_schema() -> dict[str, Any]:
         "containerRuntime": _TEXT, "allocatable": _node_resources(),
         "requested": _node_resources(), "available": _node_resources(),
         "gpus": {"type": "array", "items": gpu}, "taints": {"type": "array", "items": taint},
+        "workloads": {"type": "array", "items": workload},
         "zone": _TEXT, "region": _TEXT,
         "labels": {"type": "object", "additionalProperties": _STR},
     }, ["name"])
@@ -193,9 +196,12 @@ def _build_schema() -> dict[str, Any]:
                        "allocatableMemory": _TEXT, "allocatableGpu": _COUNTS,
                        "allocatableExtendedResources": _COUNTS},
                       ["architecture", "allocatableCpu", "allocatableMemory"])
+    gpu = _closed({"node": _TEXT, "resource": _TEXT, "index": _COUNT, "manufacturer": _TEXT,
+                   "model": _TEXT, "allocatedTo": _TEXT}, ["node", "resource", "index"])
     resources = _closed({"allocatable": allocatable, "nodeCount": _COUNT,
                          "nodeSummary": {"type": "array", "items": summary},
-                         "nodes": {"type": "array", "items": _node_schema()}})
+                         "nodes": {"type": "array", "items": _node_schema()},
+                         "gpus": {"type": "array", "items": gpu}})
     storage_class = _closed({"name": _TEXT, "provisioner": _TEXT, "isDefault": {
         "type": "boolean"}}, ["name", "provisioner", "isDefault"])
     ingress_class = _closed({"name": _TEXT, "controller": _TEXT,
@@ -397,8 +403,19 @@ def _from_nodes(nodes: list[dict[str, Any]]) -> dict[str, Any]:
         storage = [n["available"].get("ephemeralStorage") for n in placeable]
         if all(s is not None for s in storage):
             out["storage"] = rounded_binary(_sum_bytes(storage))
-    out["peripherals"] = _gpu_peripherals(g for n in placeable for g in n.get("gpus") or [])
+    out["peripherals"] = _gpu_peripherals(g for n in placeable for g in _free_gpus(n))
     return out
+
+
+def _free_gpus(node: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The node's GPUs no scheduled pod holds (all of them when requests are unknown)."""
+    available = node.get("available")
+    gpus = [dict(g) for g in node.get("gpus") or []]
+    if isinstance(available, Mapping):
+        for gpu in gpus:
+            gpu["count"] = min(int(gpu.get("count", 0)),
+                               int(available.get(gpu.get("resource"), gpu.get("count", 0))))
+    return gpus
 
 
 def _from_summary(resources: Mapping[str, Any]) -> dict[str, Any]:
@@ -429,7 +446,10 @@ def _from_summary(resources: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _placement(body: Mapping[str, Any]) -> dict[str, Any]:
+def placement_properties(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The rc.3 placement properties a cluster body stands for: `cpus` (one entry per node
+    that takes pods, its available cores), available `memory`/`storage`, one `gpu`
+    peripheral per GPU no pod holds."""
     resources = body.get("resources")
     if not isinstance(resources, Mapping):
         return {}
@@ -525,7 +545,7 @@ def device_capabilities_from_cluster(cluster: Mapping[str, Any], *, vendor: str 
     properties: dict[str, Any] = {
         "id": body["metadata"]["id"], "vendor": vendor, "modelNumber": model_number,
         "serialNumber": serial_number}
-    properties.update(_placement(body))
+    properties.update(placement_properties(body))
     properties["interfaces"] = []
     capabilities = body.get("capabilities") or {}
     types = [t for t in capabilities.get("supportedDeploymentTypes", ["helm"])

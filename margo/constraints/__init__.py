@@ -43,6 +43,7 @@ from __future__ import annotations
 from margo.constraints.cluster import parse_version_range
 from margo.constraints.compiled import CompiledConstraints
 from margo.constraints.compiler import compile_constraints, match
+from margo.constraints.demand import Demand, GpuClaim, Usage, demand_of
 from margo.constraints.pointers import cluster_of, matching_view, parse_pointer
 from margo.constraints.results import Failure, MatchResult
 from margo.constraints.vocabulary import (
@@ -62,10 +63,14 @@ __all__ = [
     "EXTENSION",
     "OPERATORS",
     "CompiledConstraints",
+    "Demand",
     "Failure",
+    "GpuClaim",
     "MatchResult",
+    "Usage",
     "cluster_of",
     "compile_constraints",
+    "demand_of",
     "match",
     "matching_view",
     "parse_pointer",

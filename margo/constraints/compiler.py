@@ -455,7 +455,7 @@ class _Compiler:
             test = _exists if operator == "Exists" else _does_not_exist
             required, shown = None, ""
         return _Expression(key, operator, subject, noun, lookup, test, values, required,
-                           f"{subject} {operator}{shown}")
+                           f"{subject} {operator}{shown}", items)
 
     # ---- our extension: cluster requirements and the draft form
 

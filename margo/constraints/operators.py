@@ -96,6 +96,9 @@ class _Expression:
     values: tuple[Any, ...]
     required: Any
     text: str  # "/vendor In ['Acme']"
+    #: The item expressions of ContainsAll/ContainsAny (what one element must match); read by
+    #: `demand` to tell which peripheral a placement takes.
+    items: tuple[_Expression, ...] = ()
 
     def why_not(self, actual: Any) -> str:
         """Why `actual` fails this expression, as the second half of a sentence."""

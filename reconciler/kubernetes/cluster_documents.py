@@ -60,6 +60,10 @@ def _node_entry(node: NodeFacts) -> dict[str, Any]:
                                         ("manufacturer", g.manufacturer), ("model", g.model))
                       if v is not None} for g in node.gpus]
     entry["taints"] = [dict(t) for t in node.taints]
+    if node.workloads is not None:
+        entry["workloads"] = [{"deployment": w.deployment, "pods": w.pods,
+                               "requested": _node_resources(w.requested)}
+                              for w in node.workloads]
     if node.zone:
         entry["zone"] = node.zone
     if node.region:
@@ -85,8 +89,26 @@ def _summary(node: NodeFacts) -> dict[str, Any]:
         entry["allocatableExtendedResources"] = other
     return entry
 
-def _resources_section(nodes: list[NodeFacts]) -> dict[str, Any]:
-    """The proposal's sums over Ready nodes, plus our per-node list of every node."""
+def _gpu_entries(nodes: list[NodeFacts], allocations: list[Any]) -> list[dict[str, Any]]:
+    """One entry per GPU (the GPU proposal's `gpus[]` with `allocatedTo`), with what the
+    node's labels say of its model."""
+    known = {(n.name, g.resource): g for n in nodes for g in n.gpus}
+    out = []
+    for allocation in allocations:
+        entry: dict[str, Any] = {"node": allocation.node, "resource": allocation.resource,
+                                 "index": allocation.index}
+        gpu = known.get((allocation.node, allocation.resource))
+        for key, value in (("manufacturer", gpu and gpu.manufacturer),
+                           ("model", gpu and gpu.model), ("allocatedTo", allocation.holder)):
+            if value:
+                entry[key] = value
+        out.append(entry)
+    return out
+
+def _resources_section(nodes: list[NodeFacts],
+                       allocations: list[Any] | None = None) -> dict[str, Any]:
+    """The proposal's sums over Ready nodes, plus our per-node list of every node and, when
+    the pods are known, every GPU with its holder."""
     ready = [n for n in nodes if n.ready]
     total: dict[str, Decimal] = {}
     for node in ready:
@@ -101,9 +123,12 @@ def _resources_section(nodes: list[NodeFacts]) -> dict[str, Any]:
         allocatable["gpu"] = gpu
     if other:
         allocatable["extendedResources"] = other
-    return {"allocatable": allocatable, "nodeCount": len(ready),
-            "nodeSummary": [_summary(n) for n in ready],
-            "nodes": [_node_entry(n) for n in nodes]}
+    section = {"allocatable": allocatable, "nodeCount": len(ready),
+               "nodeSummary": [_summary(n) for n in ready],
+               "nodes": [_node_entry(n) for n in nodes]}
+    if allocations:
+        section["gpus"] = _gpu_entries(nodes, allocations)
+    return section
 
 def _capabilities_section(facts: ClusterFacts) -> dict[str, Any]:
     section: dict[str, Any] = {"supportedDeploymentTypes": ["helm"]}
@@ -136,7 +161,7 @@ def cluster_manifest(facts: ClusterFacts, *, device_id: str,
         surface["customResourceDefinitions"] = [dict(c) for c in facts.crds]
     manifest["apiSurface"] = surface
     if facts.nodes is not None:
-        manifest["resources"] = _resources_section(facts.nodes)
+        manifest["resources"] = _resources_section(facts.nodes, facts.gpu_allocations)
     manifest["capabilities"] = _capabilities_section(facts)
     if facts.helm_version:
         manifest["helmVersion"] = facts.helm_version

@@ -1,17 +1,19 @@
 """What a Kubernetes cluster offers, read from its API with read-only rights.
 
-`discover(client)` reads /version, /api, /apis, CRDs, nodes, the pods scheduled on them, the
-storage, ingress and runtime classes, DaemonSets (to find an OpenTelemetry collector) and the
-Helm engine's version, into `ClusterFacts` (parsed by `facts`). Every read except /version
-may fail on its own (RBAC forbids it, the API is not served): the failure is recorded in
-`unknown` with its reason and the fact stays absent, because a report that claims what it
-could not see would place workloads where they cannot run. /version is the reachability
-probe; when it fails the whole discovery fails, and so does any read that finds the server
-gone.
+`discover(client)` reads /version, /api, /apis, CRDs, nodes, the pods scheduled on them (and,
+as metadata, their owners and Helm's release records, to tell which are our deployments':
+`workloads`), the storage, ingress and runtime classes, DaemonSets (to find an OpenTelemetry
+collector) and the Helm engine's version, into `ClusterFacts` (parsed by `facts`). Every
+read except /version may fail on its own (RBAC forbids it, the API is not served): the
+failure is recorded in `unknown` with its reason and the fact stays absent, because a report
+that claims what it could not see would place workloads where they cannot run. /version is
+the reachability probe; when it fails the whole discovery fails, and so does any read that
+finds the server gone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +33,12 @@ from reconciler.kubernetes.facts import (
     _storage_class,
     guess_platform,
     node_facts,
+)
+from reconciler.kubernetes.workloads import (
+    RELEASE_RECORDS,
+    Ownership,
+    attribute,
+    gpu_allocations,
 )
 
 __all__ = ["discover", "helm_engine_version"]
@@ -62,7 +70,8 @@ def _read_api_groups(client: KubeClient, facts: ClusterFacts) -> list[dict[str, 
 
 def _read_nodes(client: KubeClient,
                 facts: ClusterFacts) -> tuple[list[NodeFacts] | None, list[dict[str, Any]]]:
-    """The nodes (None when unreadable) and their raw labels (for the platform guess)."""
+    """The nodes (None when unreadable) and their raw labels (for the platform guess);
+    with the pods, what they request and which of them are our deployments'."""
     items = _attempt(facts, "resources", lambda: client.list("/api/v1/nodes"))
     if items is None:
         return None, []
@@ -74,8 +83,43 @@ def _read_nodes(client: KubeClient,
     requested = None if pods is None else _requests_by_node(pods)
     nodes = [node_facts(item, None if requested is None else requested.get(_name(item), {}))
              for item in items]
+    if pods is not None:
+        ownership = _read_ownership(client, facts)
+        if ownership is not None:
+            by_node = attribute(pods, ownership)
+            nodes = [dataclasses.replace(n, workloads=by_node.get(n.name, ())) for n in nodes]
+        facts.gpu_allocations = gpu_allocations(
+            pods, ownership, {n.name: n.allocatable for n in nodes})
     labels = [dict((i.get("metadata") or {}).get("labels") or {}) for i in items]
     return sorted(nodes, key=lambda n: n.name), labels
+
+
+#: The owners a pod is traced through, and the kinds Helm annotates with their release.
+_OWNER_LISTS = {"ReplicaSet": "/apis/apps/v1/replicasets", "Job": "/apis/batch/v1/jobs"}
+_TOP_LISTS = {"Deployment": "/apis/apps/v1/deployments",
+              "StatefulSet": "/apis/apps/v1/statefulsets",
+              "DaemonSet": "/apis/apps/v1/daemonsets", "CronJob": "/apis/batch/v1/cronjobs",
+              "Job": "/apis/batch/v1/jobs"}
+
+
+def _read_ownership(client: KubeClient, facts: ClusterFacts) -> Ownership | None:
+    """What traces pods to our deployments (metadata only), or None when some of it cannot
+    be read: then no node says whose pods it runs, and the server counts ours in full."""
+    what = "resources.nodes.workloads"
+    lists: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted({*_OWNER_LISTS.values(), *_TOP_LISTS.values()}):
+        found = _attempt(facts, what, lambda p=path: client.list(p, metadata_only=True))
+        if found is None:
+            return None
+        lists[path] = found
+    records = _attempt(facts, what, lambda: client.list(
+        "/api/v1/secrets", {"labelSelector": RELEASE_RECORDS}, metadata_only=True))
+    if records is None:
+        return None
+    return Ownership(replicasets=lists[_OWNER_LISTS["ReplicaSet"]],
+                     jobs=lists[_OWNER_LISTS["Job"]],
+                     workloads={kind: lists[path] for kind, path in _TOP_LISTS.items()},
+                     releases=records)
 
 def _read_classes(client: KubeClient, facts: ClusterFacts, key: str, path: str,
                   shape: Callable[[Mapping[str, Any]], dict[str, Any]],

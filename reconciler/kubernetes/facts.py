@@ -99,6 +99,9 @@ class NodeFacts:
     zone: str | None
     region: str | None
     labels: dict[str, str]
+    #: What the scheduled pods of each of our deployments request here (`workloads.py`);
+    #: None when pods could not be traced to deployments.
+    workloads: tuple[Any, ...] | None = None
 
     @property
     def available(self) -> dict[str, Decimal] | None:
@@ -122,6 +125,8 @@ class ClusterFacts:
     runtime_classes: list[dict[str, Any]] | None = None
     otel_collector: bool | None = None
     helm_version: str | None = None
+    #: Every GPU and who holds it (`workloads.GpuAllocation`); None when pods are unknown.
+    gpu_allocations: list[Any] | None = None
     unknown: list[dict[str, str]] = field(default_factory=list)
 
     def note_unknown(self, what: str, reason: str) -> None:

@@ -4,12 +4,13 @@ something placement depends on has really changed.
 Pod requests churn all the time (a Job starts, a rollout surges), and every report makes the
 server recompute this device's placement. So `gather()` compares a fresh discovery with the
 document it last returned and counts as a change only: nodes added or removed, a node's
-Ready/schedulable state, roles, taints, GPUs or labels, the API surface and classes, what is
-unknown, the derived labels, or a node's allocatable or available resource moving by more
-than `threshold` of its allocatable amount (default 10%). A change must also hold: it is
-returned only when two consecutive gathers at least `debounce_seconds` apart both see it;
-until then the previous document is returned. The reporter then sends only when the
-document's digest differs from what the server acknowledged.
+Ready/schedulable state, roles, taints, GPUs (and who holds them) or labels, which of our
+deployments have pods on it, the API surface and classes, what is unknown, the derived
+labels, or a node's allocatable or available resource moving by more than `threshold` of its
+allocatable amount (default 10%). A change must also hold: it is returned only when two
+consecutive gathers at least `debounce_seconds` apart both see it; until then the previous
+document is returned. The reporter then sends only when the document's digest differs from
+what the server acknowledged.
 
 When the API server cannot be reached the last good document is returned (the cluster did not
 change because we cannot see it) and `last_error` says why.
@@ -70,6 +71,9 @@ def _structure(doc: Mapping[str, Any]) -> dict[str, Any]:
         for node in resources.get("nodes") or []:
             for key in _NODE_AMOUNTS:
                 node.pop(key, None)
+            for workload in node.get("workloads") or []:  # whose pods run here counts,
+                workload.pop("pods", None)  # not how many or how much (that churns)
+                workload.pop("requested", None)
     if "unknown" in body:
         body["unknown"] = sorted(str(u.get("what")) for u in body["unknown"])
     return shape

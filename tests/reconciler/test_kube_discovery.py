@@ -297,7 +297,7 @@ def test_k3s_single_node_field_by_field(emulator: Emulator) -> None:
         "allocatable": {"cpu": 4, "memory": "16379772Ki", "ephemeralStorage": "73958691987"},
         "requested": {"cpu": 0.2, "memory": "140Mi", "ephemeralStorage": "0"},
         "available": {"cpu": 3.8, "memory": "16236412Ki", "ephemeralStorage": "73958691987"},
-        "gpus": [], "taints": [], "labels": {}}
+        "gpus": [], "taints": [], "labels": {}, "workloads": []}
     assert cluster["capabilities"] == {
         "supportedDeploymentTypes": ["helm"],
         "storageClasses": [{"name": "local-path", "provisioner": "rancher.io/local-path",
@@ -326,8 +326,11 @@ def test_three_node_cluster_with_a_gpu_worker(emulator: Emulator) -> None:
     # The tainted control plane takes no pods: one cpus entry per schedulable node.
     assert doc["properties"]["cpus"] == [{"cores": 0.75, "architecture": "amd64"},
                                          {"cores": 8, "architecture": "amd64"}]
-    assert doc["properties"]["peripherals"] == [
-        {"type": "gpu", "manufacturer": "NVIDIA", "model": "Tesla-T4"}]
+    # The inference pod holds the only GPU: not offered, and named as its holder.
+    assert doc["properties"]["peripherals"] == []
+    assert body(doc)["resources"]["gpus"] == [
+        {"node": GPU_NODE, "resource": "nvidia.com/gpu", "index": 0, "manufacturer": "NVIDIA",
+         "model": "Tesla-T4", "allocatedTo": "pod:default/inference"}]
     assert (label(doc, "nodes"), label(doc, "schedulable-nodes"),
             label(doc, "control-plane-nodes"), label(doc, "gpus"),
             label(doc, "gpu-vendors"), label(doc, "version")) == (3, 2, 1, 1, ["nvidia"],
@@ -498,7 +501,9 @@ def test_daemonsets_forbidden_leaves_the_collector_unknown(emulator: Emulator) -
     doc = document(emulator)
     assert "otelCollector" not in doc["properties"]
     assert "otelCollector" not in body(doc)["capabilities"]
-    assert set(unknown(doc)) == {"capabilities.otelCollector"}
+    # DaemonSets own pods too: without them, no node says whose pods it runs.
+    assert set(unknown(doc)) == {"capabilities.otelCollector", "resources.nodes.workloads"}
+    assert all("workloads" not in n for n in body(doc)["resources"]["nodes"])
 
 
 def test_platform_is_guessed_from_versions_then_labels() -> None:

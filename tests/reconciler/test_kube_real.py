@@ -127,8 +127,13 @@ def test_discovery_reports_what_the_scheduler_and_controllers_did(kube: KubeClus
         "version": kube.version.lstrip("v"), "zones": ["zone-a", "zone-b"]}
     properties = doc["properties"]
     assert properties["otelCollector"] is True  # the DaemonSet covers every schedulable node
-    assert properties["peripherals"] == [{"type": "gpu", "manufacturer": "NVIDIA",
-                                          "model": "Tesla-T4"}]
+    # vision's pod holds the only GPU: it is not offered, and the report says who has it.
+    assert properties["peripherals"] == []
+    assert doc["x-margo-gitops-extensions"]["cluster"]["resources"]["gpus"] == [
+        {"node": "gpu-worker", "resource": "nvidia.com/gpu", "index": 0,
+         "manufacturer": "NVIDIA", "model": "Tesla-T4",
+         "allocatedTo": f"pod:{ns}/{vision['metadata']['name']}"}]
+    assert all(n["workloads"] == [] for n in nodes.values())  # none of it is ours
     # cpus: one entry per schedulable node, with what its pods leave free.
     free = sorted(float(Decimal(n.cpu) - expected[n.name]["cpu"])
                   for n in (*THREE_NODES[1:], GPU_WORKER))

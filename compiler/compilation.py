@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from compiler.capacity import DeviceCapacity, is_cluster
 from compiler.gcpause import collection_paused
 from compiler.gitstore import DeviceCommit, DeviceStore, StoredTree, blob_id, tree_id_of
 from compiler.intents import Intent
@@ -61,8 +62,8 @@ Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 
 #: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
 #: 2: placements see root extensions and cluster sections. 3: a string ending in a newline
-#: is quoted in the YAML (written plain, it lost the newline).
-COMPILER_VERSION = "3"
+#: is quoted in the YAML (written plain, it lost the newline). 4: capacity accounting.
+COMPILER_VERSION = "4"
 _SUFFIX = ".yaml"
 _FAST_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -280,11 +281,13 @@ _NO_TREE = StoredTree(None, "", {})
 
 
 def _keep_steady(ctx: _Context, previous: dict[str, PlacementRecord], current: StoredTree,
-                 out: _DeviceOutcome) -> set[str]:
+                 out: _DeviceOutcome, *, recheck_waiting: bool) -> set[str]:
     """With unchanged capabilities, an unchanged intent decides exactly as last time: keep
     its file (or its absence) and its record instead of evaluating and rendering again.
     Returns the intents so settled. Placements in a grace period are always evaluated
-    again, since time is an input; so is a file the state has no record of.
+    again, since time is an input; so are placements waiting for capacity when what the
+    device has left may have changed (`recheck_waiting`), and a file the state has no
+    record of.
 
     Walks the device's few records and files rather than every steady intent: most
     intents target a device neither before nor now, and those are settled as they are."""
@@ -295,7 +298,7 @@ def _keep_steady(ctx: _Context, previous: dict[str, PlacementRecord], current: S
         fname = steady.get(name)
         if fname is None:
             continue
-        if record.ineligible_since is not None:
+        if record.ineligible_since is not None or (record.waiting and recheck_waiting):
             settled.discard(name)
             continue
         if fname in ids:
@@ -321,7 +324,14 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
         names = sorted(ctx.known.union(deleted))
     usable, frozen, ids, targeted = (ctx.intents.usable, ctx.intents.frozen, current.ids,
                                      ctx.targeted)
-    settled = _keep_steady(ctx, previous, current, out) if reuse else set()
+    recheck_waiting = not reuse or _shares_may_change(ctx, previous, deleted)
+    settled = (_keep_steady(ctx, previous, current, out, recheck_waiting=recheck_waiting)
+               if reuse else set())
+    # New placements wait until every placement the tree holds is known: they get what
+    # those leave (capacity accounting, `compiler.capacity`).
+    new: list[tuple[Intent, AppVersion, Placement]] = []
+    cluster = is_cluster(device)
+    capacity = DeviceCapacity(device, ctx.constraints) if cluster else None
     for name in names:
         if name in settled:
             continue
@@ -340,7 +350,8 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
             continue
         intent, app = entry
         if reuse and name in ctx.placed_as_before and _place_as_before(
-                ctx, out, intent, app, device, current, previous, caps_changed):
+                ctx, out, intent, app, device, current, previous, caps_changed,
+                recheck_waiting=recheck_waiting):
             continue
         members = targeted.get(name)
         if members is None:
@@ -350,18 +361,84 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
                 out.changes.append(Change(fname, name, "remove",
                                           ("device no longer targeted by the intent",)))
             continue
-        placement = place(intent, app, device, ctx.constraints, targeted=True)
+        own = capacity.own_view(name) if capacity is not None and had else None
+        placement = place(intent, app, device, ctx.constraints, targeted=True, view=own)
         if placement.eligible:
+            if not had and not intent.overcommit:
+                new.append((intent, app, placement))
+                continue
             _place_eligible(ctx, out, intent, app, placement, device, current, previous,
                             caps_changed)
         else:
-            _place_ineligible(ctx, out, intent, app, device, current, previous.get(name))
+            _place_ineligible(ctx, out, intent, app, device, current, previous.get(name),
+                              view=own)
+    if new:
+        _place_new(ctx, out, new, capacity or DeviceCapacity(device, ctx.constraints),
+                   current, previous, caps_changed)
     return out
+
+
+def _shares_may_change(ctx: _Context, previous: dict[str, PlacementRecord],
+                       deleted: list[str]) -> bool:
+    """Whether what a device's placements take may differ from last time although its
+    capabilities did not change: an intent it held was deleted, or changed otherwise than
+    by what places every device as before (its parameters, say). If not, a placement that
+    waited for capacity still waits, and is not evaluated again."""
+    if deleted:
+        return True
+    changed, as_before = ctx.changed, ctx.placed_as_before
+    return any(record.deployed and name in changed and name not in as_before
+               for name, record in previous.items())
+
+
+def _hold_placed(ctx: _Context, out: _DeviceOutcome, capacity: DeviceCapacity) -> None:
+    """Every placement the new tree holds so far takes its share of the device."""
+    placed = [r for r in out.placements if r.deployed and r.profile is not None]
+    usable = ctx.intents.usable
+    for record in sorted(placed, key=lambda r: (-_priority(ctx, r.intent), r.intent)):
+        entry = usable.get(record.intent)
+        if entry is not None:
+            intent, app = entry
+            profile = ctx.profile(app, record.profile)
+            if profile is not None:
+                capacity.hold(intent, app, profile)
+            continue
+        before = ctx.previous_intents.get(record.intent)  # a frozen intent, kept as it is
+        app = None if before is None else ctx.source.application(before.app_id,
+                                                                 before.app_version)
+        profile = None if app is None else ctx.profile(app, record.profile)
+        if app is not None and profile is not None:
+            capacity.hold_frozen(record.intent, app, profile)
+
+
+def _priority(ctx: _Context, name: str) -> int:
+    entry = ctx.intents.usable.get(name)
+    return 0 if entry is None else entry[0].priority
+
+
+def _place_new(ctx: _Context, out: _DeviceOutcome,
+               new: list[tuple[Intent, AppVersion, Placement]], capacity: DeviceCapacity,
+               current: StoredTree, previous: dict[str, PlacementRecord],
+               caps_changed: bool) -> None:
+    """Decide the new placements in order (highest priority, then name), each in what the
+    placements before it leave; one that does not fit waits, and says why in numbers."""
+    _hold_placed(ctx, out, capacity)
+    device_id = capacity.device.id
+    for intent, app, placement in sorted(new, key=lambda e: (-e[0].priority, e[0].name)):
+        placement, short = capacity.admit(intent, app, placement)
+        if short:
+            out.placements.append(PlacementRecord(device_id, intent.name, False, False, None,
+                                                  None, True))
+            out.notes.append(f"{intent.name}: waits for capacity: "
+                             + "; ".join(f.message for f in short))
+            continue
+        _place_eligible(ctx, out, intent, app, placement, capacity.device, current,
+                        previous, caps_changed)
 
 
 def _place_as_before(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
                      device: Device, current: StoredTree, previous: dict[str, PlacementRecord],
-                     caps_changed: bool) -> bool:
+                     caps_changed: bool, *, recheck_waiting: bool) -> bool:
     """Place `device` for an intent of `ctx.placed_as_before` as its record says, without
     evaluating targets and constraints again; False (evaluate them) when the record cannot
     say: a grace period (time is an input), a profile it does not name, or a tree that
@@ -370,7 +447,7 @@ def _place_as_before(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: Ap
     had = file_name(intent.name) in current.ids
     if record is None:  # not targeted last time
         return not had
-    if record.ineligible_since is not None:
+    if record.ineligible_since is not None or (record.waiting and recheck_waiting):
         return False
     if not record.eligible:
         if had:
@@ -378,7 +455,7 @@ def _place_as_before(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: Ap
         out.placements.append(record)
         return True
     profile = ctx.profile(app, record.profile)
-    if profile is None:
+    if profile is None or not had:  # (a new placement is decided with the others)
         return False
     _place_eligible(ctx, out, intent, app, Placement(True, profile), device, current,
                     previous, caps_changed)
@@ -419,15 +496,18 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
 
 def _place_ineligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
                       device: Device, current: StoredTree,
-                      previous: PlacementRecord | None) -> None:
+                      previous: PlacementRecord | None, *,
+                      view: Mapping[str, Any] | None = None) -> None:
     fname = file_name(intent.name)
     since = previous.ineligible_since if previous and previous.ineligible_since else ctx.now
-    explained = place(intent, app, device, ctx.constraints, explain=True)
+    explained = place(intent, app, device, ctx.constraints, explain=True, view=view)
     why = "; ".join(explained.failure_messages()[:3]) or "no profile fits"
     if fname in current.ids and intent.grace_seconds and ctx.now - since < intent.grace_seconds:
         left = int(intent.grace_seconds - (ctx.now - since))
         out.keep(fname, current)
-        out.placements.append(PlacementRecord(device.id, intent.name, False, True, since))
+        # The profile it runs with stays recorded: it still takes its share of the device.
+        out.placements.append(PlacementRecord(device.id, intent.name, False, True, since,
+                                              previous.profile if previous else None))
         out.notes.append(f"{intent.name}: not eligible ({why}); kept for the grace period, "
                          f"{left}s left")
         until = since + intent.grace_seconds

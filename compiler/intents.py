@@ -39,7 +39,8 @@ DURATION = r"^(?=\d)(\d+d)?(\d+h)?(\d+m)?(\d+s)?$"
 _DURATION_PARTS = re.compile(r"(\d+)([dhms])")
 _SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 #: The fields of an intent's spec that `compiler.placement.place` reads.
-_PLACEMENT_FIELDS = ("application", "profile", "targets", "constraints")
+_PLACEMENT_FIELDS = ("application", "profile", "targets", "constraints", "priority",
+                     "overcommit")
 
 
 @cache
@@ -61,6 +62,8 @@ def intent_schema() -> dict[str, Any]:
         }),
         "constraints": {"$ref": "#/$defs/deviceConstraints"},
         "gracePeriod": {"type": "string", "pattern": DURATION},
+        "priority": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
+        "overcommit": {"type": "boolean"},
         "outputShape": {"enum": [Shape.RC3.value, Shape.OCT_2024.value]},
     }, ["application"])
     return {
@@ -127,6 +130,11 @@ class Intent:
     selector: CompiledConstraints | None  # None: no selectors
     constraints: CompiledConstraints | None
     grace_seconds: int
+    #: New placements on a device are decided highest priority first, then by name (what
+    #: capacity accounting leaves for the next one depends on it).
+    priority: int
+    #: Placed without capacity accounting, and not counted against other placements.
+    overcommit: bool
     output_shape: str
     digest: str
     #: Digest of what decides which devices get a deployment and with which profile (the
@@ -223,6 +231,8 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         selector=selector if selectors else None,  # an empty list selects nothing
         constraints=constraints,
         grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
+        priority=int(spec.get("priority", 0)),
+        overcommit=bool(spec.get("overcommit", False)),
         output_shape=spec.get("outputShape", Shape.RC3.value),
         digest=data_digest(doc),
         placement_digest=data_digest({key: spec[key] for key in _PLACEMENT_FIELDS

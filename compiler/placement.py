@@ -19,7 +19,7 @@ from typing import Any
 from compiler.intents import Intent
 from compiler.snapshot import Device
 from compiler.source import AppVersion
-from margo.constraints import CompiledConstraints, Failure, compile_constraints
+from margo.constraints import CompiledConstraints, Demand, Failure, compile_constraints, demand_of
 from margo.models import DeploymentProfile
 
 __all__ = ["Attempt", "Placement", "place", "targeting_failures"]
@@ -69,6 +69,16 @@ class ProfileConstraints:
             self.cache[key] = compiled
         return compiled
 
+    def demand(self, intent: Intent, app: AppVersion, profile: DeploymentProfile,
+               view: Mapping[str, Any], labels: Mapping[str, Any]) -> Demand:
+        """What a deployment of `intent` with `profile` takes from a device (its matching
+        view decides which eligibility rule, and so which GPU, applies): the profile's
+        requirements and the intent's extra constraints together."""
+        demand = demand_of(self.get(app, profile), view, labels)
+        if intent.constraints is not None:
+            demand = demand.combined(demand_of(intent.constraints, view, labels))
+        return demand
+
 
 def _candidates(intent: Intent, app: AppVersion) -> list[DeploymentProfile]:
     profiles = list(app.description.profiles)
@@ -105,16 +115,20 @@ def targeting_failures(intent: Intent, device: Device) -> tuple[Failure, ...]:
 
 
 def place(intent: Intent, app: AppVersion, device: Device, constraints: ProfileConstraints, *,
-          explain: bool = False, targeted: bool | None = None) -> Placement:
+          explain: bool = False, targeted: bool | None = None,
+          view: Mapping[str, Any] | None = None) -> Placement:
     """Decide targeting (unless the caller already knows it) and profile; with `explain`,
     collect every failing clause. Everything is matched against the device's matching view
-    (properties, root extensions, cluster sections), built once per device."""
+    (properties, root extensions, cluster sections), built once per device, or against
+    `view` (what capacity accounting leaves of it); targets always see the device's own."""
     properties, labels = device.matching, device.labels
     if targeted is None:
         targeted = intent.targets(device.id, properties, labels)
     if not targeted:
         return Placement(False, not_targeted_because=targeting_failures(intent, device)
                          if explain else ())
+    if view is not None:
+        properties = view
     attempts: list[Attempt] = []
     candidates = _candidates(intent, app)
     for profile in candidates:

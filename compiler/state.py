@@ -12,8 +12,8 @@ running grace periods. It holds:
   branch was left at with that commit's files (name -> blob id), so a device recompiled
   for one intent need not read its tree back from Git;
 * per (device, intent), whether the device was targeted, eligible and deployed, with which
-  profile, and since when it has been ineligible (grace periods), which also lets commit
-  messages say *why*;
+  profile, since when it has been ineligible (grace periods), and whether it waits for
+  capacity (accounting), which also lets commit messages say *why*;
 * the `SnapshotMemo` of the keyed capability file the last compile read (the identity of its
   bytes, its documents' digests and, for JSON, where each document lies in the text), so
   reading the same bytes again skips that work.
@@ -34,7 +34,7 @@ from compiler.snapshot import SnapshotMemo, TrustedDigests
 
 __all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord", "StagedSave"]
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS devices (
 CREATE TABLE IF NOT EXISTS placements (
     device_id TEXT NOT NULL, intent TEXT NOT NULL, eligible INTEGER NOT NULL,
     deployed INTEGER NOT NULL, ineligible_since REAL, profile TEXT,
-    PRIMARY KEY (device_id, intent));
+    waiting INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (device_id, intent));
 CREATE TABLE IF NOT EXISTS device_trees (
     device_id TEXT PRIMARY KEY, tip TEXT NOT NULL, files TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshot_documents (
@@ -89,14 +89,19 @@ class PlacementRecord(NamedTuple):
     deployed: bool
     ineligible_since: float | None
     profile: str | None = None  # the id of the profile deployed (eligible placements)
+    #: Eligible, but what the device has left after the WFM's other placements is too little
+    #: (capacity accounting): evaluated again whenever the device is compiled.
+    waiting: bool = False
 
 
-_PLACEMENT_COLUMNS = "device_id, intent, eligible, deployed, ineligible_since, profile"
+_PLACEMENT_COLUMNS = ("device_id, intent, eligible, deployed, ineligible_since, profile, "
+                      "waiting")
 
 
 def _placement(row: Any) -> PlacementRecord:
     """A `PlacementRecord` from a row of `_PLACEMENT_COLUMNS` (SQLite stores booleans as 0/1)."""
-    return PlacementRecord(row[0], row[1], bool(row[2]), bool(row[3]), row[4], row[5])
+    return PlacementRecord(row[0], row[1], bool(row[2]), bool(row[3]), row[4], row[5],
+                           bool(row[6]))
 
 
 class CompilerState:
@@ -170,6 +175,15 @@ class CompilerState:
         rows = self._db.execute("SELECT device_id FROM placements "
                                 "WHERE ineligible_since IS NOT NULL")
         return {r[0] for r in rows}
+
+    def waiting(self) -> dict[str, list[str]]:
+        """Device -> the intents that wait for capacity there (as of the last compile)."""
+        out: dict[str, list[str]] = {}
+        for device_id, intent in self._db.execute(
+                "SELECT device_id, intent FROM placements WHERE waiting = 1 "
+                "ORDER BY device_id, intent"):
+            out.setdefault(device_id, []).append(intent)
+        return out
 
     def devices_placed_by(self, intents: Iterable[str]) -> set[str]:
         """Devices that any of these intents targeted at the last compile."""
@@ -295,9 +309,10 @@ class CompilerState:
             db.executemany("INSERT OR REPLACE INTO devices VALUES (?, ?, ?, ?, ?)",
                            [(d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
                             for d in device_list])
-            db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?, ?)",
+            db.executemany("INSERT OR REPLACE INTO placements VALUES (?, ?, ?, ?, ?, ?, ?)",
                            [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
-                             p.ineligible_since, p.profile) for p in placements])
+                             p.ineligible_since, p.profile, int(p.waiting))
+                            for p in placements])
             forget = [(d,) for d in forget_devices]
             db.executemany("DELETE FROM devices WHERE device_id=?", forget)
             trees = trees or {}

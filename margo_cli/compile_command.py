@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from compiler.compilation import CompileReport, compile_fleet
+from compiler.compilation import CompileReport, DeviceResult, compile_fleet
 from compiler.explain import explain_device
 from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore, GitStoreError
@@ -170,18 +170,35 @@ def _recompile(args: argparse.Namespace) -> None:
         release_frozen()
 
 
+def _still_waiting(args: argparse.Namespace, report: CompileReport) -> dict[str, list[str]]:
+    """Intents that wait for capacity on devices this plan did not compile (nothing there
+    changed): the state remembers them; `margo explain` gives their numbers."""
+    compiled = {r.device_id for r in report.results}
+    state = CompilerState(Path(args.repos) / STATE_FILE)
+    try:
+        return {d: names for d, names in state.waiting().items() if d not in compiled}
+    finally:
+        state.close()
+
+
 def run_plan(args: argparse.Namespace) -> int:
     try:
         report, _ = _compile_once(args, dry_run=True)
     except (_BadInput, GitStoreError) as exc:
         print(f"margo plan: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    changed = [r for r in report.results if r.changes or r.status == "committed"]
+    waiting = _still_waiting(args, report)
+    for device_id, names in waiting.items():
+        note = (f"{', '.join(names)}: wait{'s' if len(names) == 1 else ''} for capacity "
+                f"(margo explain --device {device_id} says why)")
+        report.results.append(DeviceResult(device_id, "unchanged", notes=[note]))
+    changed = [r for r in report.results if r.changes or r.status == "committed" or r.notes]
     if args.json:
         print(json.dumps({
             "devices": [{"device": r.device_id,
                          "changes": [{"file": c.file, "intent": c.intent, "action": c.action,
-                                      "reasons": list(c.reasons)} for c in r.changes]}
+                                      "reasons": list(c.reasons)} for c in r.changes],
+                         "notes": list(r.notes)}
                         for r in changed],
             **{k: v for k, v in report.to_json().items() if k == "errors"},
         }, ensure_ascii=False))
@@ -192,8 +209,10 @@ def run_plan(args: argparse.Namespace) -> int:
             for change in result.changes:
                 reasons = f" ({'; '.join(change.reasons)})" if change.reasons else ""
                 print(f"  {change.action:<11} {change.file}{reasons}")
-            if not result.changes:
+            if not result.changes and result.status == "committed":
                 print("  create     (empty desired state)")
+            for note in result.notes:  # intents that wait for capacity, grace periods
+                print(f"  {'note':<11} {note}")
         if not changed:
             print("no changes")
     return EXIT_ERRORS if report.errors else EXIT_OK

@@ -310,12 +310,15 @@ class Clause:
 
 def failing_clauses(explanation: Mapping[str, Any]) -> list[Clause]:
     """Every failing clause of one intent's explanation, in the order `margo explain`
-    prints them (targeting, then each profile tried, then problems and the note)."""
+    prints them (targeting, then each profile tried, what capacity accounting found short,
+    then problems and the note)."""
     out = [Clause("targeting", f["message"], f.get("required"), f.get("actual"), True)
            for f in explanation.get("targeting", [])]
     for attempt in explanation.get("attempts", []):
         out += [Clause(f"profile {attempt['profile']}", f["message"], f.get("required"),
                        f.get("actual"), True) for f in attempt.get("failures", [])]
+    out += [Clause("capacity", f["message"], f.get("required"), f.get("actual"), True)
+            for f in explanation.get("capacity", [])]
     for problem in explanation.get("problems", []):
         where = problem.get("path") or "problem"
         out.append(Clause(str(where), str(problem.get("message", "")),

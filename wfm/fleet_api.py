@@ -97,9 +97,15 @@ class FleetApi:
         except SourceError as exc:
             return dict.fromkeys(ids, str(exc))
         snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
-        return {device_id: [e.to_json() for e in explain_device(source, snapshot, device_id)]
+        return {device_id: [e.to_json() for e in explain_device(
+                    source, snapshot, device_id, placed=self._placed(device_id))]
                 if device_id in snapshot.devices else "the device's capabilities are not valid"
                 for device_id in ids}
+
+    def _placed(self, device_id: str) -> set[str]:
+        """The intents the device's branch holds (capacity accounting counts them first)."""
+        return {served.intent for served in self.api.desired.device_deployments(device_id)
+                if served.intent}
 
     def device_deployments(self, device_id: str,
                            statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -166,3 +166,36 @@ def test_each_watch_compile_hands_what_it_froze_back_to_the_collector(
     assert gc.get_freeze_count() == 0
     assert "commits" in capsys.readouterr().out
     gc.unfreeze()
+
+
+def test_plan_and_explain_say_what_waits_for_capacity(tmp_path: Path) -> None:
+    """The issue's case, as a user meets it: a device of 1 core and 512Mi and three intents
+    that each need exactly that."""
+    from kits.fleetkit import Fleet, app, device, intent
+
+    fleet = Fleet(tmp_path)
+    fleet.apps["com-example-app"] = app(
+        constraints={"capacityRequirements": {"cpu": {"cores": 1}, "memory": "512Mi"}},
+        compose=False, parameters={})
+    fleet.intents.update({n: intent(n) for n in ("w-one", "w-two", "w-three")})
+    fleet.devices["box"] = device("box", cores=1, memory="512Mi")
+    fleet.write()
+    paths = ["--source", str(fleet.source), "--capabilities", str(fleet.caps),
+             "--repos", str(fleet.repos)]
+    plan = margo("plan", *paths)
+    assert plan.returncode == 0, plan.stderr
+    assert "  add         w-one.yaml (intent added)" in plan.stdout
+    assert ("  note        w-two: waits for capacity: needs 1 core; the device has 1, of "
+            "which 1 is assigned to w-one") in plan.stdout
+    assert margo("compile", *paths).returncode == 0
+    # Nothing changed: the plan still says what waits, and explain gives the numbers.
+    again = margo("plan", *paths)
+    assert "  note        w-three, w-two: wait for capacity (margo explain --device box " \
+           "says why)" in again.stdout
+    explain = json.loads(margo("explain", *paths, "--device", "box", "--json").stdout)
+    states = {e["intent"]: (e["status"], [f["message"] for f in e["capacity"]])
+              for e in explain["intents"]}
+    assert states["w-one"] == ("eligible", [])
+    assert states["w-two"][0] == "waiting for capacity"
+    assert states["w-two"][1][0] == ("needs 1 core; the device has 1, of which 1 is "
+                                     "assigned to w-one")

@@ -531,15 +531,16 @@ def test_worker_processes_produce_the_same_trees_and_messages(
         fleet.apps["com-example-app"] = app(
             constraints={"capacityRequirements": {"memory": "4Gi"}})
         fleet.intents["a"] = intent("a", parameters={"greeting": "{{ device.id }}"})
-        fleet.intents["broken-values"] = intent("broken-values", targets={"devices": ["d5"]},
+        # d9 has room for both deployments (4Gi each): the broken one is rendered there.
+        fleet.intents["broken-values"] = intent("broken-values", targets={"devices": ["d9"]},
                                                 parameters={"greeting": "{{ device.nope }}"})
         for i in range(12):
             fleet.devices[f"d{i}"] = device(f"d{i}", memory=f"{i}Gi")
         report = fleet.compile(now=1_000)
-        assert [d for d, _ in report.errors] == ["d5"]
+        assert [d for d, _ in report.errors] == ["d9"]
         fleet.intents["a"]["spec"]["parameters"] = {"greeting": "{{ device.id }}!"}
         report = fleet.compile(now=2_000)
-        assert report.commits == 7 and [d for d, _ in report.errors] == ["d5"]
+        assert report.commits == 7 and [d for d, _ in report.errors] == ["d9"]
         stores.append(fleet.store)
     _assert_same_branches(*stores)
 

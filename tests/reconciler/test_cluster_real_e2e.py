@@ -216,6 +216,22 @@ def test_drift_is_reported_then_repaired_when_the_device_asks(
                 "availableReplicas"] == 1
 
 
+def publish_hello_world(registry: str, tmp_path: Path, version: str, *, requests: str) -> None:
+    """The example charts, plus a hello-world `version` whose container requests
+    `requests` (a YAML flow mapping)."""
+    publish_example_charts(registry)
+    chart = tmp_path / "charts" / "hello-world"
+    shutil.copytree(EXAMPLES / "apps" / "com-example-hello-world" / "charts" / "hello-world",
+                    chart)
+    chart_yaml = chart / "Chart.yaml"
+    chart_yaml.write_text(chart_yaml.read_text().replace("version: 1.0.0",
+                                                         f"version: {version}"))
+    template = chart / "templates" / "deployment.yaml"
+    template.write_text(template.read_text()
+                        + f"          resources: {{requests: {requests}}}\n")
+    publish_chart(registry, chart)
+
+
 def history(server: FleetServer, deployment: str) -> list[str]:
     """Overall states the server recorded for a deployment, in arrival order."""
     with sqlite3.connect(server.data_dir / "wfm.sqlite") as conn:
@@ -227,16 +243,8 @@ def history(server: FleetServer, deployment: str) -> list[str]:
 def test_a_device_client_killed_mid_upgrade_recovers_after_restart(
         registry: str, kube: KubeCluster, tmp_path: Path) -> None:
     kube.set_nodes(SINGLE_NODE)
-    publish_example_charts(registry)
     # hello-world 1.1.0 asks for 6 CPUs: no node can run it until a bigger one joins.
-    newer = tmp_path / "charts" / "hello-world"
-    shutil.copytree(EXAMPLES / "apps" / "com-example-hello-world" / "charts" / "hello-world",
-                    newer)
-    chart_yaml = newer / "Chart.yaml"
-    chart_yaml.write_text(chart_yaml.read_text().replace("version: 1.0.0", "version: 1.1.0"))
-    template = newer / "templates" / "deployment.yaml"
-    template.write_text(template.read_text() + "          resources: {requests: {cpu: \"6\"}}\n")
-    publish_chart(registry, newer)
+    publish_hello_world(registry, tmp_path, "1.1.0", requests='{cpu: "6"}')
     fleet = write_fleet(tmp_path / "fleet", registry=registry, intents={"hello": HELLO})
     with fleet_server(tmp_path, fleet=fleet) as server:
         config = device_home(tmp_path, server, kube)
@@ -288,3 +296,59 @@ def test_a_device_client_killed_mid_upgrade_recovers_after_restart(
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert once.returncode == 0, once.stdout + once.stderr
         assert '"steps": []' in once.stdout
+
+
+def hello(name: str) -> str:
+    return (f"apiVersion: margo-gitops.dev/v1alpha1\nkind: DeploymentIntent\n"
+            f"metadata: {{name: {name}}}\n"
+            f"spec:\n  application: {{id: com-example-hello-world}}\n"
+            f"  profile: {{type: helm}}\n  namespace: {name}\n"
+            f"  targets: {{devices: [edge-cluster]}}\n")
+
+
+def reported_workloads(server: FleetServer) -> dict[str, float]:
+    """Deployment id -> the CPU its scheduled pods request, as the device last reported."""
+    cluster = server.device("edge-cluster")["capabilities"]["x-margo-gitops-extensions"][
+        "cluster"]
+    return {w["deployment"]: w["requested"].get("cpu", 0)
+            for n in cluster["resources"]["nodes"] for w in n.get("workloads", [])}
+
+
+def test_a_deployment_whose_pods_are_scheduled_is_counted_once(
+        registry: str, kube: KubeCluster, tmp_path: Path) -> None:
+    """One node of 1 core; hello-world asks for 0.5 cores and its pod requests exactly that.
+    Once hello-a's pod runs, the report has subtracted it; the WFM must then not subtract
+    hello-a again, or hello-b would never fit."""
+    kube.set_nodes([SimNode("edge-0", cpu="1", memory="2Gi")])
+    publish_hello_world(registry, tmp_path, "1.3.0", requests="{cpu: 500m, memory: 256Mi}")
+    fleet = write_fleet(tmp_path / "fleet", registry=registry,
+                        intents={"hello-a": hello("hello-a")})
+    app = fleet / "apps" / "com-example-hello-world" / "margo.yaml"
+    app.write_text(app.read_text().replace("revision: 1.0.0", "revision: 1.3.0", 1))
+    with fleet_server(tmp_path, fleet=fleet) as server, \
+            open_reconciler(load_config(device_home(tmp_path, server, kube))) as reconciler:
+        until("hello-a installed", lambda: installed(server, "hello-a"), reconciler)
+        [a] = deployed(server, "hello-a")
+        until("its pod reported as hello-a's", lambda: reported_workloads(server)
+              == {a["deploymentId"]: 0.5}, reconciler)
+        assert server.device("edge-cluster")["capabilities"]["properties"]["cpus"] == [
+            {"cores": 0.5, "architecture": "amd64"}]
+
+        (fleet / "deployments" / "hello-b.yaml").write_text(hello("hello-b"))
+        until("hello-b installed", lambda: installed(server, "hello-b"), reconciler)
+        [b] = deployed(server, "hello-b")
+        until("both pods reported", lambda: reported_workloads(server)
+              == {a["deploymentId"]: 0.5, b["deploymentId"]: 0.5}, reconciler)
+        assert {p["spec"]["nodeName"] for ns in ("hello-a", "hello-b")
+                for p in kube.running_pods(ns)} == {"edge-0"}
+
+        # The node is full now: a third one is not placed, and the two stay, cycle after
+        # cycle (each is checked as if its own pod were not counted).
+        (fleet / "deployments" / "hello-c.yaml").write_text(hello("hello-c"))
+        until("hello-c explained", lambda: any(
+            e["intent"] == "hello-c" and e["status"] == "not eligible"
+            for e in server.device("edge-cluster")["eligibility"]), reconciler)
+        for _ in range(3):
+            assert reconciler.cycle().converged
+        assert installed(server, "hello-a") and installed(server, "hello-b")
+        assert deployed(server, "hello-c") == []

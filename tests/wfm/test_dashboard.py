@@ -352,6 +352,32 @@ def test_an_open_server_without_source_shows_an_empty_fleet(tmp_path: Path) -> N
         assert httpx.get(base + "/applications/x").status_code == 404
 
 
+def test_an_intent_waiting_for_capacity_is_shown_with_the_numbers(tmp_path: Path) -> None:
+    from kits.fleetkit import Fleet as Source
+    from kits.fleetkit import app, device, intent
+
+    source = Source(tmp_path / "source")
+    source.apps["com-example-app"] = app(
+        constraints={"capacityRequirements": {"cpu": {"cores": 1}, "memory": "512Mi"}},
+        compose=False, parameters={})
+    source.intents.update({n: intent(n) for n in ("w-one", "w-two")})
+    source.write()
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source", str(source.source)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        response = http.put("/api/v1/capabilities/box",
+                            json=device("box", cores=1, memory="512Mi"))
+        assert response.status_code in (200, 201), response.text
+        wait_for(lambda: [d["intent"] for d in http.get("/api/fleet/devices/box").json()
+                          ["deployments"]] == ["w-one"], "the compile")
+        page = http.get("/devices/box").text
+    waiting = text(row(page, "intent", "w-two"))
+    assert "w-two: waiting for capacity" in waiting
+    assert ("needs 1 core; the device has 1, of which 1 is assigned to w-one") in waiting
+    assert "w-one: eligible" in text(row(page, "intent", "w-one"))
+
+
 # --- the pure parts ------------------------------------------------------------------------
 
 def test_device_kind_nodes_and_gpus_from_types_cluster_and_labels() -> None:
@@ -380,11 +406,12 @@ def test_failing_clauses_keep_every_clause_with_values_in_explain_order() -> Non
     clauses = failing_clauses({
         "targeting": [failure], "attempts": [{"profile": "p1", "failures": [failure, failure]}],
         "problems": [{"path": "$.spec", "message": "bad", "expected": None, "found": None}],
-        "note": "kept for the grace period"})
-    assert [c.where for c in clauses] == ["targeting", "profile p1", "profile p1", "$.spec",
-                                         "note"]
+        "capacity": [failure], "note": "kept for the grace period"})
+    assert [c.where for c in clauses] == ["targeting", "profile p1", "profile p1", "capacity",
+                                         "$.spec", "note"]
     assert clauses[0].has_values and clauses[0].required == ["plant-a"]
-    assert not clauses[3].has_values and not clauses[4].has_values
+    assert clauses[3].has_values
+    assert not clauses[4].has_values and not clauses[5].has_values
     assert failing_clauses({"targeting": [], "attempts": [], "problems": []}) == []
 
 

@@ -89,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from wfm.app import ServerConfig, create_app
+    from wfm.datalock import DataDirBusy, DataDirLock
     from wfm.tls import ServerContexts, TlsHttpProtocol
 
     logging.basicConfig(level=args.log_level.upper(),
@@ -100,12 +101,17 @@ def run_serve(args: argparse.Namespace) -> int:
         contexts = ServerContexts(tls) if tls is not None else None
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise SystemExit(f"margo serve: {exc}") from None
+    lock = DataDirLock(data)
+    try:
+        lock.acquire(listening=f"{args.host}:{args.port}")
+    except DataDirBusy as exc:
+        raise SystemExit(f"margo serve: {exc}") from None
     app = create_app(ServerConfig(
         data, source, source_url=args.source_url,
         source_branch=args.source_branch, watch_source=args.watch_source,
         host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
-        admin_token=_secret(args.admin_token_file), identity=identity))
+        admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}

@@ -28,6 +28,7 @@ from wfm.authority import ensure_ca
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.dashboard import dashboard_routes
+from wfm.datalock import DataDirLock
 from wfm.db import Database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
@@ -54,6 +55,9 @@ class ServerConfig:
     admin_token: str | None = None
     debounce: float = 0.3
     identity: IdentitySettings = field(default_factory=IdentitySettings)
+    #: The data directory's lock, when the caller took it already (`margo serve` does, to
+    #: refuse a second server before anything starts); else the server takes it itself.
+    data_lock: DataDirLock | None = field(default=None, compare=False)
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -115,6 +119,9 @@ def create_app(config: ServerConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         config.data.mkdir(parents=True, exist_ok=True)
+        lock = config.data_lock or DataDirLock(config.data)
+        if not lock.held:
+            lock.acquire()  # DataDirBusy: another server runs on this directory
         db = Database(config.database)
         desired = DesiredState(DeviceStore(config.repos))
         compiles = CompileService(config.repos, config.effective_source,
@@ -140,6 +147,8 @@ def create_app(config: ServerConfig) -> Starlette:
                 watcher.stop()
             compiles.stop()
             db.close()
+            if config.data_lock is None:
+                lock.release()
 
     return Starlette(
         routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),

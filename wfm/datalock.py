@@ -1,0 +1,88 @@
+"""One fleet server per SQLite data directory: a lock that a crash releases.
+
+Two `margo serve` processes on one `--data` directory would each compile into the same Git
+repository and database and cache what they serve, and then answer devices differently
+(after a push to one, the other kept serving the old `manifestVersion`). So a server holds
+an exclusive `flock` on `<data>/serve.lock` for as long as it runs: the kernel drops it when
+the process ends, however it ends, so a crashed server never blocks its successor. The file
+says who holds it (pid, host, start time, listening address) for the error the second server
+prints. Operator commands (`margo clients ...`) do not take it: they share the database with
+a running server by design. Several servers on one store is what `--database
+postgresql://...` is for (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DataDirBusy", "DataDirLock"]
+
+LOCK_FILE = "serve.lock"
+
+
+class DataDirBusy(RuntimeError):
+    """Another server holds the data directory; the message names it."""
+
+
+class DataDirLock:
+    """Held from `acquire()` until `release()` (or the end of the process)."""
+
+    def __init__(self, data: Path) -> None:
+        self.path = Path(data) / LOCK_FILE
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self, *, listening: str | None = None) -> None:
+        """Take the lock or raise `DataDirBusy` naming the server that has it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(_read(fd))
+            os.close(fd)
+            raise DataDirBusy(
+                f"{self.path.parent} is in use by another margo serve ({holder}); two "
+                "servers on one SQLite data directory would serve different manifests. Stop "
+                "it first, or run replicas on one PostgreSQL database (--database "
+                "postgresql://..., see docs/operations.md)") from None
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+        if listening:
+            owner["listening"] = listening
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _read(fd: int) -> dict[str, Any]:
+    try:
+        found = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    if not owner:
+        return "it is starting"
+    parts = [f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}",
+             f"started {owner.get('started', '?')}"]
+    if owner.get("listening"):
+        parts.append(f"listening on {owner['listening']}")
+    return ", ".join(parts)

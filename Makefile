@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker.io)
 	@dpkg -s busybox-static >/dev/null 2>&1 || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q busybox-static)
+	@# PostgreSQL for the fleet server's shared store: the tests start private clusters.
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q postgresql)
 	@# Headless Chromium for the dashboard's browser tests (Playwright drives this one).
 	@[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium)

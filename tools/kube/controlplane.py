@@ -18,11 +18,8 @@ death signal, so a test run that is killed does not leave a cluster behind. Logs
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -36,6 +33,7 @@ import yaml
 from tools.kube.kubeadmin import KubeAdmin, tls_context
 from tools.kube.kubebuild import STAGES_FILE, binaries, kubernetes_version
 from tools.kube.kubepki import Pki, create_pki
+from tools.processes import die_with_parent, free_port
 
 __all__ = ["ControlPlane", "write_kubeconfig"]
 
@@ -43,19 +41,8 @@ SERVICE_RANGE = "10.0.0.0/24"
 POD_RANGE = "10.244.0.0/16"
 #: kwok manages only nodes carrying this annotation (the node objects tests create do).
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
-_PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the process that started us dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def write_kubeconfig(path: Path, server: str, ca: Path, *, cert: Path | None = None,
@@ -189,7 +176,7 @@ class ControlPlane:
         with open(log, "ab") as output:
             popen = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=self.folder,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         process = _Process(name, popen, log)
         self.processes.append(process)
         return process

@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and t
 from kits.serverkit import running_server  # noqa: E402
 
 from wfm.clients import ClientRegistry  # noqa: E402
-from wfm.db import Database  # noqa: E402
+from wfm.db import SqliteDatabase  # noqa: E402
 
 
 class Connection:
@@ -208,7 +208,7 @@ def main() -> None:
         root = Path(tmp)
         shutil.copytree(ROOT / "examples" / "fleet", root / "fleet")
         data = root / "data"
-        db = Database(data / "wfm.sqlite")
+        db = SqliteDatabase(data / "wfm.sqlite")
         registry = ClientRegistry(db)
         tokens = [registry.add(f"device-{i:04d}")[1] for i in range(args.devices)]
         db.close()

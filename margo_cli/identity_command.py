@@ -92,6 +92,9 @@ def register(commands: Any) -> None:
 def _data(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="wfm-data", metavar="DIR",
                         help="the server's state directory (default: ./wfm-data)")
+    parser.add_argument("--database", metavar="URL",
+                        help="the servers' PostgreSQL database (postgresql://...), when they "
+                             "run with --database; default: <data>/wfm.sqlite")
 
 
 def _fail(message: str) -> int:
@@ -101,11 +104,11 @@ def _fail(message: str) -> int:
 class _Registry:
     """The client registry of a data directory, closed on exit."""
 
-    def __init__(self, data: str):
+    def __init__(self, args: argparse.Namespace):
         from wfm.clients import ClientRegistry
-        from wfm.db import Database
+        from wfm.db import open_database
 
-        self.db = Database(Path(data) / "wfm.sqlite")
+        self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")
         self.clients = ClientRegistry(self.db)
 
     def __enter__(self) -> Any:
@@ -119,7 +122,7 @@ class _Registry:
 
 
 def run_clients_add(args: argparse.Namespace) -> int:
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         client_id, token = clients.add(args.client_id)
     if args.json:
         print(json.dumps({"clientId": client_id, "token": token}))
@@ -130,7 +133,7 @@ def run_clients_add(args: argparse.Namespace) -> int:
 
 
 def run_clients_retire(args: argparse.Namespace) -> int:
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         retired = clients.retire(args.client_id)
     if not retired:
         return _fail(f"clients: no client {args.client_id!r}")
@@ -138,7 +141,7 @@ def run_clients_retire(args: argparse.Namespace) -> int:
 
 
 def run_clients_list(args: argparse.Namespace) -> int:
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         rows = clients.describe()
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -247,7 +250,7 @@ def run_clients_issue(args: argparse.Namespace) -> int:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()))
     (out / "svid-ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         clients.register_identity(args.client_id, spiffe_id=spiffe, certificate=pem.decode(),
                                   not_after=cert.not_valid_after_utc.timestamp(),
                                   source="issued")
@@ -293,7 +296,7 @@ def _import_svid(args: argparse.Namespace, cert: Any) -> int:
         return _fail(f"clients import: not a Margo client SVID: {exc}")
     if named != args.client_id:
         return _fail(f"clients import: the SVID names client {named!r}, not {args.client_id!r}")
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         clients.register_identity(
             args.client_id, spiffe_id=str(spiffe),
             certificate=cert.public_bytes(serialization.Encoding.PEM).decode(),
@@ -309,7 +312,7 @@ def _import_rc2_key(args: argparse.Namespace, data: bytes) -> int:
         key = onboarding_key({"certificate": data.decode("ascii", "replace")})
     except OnboardingError as exc:
         return _fail(f"clients import: {exc.detail}")
-    with _Registry(args.data) as clients:
+    with _Registry(args) as clients:
         bound = clients.add_key(args.client_id, key_id=key.key_id,
                                 public_key=key.public_key_pem,
                                 certificate=key.certificate_pem)

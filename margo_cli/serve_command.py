@@ -31,6 +31,10 @@ def register(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--data", default="wfm-data", metavar="DIR",
                        help="state directory: wfm.sqlite and repos/ (default: ./wfm-data)")
+    serve.add_argument("--database", metavar="URL",
+                       help="postgresql://... : keep everything in PostgreSQL, shared by any "
+                            "number of replicas (each with its own --data); default: "
+                            "<data>/wfm.sqlite, one server (docs/operations.md)")
     serve.add_argument("--source", metavar="SRC", help="fleet source directory or Git repo")
     serve.add_argument("--ref", help="Git ref of the fleet source")
     serve.add_argument("--watch-source", action="store_true",
@@ -111,7 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
         source_branch=args.source_branch, watch_source=args.watch_source,
         host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
-        admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock))
+        admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
+        database_url=_database(args.database)))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
@@ -185,6 +190,15 @@ def _agree(own: SpiffeId, trust_domain: str | None, wfm: str | None) -> tuple[st
         raise ValueError(f"the --tls-cert SVID is {own}, not spiffe://{trust_domain or '*'}"
                          f"/margo/wfm/{wfm or '*'}")
     return own.trust_domain, segments[2]
+
+
+def _database(url: str | None) -> str | None:
+    from wfm.db import is_url
+
+    if url is not None and not is_url(url):
+        raise SystemExit(f"margo serve: --database must be a postgresql:// URL (SQLite is "
+                         f"the default, in --data), found {url!r}")
+    return url
 
 
 def _secret(path: str | None) -> str | None:

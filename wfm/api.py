@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import base64
 import json
-import sqlite3
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -40,11 +40,14 @@ from margo.validation import validate_value
 from wfm import records
 from wfm.clients import Client, ClientRegistry, parse_basic
 from wfm.compiles import CompileService
-from wfm.db import Database
+from wfm.db import Connection, Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, DesiredState, manifest_body
 from wfm.identity import Identity, IdentitySettings
 from wfm.problems import RETIRED, ProblemError, semantic_error
 from wfm.signatures import OnboardingError, onboarding_key
+
+if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
+    from wfm.coordination import Coordinator
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
 
@@ -63,16 +66,18 @@ class Api:
     compiles: CompileService
     ca_certificate: str | None = None  # PEM, served to rc.2 onboarding
     identity: Identity
+    coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.coordination)
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
              compiles: CompileService, ca_certificate: str | None = None,
-             identity: Identity | None = None) -> None:
+             identity: Identity | None = None, coordinator: Coordinator | None = None) -> None:
         self.db, self.clients, self.desired, self.compiles = db, clients, desired, compiles
+        self.coordinator = coordinator
         self.ca_certificate = ca_certificate
         self.identity = identity or Identity(IdentitySettings())
         self.identity.open(clients)
         # Polls dominate the traffic: per client, the manifest served at a generation.
-        self._manifests: dict[tuple[str, str], tuple[int, bytes, str]] = {}
+        self._manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
         self._credentials: dict[str, tuple[float, Client | None]] = {}
 
     # --- authentication ----------------------------------------------------------------
@@ -116,15 +121,22 @@ class Api:
         self._credentials[token] = (now + CREDENTIAL_TTL, client)
         return client
 
-    def may_fetch(self, request: Request, device_id: str) -> bool:
+    async def may_fetch(self, request: Request, device_id: str) -> bool:
         """Git hosting: the caller (HTTP basic `<clientId>:<token>`, or a bearer token) may
-        read this device's repository only if the device is one of its own."""
+        read this device's repository only if the device is one of its own. With replicas,
+        the repository is first brought to the newest published generation, so the two
+        requests of one fetch (advertisement, pack) may reach different replicas: the
+        second never lacks what the first advertised, and no replica serves a branch older
+        than what another already answered before the request arrived."""
         try:
             client = self.authenticate(request)
         except ProblemError:
             return False
-        return self.db.read(lambda conn: records.device_owner(conn, device_id)) == \
-            client.client_id
+        owner = self.db.read(lambda conn: records.device_owner(conn, device_id))
+        if owner != client.client_id:
+            return False
+        await self._caught_up()
+        return True
 
     def scoped(self, request: Request) -> tuple[Client, str]:
         """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
@@ -185,7 +197,7 @@ class Api:
             raise ProblemError(404, f"no gateway {parent!r} has reported its capabilities",
                                margo_type="gateway-not-found")
 
-        def write(conn: sqlite3.Connection) -> records.CapabilityWrite:
+        def write(conn: Connection) -> records.CapabilityWrite:
             return records.store_capabilities(
                 conn, client_id=client.client_id, device_id=device_id, document=doc,
                 digest=data_digest(doc), shape=str(caps.shape))
@@ -219,14 +231,49 @@ class Api:
         devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
         return self.desired.client_state(client.client_id, devices)
 
-    async def _manifest_version(self, client: Client, state_digest: str) -> int:
+    async def _manifest_version(self, client: Client, state_digest: str,
+                                generation: int) -> int | None:
         """The client's manifestVersion for this state: 1 for the first, +1 whenever the
-        served state changes; persisted, so it never goes back (restarts included)."""
+        served state changes; persisted, so it never goes back (restarts included). None
+        when another replica already gave the client a newer generation's state."""
         current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
         if current is not None and current[0] > 0 and current[1] == state_digest:
             return current[0]
         return await self.db.write(lambda conn: records.advance_manifest_version(
-            conn, client.client_id, state_digest))
+            conn, client.client_id, state_digest, generation))
+
+    def _still_current(self, client: Client, version: int) -> bool:
+        """Whether a cached manifest is still the client's newest. One process knows (its
+        cache moves with its compiles); a replica asks the database, since another replica
+        may have given the client a newer version from a generation this one has not synced
+        yet, and serving the cached one would take the client back."""
+        if self.coordinator is None:
+            return True
+        current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
+        return current is not None and current[0] == version
+
+    def _served_state(self, client: Client) -> tuple[int, Any]:
+        """The fleet generation this replica serves and the client's state at it, read
+        together (a sync moves the repository under the coordinator's lock)."""
+        if self.coordinator is None:
+            return 0, self._state(client)
+        with self.coordinator.lock:
+            return self.coordinator.generation, self._state(client)
+
+    async def _fresh_manifest(self, client: Client, prefix: str) -> tuple[bytes, str]:
+        for _ in range(3):
+            local = self.desired.generation
+            generation, state = self._served_state(client)
+            version = await self._manifest_version(client, state.state_digest, generation)
+            if version is None:  # behind another replica: catch up, then answer
+                await run_in_threadpool(self.coordinator.sync)  # type: ignore[union-attr]
+                continue
+            body = manifest_body(version, state, prefix)
+            etag = '"' + digest_of(body) + '"'
+            self._manifests[(client.client_id, prefix)] = (local, body, etag, version)
+            return body, etag
+        raise ProblemError(503, "the fleet's newest desired state is not here yet",
+                           retry_after=1)
 
     async def get_manifest(self, request: Request) -> Response:
         client, prefix = self.scoped(request)
@@ -235,15 +282,11 @@ class Api:
                                margo_type="server-cannot-generate-response")
         key = (client.client_id, prefix)
         cached = self._manifests.get(key)
-        if cached is not None and cached[0] == self.desired.generation:
+        if cached is not None and cached[0] == self.desired.generation and \
+                self._still_current(client, cached[3]):
             body, etag = cached[1], cached[2]
         else:
-            generation = self.desired.generation
-            state = self._state(client)
-            version = await self._manifest_version(client, state.state_digest)
-            body = manifest_body(version, state, prefix)
-            etag = '"' + digest_of(body) + '"'
-            self._manifests[key] = (generation, body, etag)
+            body, etag = await self._fresh_manifest(client, prefix)
         headers = {"ETag": etag, "Cache-Control": "private"}
         if _etag_matches(request.headers.get("if-none-match"), etag):
             return Response(status_code=304, headers=headers)
@@ -252,23 +295,41 @@ class Api:
     async def get_deployment(self, request: Request) -> Response:
         client, _ = self.scoped(request)
         deployment_id, digest = request.path_params["deploymentId"], request.path_params["digest"]
-        self._state(client)
-        for state in self.desired.recent_states(client.client_id):
-            found = state.find(deployment_id, digest)
-            if found is not None:
-                return _immutable(request, found.data, "application/yaml", digest)
+        for _ in range(2):
+            self._served_state(client)
+            for state in self.desired.recent_states(client.client_id):
+                found = state.find(deployment_id, digest)
+                if found is not None:
+                    return _immutable(request, found.data, "application/yaml", digest)
+            if not await self._caught_up():
+                break
+        devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
+        data = await run_in_threadpool(self.desired.find_in_history, devices, deployment_id,
+                                       digest)
+        if data is not None:  # named by a manifest this replica never computed
+            return _immutable(request, data, "application/yaml", digest)
         raise ProblemError(404, f"no deployment {deployment_id} with digest {digest} for this "
                            "client", margo_type="deployment-not-found")
 
     async def get_bundle(self, request: Request) -> Response:
         client, _ = self.scoped(request)
         digest = request.path_params["digest"]
-        self._state(client)
-        for state in self.desired.recent_states(client.client_id):
-            if state.bundle is not None and state.bundle_digest == digest:
-                return _immutable(request, state.bundle, BUNDLE_MEDIA_TYPE, digest)
+        for _ in range(2):
+            self._served_state(client)
+            for state in self.desired.recent_states(client.client_id):
+                if state.bundle is not None and state.bundle_digest == digest:
+                    return _immutable(request, state.bundle, BUNDLE_MEDIA_TYPE, digest)
+            if not await self._caught_up():
+                break
         raise ProblemError(404, f"no bundle with digest {digest} for this client",
                            margo_type="invalid-bundle")
+
+    async def _caught_up(self) -> bool:
+        """With replicas: sync to the newest published generation; whether that moved
+        anything (a miss may be a manifest another replica served from a newer one)."""
+        if self.coordinator is None:
+            return False
+        return bool(await run_in_threadpool(self.coordinator.sync))
 
     # --- status ------------------------------------------------------------------------
 
@@ -291,12 +352,14 @@ class Api:
                                errors=[{"field": "deploymentId", "message": "must equal the "
                                         "deploymentId in the path"}])
         owner = self._deployment_device(client, deployment_id)
+        if owner is None and await self._caught_up():  # assigned in a newer generation
+            owner = self._deployment_device(client, deployment_id)
         if owner is None:
             raise ProblemError(422, f"deployment {deployment_id} was never assigned to this "
                                "client's devices", margo_type="semantic-error")
         device_id = status.device_id or path_device or owner
 
-        def write(conn: sqlite3.Connection) -> records.StatusWrite:
+        def write(conn: Connection) -> records.StatusWrite:
             return records.store_status(
                 conn, client_id=client.client_id, deployment_id=deployment_id,
                 device_id=device_id, state=str(status.state), document=doc,
@@ -308,7 +371,7 @@ class Api:
         return Response(status_code=201 if _generation(request) == Shape.OCT_2024 else 200)
 
     def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
-        self._state(client)
+        self._served_state(client)
         for state in self.desired.recent_states(client.client_id):
             for served in state.deployments:
                 if served.deployment_id == deployment_id:

@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,19 +25,22 @@ from starlette.routing import Mount, Route
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
 from wfm.api import Api, routes
-from wfm.authority import ensure_ca
+from wfm.authority import ensure_ca, ensure_shared_ca
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.dashboard import dashboard_routes
 from wfm.datalock import DataDirLock
-from wfm.db import Database
+from wfm.db import Database, DatabaseUnavailable, open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.githttp import git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
 from wfm.sourcehost import ensure_repository, source_app
-from wfm.sources import RemoteSource, SourceWatcher
+from wfm.sources import RemoteSource, SourceWatcher, fetch_source
+
+if TYPE_CHECKING:
+    from wfm.coordination import Coordinator
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -54,6 +58,8 @@ class ServerConfig:
     watch_source: bool = False
     admin_token: str | None = None
     debounce: float = 0.3
+    #: A `postgresql://` URL: the shared store of several replicas; None: `<data>/wfm.sqlite`.
+    database_url: str | None = None
     identity: IdentitySettings = field(default_factory=IdentitySettings)
     #: The data directory's lock, when the caller took it already (`margo serve` does, to
     #: refuse a second server before anything starts); else the server takes it itself.
@@ -83,8 +89,8 @@ class ServerConfig:
         return self.data / "repos"
 
     @property
-    def database(self) -> Path:
-        return self.data / "wfm.sqlite"
+    def database(self) -> Path | str:
+        return self.database_url or self.data / "wfm.sqlite"
 
 
 def _problem_handler(request: Request, exc: Exception) -> Response:
@@ -96,6 +102,13 @@ def _http_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return problem_response(ProblemError(exc.status_code, str(exc.detail),
                                          headers=dict(exc.headers or {})),
+                            instance=request.url.path)
+
+
+def _unavailable_handler(request: Request, exc: Exception) -> Response:
+    log.warning("%s: %s", request.url.path, exc)
+    return problem_response(ProblemError(503, "the fleet server's database is unavailable; "
+                                         "nothing was stored, retry later", retry_after=5),
                             instance=request.url.path)
 
 
@@ -122,22 +135,28 @@ def create_app(config: ServerConfig) -> Starlette:
         lock = config.data_lock or DataDirLock(config.data)
         if not lock.held:
             lock.acquire()  # DataDirBusy: another server runs on this directory
-        db = Database(config.database)
+        db = open_database(config.database)
+        if config.host_source:
+            ensure_repository(config.hosted_source)
+        coordinator = _coordinator(db, config)
         desired = DesiredState(DeviceStore(config.repos))
-        compiles = CompileService(config.repos, config.effective_source,
-                                  lambda: db.read(records.device_documents),
-                                  lambda report: desired.bump(), debounce=config.debounce)
+        compiles = CompileService(
+            config.repos, config.effective_source, lambda: db.read(records.device_documents),
+            (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
+            debounce=config.debounce, coordinator=coordinator)
+        ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
-                 ca_certificate=ensure_ca(config.data / "ca"), identity=identity)
+                 ca_certificate=ca, identity=identity, coordinator=coordinator)
+        if coordinator is not None:
+            coordinator.on_synced = desired.bump
+            coordinator.start()
         app.state.api = api
         watcher = None
         if config.watch_source and config.source.path is not None:
             watcher = SourceWatcher(config.source.path, compiles.trigger)
-        if config.host_source:
-            ensure_repository(config.hosted_source)
         if config.remote is not None:
-            threading.Thread(target=_initial_fetch, args=(config.remote, compiles),
-                             daemon=True).start()
+            threading.Thread(target=_initial_fetch, args=(config.remote, compiles,
+                                                          coordinator), daemon=True).start()
         else:
             compiles.trigger()
         try:
@@ -146,6 +165,8 @@ def create_app(config: ServerConfig) -> Starlette:
             if watcher is not None:
                 watcher.stop()
             compiles.stop()
+            if coordinator is not None:
+                coordinator.stop()
             db.close()
             if config.data_lock is None:
                 lock.release()
@@ -154,19 +175,34 @@ def create_app(config: ServerConfig) -> Starlette:
         routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),
                 *dashboard_routes(fleet),
                 *([Mount("/git/source.git", app=source_app(
-                    config.hosted_source, config.admin_token, lambda: api.compiles.trigger()))]
+                    config.hosted_source, config.admin_token, lambda: api.compiles.trigger(),
+                    replicas=lambda: api.coordinator))]
                   if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
         lifespan=lifespan,
         middleware=[Middleware(SignatureMiddleware, identity=identity)],
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
+                            DatabaseUnavailable: _unavailable_handler,
                             Exception: _crash_handler},
     )
 
 
-def _initial_fetch(remote: RemoteSource, compiles: CompileService) -> None:
+def _coordinator(db: Database, config: ServerConfig) -> Coordinator | None:
+    """Replicas coordinate through PostgreSQL; a single SQLite server needs nothing."""
+    if db.dialect != "postgresql":
+        return None
+    from wfm.coordination import Coordinator
+
+    source = (config.hosted_source if config.host_source
+              else config.remote.mirror if config.remote is not None else None)
+    return Coordinator(db, config.data, source_repo=source)  # type: ignore[arg-type]
+
+
+def _initial_fetch(remote: RemoteSource, compiles: CompileService,
+                   coordinator: Coordinator | None) -> None:
     try:
-        remote.fetch()
+        fetch_source(remote, coordinator)
     except (RuntimeError, OSError) as exc:
         log.error("initial fetch of the fleet source failed: %s", exc)
     compiles.trigger()
+

@@ -2,7 +2,8 @@
 
 rc.2 devices download the WFM's root CA certificate before onboarding. On first start the
 server creates an EC P-256 CA (ten years) under `<data>/ca/`, the key readable only by the
-server's user; later starts reuse it. The identity work (mutual TLS, request signatures)
+server's user; later starts reuse it. Replicas on PostgreSQL share one CA, kept in the
+database (`ensure_shared_ca`). The identity work (mutual TLS, request signatures)
 builds on the same directory.
 """
 
@@ -18,16 +19,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from margo.files import write_atomically
+from wfm.db import Connection, Database
 
-__all__ = ["ensure_ca"]
+__all__ = ["ensure_ca", "ensure_shared_ca"]
 
 
-def ensure_ca(directory: Path, *, common_name: str = "margo-gitops WFM CA") -> str:
-    """The CA certificate (PEM), created on first use."""
-    certificate = directory / "ca.pem"
-    if certificate.exists():
-        return certificate.read_text("ascii")
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+def _new_ca(common_name: str) -> tuple[str, str]:
+    """A fresh CA: (certificate PEM, PKCS#8 key PEM)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -47,12 +45,48 @@ def ensure_ca(directory: Path, *, common_name: str = "margo-gitops WFM CA") -> s
                        critical=False)
         .sign(key, hashes.SHA256())
     )
-    key_path = directory / "ca-key.pem"
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pem = cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode("ascii")
+    return cert.public_bytes(serialization.Encoding.PEM).decode("ascii"), key_pem
+
+
+def ensure_ca(directory: Path, *, common_name: str = "margo-gitops WFM CA") -> str:
+    """The CA certificate (PEM), created on first use."""
+    certificate = directory / "ca.pem"
+    if certificate.exists():
+        return certificate.read_text("ascii")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    pem, key_pem = _new_ca(common_name)
+    _write_key(directory / "ca-key.pem", key_pem)
     write_atomically(certificate, pem)
     return pem
+
+
+def ensure_shared_ca(db: Database, *, common_name: str = "margo-gitops WFM CA") -> str:
+    """With replicas: the one CA they all serve, kept in the database; the first replica to
+    start creates it (a concurrent second one keeps the first's)."""
+    found = db.read(_read_ca)
+    if found is not None:
+        return found
+    pem, key_pem = _new_ca(common_name)
+    db.write_sync(lambda conn: conn.execute(
+        "INSERT INTO authority (name, certificate, key) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO NOTHING", (_ONBOARDING, pem, key_pem)))
+    stored = db.read(_read_ca)
+    assert stored is not None
+    return stored
+
+
+_ONBOARDING = "onboarding"
+
+
+def _read_ca(conn: Connection) -> str | None:
+    row = conn.execute("SELECT certificate FROM authority WHERE name = ?",
+                       (_ONBOARDING,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _write_key(path: Path, key_pem: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(key_pem)

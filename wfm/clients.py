@@ -15,39 +15,16 @@ import base64
 import hashlib
 import hmac
 import secrets
-import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from wfm.db import Database
+from wfm.db import Connection, Database
 
 __all__ = ["Client", "ClientKey", "ClientRegistry", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
-
-# The identity tables live beside the base schema: created on first use, so a data directory
-# written before identities existed keeps working.
-IDENTITY_SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS client_keys (
-        key_id TEXT PRIMARY KEY,
-        client_id TEXT NOT NULL,
-        public_key TEXT NOT NULL,
-        certificate TEXT,
-        created_at REAL NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS client_keys_by_client ON client_keys (client_id)",
-    """CREATE TABLE IF NOT EXISTS client_identities (
-        client_id TEXT PRIMARY KEY,
-        spiffe_id TEXT NOT NULL,
-        certificate TEXT NOT NULL,
-        not_after REAL NOT NULL,
-        source TEXT NOT NULL,
-        created_at REAL NOT NULL
-    )""",
-)
-
 
 def token_hash(token: str) -> str:
     # Tokens are 256 random bits: a plain hash is enough (no dictionary to attack).
@@ -73,12 +50,6 @@ class ClientRegistry:
     def __init__(self, db: Database):
         self._db = db
 
-        def create(conn: sqlite3.Connection) -> None:
-            for statement in IDENTITY_SCHEMA:
-                conn.execute(statement)
-
-        db.write_sync(create)
-
     def get(self, client_id: str) -> Client | None:
         return self._client(self._db.read(lambda conn: conn.execute(
             "SELECT client_id, retired FROM clients WHERE client_id = ?",
@@ -101,7 +72,7 @@ class ClientRegistry:
         from now on (un-retired), and `list` shows which identity it holds."""
         now = time.time()
 
-        def write(conn: sqlite3.Connection) -> None:
+        def write(conn: Connection) -> None:
             conn.execute("INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
                          "ON CONFLICT (client_id) DO UPDATE SET retired = 0", (client_id, now))
             conn.execute(
@@ -118,7 +89,7 @@ class ClientRegistry:
         is bound to, which is the existing one when the key was onboarded before."""
         now = time.time()
 
-        def write(conn: sqlite3.Connection) -> str:
+        def write(conn: Connection) -> str:
             row = conn.execute("SELECT client_id FROM client_keys WHERE key_id = ?",
                                (key_id,)).fetchone()
             if row is not None:
@@ -142,7 +113,7 @@ class ClientRegistry:
 
     def describe(self) -> list[dict[str, Any]]:
         """Every client with what proves it, for `margo clients list`."""
-        def read(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+        def read(conn: Connection) -> list[dict[str, Any]]:
             rows = conn.execute(
                 "SELECT c.client_id, c.retired, c.created_at, c.token_hash IS NOT NULL, "
                 "i.spiffe_id, i.not_after, i.source, "
@@ -161,7 +132,7 @@ class ClientRegistry:
         client_id = client_id or str(uuid.uuid4())
         token = secrets.token_urlsafe(32)
 
-        def write(conn: sqlite3.Connection) -> None:
+        def write(conn: Connection) -> None:
             conn.execute(
                 "INSERT INTO clients (client_id, token_hash, certificate, created_at) "
                 "VALUES (?, ?, ?, ?) ON CONFLICT (client_id) DO UPDATE SET "
@@ -172,7 +143,7 @@ class ClientRegistry:
         return client_id, token
 
     def retire(self, client_id: str) -> bool:
-        def write(conn: sqlite3.Connection) -> int:
+        def write(conn: Connection) -> int:
             return conn.execute("UPDATE clients SET retired = 1 WHERE client_id = ?",
                                 (client_id,)).rowcount
 
@@ -184,7 +155,7 @@ class ClientRegistry:
     def by_token(self, token: str) -> Client | None:
         digest = token_hash(token)
 
-        def read(conn: sqlite3.Connection) -> Client | None:
+        def read(conn: Connection) -> Client | None:
             row = conn.execute("SELECT client_id, retired FROM clients WHERE token_hash = ?",
                                (digest,)).fetchone()
             if row is not None:
@@ -211,7 +182,7 @@ class ClientRegistry:
         token = secrets.token_urlsafe(32)
         expires = time.time() + ACCESS_TOKEN_SECONDS
 
-        def write(conn: sqlite3.Connection) -> None:
+        def write(conn: Connection) -> None:
             conn.execute("DELETE FROM access_tokens WHERE expires_at < ?", (time.time(),))
             conn.execute("INSERT INTO access_tokens VALUES (?, ?, ?)",
                          (token_hash(token), client.client_id, expires))

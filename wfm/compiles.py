@@ -4,6 +4,10 @@ Triggers are debounced (a burst of capability reports from a rebooting site is o
 compile) and compiles never overlap: one background thread runs them, with its own Git
 store and compiler state, reading the capability snapshot from the database. After each
 compile the REST view is told that the branches may have changed.
+
+With replicas (`wfm.coordination`) a trigger is a request to whichever replica holds the
+compile lease; that one compiles into its work repository and publishes the result, which
+every replica then serves.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from compiler.compilation import CompileReport, compile_fleet
 from compiler.gcpause import release_frozen
@@ -21,6 +26,9 @@ from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState
+
+if TYPE_CHECKING:
+    from wfm.coordination import Coordinator
 
 __all__ = ["CompileService", "SourceConfig"]
 
@@ -37,8 +45,11 @@ class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
                  documents: Callable[[], dict[str, object]],
                  on_compiled: Callable[[CompileReport | None], None], *,
-                 debounce: float = 0.3):
+                 debounce: float = 0.3, coordinator: Coordinator | None = None):
         self._repos, self._source, self._documents = repos, source, documents
+        self._coordinator = coordinator
+        if coordinator is not None:
+            coordinator.on_compile_due = self.compile_soon
         self._on_compiled, self._debounce = on_compiled, debounce
         self._wake = threading.Condition()
         self._pending = False
@@ -51,6 +62,14 @@ class CompileService:
         self._thread.start()
 
     def trigger(self) -> None:
+        """Something the desired state depends on changed: compile (here, or on the replica
+        that holds the compile lease)."""
+        if self._coordinator is not None:
+            self._coordinator.request_compile()
+            return
+        self.compile_soon()
+
+    def compile_soon(self) -> None:
         with self._wake:
             self._pending = True
             self._wake.notify()
@@ -107,6 +126,11 @@ class CompileService:
             return None
 
     def _compile(self) -> None:
+        # With replicas, first bring the compile directory and the fleet source to what the
+        # replicas published: a push another replica took must be read here.
+        repos = self._repos if self._coordinator is None else self._coordinator.prepare()
+        if repos is None:
+            return  # another replica holds the compile lease
         if self._source.path is None:
             source = FleetSource(revision="none")  # no source: every device gets a branch
         else:
@@ -117,8 +141,9 @@ class CompileService:
                 log.warning("fleet source not readable yet; keeping the current desired state")
                 return
             source = loaded
-        store = DeviceStore(self._repos)
-        state = CompilerState(self._repos / "compiler-state.sqlite")
+        log.info("compiling source %s", source.revision)
+        store = DeviceStore(repos)
+        state = CompilerState(repos / "compiler-state.sqlite")
         try:
             state.bind(store.identity)
             snapshot = snapshot_from_documents(self._documents(),
@@ -127,6 +152,11 @@ class CompileService:
         finally:
             state.close()
             release_frozen()  # what the compile froze, back to the collector (see gcpause)
+        if self._coordinator is not None:
+            published = self._coordinator.publish()  # LeaseLost: logged by the loop
+            if published is not None:
+                log.info("published generation %d (%d refs, %d bytes)", published.generation,
+                         published.refs, published.pack_bytes)
         self.last_report, self.compiles = report, self.compiles + 1
         if report.errors:
             self.last_error = "; ".join(p.format() for _, p in report.errors[:5])

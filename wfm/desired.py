@@ -164,6 +164,21 @@ class DesiredState:
             recent.popitem(last=False)
         return state
 
+    def find_in_history(self, device_ids: tuple[str, ...], deployment_id: str, digest: str,
+                        *, depth: int = 8) -> bytes | None:
+        """A deployment document that one of the devices' last `depth` commits held, by its
+        id and digest: what a manifest served by another replica (or before a restart) may
+        still name when this process never computed that state."""
+        for device_id in device_ids:
+            for commit in self._store.history(device_id, limit=depth):
+                files = self._store.read_files(device_id, commit.id) or {}
+                for data in files.values():
+                    if digest_of(data) == digest:
+                        parsed = _parse(data)
+                        if parsed is not None and parsed.deployment_id == deployment_id:
+                            return data
+        return None
+
     def recent_states(self, client_id: str) -> list[ClientState]:
         """The client's current and a few previous states (a device may still be fetching
         what the previous manifest named when a new compile lands)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -26,14 +25,15 @@ from compiler.source import SourceError, load_source
 from wfm import records
 from wfm.api import Api
 from wfm.compiles import SourceConfig
+from wfm.db import Connection
 from wfm.problems import ProblemError
-from wfm.sources import RemoteSource
+from wfm.sources import RemoteSource, fetch_source
 from wfm.webhooks import WebhookError, verify_push
 
 __all__ = ["FleetApi"]
 
 
-def _statuses(conn: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
     rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at "
                         "FROM statuses")
     return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
@@ -175,7 +175,7 @@ class FleetApi:
             return JSONResponse({"ignored": f"push to {event.ref}, not {self.remote.ref}"},
                                 status_code=202)
         try:
-            commit = await run_in_threadpool(self.remote.fetch)
+            commit = await run_in_threadpool(fetch_source, self.remote, self.api.coordinator)
         except RuntimeError as exc:
             raise ProblemError(502, str(exc), retry_after=30) from None
         self.api.compiles.trigger()

@@ -6,10 +6,11 @@ API holds no SQL of its own."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from wfm.db import Connection
 
 __all__ = ["CapabilityWrite", "DeviceRow", "StatusWrite", "advance_manifest_version",
            "client_devices", "device_documents", "device_owner", "device_row", "forget_device",
@@ -32,7 +33,7 @@ class CapabilityWrite:
     changed: bool
 
 
-def device_row(conn: sqlite3.Connection, device_id: str) -> DeviceRow | None:
+def device_row(conn: Connection, device_id: str) -> DeviceRow | None:
     row = conn.execute("SELECT device_id, client_id, document, digest, shape, reported_at "
                        "FROM devices WHERE device_id = ?", (device_id,)).fetchone()
     if row is None:
@@ -40,34 +41,37 @@ def device_row(conn: sqlite3.Connection, device_id: str) -> DeviceRow | None:
     return DeviceRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
 
 
-def device_owner(conn: sqlite3.Connection, device_id: str) -> str | None:
+def device_owner(conn: Connection, device_id: str) -> str | None:
     """The client a device belongs to, or None for a device never reported."""
     row = conn.execute("SELECT client_id FROM devices WHERE device_id = ?",
                        (device_id,)).fetchone()
     return None if row is None else str(row[0])
 
 
-def manifest_version(conn: sqlite3.Connection, client_id: str) -> tuple[int, str] | None:
+def manifest_version(conn: Connection, client_id: str) -> tuple[int, str] | None:
     """A client's current manifestVersion and the digest of the state it was given for."""
     row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
                        "WHERE client_id = ?", (client_id,)).fetchone()
     return None if row is None else (int(row[0]), str(row[1] or ""))
 
 
-def advance_manifest_version(conn: sqlite3.Connection, client_id: str,
-                             state_digest: str) -> int:
+def advance_manifest_version(conn: Connection, client_id: str, state_digest: str,
+                             generation: int = 0) -> int | None:
     """The manifestVersion for `state_digest`: +1 when the served state changed (or for the
-    first one), else the current one. Only ever grows."""
+    first one), else the current one. Only ever grows. None when the client was last given a
+    state of a newer fleet `generation` than the one `state_digest` was computed at (a
+    replica that has not synced yet must not hand out an older state under a newer
+    version); a single server always passes generation 0."""
     conn.execute("UPDATE clients SET manifest_version = manifest_version + 1, "
-                 "manifest_state = ? WHERE client_id = ? AND "
-                 "(manifest_state != ? OR manifest_version = 0)",
-                 (state_digest, client_id, state_digest))
-    row = conn.execute("SELECT manifest_version FROM clients WHERE client_id = ?",
-                       (client_id,)).fetchone()
-    return int(row[0])
+                 "manifest_state = ?, manifest_generation = ? WHERE client_id = ? AND "
+                 "(manifest_state != ? OR manifest_version = 0) AND manifest_generation <= ?",
+                 (state_digest, generation, client_id, state_digest, generation))
+    row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
+                       "WHERE client_id = ?", (client_id,)).fetchone()
+    return int(row[0]) if row[1] == state_digest else None
 
 
-def status_device(conn: sqlite3.Connection, deployment_id: str,
+def status_device(conn: Connection, deployment_id: str,
                   client_id: str) -> str | None:
     """The device a deployment's stored status was reported for ("" when the report named
     none), or None when there is no status."""
@@ -76,19 +80,19 @@ def status_device(conn: sqlite3.Connection, deployment_id: str,
     return None if row is None else (row[0] or "")
 
 
-def client_devices(conn: sqlite3.Connection, client_id: str) -> tuple[str, ...]:
+def client_devices(conn: Connection, client_id: str) -> tuple[str, ...]:
     rows = conn.execute("SELECT device_id FROM devices WHERE client_id = ? ORDER BY device_id",
                         (client_id,))
     return tuple(r[0] for r in rows)
 
 
-def device_documents(conn: sqlite3.Connection) -> dict[str, Any]:
+def device_documents(conn: Connection) -> dict[str, Any]:
     """Every device's current capability document (the compiler's snapshot)."""
     return {r[0]: json.loads(r[1]) for r in conn.execute("SELECT device_id, document "
                                                          "FROM devices")}
 
 
-def store_capabilities(conn: sqlite3.Connection, *, client_id: str, device_id: str,
+def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
                        document: dict[str, Any], digest: str, shape: str) -> CapabilityWrite:
     """Upsert the current document; append to history only when its content changed."""
     now = time.time()
@@ -111,7 +115,7 @@ def store_capabilities(conn: sqlite3.Connection, *, client_id: str, device_id: s
     return CapabilityWrite(created=existing is None, changed=changed)
 
 
-def forget_device(conn: sqlite3.Connection, client_id: str, device_id: str) -> bool:
+def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
     """Remove a device (and its children) of this client; history is kept."""
     rows = conn.execute("DELETE FROM devices WHERE client_id = ? AND (device_id = ? OR "
                         "device_id LIKE ?)", (client_id, device_id, device_id + "/%")).rowcount
@@ -124,7 +128,7 @@ class StatusWrite:
     changed: bool
 
 
-def store_status(conn: sqlite3.Connection, *, client_id: str, deployment_id: str,
+def store_status(conn: Connection, *, client_id: str, deployment_id: str,
                  device_id: str | None, state: str, document: dict[str, Any], digest: str,
                  adopted: int | None) -> StatusWrite:
     """Idempotent: the same report twice changes nothing and adds no history."""

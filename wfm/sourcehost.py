@@ -15,7 +15,9 @@ import hmac
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
@@ -25,6 +27,9 @@ from wfm.clients import parse_basic
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.problems import ProblemError, problem_response
 from wfm.sources import git_environment
+
+if TYPE_CHECKING:
+    from wfm.coordination import Coordinator
 
 __all__ = ["ensure_repository", "source_app"]
 
@@ -105,9 +110,12 @@ async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> byte
     return out
 
 
-def source_app(repository: Path, admin_token: str | None,
-               on_push: Callable[[], None]) -> ASGIApp:
-    """Fetch and push for the hosted source repository (mount at `/git/source.git`)."""
+def source_app(repository: Path, admin_token: str | None, on_push: Callable[[], None], *,
+               replicas: Callable[[], Coordinator | None] = lambda: None) -> ASGIApp:
+    """Fetch and push for the hosted source repository (mount at `/git/source.git`). With
+    `replicas` (its coordinator, once the server runs), a fetch first brings the repository
+    up to what the replicas published, and a push runs in this replica's turn at the source
+    and is published before the next push starts (`wfm.coordination.SourceUpdate`)."""
 
     async def endpoint(request: Request) -> Response:
         rest = request.path_params["rest"]
@@ -119,10 +127,22 @@ def source_app(repository: Path, admin_token: str | None,
         if service not in _SERVICES or rest not in ("info/refs", *_SERVICES):
             return problem_response(ProblemError(404, "only smart HTTP is served"),
                                     instance=request.url.path)
+        coordinator = replicas()
+        pushing = rest == "git-receive-pack" or service == "git-receive-pack"
+        turn = coordinator.source_update() if coordinator is not None and pushing else None
         try:
+            if turn is not None:
+                await run_in_threadpool(turn.begin)
+            elif coordinator is not None:
+                await run_in_threadpool(coordinator.sync_source)
             status, headers, payload = await _run_backend(repository, request, rest)
         except ProblemError as exc:
+            if turn is not None:
+                await run_in_threadpool(turn.finish, publish=False)
             return problem_response(exc, instance=request.url.path)
+        if turn is not None:
+            await run_in_threadpool(turn.finish, publish=rest == "git-receive-pack"
+                                    and status == 200)
         if rest == "git-receive-pack" and status == 200:
             on_push()  # the pushed refs are in place once receive-pack has answered
         return Response(payload, status_code=status, headers=headers)

@@ -17,8 +17,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["RemoteSource", "SourceWatcher", "git_environment"]
+if TYPE_CHECKING:
+    from wfm.coordination import Coordinator
+
+__all__ = ["RemoteSource", "SourceWatcher", "fetch_source", "git_environment"]
 
 log = logging.getLogger("margo.wfm.sources")
 
@@ -79,3 +83,19 @@ class SourceWatcher:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+def fetch_source(remote: RemoteSource, coordinator: Coordinator | None) -> str:
+    """Fetch the remote fleet source into the mirror; with replicas, in this replica's turn
+    at the source, publishing what it brought (so the compiling replica has it too)."""
+    if coordinator is None:
+        return remote.fetch()
+    turn = coordinator.source_update()
+    turn.begin()
+    try:
+        commit = remote.fetch()
+    except BaseException:
+        turn.finish(publish=False)
+        raise
+    turn.finish()
+    return commit

@@ -6,6 +6,7 @@ Margo layout. Imported by bare name (`from conformancekit import ...`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -24,7 +25,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from conformance.runner import Rc2Identity, SuiteReport
+from kits.balancer import tcp_balancing
+from kits.pgkit import database_for
 from kits.processkit import free_port, stop, wait_until_ready
+from kits.serverkit import REPLICAS, STORE
 from kits.stubserver import serving
 from margo.canonical import canonical_yaml
 from margo.digests import digest_of
@@ -94,7 +98,11 @@ def write_rc2_identity(directory: Path) -> Rc2Identity:
 
 
 def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """The real command line (`python -m margo_cli.main`), from the repository root."""
+    """The real command line (`python -m margo_cli.main`), from the repository root; on
+    the `replicas` store, `margo clients … --data D` writes to D's PostgreSQL database."""
+    if STORE[0] == "replicas" and args[:1] == ("clients",) and "--data" in args:
+        data = Path(args[args.index("--data") + 1])
+        args = (*args, "--database", database_for(data))
     return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
                           capture_output=True, text=True, check=check, timeout=120)
 
@@ -113,7 +121,26 @@ def running_wfm(data: Path, *args: str,
                 probe: tuple[Path, Path] | None = None) -> Iterator[str]:
     """`margo serve` with these options on a free loopback port; yields its base URL (https
     when `--tls-cert` is among the options) once `/healthz` answers (presenting `probe`, a
-    client certificate, when the server requires one); SIGTERM afterwards."""
+    client certificate, when the server requires one); SIGTERM afterwards. On the
+    `replicas` store (`kits.serverkit.use_store`): two replicas on the data directory's
+    PostgreSQL database behind a TCP balancer that sends each connection to the next one
+    (TLS passes through, so each replica sees the client's certificate)."""
+    if STORE[0] != "replicas":
+        with _one_wfm(data, *args, probe=probe) as (base, _port):
+            yield base
+        return
+    with contextlib.ExitStack() as stack:
+        ports = [stack.enter_context(_one_wfm(
+            data / f"replica-{i}", *args, "--database", database_for(data), probe=probe))[1]
+            for i in range(REPLICAS)]
+        balancer = stack.enter_context(tcp_balancing([("127.0.0.1", p) for p in ports]))
+        scheme = "https" if "--tls-cert" in args else "http"
+        yield f"{scheme}://127.0.0.1:{balancer.port}"
+
+
+@contextmanager
+def _one_wfm(data: Path, *args: str,
+             probe: tuple[Path, Path] | None = None) -> Iterator[tuple[str, int]]:
     port = free_port()
     data.parent.mkdir(parents=True, exist_ok=True)
     log_path = data.parent / f"server-{port}.log"
@@ -129,7 +156,7 @@ def running_wfm(data: Path, *args: str,
                 wait_until_ready(process, lambda: http.get(f"{base}/healthz")
                                  .status_code == 200, "server", log_path,
                                  not_yet=(httpx.HTTPError,))
-            yield base
+            yield base, port
         finally:
             stop(process)
 

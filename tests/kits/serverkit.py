@@ -1,5 +1,11 @@
 """Run the real `margo serve` in a subprocess on loopback, and check what it answers
-against the official OpenAPI documents."""
+against the official OpenAPI documents.
+
+`STORE` says which server the kits start: `sqlite` (one process, the embedded default) or
+`replicas` (two processes on one PostgreSQL database, each with its own data directory,
+behind a round-robin balancer that sends each request to the next one). The suites that
+must pass on both set it per module (`use_store`); `MARGO_TEST_STORE` sets the default.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from jsonschema import Draft202012Validator
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
+from kits.balancer import balancing
+from kits.pgkit import database_for
 from kits.processkit import free_port, stop, wait_until_ready
 from tools.polling import poll_until
 
@@ -33,30 +41,76 @@ OPENAPI = {
 OPENAPI_DIRS = [ROOT / "tests" / "fixtures" / "openapi"]
 
 
+#: "sqlite" or "replicas" (see the module docstring).
+STORE = [os.environ.get("MARGO_TEST_STORE", "sqlite")]
+REPLICAS = 2
+#: The servers' log level (their logs are `server-<port>.log` next to the data directory).
+LOG_LEVEL = os.environ.get("MARGO_TEST_SERVER_LOG_LEVEL", "warning")
+
+
+@contextlib.contextmanager
+def use_store(store: str) -> Iterator[None]:
+    """Start servers on `store` inside the block."""
+    before, STORE[0] = STORE[0], store
+    try:
+        yield
+    finally:
+        STORE[0] = before
+
+
+def store_args(data: Path) -> list[str]:
+    """The options that put a data directory's server on the current store."""
+    return ["--database", database_for(data)] if STORE[0] == "replicas" else []
+
+
 def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
                           capture_output=True, text=True, check=check, timeout=60)
 
 
 def add_client(data: Path, client_id: str) -> str:
-    out = margo("clients", "add", client_id, "--data", str(data), "--json")
+    out = margo("clients", "add", client_id, "--data", str(data), "--json", *store_args(data))
     token: str = json.loads(out.stdout)["token"]
     return token
 
 
 @contextmanager
 def running_server(data: Path, *extra: str) -> Iterator[str]:
-    """Start `margo serve`; yield its base URL; stop it (SIGTERM) afterwards."""
+    """Start `margo serve` (on `STORE`); yield its base URL; stop it (SIGTERM) afterwards."""
+    if STORE[0] == "replicas":
+        with running_replicas(data, *extra) as base:
+            yield base
+        return
+    with _one_server(data, *extra) as base:
+        yield base
+
+
+@contextmanager
+def running_replicas(data: Path, *extra: str, count: int = REPLICAS) -> Iterator[str]:
+    """`count` servers on the data directory's PostgreSQL database (data in
+    `<data>/replica-<i>`), behind a round-robin balancer; yields the balancer's URL."""
+    with contextlib.ExitStack() as stack:
+        bases = [stack.enter_context(_one_server(
+            data / f"replica-{i}", *extra, "--database", database_for(data),
+            log_dir=data.parent)) for i in range(count)]
+        balancer = stack.enter_context(balancing(bases))
+        yield balancer.url
+
+
+@contextmanager
+def _one_server(data: Path, *extra: str, log_dir: Path | None = None) -> Iterator[str]:
     port = free_port()
-    log = open(data.parent / f"server-{port}.log", "w")  # noqa: SIM115
+    log_dir = log_dir or data.parent
+    data.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / f"server-{port}.log", "w")  # noqa: SIM115
     process = subprocess.Popen(
         [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
-         str(data), "--log-level", "warning", *extra],
+         str(data), "--log-level", LOG_LEVEL, *extra],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     base = f"http://127.0.0.1:{port}"
     try:
         wait_until_ready(process, lambda: httpx.get(f"{base}/healthz", timeout=1)
-                         .status_code == 200, "server", data.parent / f"server-{port}.log")
+                         .status_code == 200, "server", log_dir / f"server-{port}.log")
         yield base
     finally:
         stop(process)
@@ -65,10 +119,12 @@ def running_server(data: Path, *extra: str) -> Iterator[str]:
 
 @contextmanager
 def killable_server(data: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """One server process (on `STORE`: with replicas, one replica on the database), for
+    tests that kill it."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
-         str(data), "--log-level", "warning", *extra],
+         str(data), "--log-level", LOG_LEVEL, *store_args(data), *extra],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -30,6 +30,15 @@ def git(*args: str, cwd: Path) -> str:
                                           "HOME": str(cwd)}).stdout.strip()
 
 
+def fleet_repository(work: Path) -> Path:
+    """The example fleet as a Git repository with one commit on `main`."""
+    shutil.copytree(ROOT / "examples" / "fleet", work)
+    git("init", "-q", "-b", "main", cwd=work)
+    git("add", "-A", cwd=work)
+    git("commit", "-q", "-m", "fleet", cwd=work)
+    return work
+
+
 def caps(name: str) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads((CAPS / f"{name}.json").read_text())
     return doc
@@ -60,10 +69,7 @@ def github_push(secret: str, ref: str, after: str) -> tuple[bytes, dict[str, str
 
 def test_push_hook_fetches_the_configured_source_and_recompiles(tmp_path: Path) -> None:
     work = tmp_path / "fleet"
-    shutil.copytree(ROOT / "examples" / "fleet", work)
-    git("init", "-q", "-b", "main", cwd=work)
-    git("add", "-A", cwd=work)
-    git("commit", "-q", "-m", "fleet", cwd=work)
+    fleet_repository(work)
     secret_file = tmp_path / "secret"
     secret_file.write_text("s3cret\n")
     data = tmp_path / "data"
@@ -155,10 +161,7 @@ def test_pushing_to_the_hosted_source_recompiles(tmp_path: Path) -> None:
     admin = tmp_path / "admin"
     admin.write_text("operator-token")
     work = tmp_path / "work"
-    shutil.copytree(ROOT / "examples" / "fleet", work)
-    git("init", "-q", "-b", "main", cwd=work)
-    git("add", "-A", cwd=work)
-    git("commit", "-q", "-m", "fleet", cwd=work)
+    fleet_repository(work)
     with running_server(data, "--host-source", "--admin-token-file", str(admin)) as base, \
             httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
         http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))

@@ -1,0 +1,143 @@
+"""The two stores behind one set of record functions: SQLite and a real PostgreSQL server
+(a private cluster from Debian's packages). Migrations, group commit, the record functions,
+and what happens when PostgreSQL goes away and comes back."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from tools.postgres import PostgresServer
+from wfm import records
+from wfm.clients import ClientRegistry
+from wfm.db import Database, DatabaseUnavailable, SqliteDatabase, open_database
+from wfm.pgdb import translate
+from wfm.schema import MIGRATIONS, SchemaTooNew, schema_version
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    if request.param == "sqlite":
+        db = open_database(tmp_path / "wfm.sqlite")
+    else:
+        db = open_database(request.getfixturevalue("pg_url"))
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+DOC = {"properties": {"id": "edge-1", "vendor": "Example"}}
+
+
+def test_the_record_functions_read_back_what_they_wrote(store: Database) -> None:
+    clients = ClientRegistry(store)
+    client_id, token = clients.add("plant-a")
+    assert clients.by_token(token) is not None
+    written = store.write_sync(lambda c: records.store_capabilities(
+        c, client_id=client_id, device_id="edge-1", document=DOC, digest="sha256:1",
+        shape="rc.3"))
+    assert (written.created, written.changed) == (True, True)
+    again = store.write_sync(lambda c: records.store_capabilities(
+        c, client_id=client_id, device_id="edge-1", document=DOC, digest="sha256:1",
+        shape="rc.3"))
+    assert (again.created, again.changed) == (False, False)
+    row = store.read(lambda c: records.device_row(c, "edge-1"))
+    assert row is not None and row.document == DOC and row.reported_at > 1.7e9
+    assert store.read(lambda c: records.client_devices(c, client_id)) == ("edge-1",)
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:a")) == 1
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:a")) == 1
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:b")) == 2
+    # Given generation 5's state, the client is not handed generation 4's (another).
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:c", 5)) == 3
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:b", 4)) is None
+    assert store.write_sync(lambda c: records.advance_manifest_version(
+        c, client_id, "sha256:c", 4)) == 3  # the same state, from a replica behind: fine
+    status = store.write_sync(lambda c: records.store_status(
+        c, client_id=client_id, deployment_id="d-1", device_id="edge-1", state="installed",
+        document={"status": {"state": "installed"}}, digest="sha256:s", adopted=2))
+    assert status.created
+    history = store.read(lambda c: c.execute(
+        "SELECT state FROM status_reports WHERE deployment_id = ?", ("d-1",)).fetchall())
+    assert [tuple(r) for r in history] == [("installed",)]
+    assert store.write_sync(lambda c: records.forget_device(c, client_id, "edge-1")) is True
+
+
+def test_one_bad_write_does_not_sink_its_batch(store: Database) -> None:
+    ClientRegistry(store).add("plant-a")
+    good = [store.submit(lambda c, i=i: c.execute(
+        "INSERT INTO access_tokens VALUES (?, ?, ?)", (f"t{i}", "plant-a", 1.0)).rowcount)
+        for i in range(20)]
+    bad = store.submit(lambda c: c.execute("INSERT INTO nowhere VALUES (1)"))
+    assert [f.result(timeout=10) for f in good] == [1] * 20
+    with pytest.raises((sqlite3.OperationalError, psycopg.errors.UndefinedTable)):
+        bad.result(timeout=10)
+    assert store.read(lambda c: c.execute("SELECT COUNT(*) FROM access_tokens")
+                      .fetchone()[0]) == 20
+
+
+def test_placeholders_are_translated_outside_quoted_text() -> None:
+    assert translate("SELECT '?', x FROM t WHERE a = ? AND b LIKE '%z' AND c = ?") == (
+        "SELECT '?', x FROM t WHERE a = %s AND b LIKE '%%z' AND c = %s")
+    assert translate('SELECT "we?ird" FROM t WHERE x % 2 = ?') == (
+        'SELECT "we?ird" FROM t WHERE x %% 2 = %s')
+
+
+def test_a_data_directory_from_before_migrations_is_adopted(tmp_path: Path) -> None:
+    path = tmp_path / "wfm.sqlite"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE clients (client_id TEXT PRIMARY KEY, token_hash TEXT UNIQUE,
+            certificate TEXT, created_at REAL NOT NULL, retired INTEGER NOT NULL DEFAULT 0,
+            manifest_version INTEGER NOT NULL DEFAULT 0,
+            manifest_state TEXT NOT NULL DEFAULT '');
+        INSERT INTO clients (client_id, created_at, manifest_version) VALUES ('a', 1, 7);
+    """)
+    old.close()
+    db = SqliteDatabase(path)
+    try:
+        assert db.read(schema_version) == MIGRATIONS[-1].version
+        assert db.read(lambda c: records.manifest_version(c, "a")) == (7, "")
+        assert db.read(lambda c: c.execute(
+            "SELECT manifest_generation FROM clients").fetchone()[0]) == 0
+    finally:
+        db.close()
+    SqliteDatabase(path).close()  # opening again applies nothing twice
+
+
+def test_a_database_migrated_by_a_newer_server_is_refused(store: Database,
+                                                          tmp_path: Path) -> None:
+    newer = MIGRATIONS[-1].version + 1
+    store.write_sync(lambda c: c.execute(
+        "INSERT INTO schema_migrations (version, description, applied_at) VALUES (?, ?, ?)",
+        (newer, "from the future", 0.0)))
+    target = getattr(store, "url", None) or getattr(store, "path", None)
+    with pytest.raises(SchemaTooNew, match=f"schema version {newer}, migrated by a newer"):
+        open_database(target)
+
+
+def test_postgresql_gone_is_unavailable_and_back_is_served(postgres: PostgresServer,
+                                                           pg_url: str) -> None:
+    db = open_database(pg_url)
+    try:
+        ClientRegistry(db).add("plant-a")
+        postgres.stop(mode="immediate")
+        with pytest.raises(DatabaseUnavailable):
+            db.read(lambda c: records.client_devices(c, "plant-a"))
+        with pytest.raises(DatabaseUnavailable):
+            db.write_sync(lambda c: records.advance_manifest_version(c, "plant-a", "s"))
+        postgres.start()
+        assert db.write_sync(lambda c: records.advance_manifest_version(
+            c, "plant-a", "s")) == 1
+        assert db.read(lambda c: records.manifest_version(c, "plant-a")) == (1, "s")
+    finally:
+        db.close()

@@ -69,14 +69,42 @@ def _device(args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
+def _source_lines(source: dict[str, Any] | None) -> list[str]:
+    """The fleet source's condition: one line, then its problems (so a push that compiled
+    with errors, or could not be read, is seen where people look first)."""
+    if source is None:
+        return []
+    revision = f" at {source['revision']}" if source.get("revision") else ""
+    lines = [f"source ({source['kind']}): {source['state']}{revision}"
+             + (f" - {source['message']}" if source.get("message") else "")]
+    lines += [f"  {problem}" for problem in source.get("problems", [])]
+    hidden = source.get("problemCount", 0) - len(source.get("problems", []))
+    if hidden > 0:
+        lines.append(f"  ... and {hidden} more")
+    return [*lines, ""]
+
+
+def _optional(args: argparse.Namespace, path: str) -> Any:
+    """`path`'s JSON, or None from a server too old to have it."""
+    try:
+        return _get(args, path)
+    except RuntimeError as exc:
+        if ": 404 " in str(exc):
+            return None
+        raise
+
+
 def _fleet(args: argparse.Namespace) -> str:
     devices = _get(args, "/api/fleet/devices")["devices"]
     counts = _get(args, "/api/fleet/deployments")
+    source = _optional(args, "/api/fleet/source")
     if args.json:
-        return json.dumps({"devices": devices, "deployments": counts}, indent=2)
+        return json.dumps({"source": source, "devices": devices, "deployments": counts},
+                          indent=2)
     rows = [[d["deviceId"], d["clientId"], str(d["deployments"]),
              ", ".join(f"{k}={v}" for k, v in d["states"].items()) or "-"] for d in devices]
-    out = [_table(rows, ["DEVICE", "CLIENT", "DEPLOYMENTS", "STATES"]), ""]
+    out = [*_source_lines(source), _table(rows, ["DEVICE", "CLIENT", "DEPLOYMENTS", "STATES"]),
+           ""]
     rows = [[name, ", ".join(f"{k}={v}" for k, v in states.items())]
             for name, states in counts["byApplication"].items()]
     out.append(_table(rows, ["APPLICATION", "STATES"]))

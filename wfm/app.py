@@ -36,6 +36,7 @@ from wfm.fleet_api import FleetApi
 from wfm.githttp import git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
+from wfm.sourcecondition import store_condition
 from wfm.sourcehost import ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher, fetch_source
 
@@ -127,7 +128,8 @@ def create_app(config: ServerConfig) -> Starlette:
     api = Api()
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
-                     remote=config.remote, webhook_secret=config.webhook_secret)
+                     remote=config.remote, webhook_secret=config.webhook_secret,
+                     source_kind=_source_kind(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -137,13 +139,15 @@ def create_app(config: ServerConfig) -> Starlette:
             lock.acquire()  # DataDirBusy: another server runs on this directory
         db = open_database(config.database)
         if config.host_source:
-            ensure_repository(config.hosted_source)
+            ensure_repository(config.hosted_source, config.source_branch)
         coordinator = _coordinator(db, config)
         desired = DesiredState(DeviceStore(config.repos))
         compiles = CompileService(
             config.repos, config.effective_source, lambda: db.read(records.device_documents),
             (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
-            debounce=config.debounce, coordinator=coordinator)
+            debounce=config.debounce, coordinator=coordinator,
+            on_condition=lambda condition: db.submit(
+                lambda conn: store_condition(conn, condition)))
         ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
                  ca_certificate=ca, identity=identity, coordinator=coordinator)
@@ -185,6 +189,14 @@ def create_app(config: ServerConfig) -> Starlette:
                             DatabaseUnavailable: _unavailable_handler,
                             Exception: _crash_handler},
     )
+
+
+def _source_kind(config: ServerConfig) -> str:
+    if config.remote is not None:
+        return "mirrored"
+    if config.host_source:
+        return "hosted"
+    return "directory" if config.source.path is not None else "none"
 
 
 def _coordinator(db: Database, config: ServerConfig) -> Coordinator | None:

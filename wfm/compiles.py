@@ -26,6 +26,7 @@ from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState
+from wfm.sourcecondition import SourceCondition
 
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
@@ -45,12 +46,14 @@ class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
                  documents: Callable[[], dict[str, object]],
                  on_compiled: Callable[[CompileReport | None], None], *,
-                 debounce: float = 0.3, coordinator: Coordinator | None = None):
+                 debounce: float = 0.3, coordinator: Coordinator | None = None,
+                 on_condition: Callable[[SourceCondition], None] = lambda condition: None):
         self._repos, self._source, self._documents = repos, source, documents
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
         self._on_compiled, self._debounce = on_compiled, debounce
+        self._on_condition = on_condition
         self._wake = threading.Condition()
         self._pending = False
         self._stopping = False
@@ -117,12 +120,17 @@ class CompileService:
         if self._source.path is None:
             return None
         if self._source.ref and not _has_ref(self._source.path, self._source.ref):
-            return None  # a hosted or mirrored repository nothing was pushed to yet
+            # a hosted or mirrored repository nothing was pushed to yet
+            self._on_condition(SourceCondition.not_compiled(
+                "waiting", f"nothing pushed or fetched to {self._source.ref} yet"))
+            return None
         try:
             return load_source(self._source.path, ref=self._source.ref)
         except SourceError as exc:
             self.last_error = str(exc)
             log.error("fleet source: %s", exc)
+            self._on_condition(SourceCondition.not_compiled(
+                "unreadable", f"{exc}; the previous desired state stays in force"))
             return None
 
     def _compile(self) -> None:
@@ -164,6 +172,7 @@ class CompileService:
             self.last_error = None
         log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
                  len(report.errors))
+        self._on_condition(SourceCondition.of_report(report))
         self._on_compiled(report)
         self._schedule_grace(report.next_grace_expiry)
 

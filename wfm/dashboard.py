@@ -40,6 +40,7 @@ from margo.validation import validate_value
 from wfm import records
 from wfm.compiles import SourceConfig
 from wfm.fleet_api import FleetApi
+from wfm.sourcecondition import load_condition
 
 __all__ = ["COOKIE_NAME", "REFRESH_SECONDS", "STATES", "AppInfo", "Catalogue", "cpu_summary",
            "dashboard_routes", "device_kind", "device_view", "failing_clauses", "gpu_count",
@@ -494,8 +495,10 @@ class Dashboard:
         catalogue = await run_in_threadpool(load_catalogue, self.fleet.source)
         applications = [(app_id, catalogue.applications.get(app_id), runs[app_id])
                         for app_id in sorted(set(catalogue.applications) | set(runs))]
+        source = self.fleet.api.db.read(load_condition)
         return self._render(request, "overview.html", title="Fleet overview", devices=devices,
-                            counts=counts, catalogue=catalogue, applications=applications)
+                            counts=counts, catalogue=catalogue, applications=applications,
+                            source=source, source_kind=self.fleet.source_kind)
 
     # --- one device ---
 

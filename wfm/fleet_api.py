@@ -27,6 +27,7 @@ from wfm.api import Api
 from wfm.compiles import SourceConfig
 from wfm.db import Connection
 from wfm.problems import ProblemError
+from wfm.sourcecondition import load_condition
 from wfm.sources import RemoteSource, fetch_source
 from wfm.webhooks import WebhookError, verify_push
 
@@ -42,8 +43,10 @@ def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
 
 class FleetApi:
     def __init__(self, api: Api, *, source: SourceConfig, admin_token: str | None = None,
-                 remote: RemoteSource | None = None, webhook_secret: str | None = None):
-        self.api, self.source = api, source
+                 remote: RemoteSource | None = None, webhook_secret: str | None = None,
+                 source_kind: str = "directory"):
+        """`source_kind`: hosted, mirrored, directory or none (shown with its condition)."""
+        self.api, self.source, self.source_kind = api, source, source_kind
         self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
 
     def _authorize(self, request: Request) -> None:
@@ -161,6 +164,15 @@ class FleetApi:
             "byApplication": {k: dict(sorted(v.items()))
                               for k, v in sorted(by_application.items())}}
 
+    async def source_condition(self, request: Request) -> Response:
+        """What the last compile made of the fleet source (`wfm.sourcecondition`)."""
+        self._authorize(request)
+        condition = self.api.db.read(load_condition)
+        doc = condition.to_json() if condition is not None else {
+            "state": "waiting", "revision": None, "message": "not compiled yet",
+            "problems": [], "problemCount": 0, "checkedAt": None}
+        return JSONResponse({"kind": self.source_kind, **doc})
+
     async def git_hook(self, request: Request) -> Response:
         if self.remote is None or not self.webhook_secret:
             raise ProblemError(404, "this server has no webhook-triggered fleet source")
@@ -186,5 +198,6 @@ class FleetApi:
             Route("/api/fleet/devices", self.devices, methods=["GET"]),
             Route("/api/fleet/devices/{deviceId:path}", self.device, methods=["GET"]),
             Route("/api/fleet/deployments", self.deployments, methods=["GET"]),
+            Route("/api/fleet/source", self.source_condition, methods=["GET"]),
             Route("/hooks/git", self.git_hook, methods=["POST"]),
         ]

@@ -107,6 +107,11 @@ _REPLICAS = [_both(s) for s in (
         name TEXT PRIMARY KEY, certificate TEXT NOT NULL, key TEXT NOT NULL)""",
 )]
 
+_SOURCE_CONDITION = [_both(s) for s in (
+    # What the last compile made of the fleet source (wfm.sourcecondition), for every replica.
+    "ALTER TABLE fleet_state ADD COLUMN source_condition TEXT",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -114,6 +119,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(s for s, _ in _IDENTITY), tuple(p for _, p in _IDENTITY)),
     Migration(3, "replicas: fleet generation, compile lease, Git packs and refs, the CA",
               tuple(s for s, _ in _REPLICAS), tuple(p for _, p in _REPLICAS)),
+    Migration(4, "the fleet source's condition",
+              tuple(s for s, _ in _SOURCE_CONDITION), tuple(p for _, p in _SOURCE_CONDITION)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

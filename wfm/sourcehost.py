@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import os
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp
 from wfm.clients import parse_basic
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.problems import ProblemError, problem_response
+from wfm.receivehook import HOOK_NAME, hook_script
 from wfm.sources import git_environment
 
 if TYPE_CHECKING:
@@ -37,12 +39,21 @@ MAX_PUSH_BYTES = 64 * 1024 * 1024
 _SERVICES = ("git-upload-pack", "git-receive-pack")
 
 
-def ensure_repository(path: Path) -> None:
-    """Create the hosted bare repository on first use."""
+def ensure_repository(path: Path, branch: str = "main") -> None:
+    """Create the hosted bare repository on first use, and (re)install the hook that refuses
+    a push to `branch` the compiler could not read (`wfm.receivehook`): written at every
+    start, so it always runs this server's interpreter."""
     if not (path / "HEAD").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(path)], check=True,
                        env=git_environment())
+    hooks = path / "hooks"
+    hooks.mkdir(exist_ok=True)
+    hook = hooks / HOOK_NAME
+    tmp = hooks / f".{HOOK_NAME}.tmp"
+    tmp.write_text(hook_script(f"refs/heads/{branch}"))
+    tmp.chmod(0o755)
+    os.replace(tmp, hook)
 
 
 def _authorized(request: Request, admin_token: str | None) -> bool:

@@ -38,6 +38,7 @@ from wfm.dashboard import (
     session_value,
 )
 from wfm.records import DeviceRow
+from wfm.sourcecondition import SourceCondition
 
 CAPS = ROOT / "examples" / "capabilities"
 OPERATOR = "operator-token"
@@ -271,7 +272,9 @@ def test_hostile_ids_render_as_text_in_every_template() -> None:
                     counts={"total": 2, "byState": {HOSTILE: 1},
                             "byApplication": {HOSTILE: {HOSTILE: 1}}},
                     catalogue=Catalogue({HOSTILE: info}, error=HOSTILE),
-                    applications=[(HOSTILE, info, [deployment])]),
+                    applications=[(HOSTILE, info, [deployment])],
+                    source=SourceCondition("invalid", HOSTILE, HOSTILE, [HOSTILE], 2, 0.0),
+                    source_kind=HOSTILE),
         render_page("device.html", nonce="n", path="/", title=HOSTILE, device=device,
                     deployments=[deployment], eligibility_error=None,
                     explanations=[(explanation, failing_clauses(explanation))],

@@ -180,3 +180,96 @@ def test_pushing_to_the_hosted_source_recompiles(tmp_path: Path) -> None:
         clone = tmp_path / "clone"
         git("clone", "-q", url, str(clone), cwd=tmp_path)
         assert (clone / "deployments" / "hello-everywhere.yaml").exists()
+
+
+def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
+        tmp_path: Path) -> None:
+    """A stock `git push` of a broken intent and a broken descriptor: git prints every
+    problem as `remote: file:line:col: path: message` and refuses; the server keeps serving
+    the previous source; the fix is accepted."""
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    admin = tmp_path / "admin"
+    admin.write_text("operator-token")
+    work = fleet_repository(tmp_path / "work")
+    with running_server(data, "--host-source", "--admin-token-file", str(admin)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        url = base.replace("http://", "http://operator:operator-token@") + "/git/source.git"
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        git("push", "-q", url, "main", cwd=work)
+        good = poll(http, lambda m: len(m["deployments"]) == 1)
+        accepted = git("rev-parse", "HEAD", cwd=work)
+        intent = work / "deployments" / "hello-everywhere.yaml"
+        intent.write_text(intent.read_text().replace("namespace: hello", "namespace: [hello"))
+        descriptor = work / "apps" / "com-example-line-monitor" / "margo.yaml"
+        descriptor.write_text(descriptor.read_text().replace("apiVersion:", "apiVersion: 7\n#",
+                                                             1))
+        git("commit", "-q", "-am", "two mistakes", cwd=work)
+        pushed = subprocess.run(["git", "push", url, "main"], cwd=work, capture_output=True,
+                                text=True, check=False,
+                                env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
+                                     "HOME": str(work)})
+        assert pushed.returncode != 0
+        remote = [line.removeprefix("remote: ").rstrip() for line in
+                  pushed.stderr.splitlines() if line.startswith("remote: ")]
+        assert any(line.startswith("margo: refusing refs/heads/main") for line in remote), \
+            pushed.stderr
+        assert any(line.startswith("deployments/hello-everywhere.yaml:") and "invalid YAML"
+                   in line for line in remote), pushed.stderr
+        assert any(line.startswith("apps/com-example-line-monitor/margo.yaml:")
+                   for line in remote), pushed.stderr
+        assert "pre-receive hook declined" in pushed.stderr
+        assert git("ls-remote", url, "refs/heads/main", cwd=work).split()[0] == accepted
+        time.sleep(1)
+        assert http.get("/api/v1/deployments").json() == good
+        intent.write_text(intent.read_text().replace("namespace: [hello", "namespace: hi"))
+        descriptor.write_text(descriptor.read_text().replace("apiVersion: 7\n#", "apiVersion:",
+                                                             1))
+        git("commit", "-q", "-am", "fixed", cwd=work)
+        git("push", "-q", url, "main", cwd=work)
+        fixed = poll(http, lambda m: m["manifestVersion"] > good["manifestVersion"])
+        assert b"namespace: hi" in http.get(fixed["deployments"][0]["url"]).content
+
+
+def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
+        tmp_path: Path) -> None:
+    """A mirrored source cannot refuse a push: a broken commit fetched on a push hook shows
+    as the source's condition (revision, message, located problems) in the read API and
+    `margo status`, while devices keep what the broken intent gave them; the fix clears it."""
+    work = fleet_repository(tmp_path / "fleet")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret\n")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source-url", str(work), "--source-branch", "main",
+                        "--webhook-secret-file", str(secret_file)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        good = poll(http, lambda m: len(m["deployments"]) == 1)
+        ready = poll(http, lambda s: s["state"] == "ready", path="/api/fleet/source")
+        assert ready["kind"] == "mirrored" and ready["revision"].startswith("git:")
+        intent = work / "deployments" / "hello-everywhere.yaml"
+        intent.write_text(intent.read_text().replace("namespace: hello", "namespace: [hello"))
+        git("commit", "-q", "-am", "a typo", cwd=work)
+        head = git("rev-parse", "HEAD", cwd=work)
+        body, headers = github_push("s3cret", "refs/heads/main", head)
+        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
+        broken = poll(http, lambda s: s["state"] == "invalid", path="/api/fleet/source")
+        assert broken["revision"] == f"git:{head}", broken
+        assert broken["problemCount"] == 1
+        assert broken["problems"][0].startswith("deployments/hello-everywhere.yaml:"), broken
+        assert "invalid YAML" in broken["problems"][0]
+        assert http.get("/api/v1/deployments").json()["deployments"] == good["deployments"]
+        table = subprocess.run([sys.executable, "-m", "margo_cli.main", "status", "--url", base],
+                               capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        lines = table.splitlines()
+        assert lines[0].startswith(f"source (mirrored): invalid at git:{head}"), table
+        assert lines[1].strip() == broken["problems"][0]
+        intent.write_text(intent.read_text().replace("namespace: [hello", "namespace: hello"))
+        git("commit", "-q", "-am", "fixed", cwd=work)
+        head = git("rev-parse", "HEAD", cwd=work)
+        body, headers = github_push("s3cret", "refs/heads/main", head)
+        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
+        fixed = poll(http, lambda s: s["state"] == "ready" and s["revision"] == f"git:{head}",
+                     path="/api/fleet/source")
+        assert fixed["problems"] == [] and fixed["message"] is None

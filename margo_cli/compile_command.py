@@ -15,8 +15,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from compiler.compilation import CompileReport, DeviceResult, compile_fleet
 from compiler.explain import explain_device
+from compiler.explain_fleet import explain_fleet, fleet_lines
 from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore, GitStoreError
 from compiler.snapshot import SnapshotError, load_snapshot
@@ -29,12 +32,13 @@ EXIT_OK, EXIT_ERRORS, EXIT_BAD_INPUT = 0, 1, 2
 STATE_FILE = "compiler-state.sqlite"
 
 
-def _inputs(parser: argparse.ArgumentParser, *, repos_required: bool = True) -> None:
-    parser.add_argument("--source", required=True, metavar="SRC",
+def _inputs(parser: argparse.ArgumentParser, *, repos_required: bool = True,
+            inputs_required: bool = True) -> None:
+    parser.add_argument("--source", required=inputs_required, metavar="SRC",
                         help="fleet source directory, or Git repository (see --ref)")
     parser.add_argument("--ref", help="Git ref to read the source from (default: the "
                                       "directory as it is; HEAD for bare repositories)")
-    parser.add_argument("--capabilities", required=True, metavar="CAPS",
+    parser.add_argument("--capabilities", required=inputs_required, metavar="CAPS",
                         help="directory of capability documents, or one file keyed by id")
     parser.add_argument("--repos", required=repos_required, metavar="DIR",
                         help="where fleet-state.git and the compiler state live")
@@ -55,10 +59,18 @@ def register(commands: Any) -> None:
     _inputs(plan_parser)
     plan_parser.set_defaults(run=run_plan)
     explain_parser = commands.add_parser(
-        "explain", help="why each intent does or does not deploy on a device")
-    _inputs(explain_parser, repos_required=False)
-    explain_parser.add_argument("--device", required=True, metavar="ID")
+        "explain", help="why each intent does or does not deploy on a device, or one "
+                        "intent's or application's verdict on every device",
+        description="With --device: every intent (or --intent NAME) on that device. Without "
+                    "it: --intent NAME or --app ID on every device. Inputs: --source and "
+                    "--capabilities, or --url of a running server (its reports).")
+    _inputs(explain_parser, repos_required=False, inputs_required=False)
+    explain_parser.add_argument("--device", metavar="ID")
     explain_parser.add_argument("--intent", metavar="NAME")
+    explain_parser.add_argument("--app", metavar="ID", help="an application id (fleet-wide)")
+    explain_parser.add_argument("--url", help="a running server to ask (GET /api/fleet/...)")
+    explain_parser.add_argument("--token-file", metavar="FILE",
+                                help="the server's operator token, if it requires one")
     explain_parser.set_defaults(run=run_explain)
 
 
@@ -219,6 +231,20 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    if args.device is None and not (args.intent or args.app):
+        print("margo explain: name a --device, or an --intent or --app to explain on every "
+              "device", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.url is None and not (args.source and args.capabilities):
+        print("margo explain: give --source and --capabilities, or --url of a server",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.device is None:
+        return _explain_fleet(args)
+    if args.url is not None:
+        print("margo explain: --url works fleet-wide (--intent/--app); for one device, "
+              "margo status --device ID shows the server's explanation", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         source, snapshot = _open(args)
     except _BadInput as exc:
@@ -245,3 +271,52 @@ def run_explain(args: argparse.Namespace) -> int:
             for line in explanation.lines():
                 print(f"  {line}")
     return EXIT_OK
+
+
+def _explain_fleet(args: argparse.Namespace) -> int:
+    """One intent's or application's verdict on every device, from the inputs or a server."""
+    if args.url is not None:
+        try:
+            result = _server_explanation(args)
+        except (RuntimeError, OSError, httpx.HTTPError) as exc:
+            print(f"margo explain: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    else:
+        try:
+            source, snapshot = _open(args)
+        except _BadInput as exc:
+            print(f"margo explain: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        state = (CompilerState(Path(args.repos) / STATE_FILE)
+                 if args.repos and (Path(args.repos) / STATE_FILE).exists() else None)
+        try:
+            result = explain_fleet(
+                source, snapshot, intent=args.intent, application=args.app, now=time.time(),
+                placed_of=lambda device: None if state is None else {
+                    n for n, r in state.placements_for(device).items() if r.deployed})
+        except KeyError as exc:
+            print(f"margo explain: no intent {exc.args[0]!r} in the source", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        finally:
+            if state is not None:
+                state.close()
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print("\n".join(fleet_lines(result)))
+    return EXIT_OK
+
+
+def _server_explanation(args: argparse.Namespace) -> dict[str, Any]:
+    headers = {}
+    if args.token_file:
+        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+    params = {k: v for k, v in (("intent", args.intent), ("app", args.app)) if v}
+    response = httpx.get(args.url.rstrip("/") + "/api/fleet/explain", params=params,
+                         headers=headers, timeout=300)
+    if response.status_code != 200:
+        detail = (response.json().get("detail") if "json" in
+                  response.headers.get("content-type", "") else response.text)
+        raise RuntimeError(f"{args.url}: {response.status_code} {detail}")
+    result: dict[str, Any] = response.json()
+    return result

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from compiler.explain import explain_device
+from compiler.explain_fleet import explain_fleet
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm import records
@@ -104,6 +105,31 @@ class FleetApi:
                     source, snapshot, device_id, placed=self._placed(device_id))]
                 if device_id in snapshot.devices else "the device's capabilities are not valid"
                 for device_id in ids}
+
+    def fleet_explanation(self, intent: str | None, application: str | None) -> dict[str, Any]:
+        """One intent's or application's verdict on every device (`compiler.explain_fleet`).
+        Blocking: call it in a worker thread."""
+        if self.source.path is None:
+            raise ProblemError(409, "no fleet source is configured")
+        try:
+            source = load_source(self.source.path, ref=self.source.ref)
+        except SourceError as exc:
+            raise ProblemError(409, f"the fleet source cannot be read: {exc}") from None
+        snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
+        try:
+            return explain_fleet(source, snapshot, intent=intent, application=application,
+                                 placed_of=self._placed)
+        except KeyError:
+            raise ProblemError(404, f"no intent {intent!r} in the fleet source") from None
+
+    async def explain(self, request: Request) -> Response:
+        self._authorize(request)
+        intent = request.query_params.get("intent") or None
+        application = request.query_params.get("app") or None
+        if (intent is None) == (application is None):
+            raise ProblemError(400, "name exactly one of ?intent=NAME or ?app=ID")
+        return JSONResponse(await run_in_threadpool(self.fleet_explanation, intent,
+                                                    application))
 
     def _placed(self, device_id: str) -> set[str]:
         """The intents the device's branch holds (capacity accounting counts them first)."""
@@ -199,5 +225,6 @@ class FleetApi:
             Route("/api/fleet/devices/{deviceId:path}", self.device, methods=["GET"]),
             Route("/api/fleet/deployments", self.deployments, methods=["GET"]),
             Route("/api/fleet/source", self.source_condition, methods=["GET"]),
+            Route("/api/fleet/explain", self.explain, methods=["GET"]),
             Route("/hooks/git", self.git_hook, methods=["POST"]),
         ]

@@ -27,8 +27,8 @@ MAX_PROBLEMS = 100
 @dataclass(frozen=True, slots=True)
 class SourceCondition:
     #: `ready` (compiled, no problems), `invalid` (compiled; what has problems kept its
-    #: previous state, see `problems`), `unreadable` (not compiled; the previous desired state stays),
-    #: `waiting` (nothing pushed or fetched yet).
+    #: previous state, see `problems`), `unreadable` (not compiled; the previous desired
+    #: state stays), `waiting` (nothing pushed or fetched yet).
     state: str
     revision: str | None = None
     message: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import subprocess
@@ -99,6 +100,36 @@ def test_explain_shows_near_misses(fleet: tuple[Path, Path, Path]) -> None:
     assert "not eligible" in result.stdout
     assert "needs 8Gi memory, has 7.5Gi" in result.stdout
     assert "architecture in ['amd64']" in result.stdout
+
+
+def test_explain_fleet_wide_by_intent_and_by_application(
+        fleet: tuple[Path, Path, Path]) -> None:
+    """`--intent NAME` / `--app ID` without `--device`: every device's verdict, the failing
+    clauses under it, and counts per verdict."""
+    source, _caps, _ = fleet
+    intent = source / "deployments" / "vision-plant-a.yaml"
+    intent.write_text(intent.read_text().replace("values: [plant-a]",
+                                                 "values: [plant-a, plant-b]"))
+    as_json = json.loads(margo("explain", *inputs(fleet), "--intent", "vision-plant-a",
+                               "--json").stdout)
+    verdicts = {d["device"]: d["intents"][0]["status"] for d in as_json["devices"]}
+    assert len(verdicts) == 6
+    assert verdicts["k8s-single-arm64"] == "not eligible"
+    assert as_json["counts"] == dict(sorted(collections.Counter(verdicts.values()).items()))
+    human = margo("explain", *inputs(fleet), "--intent", "vision-plant-a")
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    assert lines[0].startswith("intent vision-plant-a: ")
+    at = lines.index("  k8s-single-arm64: not eligible")
+    assert any("needs 8Gi memory, has 7.5Gi" in line for line in lines[at + 1:at + 4])
+    by_app = json.loads(margo("explain", *inputs(fleet), "--app", "com-example-hello-world",
+                              "--json").stdout)
+    assert {i["intent"] for d in by_app["devices"] for i in d["intents"]} == {
+        "hello-everywhere"}
+    nothing = margo("explain", *inputs(fleet))
+    assert nothing.returncode == 2 and "--device" in nothing.stderr
+    unknown = margo("explain", *inputs(fleet), "--intent", "nope")
+    assert unknown.returncode == 2 and "no intent 'nope'" in unknown.stderr
 
 
 def test_compile_from_a_git_ref(fleet: tuple[Path, Path, Path], tmp_path: Path) -> None:

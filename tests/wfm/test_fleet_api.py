@@ -273,3 +273,28 @@ def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
         fixed = poll(http, lambda s: s["state"] == "ready" and s["revision"] == f"git:{head}",
                      path="/api/fleet/source")
         assert fixed["problems"] == [] and fixed["message"] is None
+
+
+def test_explain_fleet_wide_from_a_running_servers_reports(tmp_path: Path) -> None:
+    """`margo explain --url URL --intent NAME`: the verdicts on every device that reported,
+    as `GET /api/fleet/explain` gives them; bad queries are problems."""
+    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source", str(tmp_path / "fleet")) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        for name in ("compose-box-amd64", "k8s-single-arm64"):
+            assert http.put(f"/api/v1/capabilities/{name}", json=caps(name)).status_code == 201
+        result = httpx.get(f"{base}/api/fleet/explain", params={"intent": "vision-plant-a"})
+        assert result.status_code == 200
+        assert {d["device"]: d["intents"][0]["status"] for d in result.json()["devices"]} == {
+            "compose-box-amd64": "not targeted", "k8s-single-arm64": "not targeted"}
+        assert httpx.get(f"{base}/api/fleet/explain").status_code == 400
+        assert httpx.get(f"{base}/api/fleet/explain", params={"intent": "nope"}
+                         ).status_code == 404
+        shown = subprocess.run([sys.executable, "-m", "margo_cli.main", "explain", "--url", base,
+                                "--intent", "vision-plant-a"], capture_output=True, text=True,
+                               check=False, cwd=ROOT)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines()[0] == "intent vision-plant-a: 2 not targeted"
+        assert "  k8s-single-arm64: not targeted" in shown.stdout.splitlines()

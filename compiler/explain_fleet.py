@@ -1,0 +1,78 @@
+"""`margo explain --intent NAME` / `--app ID`: one intent's (or application's) verdict on
+every device of the fleet, with each device's failing clauses, and counts per verdict.
+
+The per-device reasoning is `compiler.explain.explain_device`, unchanged; this module only
+runs it over the fleet and shapes the result (the same JSON from a snapshot on disk and from
+a running server's `GET /api/fleet/explain`, so the command prints both the same way).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+from compiler.explain import explain_device
+from compiler.snapshot import Snapshot
+from compiler.source import FleetSource
+
+__all__ = ["explain_fleet", "fleet_lines"]
+
+
+def explain_fleet(source: FleetSource, snapshot: Snapshot, *, intent: str | None = None,
+                  application: str | None = None,
+                  placed_of: Callable[[str], Collection[str] | None] = lambda device: None,
+                  now: float | None = None) -> dict[str, Any]:
+    """Every device's explanation of the intents matching `intent` or `application`
+    (KeyError(intent) for an intent the source does not define). `placed_of(device)`: the
+    intents that device's tree holds (capacity accounting counts them first)."""
+    devices: list[dict[str, Any]] = []
+    counts: Counter[str] = Counter()
+    names = None if application is None else {
+        name for name, found in source.intents.items() if found.application_id == application}
+    for device_id in sorted(snapshot.devices):
+        explanations = [e for e in explain_device(source, snapshot, device_id,
+                                                  intent_name=intent,
+                                                  placed=placed_of(device_id), now=now)
+                        if names is None or e.intent in names]
+        if not explanations:
+            continue
+        counts.update(e.status for e in explanations)
+        devices.append({"device": device_id, "intents": [e.to_json() for e in explanations]})
+    return {"intent": intent, "application": application,
+            "counts": dict(sorted(counts.items())), "devices": devices}
+
+
+def fleet_lines(result: dict[str, Any]) -> list[str]:
+    """People's form of `explain_fleet`'s JSON: counts, then one line per device and intent
+    with its failing clauses indented under it."""
+    what = (f"intent {result['intent']}" if result.get("intent")
+            else f"application {result['application']}")
+    counts = ", ".join(f"{n} {status}" for status, n in result["counts"].items())
+    out = [f"{what}: {counts or 'no device'}"]
+    for entry in result["devices"]:
+        for explanation in entry["intents"]:
+            profile = f", profile {explanation['profile']}" if explanation.get("profile") else ""
+            name = "" if result.get("intent") else f" {explanation['intent']}"
+            out.append(f"  {entry['device']}:{name} {explanation['status']}{profile}")
+            out += [f"    - {line}" for line in _reasons(explanation)]
+    return out
+
+
+def _reasons(explanation: dict[str, Any]) -> list[str]:
+    reasons = [f"not targeted: {f['message']}" for f in explanation["targeting"]]
+    for attempt in explanation["attempts"]:
+        reasons += [f"profile {attempt['profile']}: {f['message']}"
+                    for f in attempt["failures"]]
+    reasons += [_problem(p) for p in explanation["problems"]]
+    reasons += [f"waits for capacity: {f['message']}" for f in explanation["capacity"]]
+    if explanation.get("note"):
+        reasons.append(explanation["note"])
+    return reasons
+
+
+def _problem(problem: dict[str, Any]) -> str:
+    """As `Problem.format` prints it: `file:line:col: path: message`."""
+    where = ":".join(str(problem[k]) for k in ("file", "line", "column") if problem.get(k))
+    parts = [where, problem.get("path") or "", str(problem["message"])]
+    return ": ".join(part for part in parts if part)

@@ -49,6 +49,10 @@ def register(commands: Any) -> None:
                        help="file holding the shared secret of POST /hooks/git")
     serve.add_argument("--admin-token-file", metavar="FILE",
                        help="file holding the operator token the /api/fleet API requires")
+    serve.add_argument("--stale-polls", type=float, default=3, metavar="N",
+                       help="a device that has not been heard from for N of its polling "
+                            "intervals is stale (default 3; 15 minutes until its interval "
+                            "is known)")
     serve.add_argument("--log-level", default="info")
     _identity_options(serve)
     serve.set_defaults(run=run_serve)
@@ -116,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
         admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
-        database_url=_database(args.database)))
+        database_url=_database(args.database), stale_polls=args.stale_polls))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,21 @@ def _source_lines(source: dict[str, Any] | None) -> list[str]:
     return [*lines, ""]
 
 
+def _freshness(freshness: dict[str, Any] | None) -> str:
+    return "-" if not freshness else str(freshness["state"])
+
+
+def _ago(when: float | None, now: float) -> str:
+    """`12s ago`, `5m ago`, `3h ago`, `2d ago` (a server older than freshness: `-`)."""
+    if when is None:
+        return "-"
+    seconds = max(0, int(now - when))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
 def _optional(args: argparse.Namespace, path: str) -> Any:
     """`path`'s JSON, or None from a server too old to have it."""
     try:
@@ -101,9 +117,12 @@ def _fleet(args: argparse.Namespace) -> str:
     if args.json:
         return json.dumps({"source": source, "devices": devices, "deployments": counts},
                           indent=2)
-    rows = [[d["deviceId"], d["clientId"], str(d["deployments"]),
+    now = time.time()
+    rows = [[d["deviceId"], d["clientId"], _freshness(d.get("freshness")),
+             _ago(d.get("freshness", {}).get("lastSeen"), now), str(d["deployments"]),
              ", ".join(f"{k}={v}" for k, v in d["states"].items()) or "-"] for d in devices]
-    out = [*_source_lines(source), _table(rows, ["DEVICE", "CLIENT", "DEPLOYMENTS", "STATES"]),
+    out = [*_source_lines(source),
+           _table(rows, ["DEVICE", "CLIENT", "FRESHNESS", "LAST SEEN", "DEPLOYMENTS", "STATES"]),
            ""]
     rows = [[name, ", ".join(f"{k}={v}" for k, v in states.items())]
             for name, states in counts["byApplication"].items()]

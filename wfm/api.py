@@ -41,8 +41,9 @@ from wfm import records
 from wfm.clients import Client, ClientRegistry, parse_basic
 from wfm.compiles import CompileService
 from wfm.db import Connection, Database
-from wfm.desired import BUNDLE_MEDIA_TYPE, DesiredState, manifest_body
+from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, DesiredState, manifest_body
 from wfm.identity import Identity, IdentitySettings
+from wfm.lastseen import PollClock
 from wfm.problems import RETIRED, ProblemError, semantic_error
 from wfm.signatures import OnboardingError, onboarding_key
 
@@ -79,6 +80,7 @@ class Api:
         # Polls dominate the traffic: per client, the manifest served at a generation.
         self._manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
         self._credentials: dict[str, tuple[float, Client | None]] = {}
+        self.polls = PollClock(db)
 
     # --- authentication ----------------------------------------------------------------
 
@@ -231,16 +233,18 @@ class Api:
         devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
         return self.desired.client_state(client.client_id, devices)
 
-    async def _manifest_version(self, client: Client, state_digest: str,
+    async def _manifest_version(self, client: Client, state: ClientState,
                                 generation: int) -> int | None:
         """The client's manifestVersion for this state: 1 for the first, +1 whenever the
         served state changes; persisted, so it never goes back (restarts included). None
         when another replica already gave the client a newer generation's state."""
+        state_digest = state.state_digest
         current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
         if current is not None and current[0] > 0 and current[1] == state_digest:
             return current[0]
+        contents = {d.deployment_id: d.digest for d in state.deployments}
         return await self.db.write(lambda conn: records.advance_manifest_version(
-            conn, client.client_id, state_digest, generation))
+            conn, client.client_id, state_digest, generation, contents))
 
     def _still_current(self, client: Client, version: int) -> bool:
         """Whether a cached manifest is still the client's newest. One process knows (its
@@ -264,7 +268,7 @@ class Api:
         for _ in range(3):
             local = self.desired.generation
             generation, state = self._served_state(client)
-            version = await self._manifest_version(client, state.state_digest, generation)
+            version = await self._manifest_version(client, state, generation)
             if version is None:  # behind another replica: catch up, then answer
                 await run_in_threadpool(self.coordinator.sync)  # type: ignore[union-attr]
                 continue
@@ -280,6 +284,7 @@ class Api:
         if not _accepts(request.headers.get("accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
                                margo_type="server-cannot-generate-response")
+        self.polls.seen(client.client_id)
         key = (client.client_id, prefix)
         cached = self._manifests.get(key)
         if cached is not None and cached[0] == self.desired.generation and \

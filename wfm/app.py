@@ -33,6 +33,7 @@ from wfm.datalock import DataDirLock
 from wfm.db import Database, DatabaseUnavailable, open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
+from wfm.freshness import STALE_POLLS
 from wfm.githttp import git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
@@ -59,6 +60,8 @@ class ServerConfig:
     watch_source: bool = False
     admin_token: str | None = None
     debounce: float = 0.3
+    #: Polling intervals of silence after which a device is `stale` (wfm.freshness).
+    stale_polls: float = STALE_POLLS
     #: A `postgresql://` URL: the shared store of several replicas; None: `<data>/wfm.sqlite`.
     database_url: str | None = None
     identity: IdentitySettings = field(default_factory=IdentitySettings)
@@ -129,7 +132,7 @@ def create_app(config: ServerConfig) -> Starlette:
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
                      remote=config.remote, webhook_secret=config.webhook_secret,
-                     source_kind=_source_kind(config))
+                     source_kind=_source_kind(config), stale_polls=config.stale_polls)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -171,6 +174,7 @@ def create_app(config: ServerConfig) -> Starlette:
             compiles.stop()
             if coordinator is not None:
                 coordinator.stop()
+            api.polls.flush()
             db.close()
             if config.data_lock is None:
                 lock.release()

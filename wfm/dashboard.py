@@ -256,6 +256,9 @@ class DeviceView:
     roles: tuple[str, ...]
     cluster: Mapping[str, Any] | None
     node_table: list[NodeView] = field(default_factory=list)
+    #: current | pending | failed-on-current | stale (wfm.freshness), and when last heard of.
+    freshness: str = "pending"
+    last_seen: float | None = None
 
     @property
     def cpus(self) -> str:
@@ -293,7 +296,9 @@ def device_view(row: records.DeviceRow, summary: Mapping[str, Any]) -> DeviceVie
         nodes=node_count(cluster, labels), gpus=gpu_count(properties, cluster, labels),
         reported_at=row.reported_at, states=dict(summary["states"]),
         deployment_count=int(summary["deployments"]), properties=properties, labels=labels,
-        roles=roles, cluster=cluster, node_table=[_node_view(n) for n in nodes])
+        roles=roles, cluster=cluster, node_table=[_node_view(n) for n in nodes],
+        freshness=str(summary.get("freshness", {}).get("state", "pending")),
+        last_seen=summary.get("freshness", {}).get("lastSeen"))
 
 
 # --- eligibility and applications ----------------------------------------------------------
@@ -485,7 +490,9 @@ class Dashboard:
         if denied is not None:
             return denied
         statuses, rows, deployments = self._fleet_now()
-        devices = [device_view(row, self.fleet.device_summary(row, statuses)) for row in rows]
+        polls = self.fleet.api.db.read(records.client_polls)
+        devices = [device_view(row, self.fleet.device_summary(row, statuses, polls))
+                   for row in rows]
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for device_id, served in deployments.items():
             for deployment in served:

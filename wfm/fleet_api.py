@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +28,7 @@ from wfm import records
 from wfm.api import Api
 from wfm.compiles import SourceConfig
 from wfm.db import Connection
+from wfm.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.problems import ProblemError
 from wfm.sourcecondition import load_condition
 from wfm.sources import RemoteSource, fetch_source
@@ -36,18 +38,20 @@ __all__ = ["FleetApi"]
 
 
 def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
-    rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at "
-                        "FROM statuses")
+    rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at, "
+                        "adopted_manifest_version FROM statuses")
     return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
-                   "reportedAt": r[4]} for r in rows}
+                   "reportedAt": r[4], "adopted": r[5]} for r in rows}
 
 
 class FleetApi:
     def __init__(self, api: Api, *, source: SourceConfig, admin_token: str | None = None,
                  remote: RemoteSource | None = None, webhook_secret: str | None = None,
-                 source_kind: str = "directory"):
-        """`source_kind`: hosted, mirrored, directory or none (shown with its condition)."""
+                 source_kind: str = "directory", stale_polls: float = STALE_POLLS):
+        """`source_kind`: hosted, mirrored, directory or none (shown with its condition);
+        `stale_polls`: polling intervals of silence after which a device is stale."""
         self.api, self.source, self.source_kind = api, source, source_kind
+        self.stale_polls = stale_polls
         self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
 
     def _authorize(self, request: Request) -> None:
@@ -66,8 +70,11 @@ class FleetApi:
     def device_row(self, device_id: str) -> records.DeviceRow | None:
         return self.api.db.read(lambda c: records.device_row(c, device_id))
 
-    def device_summary(self, row: records.DeviceRow,
-                       statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def device_summary(self, row: records.DeviceRow, statuses: dict[str, dict[str, Any]],
+                       polls: dict[str, tuple[float | None, float | None]] | None = None,
+                       ) -> dict[str, Any]:
+        """`polls`: every client's last poll and interval (`records.client_polls`), when the
+        caller summarises many devices; read here otherwise."""
         deployments = self.api.desired.device_deployments(row.device_id)
         states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
                          for d in deployments)
@@ -75,7 +82,26 @@ class FleetApi:
         return {"deviceId": row.device_id, "clientId": row.client_id, "shape": row.shape,
                 "vendor": properties.get("vendor"), "reportedAt": row.reported_at,
                 "deployments": len(deployments), "states": dict(sorted(states.items())),
-                "labels": row.document.get("labels", {})}
+                "labels": row.document.get("labels", {}),
+                "freshness": self._freshness(row, deployments, statuses, polls).to_json()}
+
+    def _freshness(self, row: records.DeviceRow, deployments: list[Any],
+                   statuses: dict[str, dict[str, Any]],
+                   polls: dict[str, tuple[float | None, float | None]] | None) -> Freshness:
+        if polls is None:
+            polls = self.api.db.read(records.client_polls)
+        held = {d.deployment_id: d.digest for d in deployments}
+        mine = {i: statuses[i] for i in held if i in statuses}
+        versions = {int(s["adopted"]) for s in mine.values() if s.get("adopted") is not None}
+        contents = self.api.db.read(lambda c: records.manifest_contents(
+            c, row.client_id, versions)) if versions else {}
+        last_poll, interval = polls.get(row.client_id, (None, None))
+        heard = [t for t in (row.reported_at, last_poll,
+                             *(s.get("reportedAt") for s in mine.values())) if t is not None]
+        return device_freshness(deployments=held, statuses=mine, contents=contents,
+                                last_seen=max(heard) if heard else None,
+                                poll_interval=interval, now=time.time(),
+                                stale_polls=self.stale_polls)
 
     def device_rows(self) -> list[records.DeviceRow]:
         ids = self.api.db.read(lambda c: [r[0] for r in c.execute(
@@ -86,7 +112,8 @@ class FleetApi:
     async def devices(self, request: Request) -> Response:
         self._authorize(request)
         statuses = self.statuses()
-        return JSONResponse({"devices": [self.device_summary(r, statuses)
+        polls = self.api.db.read(records.client_polls)
+        return JSONResponse({"devices": [self.device_summary(r, statuses, polls)
                                          for r in self.device_rows()]})
 
     def eligibility(self, device_ids: Iterable[str]) -> dict[str, list[dict[str, Any]] | str]:

@@ -12,9 +12,11 @@ from typing import Any
 
 from wfm.db import Connection
 
-__all__ = ["CapabilityWrite", "DeviceRow", "StatusWrite", "advance_manifest_version",
-           "client_devices", "device_documents", "device_owner", "device_row", "forget_device",
-           "manifest_version", "status_device", "store_capabilities", "store_status"]
+__all__ = ["HISTORY_VERSIONS", "CapabilityWrite", "DeviceRow", "StatusWrite",
+           "advance_manifest_version", "client_devices", "client_polls", "device_documents",
+           "device_owner", "device_row", "forget_device", "manifest_contents",
+           "manifest_version", "record_polls", "status_device", "store_capabilities",
+           "store_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +57,63 @@ def manifest_version(conn: Connection, client_id: str) -> tuple[int, str] | None
     return None if row is None else (int(row[0]), str(row[1] or ""))
 
 
+#: Manifest versions remembered per client (older statuses than that are not matched).
+HISTORY_VERSIONS = 50
+
+
 def advance_manifest_version(conn: Connection, client_id: str, state_digest: str,
-                             generation: int = 0) -> int | None:
+                             generation: int = 0,
+                             deployments: dict[str, str] | None = None) -> int | None:
     """The manifestVersion for `state_digest`: +1 when the served state changed (or for the
     first one), else the current one. Only ever grows. None when the client was last given a
     state of a newer fleet `generation` than the one `state_digest` was computed at (a
     replica that has not synced yet must not hand out an older state under a newer
-    version); a single server always passes generation 0."""
-    conn.execute("UPDATE clients SET manifest_version = manifest_version + 1, "
-                 "manifest_state = ?, manifest_generation = ? WHERE client_id = ? AND "
-                 "(manifest_state != ? OR manifest_version = 0) AND manifest_generation <= ?",
-                 (state_digest, generation, client_id, state_digest, generation))
+    version); a single server always passes generation 0. `deployments` (id -> digest) is
+    recorded as what a new version holds (`manifest_history`, for `wfm.freshness`)."""
+    moved = conn.execute(
+        "UPDATE clients SET manifest_version = manifest_version + 1, "
+        "manifest_state = ?, manifest_generation = ? WHERE client_id = ? AND "
+        "(manifest_state != ? OR manifest_version = 0) AND manifest_generation <= ?",
+        (state_digest, generation, client_id, state_digest, generation)).rowcount
     row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
                        "WHERE client_id = ?", (client_id,)).fetchone()
-    return int(row[0]) if row[1] == state_digest else None
+    if row[1] != state_digest:
+        return None
+    version = int(row[0])
+    if moved and deployments is not None:
+        conn.execute("INSERT INTO manifest_history (client_id, version, deployments, "
+                     "created_at) VALUES (?, ?, ?, ?) ON CONFLICT (client_id, version) DO "
+                     "NOTHING", (client_id, version, json.dumps(deployments, sort_keys=True),
+                                 time.time()))
+        conn.execute("DELETE FROM manifest_history WHERE client_id = ? AND version <= ?",
+                     (client_id, version - HISTORY_VERSIONS))
+    return version
+
+
+def manifest_contents(conn: Connection, client_id: str,
+                      versions: set[int]) -> dict[int, dict[str, str]]:
+    """What each of these manifestVersions held (deployment id -> digest), as far as
+    remembered."""
+    if not versions:
+        return {}
+    marks = ", ".join("?" for _ in versions)
+    rows = conn.execute(f"SELECT version, deployments FROM manifest_history WHERE "
+                        f"client_id = ? AND version IN ({marks})",
+                        (client_id, *sorted(versions))).fetchall()
+    return {int(v): json.loads(d) for v, d in rows}
+
+
+def client_polls(conn: Connection) -> dict[str, tuple[float | None, float | None]]:
+    """Every client's last poll time and observed polling interval."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(
+        "SELECT client_id, last_poll, poll_interval FROM clients")}
+
+
+def record_polls(conn: Connection, polls: dict[str, tuple[float, float | None]]) -> None:
+    """Store a batch of polls (`wfm.lastseen`); an unknown interval keeps the stored one."""
+    for client_id, (when, interval) in polls.items():
+        conn.execute("UPDATE clients SET last_poll = ?, poll_interval = COALESCE(?, "
+                     "poll_interval) WHERE client_id = ?", (when, interval, client_id))
 
 
 def status_device(conn: Connection, deployment_id: str,

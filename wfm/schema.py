@@ -112,6 +112,17 @@ _SOURCE_CONDITION = [_both(s) for s in (
     "ALTER TABLE fleet_state ADD COLUMN source_condition TEXT",
 )]
 
+_FRESHNESS = [_both(s) for s in (
+    # What each manifestVersion held (deployment id -> digest), so a status that names the
+    # version it adopted can be matched to the deployment's current digest (wfm.freshness).
+    """CREATE TABLE IF NOT EXISTS manifest_history (
+        client_id TEXT NOT NULL, version {int} NOT NULL, deployments TEXT NOT NULL,
+        created_at {real} NOT NULL, PRIMARY KEY (client_id, version))""",
+    # When the client last polled, and the interval its polls were seen at (wfm.lastseen).
+    "ALTER TABLE clients ADD COLUMN last_poll {real}",
+    "ALTER TABLE clients ADD COLUMN poll_interval {real}",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -121,6 +132,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(s for s, _ in _REPLICAS), tuple(p for _, p in _REPLICAS)),
     Migration(4, "the fleet source's condition",
               tuple(s for s, _ in _SOURCE_CONDITION), tuple(p for _, p in _SOURCE_CONDITION)),
+    Migration(5, "freshness: manifest history, last poll and polling interval",
+              tuple(s for s, _ in _FRESHNESS), tuple(p for _, p in _FRESHNESS)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

@@ -298,3 +298,56 @@ def test_explain_fleet_wide_from_a_running_servers_reports(tmp_path: Path) -> No
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.splitlines()[0] == "intent vision-plant-a: 2 not targeted"
         assert "  k8s-single-arm64: not targeted" in shown.stdout.splitlines()
+
+
+def test_freshness_follows_what_the_device_reported_for_its_current_bytes(
+        tmp_path: Path) -> None:
+    """pending until `installed` is reported for the deployment's current bytes; pending
+    again when the bytes change (a new greeting) until the device reports for the new
+    version; failed-on-current when it fails on it. Shown by the read API, margo status
+    and the dashboard."""
+    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source", str(tmp_path / "fleet")) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        doc = caps("compose-box-amd64")
+        http.put("/api/v1/capabilities/compose-box-amd64", json=doc)
+        first = poll(http, lambda m: len(m["deployments"]) == 1)
+
+        def freshness() -> dict[str, Any]:
+            found: dict[str, Any] = httpx.get(
+                f"{base}/api/fleet/devices/compose-box-amd64").json()["freshness"]
+            return found
+
+        def report(manifest: dict[str, Any], state: str) -> None:
+            ref = manifest["deployments"][0]
+            response = http.post(f"/api/v1/deployments/{ref['deploymentId']}/status", json={
+                "deploymentId": ref["deploymentId"],
+                "adoptedManifestVersion": manifest["manifestVersion"],
+                "status": {"state": state, **({"error": {"code": "E1", "message": "boom"}}
+                                              if state == "failed" else {})},
+                "components": [{"name": "hello-world", "state": state}]})
+            assert response.status_code == 200, response.text
+
+        assert freshness()["state"] == "pending"
+        assert freshness()["lastSeen"] is not None
+        report(first, "installed")
+        assert freshness()["state"] == "current"
+        doc["labels"]["example.com/site"] = "plant-q"  # a new greeting: new bytes
+        http.put("/api/v1/capabilities/compose-box-amd64", json=doc)
+        second = poll(http, lambda m: m["manifestVersion"] > first["manifestVersion"])
+        assert second["deployments"][0]["digest"] != first["deployments"][0]["digest"]
+        assert freshness()["state"] == "pending"
+        report(first, "installed")  # late, for the old version: still pending
+        assert freshness()["state"] == "pending"
+        report(second, "failed")
+        assert freshness()["state"] == "failed-on-current"
+        table = subprocess.run([sys.executable, "-m", "margo_cli.main", "status", "--url", base],
+                               capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        row = next(line for line in table.splitlines() if line.startswith("compose-box-amd64"))
+        assert "failed-on-current" in row and "s ago" in row
+        page = httpx.get(f"{base}/").text
+        assert 'data-testid="freshness">failed-on-current<' in page
+        report(second, "installed")
+        assert freshness()["state"] == "current"

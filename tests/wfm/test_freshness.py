@@ -1,0 +1,98 @@
+"""Device freshness (wfm.freshness) and the poll clock behind last-seen (wfm.lastseen)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wfm import records
+from wfm.clients import ClientRegistry
+from wfm.db import SqliteDatabase
+from wfm.freshness import MIN_STALE, STALE_AFTER, device_freshness
+from wfm.lastseen import PollClock
+
+NOW = 1_900_000_000.0
+HELD = {"d1": "sha256:new", "d2": "sha256:same"}
+CONTENTS = {4: {"d1": "sha256:old", "d2": "sha256:same"},
+            5: {"d1": "sha256:new", "d2": "sha256:same"}}
+
+
+def freshness(statuses: dict[str, dict[str, object]], *, last_seen: float | None = NOW - 5,
+              interval: float | None = 30.0) -> str:
+    return device_freshness(deployments=HELD, statuses=statuses, contents=CONTENTS,
+                            last_seen=last_seen, poll_interval=interval, now=NOW).state
+
+
+def test_installed_for_the_current_bytes_is_current() -> None:
+    assert freshness({"d1": {"state": "installed", "adopted": 5},
+                      "d2": {"state": "installed", "adopted": 4}}) == "current"
+
+
+def test_installed_for_an_older_digest_is_pending() -> None:
+    """d1 changed between version 4 and 5: its `installed` from 4 says nothing about 5;
+    d2 did not change, so its report from 4 still counts."""
+    assert freshness({"d1": {"state": "installed", "adopted": 4},
+                      "d2": {"state": "installed", "adopted": 4}}) == "pending"
+    assert freshness({"d2": {"state": "installed", "adopted": 4}}) == "pending"
+
+
+def test_failed_for_the_current_bytes_is_failed_on_current_but_an_old_failure_is_not() -> None:
+    assert freshness({"d1": {"state": "failed", "adopted": 5},
+                      "d2": {"state": "installed", "adopted": 5}}) == "failed-on-current"
+    assert freshness({"d1": {"state": "failed", "adopted": 4},
+                      "d2": {"state": "installed", "adopted": 5}}) == "pending"
+
+
+def test_an_unremembered_version_does_not_count() -> None:
+    assert freshness({"d1": {"state": "installed", "adopted": 2},
+                      "d2": {"state": "installed", "adopted": 5}}) == "pending"
+
+
+def test_silence_makes_a_device_stale_whatever_its_statuses_say() -> None:
+    current = {"d1": {"state": "installed", "adopted": 5},
+               "d2": {"state": "installed", "adopted": 5}}
+    assert freshness(current, last_seen=NOW - 3 * 30 + 1, interval=30.0) == "current"
+    assert freshness(current, last_seen=NOW - 3 * 30 - 1, interval=30.0) == "stale"
+    assert freshness(current, last_seen=NOW - MIN_STALE + 1, interval=1.0) == "current"
+    assert freshness(current, last_seen=NOW - STALE_AFTER + 1, interval=None) == "current"
+    assert freshness(current, last_seen=NOW - STALE_AFTER - 1, interval=None) == "stale"
+    assert freshness(current, last_seen=None) == "stale"
+
+
+def test_no_deployments_and_heard_from_is_current() -> None:
+    assert device_freshness(deployments={}, statuses={}, contents={}, last_seen=NOW,
+                            poll_interval=None, now=NOW).state == "current"
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> SqliteDatabase:
+    database = SqliteDatabase(tmp_path / "wfm.sqlite")
+    ClientRegistry(database).add("edge")
+    yield database
+    database.close()
+
+
+def test_the_poll_clock_learns_the_interval_and_writes_in_batches(db: SqliteDatabase) -> None:
+    clock = PollClock(db, flush_every=3600)
+    for i in range(6):
+        clock.seen("edge", now=NOW + 15 * i)
+    assert db.read(records.client_polls)["edge"] == (None, None)  # not flushed yet
+    clock.seen("edge", now=NOW + 15 * 6 + 3000)  # switched off for a while: not an interval
+    clock.flush()
+    db.write_sync(lambda conn: None)  # the batch is committed before this one
+    last, interval = db.read(records.client_polls)["edge"]
+    assert last == NOW + 15 * 6 + 3000
+    assert interval == pytest.approx(15.0)
+
+
+def test_manifest_history_records_each_new_version_only(db: SqliteDatabase) -> None:
+    first = db.write_sync(lambda c: records.advance_manifest_version(
+        c, "edge", "sha256:a", 0, {"d1": "sha256:x"}))
+    again = db.write_sync(lambda c: records.advance_manifest_version(
+        c, "edge", "sha256:a", 0, {"d1": "sha256:ignored"}))
+    second = db.write_sync(lambda c: records.advance_manifest_version(
+        c, "edge", "sha256:b", 0, {"d1": "sha256:y"}))
+    assert (first, again, second) == (1, 1, 2)
+    assert db.read(lambda c: records.manifest_contents(c, "edge", {1, 2, 3})) == {
+        1: {"d1": "sha256:x"}, 2: {"d1": "sha256:y"}}

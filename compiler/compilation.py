@@ -759,8 +759,11 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
 @collection_paused()
 def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   state: CompilerState, *, now: float | None = None, dry_run: bool = False,
-                  progress: Progress | None = None) -> CompileReport:
+                  progress: Progress | None = None,
+                  on_dry_commit: Callable[[DeviceCommit], None] | None = None
+                  ) -> CompileReport:
     """Compile every device of the snapshot; commit (unless `dry_run`) and report.
+    `on_dry_commit` sees each commit a dry run would have made (`margo plan --diff`).
 
     Commits stream to Git while later devices still render (see `DeviceStore.write`). The
     state is written while Git moves the branches but committed only once they have moved,
@@ -796,8 +799,9 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
 
     try:
         if dry_run:
-            for _ in commits:
-                pass
+            for commit in commits:
+                if on_dry_commit is not None:
+                    on_dry_commit(commit)
             return report
         first = next(commits, None)
         if first is None:  # nothing to write, no lock needed

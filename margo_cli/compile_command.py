@@ -21,7 +21,8 @@ from compiler.compilation import CompileReport, DeviceResult, compile_fleet
 from compiler.explain import explain_device
 from compiler.explain_fleet import explain_fleet, fleet_lines
 from compiler.gcpause import release_frozen
-from compiler.gitstore import DeviceStore, GitStoreError
+from compiler.gitstore import DeviceCommit, DeviceStore, GitStoreError
+from compiler.plandiff import commit_diff
 from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
@@ -57,6 +58,9 @@ def register(commands: Any) -> None:
     plan_parser = commands.add_parser(
         "plan", help="show what a compile would change per device, writing nothing")
     _inputs(plan_parser)
+    plan_parser.add_argument("--diff", action="store_true",
+                             help="also print the unified diff of every file that would "
+                                  "change (in --json: a 'diff' list per device)")
     plan_parser.set_defaults(run=run_plan)
     explain_parser = commands.add_parser(
         "explain", help="why each intent does or does not deploy on a device, or one "
@@ -113,14 +117,22 @@ def _summary(report: CompileReport, elapsed: float) -> str:
             f"({elapsed:.2f}s, source {report.revision})")
 
 
-def _compile_once(args: argparse.Namespace, *, dry_run: bool) -> tuple[CompileReport, float]:
+def _compile_once(args: argparse.Namespace, *, dry_run: bool,
+                  diffs: dict[str, list[str]] | None = None) -> tuple[CompileReport, float]:
+    """One compile; with `diffs` (a dry run), each device's diff of what it would commit."""
     start = time.monotonic()
     store, state = _store(args)
+
+    def collect(commit: DeviceCommit) -> None:
+        if diffs is not None:
+            diffs[commit.device_id] = commit_diff(store, commit)
+
     try:
         state.bind(store.identity)
         source, snapshot = _open(args, trusted=state.trusted_digests())
         report = compile_fleet(source, snapshot, store, state, dry_run=dry_run,
-                               progress=_progress)
+                               progress=_progress,
+                               on_dry_commit=collect if diffs is not None else None)
     finally:
         state.close()
     return report, time.monotonic() - start
@@ -194,8 +206,9 @@ def _still_waiting(args: argparse.Namespace, report: CompileReport) -> dict[str,
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    diffs: dict[str, list[str]] | None = {} if args.diff else None
     try:
-        report, _ = _compile_once(args, dry_run=True)
+        report, _ = _compile_once(args, dry_run=True, diffs=diffs)
     except (_BadInput, GitStoreError) as exc:
         print(f"margo plan: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -210,7 +223,9 @@ def run_plan(args: argparse.Namespace) -> int:
             "devices": [{"device": r.device_id,
                          "changes": [{"file": c.file, "intent": c.intent, "action": c.action,
                                       "reasons": list(c.reasons)} for c in r.changes],
-                         "notes": list(r.notes)}
+                         "notes": list(r.notes),
+                         **({"diff": diffs.get(r.device_id, [])} if diffs is not None
+                            else {})}
                         for r in changed],
             **{k: v for k, v in report.to_json().items() if k == "errors"},
         }, ensure_ascii=False))
@@ -225,6 +240,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 print("  create     (empty desired state)")
             for note in result.notes:  # intents that wait for capacity, grace periods
                 print(f"  {'note':<11} {note}")
+            for line in (diffs or {}).get(result.device_id, []):
+                print(f"    {line}")
         if not changed:
             print("no changes")
     return EXIT_ERRORS if report.errors else EXIT_OK

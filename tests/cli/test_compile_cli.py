@@ -102,6 +102,31 @@ def test_explain_shows_near_misses(fleet: tuple[Path, Path, Path]) -> None:
     assert "architecture in ['amd64']" in result.stdout
 
 
+def test_plan_diff_shows_the_yaml_each_device_would_get(fleet: tuple[Path, Path, Path]) -> None:
+    """`margo plan --diff`: a unified diff per changed file, against the branch as it is;
+    a removed intent's file diffs to /dev/null; nothing is written."""
+    source, _caps, repos = fleet
+    assert margo("compile", *inputs(fleet)).returncode == 0
+    refs_before = (repos / "fleet-state.git" / "packed-refs").read_bytes()
+    intent = source / "deployments" / "hello-everywhere.yaml"
+    intent.write_text(intent.read_text().replace("namespace: hello", "namespace: greetings"))
+    (source / "deployments" / "line-monitor.yaml").unlink()
+    human = margo("plan", *inputs(fleet), "--diff")
+    assert human.returncode == 0, human.stderr
+    lines = human.stdout.splitlines()
+    at = lines.index("    --- a/devices/compose-box-amd64/hello-everywhere.yaml")
+    assert lines[at + 1] == "    +++ b/devices/compose-box-amd64/hello-everywhere.yaml"
+    hunk = lines[at + 2:at + 12]
+    assert "    -  namespace: hello" in hunk and "    +  namespace: greetings" in hunk
+    assert any(line.endswith("+++ /dev/null") for line in lines)
+    as_json = json.loads(margo("plan", *inputs(fleet), "--diff", "--json").stdout)
+    diff = next(d for d in as_json["devices"] if d["device"] == "compose-box-amd64")["diff"]
+    assert "-  namespace: hello" in diff and "+  namespace: greetings" in diff
+    assert (repos / "fleet-state.git" / "packed-refs").read_bytes() == refs_before
+    assert "diff" not in json.loads(margo("plan", *inputs(fleet), "--json").stdout)[
+        "devices"][0]
+
+
 def test_explain_fleet_wide_by_intent_and_by_application(
         fleet: tuple[Path, Path, Path]) -> None:
     """`--intent NAME` / `--app ID` without `--device`: every device's verdict, the failing

@@ -41,6 +41,7 @@ from compiler.parallel import (
 )
 from compiler.placement import Placement, ProfileConstraints, place
 from compiler.render import RenderCache, RenderError, file_name, render
+from compiler.rollout import RolloutPlan, assign_waves
 from compiler.snapshot import Device, Snapshot
 from compiler.source import AppVersion, FleetSource
 from compiler.specdiff import classify
@@ -88,6 +89,10 @@ class CompileReport:
     unchanged: int = 0
     errors: list[tuple[str | None, Problem]] = field(default_factory=list)  # (device, problem)
     results: list[DeviceResult] = field(default_factory=list)
+    #: Per intent under a rollout: each targeted device's wave, and the devices this compile
+    #: moved to the new revision with the blob each had before (for `wfm.rollouts`).
+    rollout_waves: dict[str, dict[str, int]] = field(default_factory=dict)
+    rollout_moves: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def next_grace_expiry(self) -> float | None:
@@ -193,6 +198,9 @@ class _Context:
     _profiles: dict[tuple[str, str | None], DeploymentProfile | None] = field(
         default_factory=dict)
     classified: dict[tuple[bytes, bytes], str] = field(default_factory=dict)  # `classify`
+    #: Intent name -> its rollout plan and each targeted device's wave (`compiler.rollout`),
+    #: for intents whose rollout is not complete.
+    rollouts: dict[str, tuple[RolloutPlan, dict[str, int]]] = field(default_factory=dict)
     #: Intent name -> its line of `_inputs_digest` (the same for every device it placed).
     digest_lines: dict[str, bytes] = field(default_factory=dict)
 
@@ -266,6 +274,8 @@ class _DeviceOutcome:
     grace_until: float | None = None
     kept: dict[str, str] = field(default_factory=dict)  # left as stored: name -> blob id
     ids: dict[str, str] = field(default_factory=dict)  # the whole new tree: name -> blob id
+    #: (intent, blob id of the file before) for each file a rollout moves to its new revision.
+    moves: list[tuple[str, str]] = field(default_factory=list)
 
     def keep(self, fname: str, current: StoredTree) -> None:
         """Keep a stored file as it is, by its blob id (its content is never read)."""
@@ -480,6 +490,10 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
                                           placement.profile.id))
     oid = blob_id(rendered.data)
     stored = current.ids.get(fname)
+    gate = ctx.rollouts.get(intent.name)
+    if gate is not None and stored is not None and _gated(ctx, out, intent, device, gate,
+                                                          current, stored, oid):
+        return
     if stored == oid:
         out.keep(fname, current)  # the same bytes: nothing to send again
         return
@@ -492,6 +506,40 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
                                   classify(current.read(fname), rendered.data,
                                             ctx.classified),
                                   _change_reasons(ctx, intent.name, caps_changed)))
+
+
+def _gated(ctx: _Context, out: _DeviceOutcome, intent: Intent, device: Device,
+           gate: tuple[RolloutPlan, dict[str, int]], current: StoredTree, stored: str,
+           oid: str) -> bool:
+    """A rollout decides this device's file (True: done here): rolled back, it gets its
+    file from before the rollout; in a wave not open yet, it keeps the one it has; in an
+    open wave, it moves on (False), and the file it had is remembered as its base."""
+    plan, waves = gate
+    fname = file_name(intent.name)
+    if plan.rolled_back:
+        base = plan.base.get(device.id)
+        if base is not None and base != stored:
+            out.kept[fname] = out.ids[fname] = base
+            out.changes.append(Change(fname, intent.name, "rollback", (
+                f"rollout of revision {plan.revision[:12]} rolled back: {plan.reason}",)))
+            return True
+        if stored != oid:  # never moved: it keeps the revision it has
+            out.keep(fname, current)
+            return True
+        return False
+    if stored == oid:
+        return False
+    wave = waves.get(device.id)
+    if not plan.is_open(wave):
+        out.keep(fname, current)
+        assert intent.rollout is not None
+        where = ("in no wave" if wave is None else
+                 f"in wave {intent.rollout.waves[wave].name}")
+        out.notes.append(f"{intent.name}: held by its rollout ({where}; wave "
+                         f"{intent.rollout.waves[plan.open_wave].name} is open)")
+        return True
+    out.moves.append((intent.name, stored))
+    return False
 
 
 def _place_ineligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
@@ -646,17 +694,17 @@ def _pack(work: _Work) -> tuple[Any, ...]:
             [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.on_parent, work.removed, work.ids)
+            work.tip, work.on_parent, work.removed, work.ids, o.moves)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
     """What the parent process needs of the `_Work` that `_pack` was given (the outcome's
     own `ids` stay behind: `ids` of the work is the same dict)."""
     (files, kept, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, on_parent, removed, ids) = packed
+     stored_files, tip, on_parent, removed, ids, moves) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
-                             kept)
+                             kept, moves=moves)
     return _Work(outcome, message, tree, stored_files, tip, on_parent, removed, ids)
 
 
@@ -741,6 +789,8 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
             outcomes.forget.append(device_id)
             continue
         report.deployments += len(work.ids)
+        for name, base in outcome.moves:
+            report.rollout_moves.setdefault(name, {})[device_id] = base
         outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
                                                    work.tree, len(work.ids))
         outcomes.placements.extend(outcome.placements)
@@ -760,10 +810,11 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
 def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   state: CompilerState, *, now: float | None = None, dry_run: bool = False,
                   progress: Progress | None = None,
-                  on_dry_commit: Callable[[DeviceCommit], None] | None = None
-                  ) -> CompileReport:
+                  on_dry_commit: Callable[[DeviceCommit], None] | None = None,
+                  rollouts: Mapping[str, RolloutPlan] | None = None) -> CompileReport:
     """Compile every device of the snapshot; commit (unless `dry_run`) and report.
     `on_dry_commit` sees each commit a dry run would have made (`margo plan --diff`).
+    `rollouts`: the fleet server's plan for each intent under a staged rollout.
 
     Commits stream to Git while later devices still render (see `DeviceStore.write`). The
     state is written while Git moves the branches but committed only once they have moved,
@@ -776,9 +827,20 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     changed = {n for n, r in current_records.items() if previous_intents.get(n) != r}
     changed |= {n for n in previous_intents if n not in current_records
                 and n not in intents.frozen}
+    gated = _gated_intents(intents, rollouts or {})
+    changed |= set(gated)  # evaluated again on every device while the rollout moves
     ctx = _Context(source, intents, previous_intents, changed, ProfileConstraints(), now,
                    TargetIndex(snapshot.devices), store)
     report = CompileReport(source.revision, devices=len(snapshot.devices))
+    for name, plan in gated.items():
+        intent = intents.usable[name][0]
+        assert intent.rollout is not None
+        members = ctx.targeted_by(name)
+        waves = assign_waves(name, intent.rollout, (
+            (d, snapshot.devices[d].properties, snapshot.devices[d].labels)
+            for d in members if d in snapshot.devices))
+        ctx.rollouts[name] = (plan, waves)
+        report.rollout_waves[name] = waves
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
                                             *snapshot.problems])
     state.bind(store.identity, compiler_version=COMPILER_VERSION)
@@ -789,8 +851,9 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
 
     def stage(tips: Mapping[str, str] | None = None) -> None:  # every commit is made by now
         staged.append(state.stage(
-            intents=[*current_records.values(), *_frozen_records(previous_intents,
-                                                                 intents.frozen)],
+            intents=[*(dataclasses.replace(r, digest=_GATED) if r.name in gated else r
+                       for r in current_records.values()),
+                     *_frozen_records(previous_intents, intents.frozen)],
             forget_intents=[n for n in previous_intents if n not in current_records
                             and n not in intents.frozen],
             devices=outcomes.devices.values(), placements=outcomes.placements,
@@ -826,6 +889,17 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     return report
 
 
+def _gated_intents(intents: ResolvedIntents,
+                   rollouts: Mapping[str, RolloutPlan]) -> dict[str, RolloutPlan]:
+    """The usable intents with a rollout spec whose plan is not complete."""
+    return {name: plan for name, plan in sorted(rollouts.items())
+            if plan.status != "complete" and name in intents.usable
+            and intents.usable[name][0].rollout is not None}
+
+
+#: What the digest of an intent's record is while a rollout holds some of its devices back:
+#: the compile after the rollout ends must see it as changed and move every device on.
+_GATED = "rollout"
 #: What the digests of a frozen intent's record are replaced with (no intent has them).
 _FROZEN = "frozen"
 

@@ -21,6 +21,7 @@ from fastjsonschema import JsonSchemaException
 from jsonschema import Draft202012Validator
 
 from compiler.expressions import CompiledValue, ExpressionError, compile_value
+from compiler.rollout import PERCENT, RolloutSpec, Wave
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
@@ -65,6 +66,18 @@ def intent_schema() -> dict[str, Any]:
         "priority": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
         "overcommit": {"type": "boolean"},
         "outputShape": {"enum": [Shape.RC3.value, Shape.OCT_2024.value]},
+        "rollout": closed({
+            "waves": {"type": "array", "minItems": 1, "items": closed({
+                "name": {"type": "string", "pattern": DNS_LABEL},
+                "devices": {"oneOf": [{"type": "integer", "minimum": 1},
+                                      {"type": "string", "pattern": PERCENT}]},
+                "selectors": {"type": "array", "minItems": 1, "items": rule},
+            }, ["name"])},
+            "soak": {"type": "string", "pattern": DURATION},
+            "waveDeadline": {"type": "string", "pattern": DURATION},
+            "maxFailed": {"oneOf": [{"type": "integer", "minimum": 0},
+                                    {"type": "string", "pattern": PERCENT}]},
+        }, ["waves"]),
     }, ["application"])
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -142,6 +155,11 @@ class Intent:
     #: (parameters, namespace, grace period...) places every device as before.
     placement_digest: str
     document: LoadedDocument = field(repr=False, compare=False)
+    #: Staged rollout of changes (`compiler.rollout`); None: every device at once.
+    rollout: RolloutSpec | None = None
+    #: Digest of the intent without its rollout: a new one is a change to roll out (an edit
+    #: of the rollout itself is not).
+    rollout_digest: str = ""
 
     @property
     def targets_everything(self) -> bool:
@@ -183,9 +201,40 @@ def _compile_optional(raw: Any, path: tuple[str, ...]) -> tuple[CompiledConstrai
         return None, exc.problems
 
 
-def _without_rules_key(path: tuple[str | int, ...]) -> tuple[str | int, ...]:
-    if path[3:4] == ("eligibilityRules",):
-        return path[:3] + path[4:]
+def _compile_rollout(raw: Any) -> tuple[RolloutSpec | None, list[Problem]]:
+    if raw is None:
+        return None, []
+    waves: list[Wave] = []
+    problems: list[Problem] = []
+    names: set[str] = set()
+    for index, wave in enumerate(raw["waves"]):
+        path = ("spec", "rollout", "waves", index)
+        if wave["name"] in names:
+            problems.append(Problem((*path, "name"), f"wave {wave['name']!r} is named twice"))
+        names.add(wave["name"])
+        selectors = wave.get("selectors")
+        if selectors is not None and "devices" in wave:
+            problems.append(Problem(path, "a wave takes either devices (a count or a "
+                                    "percentage) or selectors, not both"))
+        selector, found = _compile_optional(
+            {"eligibilityRules": selectors} if selectors is not None else None, (*path,
+                                                                                  "selectors"))
+        problems += [dataclasses.replace(p, path=_without_rules_key(p.path, 5))
+                     for p in found]
+        devices = wave.get("devices")
+        waves.append(Wave(wave["name"], devices if isinstance(devices, int) else None,
+                          int(devices[:-1]) if isinstance(devices, str) else None, selector))
+    failed = raw.get("maxFailed", 0)
+    return RolloutSpec(
+        tuple(waves), soak_seconds=parse_duration(raw.get("soak", "0s")),
+        deadline_seconds=parse_duration(raw.get("waveDeadline", "1h")),
+        max_failed=failed if isinstance(failed, int) else None,
+        max_failed_percent=int(failed[:-1]) if isinstance(failed, str) else None), problems
+
+
+def _without_rules_key(path: tuple[str | int, ...], at: int = 3) -> tuple[str | int, ...]:
+    if path[at:at + 1] == ("eligibilityRules",):
+        return path[:at] + path[at + 1:]
     return path
 
 
@@ -212,7 +261,8 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
     constraints, constraint_problems = _compile_optional(spec.get("constraints"),
                                                          ("spec", "constraints"))
     parameters, parameter_problems = _compile_parameters(spec.get("parameters", {}))
-    found += selector_problems + constraint_problems + parameter_problems
+    rollout, rollout_problems = _compile_rollout(spec.get("rollout"))
+    found += selector_problems + constraint_problems + parameter_problems + rollout_problems
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
     profile = spec.get("profile", {})
@@ -237,5 +287,8 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         digest=data_digest(doc),
         placement_digest=data_digest({key: spec[key] for key in _PLACEMENT_FIELDS
                                       if key in spec}),
+        rollout=rollout,
+        rollout_digest=data_digest({**doc, "spec": {k: v for k, v in spec.items()
+                                                    if k != "rollout"}}),
         document=loaded,
     )

@@ -109,13 +109,15 @@ class Fleet:
             (self.source / rel).parent.mkdir(parents=True, exist_ok=True)
             (self.source / rel).write_text(text)
 
-    def compile(self, *, now: float = 1_000_000.0, dry_run: bool = False) -> CompileReport:
+    def compile(self, *, now: float = 1_000_000.0, dry_run: bool = False,
+                rollouts: dict[str, Any] | None = None) -> CompileReport:
         self.write()
         self.repos.mkdir(parents=True, exist_ok=True)
         state = CompilerState(self.repos / "compiler-state.sqlite")
         try:
             return compile_fleet(load_source(self.source), load_snapshot(self.caps),
-                                 DeviceStore(self.repos), state, now=now, dry_run=dry_run)
+                                 DeviceStore(self.repos), state, now=now, dry_run=dry_run,
+                                 rollouts=rollouts)
         finally:
             state.close()
 

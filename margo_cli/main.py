@@ -17,6 +17,7 @@ from margo_cli import (
     identity_command,
     lint_chart_command,
     match_command,
+    rollout_command,
     serve_command,
     status_command,
     validate_command,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.register(commands)
     identity_command.register(commands)
     status_command.register(commands)
+    rollout_command.register(commands)
     device_command.register(commands)
     lint_chart_command.register(commands)
     conformance_command.register(commands)

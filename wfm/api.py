@@ -81,6 +81,7 @@ class Api:
         self._manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
         self._credentials: dict[str, tuple[float, Client | None]] = {}
         self.polls = PollClock(db)
+        self._rollouts_checked, self._rollouts_moving = -1e9, False
 
     # --- authentication ----------------------------------------------------------------
 
@@ -370,10 +371,23 @@ class Api:
                 device_id=device_id, state=str(status.state), document=doc,
                 digest=data_digest(doc), adopted=status.adopted_manifest_version)
 
-        await self.db.write(write)
+        written = await self.db.write(write)
+        if written.changed and self._rollout_moving():
+            self.compiles.trigger()  # the report may settle a wave or exhaust a budget
         # The status of an assigned deployment exists from its assignment on, so a report
         # updates it: 200 (what the official conformance kit expects); Oct-2024 said 201.
         return Response(status_code=201 if _generation(request) == Shape.OCT_2024 else 200)
+
+    def _rollout_moving(self) -> bool:
+        """Whether a staged rollout moves (read at most every second: asked per status; the
+        rollout is also evaluated every `wfm.rollouts.RECHECK_SECONDS` while it moves)."""
+        now = time.monotonic()
+        if now - self._rollouts_checked > 1:
+            self._rollouts_checked = now
+            self._rollouts_moving = bool(self.db.read(lambda conn: conn.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE state LIKE ?",
+                ('%"status": "progressing"%',)).fetchone()[0]))
+        return self._rollouts_moving
 
     def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
         self._served_state(client)

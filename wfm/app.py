@@ -37,6 +37,7 @@ from wfm.freshness import STALE_POLLS
 from wfm.githttp import git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
+from wfm.rollouts import RolloutController, served_from
 from wfm.sourcecondition import store_condition
 from wfm.sourcehost import ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher, fetch_source
@@ -145,12 +146,13 @@ def create_app(config: ServerConfig) -> Starlette:
             ensure_repository(config.hosted_source, config.source_branch)
         coordinator = _coordinator(db, config)
         desired = DesiredState(DeviceStore(config.repos))
+        rollouts = RolloutController(db, served_from(desired, db))
         compiles = CompileService(
             config.repos, config.effective_source, lambda: db.read(records.device_documents),
             (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
             debounce=config.debounce, coordinator=coordinator,
             on_condition=lambda condition: db.submit(
-                lambda conn: store_condition(conn, condition)))
+                lambda conn: store_condition(conn, condition)), rollouts=rollouts)
         ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
                  ca_certificate=ca, identity=identity, coordinator=coordinator)

@@ -30,6 +30,7 @@ from wfm.sourcecondition import SourceCondition
 
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
+    from wfm.rollouts import RolloutController
 
 __all__ = ["CompileService", "SourceConfig"]
 
@@ -47,13 +48,15 @@ class CompileService:
                  documents: Callable[[], dict[str, object]],
                  on_compiled: Callable[[CompileReport | None], None], *,
                  debounce: float = 0.3, coordinator: Coordinator | None = None,
-                 on_condition: Callable[[SourceCondition], None] = lambda condition: None):
+                 on_condition: Callable[[SourceCondition], None] = lambda condition: None,
+                 rollouts: RolloutController | None = None):
         self._repos, self._source, self._documents = repos, source, documents
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
         self._on_compiled, self._debounce = on_compiled, debounce
         self._on_condition = on_condition
+        self._rollouts = rollouts
         self._wake = threading.Condition()
         self._pending = False
         self._stopping = False
@@ -156,7 +159,8 @@ class CompileService:
             state.bind(store.identity)
             snapshot = snapshot_from_documents(self._documents(),
                                                trusted=state.trusted_digests())
-            report = compile_fleet(source, snapshot, store, state)
+            plans = self._rollouts.plans(source) if self._rollouts is not None else None
+            report = compile_fleet(source, snapshot, store, state, rollouts=plans)
         finally:
             state.close()
             release_frozen()  # what the compile froze, back to the collector (see gcpause)
@@ -172,9 +176,14 @@ class CompileService:
             self.last_error = None
         log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
                  len(report.errors))
+        if self._rollouts is not None:
+            self._rollouts.after_compile(report)
         self._on_condition(SourceCondition.of_report(report))
         self._on_compiled(report)
-        self._schedule_grace(report.next_grace_expiry)
+        due = [t for t in (report.next_grace_expiry,
+                           self._rollouts.next_due if self._rollouts is not None else None)
+               if t is not None]
+        self._schedule_grace(min(due) if due else None)
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

@@ -114,6 +114,19 @@ _ENV.globals.update(STATES=STATES, REFRESH_SECONDS=REFRESH_SECONDS)
 
 # --- what a capability document says, for people ---------------------------------------
 
+def progress_points(view: Mapping[str, Any], width: int = 120, height: int = 24) -> str:
+    """The `points` of an SVG polyline: installed devices over the rollout's time."""
+    history = view.get("history") or []
+    total = sum(int(w["devices"]) for w in view.get("waves", []))
+    if len(history) < 2 or total <= 0:
+        return ""
+    start, end = float(history[0][0]), float(history[-1][0])
+    span = max(end - start, 1e-9)
+    return " ".join(f"{(float(t) - start) / span * width:.1f},"
+                    f"{height - min(int(n), total) / total * height:.1f}"
+                    for t, n, *_ in history)
+
+
 def cluster_body(document: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The Kubernetes cluster report under the root extension, when the device sent one."""
     extensions = document.get(EXTENSIONS)
@@ -503,9 +516,12 @@ class Dashboard:
         applications = [(app_id, catalogue.applications.get(app_id), runs[app_id])
                         for app_id in sorted(set(catalogue.applications) | set(runs))]
         source = self.fleet.api.db.read(load_condition)
+        rollouts = [dict(view, plot=progress_points(view))
+                    for view in await run_in_threadpool(self.fleet.rollout_views)]
         return self._render(request, "overview.html", title="Fleet overview", devices=devices,
                             counts=counts, catalogue=catalogue, applications=applications,
-                            source=source, source_kind=self.fleet.source_kind)
+                            source=source, source_kind=self.fleet.source_kind,
+                            rollouts=rollouts)
 
     # --- one device ---
 

@@ -30,6 +30,7 @@ from wfm.compiles import SourceConfig
 from wfm.db import Connection
 from wfm.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.problems import ProblemError
+from wfm.rollouts import RolloutController, RolloutError, load_rollouts, served_from
 from wfm.sourcecondition import load_condition
 from wfm.sources import RemoteSource, fetch_source
 from wfm.webhooks import WebhookError, verify_push
@@ -158,6 +159,48 @@ class FleetApi:
         return JSONResponse(await run_in_threadpool(self.fleet_explanation, intent,
                                                     application))
 
+    def _rollout_controller(self) -> RolloutController:
+        return RolloutController(self.api.db, served_from(self.api.desired, self.api.db))
+
+    def rollout_views(self, name: str | None = None) -> list[dict[str, Any]]:
+        """Every rollout (or one), for people. Blocking: call it in a worker thread."""
+        states = self.api.db.read(load_rollouts)
+        if name is not None:
+            if name not in states:
+                raise ProblemError(404, f"intent {name!r} has no rollout")
+            states = {name: states[name]}
+        specs: dict[str, Any] = {}
+        if self.source.path is not None:
+            try:
+                source = load_source(self.source.path, ref=self.source.ref)
+                specs = {n: i.rollout for n, i in source.intents.items()}
+            except SourceError:
+                pass
+        controller = self._rollout_controller()
+        return [controller.view(state, specs.get(n)) for n, state in sorted(states.items())]
+
+    async def rollouts(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"rollouts": await run_in_threadpool(self.rollout_views)})
+
+    async def rollout(self, request: Request) -> Response:
+        self._authorize(request)
+        [view] = await run_in_threadpool(self.rollout_views, request.path_params["intent"])
+        return JSONResponse(view)
+
+    async def rollout_action(self, request: Request) -> Response:
+        """pause | resume | abort (the operator token is required when one is set)."""
+        self._authorize(request)
+        name, action = request.path_params["intent"], request.path_params["action"]
+        try:
+            await run_in_threadpool(self._rollout_controller().act, name, action)
+        except RolloutError as exc:
+            status = 404 if "has no rollout" in str(exc) else 409
+            raise ProblemError(status, str(exc)) from None
+        self.api.compiles.trigger()
+        [view] = await run_in_threadpool(self.rollout_views, name)
+        return JSONResponse(view)
+
     def _placed(self, device_id: str) -> set[str]:
         """The intents the device's branch holds (capacity accounting counts them first)."""
         return {served.intent for served in self.api.desired.device_deployments(device_id)
@@ -253,5 +296,9 @@ class FleetApi:
             Route("/api/fleet/deployments", self.deployments, methods=["GET"]),
             Route("/api/fleet/source", self.source_condition, methods=["GET"]),
             Route("/api/fleet/explain", self.explain, methods=["GET"]),
+            Route("/api/fleet/rollouts", self.rollouts, methods=["GET"]),
+            Route("/api/fleet/rollouts/{intent}", self.rollout, methods=["GET"]),
+            Route("/api/fleet/rollouts/{intent}/{action}", self.rollout_action,
+                  methods=["POST"]),
             Route("/hooks/git", self.git_hook, methods=["POST"]),
         ]

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MIN_STALE", "STALE_AFTER", "STALE_POLLS", "Freshness", "device_freshness"]
+__all__ = ["MIN_STALE", "STALE_AFTER", "STALE_POLLS", "Freshness", "device_freshness",
+           "status_for_current"]
 
 #: A device is stale after this many polling intervals without a word.
 STALE_POLLS = 3
@@ -57,7 +58,7 @@ def device_freshness(*, deployments: dict[str, str], statuses: dict[str, dict[st
         return result("stale")
     current = {deployment_id: status["state"] for deployment_id, status in statuses.items()
                if deployment_id in deployments
-               and _for_current(deployments[deployment_id], status, contents, deployment_id)}
+               and status_for_current(deployments[deployment_id], status, contents, deployment_id)}
     if any(state == "failed" for state in current.values()):
         return result("failed-on-current")
     if all(current.get(deployment_id) == "installed" for deployment_id in deployments):
@@ -65,8 +66,10 @@ def device_freshness(*, deployments: dict[str, str], statuses: dict[str, dict[st
     return result("pending")
 
 
-def _for_current(digest: str, status: dict[str, Any], contents: dict[int, dict[str, str]],
-                 deployment_id: str) -> bool:
+def status_for_current(digest: str, status: dict[str, Any],
+                       contents: dict[int, dict[str, str]], deployment_id: str) -> bool:
+    """Whether a stored status (`adopted`: the manifestVersion it names) is about the
+    deployment's bytes `digest`."""
     adopted = status.get("adopted")
     if adopted is None:
         return False

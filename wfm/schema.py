@@ -123,6 +123,11 @@ _FRESHNESS = [_both(s) for s in (
     "ALTER TABLE clients ADD COLUMN poll_interval {real}",
 )]
 
+_ROLLOUTS = [_both(s) for s in (
+    # Each staged rollout's state (wfm.rollouts), one row per intent with a rollout.
+    "CREATE TABLE IF NOT EXISTS rollouts (intent TEXT PRIMARY KEY, state TEXT NOT NULL)",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -134,6 +139,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(s for s, _ in _SOURCE_CONDITION), tuple(p for _, p in _SOURCE_CONDITION)),
     Migration(5, "freshness: manifest history, last poll and polling interval",
               tuple(s for s, _ in _FRESHNESS), tuple(p for _, p in _FRESHNESS)),
+    Migration(6, "staged rollouts", tuple(s for s, _ in _ROLLOUTS),
+              tuple(p for _, p in _ROLLOUTS)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

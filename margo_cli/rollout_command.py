@@ -1,0 +1,105 @@
+"""`margo rollout status|pause|resume|abort`: a server's staged rollouts, for people at a
+terminal (the read API's `/api/fleet/rollouts`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from margo_cli.usage import UsageError
+
+__all__ = ["register", "run"]
+
+SPARK = " ▁▂▃▄▅▆▇█"
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser(
+        "rollout", help="show, pause, resume or abort a server's staged rollouts",
+        description="status [INTENT]: every rollout, or one in detail. pause INTENT: no "
+                    "further wave opens. resume INTENT. abort INTENT: roll back every "
+                    "device the rollout moved.")
+    parser.add_argument("action", choices=["status", "pause", "resume", "abort"])
+    parser.add_argument("intent", nargs="?", metavar="INTENT")
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
+    parser.add_argument("--token-file", metavar="FILE", help="operator token, if required")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON")
+    parser.set_defaults(run=run)
+
+
+def _request(args: argparse.Namespace, method: str, path: str) -> Any:
+    headers = {}
+    if args.token_file:
+        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+    response = httpx.request(method, args.url.rstrip("/") + path, headers=headers, timeout=60)
+    if response.status_code != 200:
+        detail = (response.json().get("detail") if "json" in
+                  response.headers.get("content-type", "") else response.text)
+        raise RuntimeError(f"{response.status_code} {detail}")
+    return response.json()
+
+
+def _ago(when: float | None, now: float) -> str:
+    if when is None:
+        return "-"
+    seconds = max(0, int(now - when))
+    return f"{seconds // 60}m{seconds % 60:02d}s ago" if seconds >= 60 else f"{seconds}s ago"
+
+
+def spark(history: list[list[float]], total: int) -> str:
+    """Installed devices over time, as one line of block characters."""
+    if not history or total <= 0:
+        return ""
+    points = [int(p[1]) for p in history[-40:]]
+    return "".join(SPARK[round(min(p, total) / total * (len(SPARK) - 1))] for p in points)
+
+
+def describe(view: dict[str, Any], now: float) -> list[str]:
+    """One rollout: its state, then a line per wave."""
+    total = sum(w["devices"] for w in view["waves"])
+    head = (f"{view['intent']}: {view['status']} (revision {view['revision'][:19]}, wave "
+            f"{view['openWave'] + 1} of {len(view['waves'])} open, failure budget "
+            f"{view['failureBudget']})")
+    lines = [head]
+    if view.get("reason"):
+        lines.append(f"  reason: {view['reason']}")
+    if view.get("superseded"):
+        lines.append(f"  superseded revision {view['superseded'][:19]}")
+    for index, wave in enumerate(view["waves"]):
+        state = "open" if wave["openedAt"] is not None else "closed"
+        lines.append(
+            f"  {index + 1}. {wave['name']:<12} {state:<6} devices {wave['devices']:>4}  "
+            f"moved {wave['moved']:>4}  installed {wave['installed']:>4}  failed "
+            f"{wave['failed']:>3}  stale {wave['stale']:>3}  pending {wave['pending']:>3}  "
+            f"held {wave['held']:>4}  opened {_ago(wave['openedAt'], now)}")
+    line = spark(view.get("history", []), total)
+    if line:
+        lines.append(f"  installed over time: {line}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "status":
+            path = "/api/fleet/rollouts" + (f"/{args.intent}" if args.intent else "")
+            found = _request(args, "GET", path)
+            views = [found] if args.intent else found["rollouts"]
+        else:
+            if not args.intent:
+                raise UsageError(f"margo rollout {args.action}: name the INTENT")
+            views = [_request(args, "POST", f"/api/fleet/rollouts/{args.intent}/{args.action}")]
+    except (RuntimeError, httpx.HTTPError, OSError) as exc:
+        raise UsageError(f"margo rollout {args.action}: {exc}") from None
+    if args.json:
+        print(json.dumps(views if args.action == "status" and not args.intent else views[0],
+                         indent=2))
+        return 0
+    now = time.time()
+    out = [line for view in views for line in describe(view, now)]
+    print("\n".join(out) if out else "no rollouts")
+    return 0

@@ -1,0 +1,254 @@
+"""Staged rollouts end to end (docs/intents.md, "Staged rollouts"): a real `margo serve`
+watching its fleet source, and six simulated devices speaking the rc.3 REST protocol (they
+poll, fetch their YAMLs and report `installed`, or `failed` when told to). Each test edits
+the intent and follows the rollout through the read API and `margo rollout`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from kits.fleetkit import Fleet, app, device, intent
+from kits.serverkit import ROOT, add_client, running_server
+
+from tools.polling import poll_until
+
+DEVICES = [f"d{i}" for i in range(6)]
+
+
+class Devices:
+    """The fleet's devices, as one client: each poll fetches every deployment whose digest
+    moved and reports on it; `fails(device, greeting)` says which installs fail, and
+    devices in `offline` never report."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+        self.fails: Callable[[str, str], bool] = lambda device_id, greeting: False
+        self.offline: set[str] = set()
+        self.reported: dict[str, str] = {}  # deployment id -> digest reported on
+        self.greetings: dict[str, str] = {}  # device -> the greeting it runs now
+        self.seen: dict[str, set[str]] = defaultdict(set)  # device -> every greeting served
+
+    def step(self) -> None:
+        manifest = self.http.get("/api/v1/deployments").json()
+        for ref in manifest["deployments"]:
+            doc = yaml.safe_load(self.http.get(ref["url"]).content)
+            device_id = doc["metadata"]["deviceId"]
+            greeting = _greeting(doc)
+            self.seen[device_id].add(greeting)
+            if device_id in self.offline or self.reported.get(ref["deploymentId"]) == \
+                    ref["digest"]:
+                continue
+            state = "failed" if self.fails(device_id, greeting) else "installed"
+            report = {"deploymentId": ref["deploymentId"],
+                      "adoptedManifestVersion": manifest["manifestVersion"],
+                      "status": {"state": state, **({"error": {"code": "E1", "message":
+                                                                "crash loop"}}
+                                                     if state == "failed" else {})},
+                      "components": [{"name": "web-compose", "state": state}]}
+            response = self.http.post(f"/api/v1/deployments/{ref['deploymentId']}/status",
+                                      json=report)
+            assert response.status_code == 200, response.text
+            self.reported[ref["deploymentId"]] = ref["digest"]
+            self.greetings[device_id] = greeting
+
+    def on(self, greeting: str) -> set[str]:
+        return {d for d, g in self.greetings.items() if g == greeting}
+
+
+def _greeting(doc: dict[str, Any]) -> str:
+    text = yaml.safe_dump(doc)
+    return next((g for g in ("v3", "v2", "v1") if f"greeting-{g}" in text), "?")
+
+
+def write_fleet(root: Path, rollout: dict[str, Any], greeting: str = "greeting-v1") -> Fleet:
+    fleet = Fleet(root)
+    fleet.apps["com-example-app"] = app()
+    fleet.intents["web"] = intent("web", parameters={"greeting": greeting},
+                                  profile={"type": "compose"}, rollout=rollout)
+    fleet.devices.update({d: device(d, types=("compose",)) for d in DEVICES})
+    fleet.write()
+    return fleet
+
+
+def set_greeting(fleet: Fleet, greeting: str, base: str) -> None:
+    """Edit the intent (the server watches the source) and wait for its new rollout."""
+    before = rollout_view(base)["revision"]
+    fleet.intents["web"]["spec"]["parameters"]["greeting"] = greeting
+    fleet.write()
+    poll_until("the new revision's rollout", lambda: rollout_view(base)["revision"] != before,
+               timeout=30, interval=0.1)
+
+
+@pytest.fixture
+def fleet_server(tmp_path: Path, request: pytest.FixtureRequest
+                 ) -> Iterator[tuple[Fleet, str, Devices]]:
+    rollout = request.param
+    fleet = write_fleet(tmp_path / "fleet", rollout)
+    data = tmp_path / "data"
+    token = add_client(data, "plant")
+    with running_server(data, "--source", str(fleet.source), "--watch-source") as base, \
+            httpx.Client(base_url=base, timeout=10,
+                         headers={"Authorization": f"Bearer {token}"}) as http:
+        for device_id in DEVICES:
+            response = http.put(f"/api/v1/capabilities/{device_id}",
+                                json=fleet.devices[device_id])
+            assert response.status_code == 201, response.text
+        devices = Devices(http)
+        poll_until("every device on v1", lambda: devices.step() or
+                   devices.on("v1") == set(DEVICES), timeout=30, interval=0.2)
+        poll_until("the first revision complete", lambda: rollout_view(base)["status"]
+                   == "complete", timeout=30, interval=0.2)
+        yield fleet, base, devices
+
+
+def rollout_view(base: str) -> dict[str, Any]:
+    view: dict[str, Any] = httpx.get(f"{base}/api/fleet/rollouts/web", timeout=10).json()
+    return view
+
+
+def until(what: str, devices: Devices, base: str,
+          done: Callable[[dict[str, Any]], bool], *, timeout: float = 60) -> dict[str, Any]:
+    """Let the devices poll and report until the rollout's view says `done`."""
+    def check() -> dict[str, Any] | None:
+        devices.step()
+        view = rollout_view(base)
+        return view if done(view) else None
+
+    found: dict[str, Any] = poll_until(what, check, timeout=timeout, interval=0.2)
+    return found
+
+
+def rollout_cli(base: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "margo_cli.main", "rollout", *args,
+                           "--url", base], capture_output=True, text=True, check=False,
+                          cwd=ROOT, timeout=60)
+
+
+THREE_WAVES = {"waves": [{"name": "canary", "devices": 1}, {"name": "half", "devices": "50%"},
+                         {"name": "rest"}], "soak": "1s", "waveDeadline": "5m",
+               "maxFailed": 0}
+
+
+@pytest.mark.parametrize("fleet_server", [THREE_WAVES], indirect=True)
+def test_a_three_wave_rollout_converges_wave_by_wave(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    set_greeting(fleet, "greeting-v2", base)
+    widths: list[int] = []
+
+    def record(view: dict[str, Any]) -> bool:
+        open_size = sum(w["devices"] for w in view["waves"] if w["openedAt"] is not None)
+        on_new = {d for d, seen in devices.seen.items() if "v2" in seen}
+        assert len(on_new) <= open_size or view["status"] == "complete", (view, on_new)
+        widths.append(len(on_new))
+        return view["status"] == "complete"
+
+    done = until("the rollout to complete", devices, base, record)
+    assert devices.on("v2") == set(DEVICES)
+    assert [w["devices"] for w in done["waves"]] == [1, 3, 2]
+    assert {1, 4, 6} <= set(widths)  # it stopped at each wave's edge on the way
+    shown = rollout_cli(base, "status", "web")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("web: complete")
+    assert "installed over time:" in shown.stdout
+    page = httpx.get(f"{base}/").text
+    assert 'data-rollout="web"' in page and 'data-testid="rollout-status">complete<' in page
+    assert "<polyline points=" in page
+
+
+CANARY_FAILS = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}],
+                "soak": "1s", "maxFailed": 0}
+
+
+@pytest.mark.parametrize("fleet_server", [CANARY_FAILS], indirect=True)
+def test_a_failing_canary_rolls_back_and_the_rest_never_sees_the_bad_version(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    devices.fails = lambda device_id, greeting: greeting == "v2"
+    set_greeting(fleet, "greeting-v2", base)
+    view = until("the rollout to roll back", devices, base,
+                 lambda v: v["status"] == "rolled back")
+    assert "failure budget of 0" in view["reason"]
+    [canary] = [d for d, seen in devices.seen.items() if "v2" in seen]
+    poll_until("the canary back on v1", lambda: devices.step() or
+               devices.greetings.get(canary) == "v1", timeout=30, interval=0.2)
+    assert all(seen == {"v1"} for d, seen in devices.seen.items() if d != canary)
+    history = httpx.get(f"{base}/api/fleet/devices/{canary}").json()["history"]
+    assert "rollback web" in history[0]["message"]
+    time.sleep(1.5)  # nothing else moves while rolled back
+    devices.step()
+    assert all(seen == {"v1"} for d, seen in devices.seen.items() if d != canary)
+    assert rollout_view(base)["status"] == "rolled back"
+
+
+PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "2s"}
+
+
+@pytest.mark.parametrize("fleet_server", [PAUSABLE], indirect=True)
+def test_pause_holds_the_next_wave_and_resume_lets_it_open(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    set_greeting(fleet, "greeting-v2", base)
+    until("the canary to move", devices, base, lambda v: v["waves"][0]["moved"] == 1)
+    paused = rollout_cli(base, "pause", "web")
+    assert paused.returncode == 0, paused.stderr
+    assert paused.stdout.startswith("web: paused")
+    deadline = time.monotonic() + 4  # twice the soak
+    while time.monotonic() < deadline:
+        devices.step()
+        time.sleep(0.2)
+    assert len(devices.on("v2")) == 1 and rollout_view(base)["openWave"] == 0
+    again = rollout_cli(base, "pause", "web")
+    assert again.returncode != 0 and "is paused" in again.stderr
+    assert rollout_cli(base, "resume", "web").returncode == 0
+    until("the rollout to complete", devices, base, lambda v: v["status"] == "complete")
+    assert devices.on("v2") == set(DEVICES)
+
+
+SLOW = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "30m"}
+
+
+@pytest.mark.parametrize("fleet_server", [SLOW], indirect=True)
+def test_a_new_revision_supersedes_the_rollout_and_held_devices_skip_the_old_one(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    set_greeting(fleet, "greeting-v2", base)
+    until("the canary on v2", devices, base, lambda v: v["waves"][0]["installed"] == 1
+          and len(devices.on("v2")) == 1)
+    first = rollout_view(base)["revision"]
+    fleet.intents["web"]["spec"]["rollout"]["soak"] = "1s"
+    set_greeting(fleet, "greeting-v3", base)
+    view = until("the newest revision to complete", devices, base,
+                 lambda v: v["status"] == "complete" and v["revision"] != first)
+    assert view["superseded"] == first
+    assert devices.on("v3") == set(DEVICES)
+    [canary] = [d for d, seen in devices.seen.items() if "v2" in seen]
+    assert all("v2" not in seen for d, seen in devices.seen.items() if d != canary)
+
+
+OFFLINE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "1s",
+           "waveDeadline": "2s", "maxFailed": 1}
+
+
+@pytest.mark.parametrize("fleet_server", [OFFLINE], indirect=True)
+def test_an_offline_device_goes_stale_at_the_wave_deadline_and_counts_against_the_budget(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    devices.offline = set(DEVICES)  # nobody reports until the canary is known
+    set_greeting(fleet, "greeting-v2", base)
+    until("the canary to move", devices, base, lambda v: v["waves"][0]["moved"] == 1)
+    [canary] = [d for d, seen in devices.seen.items() if "v2" in seen]
+    devices.offline = {canary}
+    view = until("the canary to go stale and the rest to move", devices, base,
+                 lambda v: v["status"] == "complete", timeout=60)
+    assert view["waves"][0]["stale"] == 1
+    assert devices.on("v2") == set(DEVICES) - {canary}

@@ -246,7 +246,8 @@ def test_an_offline_device_goes_stale_at_the_wave_deadline_and_counts_against_th
     devices.offline = set(DEVICES)  # nobody reports until the canary is known
     set_greeting(fleet, "greeting-v2", base)
     until("the canary to move", devices, base, lambda v: v["waves"][0]["moved"] == 1)
-    [canary] = [d for d, seen in devices.seen.items() if "v2" in seen]
+    [canary] = poll_until("the canary served v2", lambda: devices.step() or [
+        d for d, seen in devices.seen.items() if "v2" in seen], timeout=30, interval=0.2)
     devices.offline = {canary}
     view = until("the canary to go stale and the rest to move", devices, base,
                  lambda v: v["status"] == "complete", timeout=60)

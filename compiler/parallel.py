@@ -14,7 +14,9 @@ process while the caller computes the other half. Outside such a block nothing i
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -72,12 +74,37 @@ def _run_keyed(names: list[str]) -> dict[str, Any]:
     return _INHERITED["keyed"](names)
 
 
+def _worker_signals() -> None:
+    """A forked worker takes the default action on SIGTERM and SIGINT. It would otherwise
+    inherit the parent's Python handlers (the fleet server's web server installs ones that
+    only set a flag), and the pool's terminate, which sends SIGTERM to an idle worker
+    waiting on the task queue, would never end it: the compile then hung forever joining
+    the pool."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextmanager
+def _pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
+    """A fork pool whose workers end on the pool's SIGTERM; closed and joined (each worker
+    exits by itself) when the block ends normally, terminated when it raises."""
+    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_signals)
+    try:
+        yield pool
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
+
+
 def split_in_two(names: list[str]) -> dict[str, Any]:
     """`keyed(names)`, half of the names computed in a forked process meanwhile."""
     keyed = _INHERITED["keyed"]
     if len(names) < 2:
         return keyed(names)
-    with multiprocessing.get_context("fork").Pool(1) as pool:
+    with _pool(1) as pool:
         pending = pool.apply_async(_run_keyed, (names[1::2],))
         mine = keyed(names[0::2])
         return {**mine, **pending.get()}
@@ -95,7 +122,7 @@ def map_in_chunks(count: int, *, workers: int, share: bool, unpack: Callable[[An
     work = _INHERITED["work"]
     step = max(1, count // (workers * 32))
     ranges = [(start, min(start + step, count)) for start in range(0, count, step)]
-    with multiprocessing.get_context("fork").Pool(workers - 1 if share else workers) as pool:
+    with _pool(workers - 1 if share else workers) as pool:
         mine = range(0, len(ranges), workers) if share else range(0)
         theirs = pool.imap(_run_range, [r for i, r in enumerate(ranges) if i not in mine])
 

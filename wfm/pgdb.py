@@ -5,7 +5,10 @@ the same statements with `%s` (and a literal `%` doubled). Reads borrow a pooled
 in autocommit mode; durable writes go through the group-commit writer of `wfm.db` on a
 connection of their own, reconnecting after the server was lost. While PostgreSQL cannot be
 reached every read and write raises `DatabaseUnavailable` (503 with `Retry-After` for the
-caller), and the pool reconnects by itself once it is back.
+caller), and the pool reconnects by itself once it is back. Pooled connections are not
+checked at every checkout (that was a second query per read, and most of the time a replica's
+event loop spent blocked under load): one that broke while PostgreSQL was away fails its
+next read with a 503 and the pool replaces it.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ class PostgresDatabase(Database):
         self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True,
                                     kwargs={"autocommit": True,
                                             "connect_timeout": _CONNECT_TIMEOUT},
-                                    check=ConnectionPool.check_connection, timeout=5,
+                                    timeout=5,
                                     reconnect_timeout=0, name="margo-wfm")
         super().__init__()
 

@@ -68,6 +68,7 @@ bench: venv
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/reconcile.py
 	$(BIN)/python bench/kube.py
+	$(BIN)/python bench/fleet.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

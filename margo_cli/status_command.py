@@ -124,6 +124,12 @@ def _fleet(args: argparse.Namespace) -> str:
     out = [*_source_lines(source),
            _table(rows, ["DEVICE", "CLIENT", "FRESHNESS", "LAST SEEN", "DEPLOYMENTS", "STATES"]),
            ""]
+    failures = [f"  {d['deviceId']}: {e['intent'] or e['deploymentId']}: "
+                f"{e.get('message') or 'failed (no message)'}"
+                + (f" [{e['code']}]" if e.get("code") else "")
+                for d in devices for e in d.get("errors", [])]
+    if failures:
+        out += ["errors:", *failures, ""]
     rows = [[name, ", ".join(f"{k}={v}" for k, v in states.items())]
             for name, states in counts["byApplication"].items()]
     out.append(_table(rows, ["APPLICATION", "STATES"]))

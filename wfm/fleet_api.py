@@ -45,6 +45,21 @@ def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
                    "reportedAt": r[4], "adopted": r[5]} for r in rows}
 
 
+def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
+            ) -> list[dict[str, Any]]:
+    """The failed deployments of a device with the error each reported (what a person
+    scanning the fleet needs next to the state counts)."""
+    found = []
+    for deployment in deployments:
+        status = statuses.get(deployment.deployment_id)
+        if status is None or status["state"] != "failed":
+            continue
+        error = status["document"].get("status", {}).get("error") or {}
+        found.append({"intent": deployment.intent, "deploymentId": deployment.deployment_id,
+                      "code": error.get("code"), "message": error.get("message")})
+    return found
+
+
 class FleetApi:
     def __init__(self, api: Api, *, source: SourceConfig, admin_token: str | None = None,
                  remote: RemoteSource | None = None, webhook_secret: str | None = None,
@@ -84,7 +99,8 @@ class FleetApi:
                 "vendor": properties.get("vendor"), "reportedAt": row.reported_at,
                 "deployments": len(deployments), "states": dict(sorted(states.items())),
                 "labels": row.document.get("labels", {}),
-                "freshness": self._freshness(row, deployments, statuses, polls).to_json()}
+                "freshness": self._freshness(row, deployments, statuses, polls).to_json(),
+                "errors": _errors(deployments, statuses)}
 
     def _freshness(self, row: records.DeviceRow, deployments: list[Any],
                    statuses: dict[str, dict[str, Any]],

@@ -347,6 +347,7 @@ def test_freshness_follows_what_the_device_reported_for_its_current_bytes(
                                capture_output=True, text=True, check=True, cwd=ROOT).stdout
         row = next(line for line in table.splitlines() if line.startswith("compose-box-amd64"))
         assert "failed-on-current" in row and "s ago" in row
+        assert "  compose-box-amd64: hello-everywhere: boom [E1]" in table.splitlines()
         page = httpx.get(f"{base}/").text
         assert 'data-testid="freshness">failed-on-current<' in page
         report(second, "installed")

@@ -330,6 +330,11 @@ class Api:
         raise ProblemError(404, f"no bundle with digest {digest} for this client",
                            margo_type="invalid-bundle")
 
+    async def catch_up(self) -> None:
+        """With replicas: serve the newest published generation before answering (the read
+        API must not show a device's older state than what another replica served it)."""
+        await self._caught_up()
+
     async def _caught_up(self) -> bool:
         """With replicas: sync to the newest published generation; whether that moved
         anything (a miss may be a manifest another replica served from a newer one)."""

@@ -502,6 +502,7 @@ class Dashboard:
         denied = self._denied(request)
         if denied is not None:
             return denied
+        await self.fleet.api.catch_up()
         statuses, rows, deployments = self._fleet_now()
         polls = self.fleet.api.db.read(records.client_polls)
         devices = [device_view(row, self.fleet.device_summary(row, statuses, polls))
@@ -530,6 +531,7 @@ class Dashboard:
         if denied is not None:
             return denied
         device_id = request.path_params["deviceId"]
+        await self.fleet.api.catch_up()
         row = self.fleet.device_row(device_id)
         if row is None:
             return self._not_found(request, f"device {device_id!r}")

@@ -128,6 +128,7 @@ class FleetApi:
 
     async def devices(self, request: Request) -> Response:
         self._authorize(request)
+        await self.api.catch_up()
         statuses = self.statuses()
         polls = self.api.db.read(records.client_polls)
         return JSONResponse({"devices": [self.device_summary(r, statuses, polls)
@@ -243,6 +244,7 @@ class FleetApi:
 
     async def device(self, request: Request) -> Response:
         self._authorize(request)
+        await self.api.catch_up()
         device_id = request.path_params["deviceId"]
         row = self.device_row(device_id)
         if row is None:
@@ -257,6 +259,7 @@ class FleetApi:
 
     async def deployments(self, request: Request) -> Response:
         self._authorize(request)
+        await self.api.catch_up()
         return JSONResponse(self.deployment_counts(self.statuses()))
 
     def deployment_counts(self, statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from compiler.plandiff import commit_diff
 from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
+from margo_cli.fleetclient import call
 
 __all__ = ["STATE_FILE", "register", "run_compile", "run_explain", "run_plan"]
 
@@ -325,15 +326,7 @@ def _explain_fleet(args: argparse.Namespace) -> int:
 
 
 def _server_explanation(args: argparse.Namespace) -> dict[str, Any]:
-    headers = {}
-    if args.token_file:
-        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
     params = {k: v for k, v in (("intent", args.intent), ("app", args.app)) if v}
-    response = httpx.get(args.url.rstrip("/") + "/api/fleet/explain", params=params,
-                         headers=headers, timeout=300)
-    if response.status_code != 200:
-        detail = (response.json().get("detail") if "json" in
-                  response.headers.get("content-type", "") else response.text)
-        raise RuntimeError(f"{args.url}: {response.status_code} {detail}")
-    result: dict[str, Any] = response.json()
+    result: dict[str, Any] = call(args.url, "/api/fleet/explain", token_file=args.token_file,
+                                  params=params, timeout=300)
     return result

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from margo_cli.fleetclient import call
 from margo_cli.usage import UsageError
 
 __all__ = ["register", "run"]
@@ -33,15 +33,7 @@ def register(commands: Any) -> None:
 
 
 def _request(args: argparse.Namespace, method: str, path: str) -> Any:
-    headers = {}
-    if args.token_file:
-        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
-    response = httpx.request(method, args.url.rstrip("/") + path, headers=headers, timeout=60)
-    if response.status_code != 200:
-        detail = (response.json().get("detail") if "json" in
-                  response.headers.get("content-type", "") else response.text)
-        raise RuntimeError(f"{response.status_code} {detail}")
-    return response.json()
+    return call(args.url, path, token_file=args.token_file, method=method)
 
 
 def _ago(when: float | None, now: float) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from margo_cli.fleetclient import call
 from margo_cli.usage import UsageError
 
 __all__ = ["register", "run"]
@@ -32,15 +32,7 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 
 def _get(args: argparse.Namespace, path: str) -> Any:
-    headers = {}
-    if args.token_file:
-        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
-    response = httpx.get(args.url.rstrip("/") + path, headers=headers, timeout=30)
-    if response.status_code != 200:
-        detail = response.json().get("detail") if response.headers.get(
-            "content-type", "").endswith("json") else response.text
-        raise RuntimeError(f"{path}: {response.status_code} {detail}")
-    return response.json()
+    return call(args.url, path, token_file=args.token_file, timeout=30)
 
 
 def _device(args: argparse.Namespace) -> str:

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,31 +68,51 @@ def github_push(secret: str, ref: str, after: str) -> tuple[bytes, dict[str, str
                   "X-GitHub-Delivery": "1", "Content-Type": "application/json"}
 
 
-def test_push_hook_fetches_the_configured_source_and_recompiles(tmp_path: Path) -> None:
-    work = tmp_path / "fleet"
-    fleet_repository(work)
+SECRET = "s3cret"
+INTENT = Path("deployments") / "hello-everywhere.yaml"
+
+
+@contextlib.contextmanager
+def mirrored_server(tmp_path: Path) -> Iterator[tuple[Path, str, httpx.Client]]:
+    """A server mirroring the example fleet's repository (fetched on verified push hooks),
+    with compose-box-amd64 reported by client edge: (the repository, base URL, its client)."""
+    work = fleet_repository(tmp_path / "fleet")
     secret_file = tmp_path / "secret"
-    secret_file.write_text("s3cret\n")
+    secret_file.write_text(SECRET + "\n")
     data = tmp_path / "data"
     token = add_client(data, "edge")
     with running_server(data, "--source-url", str(work), "--source-branch", "main",
                         "--webhook-secret-file", str(secret_file)) as base, \
             httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
         http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        yield work, base, http
+
+
+def commit_edit(work: Path, old: str, new: str, message: str) -> str:
+    """Replace `old` by `new` in hello-everywhere's intent and commit; the new commit id."""
+    intent = work / INTENT
+    intent.write_text(intent.read_text().replace(old, new))
+    git("commit", "-q", "-am", message, cwd=work)
+    return git("rev-parse", "HEAD", cwd=work)
+
+
+def announce(base: str, head: str, *, secret: str = SECRET,
+             ref: str = "refs/heads/main") -> httpx.Response:
+    """A GitHub push event for `head` on `ref`, signed with `secret`, to the server's hook."""
+    body, headers = github_push(secret, ref, head)
+    return httpx.post(f"{base}/hooks/git", content=body, headers=headers)
+
+
+def test_push_hook_fetches_the_configured_source_and_recompiles(tmp_path: Path) -> None:
+    with mirrored_server(tmp_path) as (work, base, http):
         first = poll(http, lambda m: len(m["deployments"]) == 1)
         assert len(first["deployments"]) == 1
-        intent = work / "deployments" / "hello-everywhere.yaml"
-        intent.write_text(intent.read_text().replace("namespace: hello", "namespace: hi"))
-        git("commit", "-q", "-am", "rename namespace", cwd=work)
-        head = git("rev-parse", "HEAD", cwd=work)
-        body, headers = github_push("wrong", "refs/heads/main", head)
-        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 401
+        head = commit_edit(work, "namespace: hello", "namespace: hi", "rename namespace")
+        assert announce(base, head, secret="wrong").status_code == 401
         time.sleep(1)
         assert http.get("/api/v1/deployments").json() == first  # nothing fetched
-        body, headers = github_push("s3cret", "refs/heads/other", head)
-        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
-        body, headers = github_push("s3cret", "refs/heads/main", head)
-        response = httpx.post(f"{base}/hooks/git", content=body, headers=headers)
+        assert announce(base, head, ref="refs/heads/other").status_code == 202
+        response = announce(base, head)
         assert response.status_code == 202 and response.json()["fetched"] == head
         second = poll(http, lambda m: m["manifestVersion"] > first["manifestVersion"])
         assert second["manifestVersion"] == first["manifestVersion"] + 1
@@ -236,24 +257,12 @@ def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
     """A mirrored source cannot refuse a push: a broken commit fetched on a push hook shows
     as the source's condition (revision, message, located problems) in the read API and
     `margo status`, while devices keep what the broken intent gave them; the fix clears it."""
-    work = fleet_repository(tmp_path / "fleet")
-    secret_file = tmp_path / "secret"
-    secret_file.write_text("s3cret\n")
-    data = tmp_path / "data"
-    token = add_client(data, "edge")
-    with running_server(data, "--source-url", str(work), "--source-branch", "main",
-                        "--webhook-secret-file", str(secret_file)) as base, \
-            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
-        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+    with mirrored_server(tmp_path) as (work, base, http):
         good = poll(http, lambda m: len(m["deployments"]) == 1)
         ready = poll(http, lambda s: s["state"] == "ready", path="/api/fleet/source")
         assert ready["kind"] == "mirrored" and ready["revision"].startswith("git:")
-        intent = work / "deployments" / "hello-everywhere.yaml"
-        intent.write_text(intent.read_text().replace("namespace: hello", "namespace: [hello"))
-        git("commit", "-q", "-am", "a typo", cwd=work)
-        head = git("rev-parse", "HEAD", cwd=work)
-        body, headers = github_push("s3cret", "refs/heads/main", head)
-        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
+        head = commit_edit(work, "namespace: hello", "namespace: [hello", "a typo")
+        assert announce(base, head).status_code == 202
         broken = poll(http, lambda s: s["state"] == "invalid", path="/api/fleet/source")
         assert broken["revision"] == f"git:{head}", broken
         assert broken["problemCount"] == 1
@@ -265,11 +274,8 @@ def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
         lines = table.splitlines()
         assert lines[0].startswith(f"source (mirrored): invalid at git:{head}"), table
         assert lines[1].strip() == broken["problems"][0]
-        intent.write_text(intent.read_text().replace("namespace: [hello", "namespace: hello"))
-        git("commit", "-q", "-am", "fixed", cwd=work)
-        head = git("rev-parse", "HEAD", cwd=work)
-        body, headers = github_push("s3cret", "refs/heads/main", head)
-        assert httpx.post(f"{base}/hooks/git", content=body, headers=headers).status_code == 202
+        head = commit_edit(work, "namespace: [hello", "namespace: hello", "fixed")
+        assert announce(base, head).status_code == 202
         fixed = poll(http, lambda s: s["state"] == "ready" and s["revision"] == f"git:{head}",
                      path="/api/fleet/source")
         assert fixed["problems"] == [] and fixed["message"] is None

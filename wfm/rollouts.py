@@ -157,10 +157,11 @@ class RolloutController:
         open_wave = int(state["openWave"])
         counts = {"installed": 0, "failed": 0, "stale": 0, "pending": 0}
         pending_in_open = 0
+        statuses = self._statuses()
         for device, wave in sorted(waves.items()):
             if wave > open_wave:
                 continue
-            verdict = self._verdict(device, state, now, spec.deadline_seconds, wave)
+            verdict = self._verdict(device, state, now, spec.deadline_seconds, wave, statuses)
             counts[verdict] += 1
             if wave == open_wave and verdict == "pending":
                 pending_in_open += 1
@@ -191,24 +192,25 @@ class RolloutController:
         state["openedAt"][str(open_wave + 1)] = now
         self._evaluate(state, spec, now)  # an empty wave settles at once
 
+    def _statuses(self) -> dict[str, tuple[str, int | None]]:
+        """Every stored status (state, adopted manifestVersion) by deployment id, read once
+        per evaluation rather than once per device."""
+        return self._db.read(lambda c: {r[0]: (r[1], r[2]) for r in c.execute(
+            "SELECT deployment_id, state, adopted_manifest_version FROM statuses")})
+
     def _verdict(self, device: str, state: dict[str, Any], now: float, deadline: float,
-                 wave: int) -> str:
+                 wave: int, statuses: dict[str, tuple[str, int | None]]) -> str:
         served = self._served(device, state["intent"])
         if served is None:
             return "installed"  # nothing of the intent there (no longer targeted): no wait
-        status = self._db.read(lambda c: c.execute(
-            "SELECT state, adopted_manifest_version FROM statuses WHERE deployment_id = ?",
-            (served.deployment_id,)).fetchone())
-        if status is not None:
-            report = {"state": status[0], "adopted": status[1]}
-            versions = {int(status[1])} if status[1] is not None else set()
+        status = statuses.get(served.deployment_id)
+        if status is not None and status[0] in ("installed", "failed") and \
+                status[1] is not None:
             contents = self._db.read(lambda c: records.manifest_contents(
-                c, served.client_id, versions))
+                c, served.client_id, {int(status[1])}))
+            report = {"state": status[0], "adopted": status[1]}
             if status_for_current(served.digest, report, contents, served.deployment_id):
-                if status[0] == "installed":
-                    return "installed"
-                if status[0] == "failed":
-                    return "failed"
+                return status[0]
         opened = float(state["openedAt"].get(str(wave), now))
         return "stale" if now - opened > deadline else "pending"
 
@@ -232,12 +234,13 @@ class RolloutController:
                 "settledAt": state["settledAt"].get(str(i))} for i in range(count)]
         open_wave = int(state["openWave"])
         deadline = spec.deadline_seconds if spec is not None else 3600
+        statuses = self._statuses()
         for device, wave in sorted(waves.items()):
             entry = per[wave]
             entry["devices"] += 1
             entry["moved"] += device in state["base"]
             if state["status"] == "complete" or wave <= open_wave:
-                entry[self._verdict(device, state, now, deadline, wave)] += 1
+                entry[self._verdict(device, state, now, deadline, wave, statuses)] += 1
             else:
                 entry["held"] += 1
         return {"intent": state["intent"], "status": state["status"],

@@ -1,4 +1,5 @@
-"""The fleet server's ASGI application: Margo API, Git hosting, hooks, read API, health.
+"""The fleet server's ASGI application: Margo API, Git hosting, hooks, read API, health
+(`/livez` and `/healthz`: liveness; `/readyz`: readiness, as Kubernetes probes expect).
 
 Resources (database, Git store, compile thread) are opened in `lifespan` and closed when
 the server stops; domain code raises `ProblemError` and one handler renders every error
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -123,8 +125,35 @@ def _crash_handler(request: Request, exc: Exception) -> Response:
                                          retry_after=5), instance=request.url.path)
 
 
-async def _healthz(request: Request) -> Response:
-    return JSONResponse({"status": "ok"})
+def _health(request: Request, reason: str | None) -> Response:
+    if reason is None:
+        return JSONResponse({"status": "ok"})
+    return problem_response(ProblemError(503, reason, retry_after=5),
+                            instance=request.url.path)
+
+
+def _database(request: Request) -> Database | None:
+    api = getattr(request.app.state, "api", None)
+    return getattr(api, "db", None)
+
+
+async def _livez(request: Request) -> Response:
+    """Liveness (`/livez`, and `/healthz` as before): the process answers and its database
+    writer runs. Not whether the store can be reached: restarting a server because its
+    database is away (or locked by a backup) would only cost its caches."""
+    db = _database(request)
+    return _health(request, None if db is None or db.alive()
+                   else db.readiness() or "the database writer stopped")
+
+
+async def _readyz(request: Request) -> Response:
+    """Readiness (`/readyz`): durable writes can be taken now. 503 problem while the writer
+    is stopped or stuck, or after a write was refused as unavailable until the store takes
+    a write again (a quick probe, in a worker thread: it may wait a moment for a lock)."""
+    db = _database(request)
+    if db is None:
+        return _health(request, "the server is starting")
+    return _health(request, await run_in_threadpool(db.readiness))
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -182,7 +211,9 @@ def create_app(config: ServerConfig) -> Starlette:
                 lock.release()
 
     return Starlette(
-        routes=[Route("/healthz", _healthz, methods=["GET"]), *routes(api), *fleet.routes(),
+        routes=[Route("/healthz", _livez, methods=["GET"]),
+                Route("/livez", _livez, methods=["GET"]),
+                Route("/readyz", _readyz, methods=["GET"]), *routes(api), *fleet.routes(),
                 *dashboard_routes(fleet),
                 *([Mount("/git/source.git", app=source_app(
                     config.hosted_source, config.admin_token, lambda: api.compiles.trigger(),
@@ -218,9 +249,13 @@ def _coordinator(db: Database, config: ServerConfig) -> Coordinator | None:
 
 def _initial_fetch(remote: RemoteSource, compiles: CompileService,
                    coordinator: Coordinator | None) -> None:
+    """At start, in a thread of its own: whatever the fetch raises, compile what the mirror
+    holds (a thread that died here would leave the server without desired state)."""
     try:
         fetch_source(remote, coordinator)
     except (RuntimeError, OSError) as exc:
         log.error("initial fetch of the fleet source failed: %s", exc)
+    except Exception:
+        log.exception("initial fetch of the fleet source failed")
     compiles.trigger()
 

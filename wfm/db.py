@@ -13,15 +13,25 @@ database; its connections translate the placeholders). `open_database` picks the
 its argument: a path, or a `postgresql://` URL. When the store cannot be reached, reads and
 writes raise `DatabaseUnavailable`, which the API answers with 503 and `Retry-After`:
 nothing is acknowledged that was not stored.
+
+The writer thread must outlive every error: an error outside a single write's savepoint
+(`BEGIN`, `COMMIT`, connecting; SQLite's "database is locked" when another process holds
+the write lock past the busy timeout) fails that batch's writes, `DatabaseUnavailable` when
+it means "not now", lets go of the connection (it may be broken) and goes on with the next
+batch. Were the thread to stop anyway, writes fail at once instead of waiting for nobody.
+`alive()` and `readiness()` tell `/livez` and `/readyz` (`wfm.app`) which of those it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -33,6 +43,16 @@ __all__ = ["Connection", "Database", "DatabaseUnavailable", "SqliteDatabase", "i
            "open_database"]
 
 T = TypeVar("T")
+log = logging.getLogger("margo.wfm.db")
+
+#: How long a SQLite write waits for the write lock (held by another process: a backup, an
+#: operator's `sqlite3` shell) before its batch is refused with 503 and `Retry-After`.
+_BUSY_TIMEOUT = 30.0
+#: Overrides `_BUSY_TIMEOUT` (seconds) for servers that are started as processes (tests).
+_BUSY_TIMEOUT_ENV = "MARGO_SQLITE_BUSY_TIMEOUT"
+#: SQLite's primary result codes that mean "the file cannot be written now", not "this
+#: statement is wrong": BUSY, LOCKED, READONLY, IOERR, FULL, CANTOPEN, PROTOCOL.
+_SQLITE_UNAVAILABLE = frozenset({5, 6, 8, 10, 13, 14, 15})
 
 
 class Cursor(Protocol):
@@ -62,17 +82,28 @@ Work = tuple[Callable[[Any], Any], Future[Any]]
 
 class Database:
     """The server's database. Reads: `read(fn)`. Durable writes: `await write(fn)`.
-    Subclasses say how to connect, how a write transaction begins and which errors mean
-    the store is gone."""
+    Subclasses say how to connect, how a write transaction begins, which errors mean
+    the store is gone and how to probe that it is back."""
 
     dialect = "sqlite"
     begin = "BEGIN"
     #: Errors that mean "the store is unreachable", reported as `DatabaseUnavailable`.
     unavailable: tuple[type[BaseException], ...] = ()
+    #: A batch still unfinished after this many seconds makes the store "not ready": the
+    #: writer is alive but stuck (a connection that hangs), and writes are waiting on it.
+    stalled_after = 60.0
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Work | _Stop] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_loop, name="margo-db-writer",
+        #: Orders `submit` against the writer's exit, so no write is queued for nobody.
+        self._state = threading.Lock()
+        #: Why the writer takes no more writes (closed, or stopped); None while it runs.
+        self._stopped: str | None = None
+        #: Why the last batch was refused as unavailable; None since a batch committed.
+        self._last_failure: str | None = None
+        #: When the batch in progress started (`time.monotonic`); None between batches.
+        self._batch_started: float | None = None
+        self._writer = threading.Thread(target=self._writer_main, name="margo-db-writer",
                                         daemon=True)
         self._writer.start()
 
@@ -88,12 +119,28 @@ class Database:
         """Run a read on a connection that sees every committed write."""
         raise NotImplementedError
 
+    def _probe(self) -> None:
+        """Raise unless a write could be taken right now; quick (readiness calls it while
+        the store is failing, and must not hang itself)."""
+        raise NotImplementedError
+
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        """Whether an error outside a single write means "the store cannot take writes
+        now" (answered 503 with `Retry-After`) rather than a defect (answered 500)."""
+        return isinstance(exc, self.unavailable)
+
     # --- writes ------------------------------------------------------------------------
 
     def submit(self, fn: Callable[[Any], T]) -> Future[T]:
-        """Queue a write; the future resolves after it is committed (durably)."""
+        """Queue a write; the future resolves after it is committed (durably). When the
+        writer is gone, the future has failed already: waiting would be forever."""
         future: Future[T] = Future()
-        self._queue.put((fn, future))
+        with self._state:
+            if self._stopped is None and self._writer.is_alive():
+                self._queue.put((fn, future))
+                return future
+            reason = self._stopped or "the database writer stopped"
+        future.set_exception(DatabaseUnavailable(reason))
         return future
 
     async def write(self, fn: Callable[[Any], T]) -> T:
@@ -102,44 +149,130 @@ class Database:
     def write_sync(self, fn: Callable[[Any], T]) -> T:
         return self.submit(fn).result()
 
+    # --- health ------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        """Whether the writer runs (liveness: a server whose writer stopped must restart;
+        one that cannot reach its store now must not, it would only lose its caches)."""
+        return self._stopped is None and self._writer.is_alive()
+
+    def readiness(self) -> str | None:
+        """None when durable writes can be taken now, else why not (readiness). Cheap: the
+        store is probed only after a batch was refused as unavailable, and a batch that
+        committed since settles it."""
+        if not self.alive():
+            return self._stopped or "the database writer stopped"
+        started = self._batch_started
+        if started is not None and time.monotonic() - started > self.stalled_after:
+            return (f"a database write has been waiting for "
+                    f"{time.monotonic() - started:.0f} s")
+        failure = self._last_failure
+        if failure is None:
+            return None
+        try:
+            self._probe()
+        except Exception as exc:
+            return f"{failure} (and still: {exc})"
+        return None
+
+    # --- the writer --------------------------------------------------------------------
+
+    def _writer_main(self) -> None:
+        reason = "the database is closed"
+        try:
+            self._write_loop()
+        except BaseException as exc:  # not an Exception: nothing to go on after
+            reason = f"the database writer stopped: {exc!r}"
+            log.critical("the database writer stopped; writes fail until the server is "
+                         "restarted", exc_info=True)
+        finally:
+            with self._state:
+                self._stopped = reason
+            self._fail_queued(reason)
+
     def _write_loop(self) -> None:
         conn: Any = None
-        while True:
-            first = self._queue.get()
-            if isinstance(first, _Stop):
-                break
-            batch = [first]
-            while len(batch) < 1000:
+        try:
+            while True:
+                batch = self._next_batch()
+                if batch is None:
+                    break
+                if not batch:
+                    continue  # every write in it was given up on before it ran
+                self._batch_started = time.monotonic()
                 try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(item, _Stop):
-                    self._queue.put(item)
-                    break
-                batch.append(item)
+                    if conn is None:
+                        conn = self._write_connection()
+                    self._run_batch(conn, batch)
+                    self._last_failure = None
+                except Exception as exc:  # outside any one write: the batch fails, the
+                    self._batch_failed(batch, exc)  # writer goes on, on a new connection
+                    conn = self._drop(conn)
+                except BaseException as exc:
+                    self._batch_failed(batch, exc)
+                    raise
+                finally:
+                    self._batch_started = None
+        finally:
+            self._drop(conn)
+
+    def _next_batch(self) -> list[Work] | None:
+        """Every write queued now (None: stop). Each future is marked running first, so a
+        caller can no longer cancel it under the writer; one cancelled already is skipped
+        (its caller was told nothing, so nothing is stored)."""
+        first = self._queue.get()
+        if isinstance(first, _Stop):
+            return None
+        batch = [first]
+        while len(batch) < 1000:
             try:
-                if conn is None:
-                    conn = self._write_connection()
-                self._run_batch(conn, batch)
-            except self.unavailable as exc:  # the store went away: fail this batch,
-                self._fail(batch, exc)  # connect again for the next one
-                conn = self._drop(conn)
-        if conn is not None:
-            self._close_write_connection(conn)
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Stop):
+                self._queue.put(item)
+                break
+            batch.append(item)
+        return [work for work in batch if work[1].set_running_or_notify_cancel()]
 
     def _drop(self, conn: Any) -> None:
-        if conn is not None:  # it is broken: we only let go of it
+        if conn is not None:  # it may be broken: we only let go of it (closing rolls back)
             with contextlib.suppress(Exception):
                 self._close_write_connection(conn)
 
-    def _fail(self, batch: list[Work], exc: BaseException) -> None:
-        error = DatabaseUnavailable(f"the database is unavailable: {exc}")
+    def _batch_failed(self, batch: list[Work], exc: BaseException) -> None:
+        """Answer every write of a batch that failed as a whole: 503 when the store cannot
+        take writes now, else the error itself (a defect, logged with its traceback)."""
+        unavailable = self._is_unavailable(exc)
+        if unavailable:
+            reason = f"the database is unavailable: {exc}"
+            self._last_failure = reason
+            log.warning("%d write(s) refused: %s", len(batch), reason)
+        else:
+            log.error("a batch of %d write(s) failed", len(batch), exc_info=exc)
         for _, future in batch:
-            if not future.done():
+            if future.done():
+                continue
+            if unavailable:
+                error = DatabaseUnavailable(reason)
+                error.__cause__ = exc
                 future.set_exception(error)
+            else:
+                future.set_exception(exc)
+
+    def _fail_queued(self, reason: str) -> None:
+        """Fail what is still queued when the writer ends (written after `close`)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if not isinstance(item, _Stop) and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(DatabaseUnavailable(reason))
 
     def _run_batch(self, conn: Any, batch: list[Work]) -> None:
+        """One transaction, each write in its own savepoint; the futures resolve after the
+        commit. Any error outside a write's savepoint propagates: the batch fails whole."""
         results: list[tuple[Future[Any], Any, BaseException | None]] = []
         conn.execute(self.begin)
         for fn, future in batch:
@@ -153,15 +286,7 @@ class Database:
                 conn.execute("ROLLBACK TO SAVEPOINT item")
                 conn.execute("RELEASE SAVEPOINT item")
                 results.append((future, None, exc))
-        try:
-            conn.execute("COMMIT")
-        except self.unavailable:
-            raise
-        except Exception as exc:
-            conn.execute("ROLLBACK")
-            for future, _, _ in results:
-                future.set_exception(exc)
-            return
+        conn.execute("COMMIT")
         for future, value, error in results:
             if error is not None:
                 future.set_exception(error)
@@ -174,13 +299,19 @@ class Database:
 
 
 class SqliteDatabase(Database):
-    """One file (WAL, `synchronous=FULL`); one server process at a time (`wfm.datalock`)."""
+    """One file (WAL, `synchronous=FULL`); one server process at a time (`wfm.datalock`).
+
+    `busy_timeout`: seconds a statement waits for a lock another process holds before it
+    fails (then its writes are answered 503); by default `$MARGO_SQLITE_BUSY_TIMEOUT`, else
+    30 s."""
 
     dialect = "sqlite"
     begin = "BEGIN IMMEDIATE"
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, busy_timeout: float | None = None):
         self.path = Path(path)
+        self.busy_timeout = _busy_timeout() if busy_timeout is None else busy_timeout
+        self.stalled_after = max(Database.stalled_after, 2 * self.busy_timeout)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         setup = self._connect()
         migrate(setup, self.dialect)
@@ -190,11 +321,29 @@ class SqliteDatabase(Database):
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                               timeout=30)
+                               timeout=self.busy_timeout)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
         conn.execute("PRAGMA foreign_keys=ON")
         return conn
+
+    def _is_unavailable(self, exc: BaseException) -> bool:
+        if isinstance(exc, sqlite3.OperationalError):
+            code = getattr(exc, "sqlite_errorcode", None)
+            if code is not None:
+                return code & 0xFF in _SQLITE_UNAVAILABLE
+            return any(word in str(exc) for word in ("locked", "busy"))
+        return super()._is_unavailable(exc)
+
+    def _probe(self) -> None:
+        """Take the write lock and give it back, on a connection of its own that waits a
+        moment only (the writer's own short transactions), never the busy timeout."""
+        conn = sqlite3.connect(self.path, isolation_level=None, timeout=0.25)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        finally:
+            conn.close()
 
     def _write_connection(self) -> sqlite3.Connection:
         return self._connect()
@@ -210,6 +359,19 @@ class SqliteDatabase(Database):
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
+
+
+def _busy_timeout() -> float:
+    value = os.environ.get(_BUSY_TIMEOUT_ENV)
+    if not value:
+        return _BUSY_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{_BUSY_TIMEOUT_ENV}={value!r}: not a number of seconds") from None
+    if seconds < 0:
+        raise ValueError(f"{_BUSY_TIMEOUT_ENV}={value!r}: must not be negative")
+    return seconds
 
 
 def is_url(target: str | Path) -> bool:

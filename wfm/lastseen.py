@@ -3,7 +3,9 @@
 A manifest poll is a read, often answered 304 from memory; writing a row for each would
 make polling cost a write (10,000 devices at 15 s are 667 a second). So polls are kept in
 memory and written in one batch at most every `FLUSH_EVERY` seconds (and at shutdown): a
-last-seen time is at most that much late, which freshness (minutes) does not notice.
+last-seen time is at most that much late, which freshness (minutes) does not notice. A
+flush the database refuses (locked, unreachable) is kept for the next one, unless a newer
+poll of the same client replaced it: an outage must not make devices look silent.
 
 The polling interval is observed, not configured: a moving average of the gaps between a
 client's polls on this replica, ignoring gaps far from it (a device that was switched off).
@@ -14,11 +16,13 @@ looser, never tighter.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from concurrent.futures import Future
 
 from wfm import records
-from wfm.db import Database
+from wfm.db import Database, DatabaseUnavailable
 
 __all__ = ["FLUSH_EVERY", "PollClock"]
 
@@ -27,6 +31,7 @@ FLUSH_EVERY = 5.0
 _ALPHA = 0.3
 #: A gap this many times the current estimate is an outage, not a polling interval.
 _OUTAGE = 4.0
+log = logging.getLogger("margo.wfm.lastseen")
 
 
 class PollClock:
@@ -64,4 +69,23 @@ class PollClock:
             batch, self._pending = self._pending, {}
             self._flushed = time.monotonic()
         if batch:
-            self._db.submit(lambda conn: records.record_polls(conn, batch))
+            self._db.submit(lambda conn: records.record_polls(conn, batch)) \
+                .add_done_callback(lambda written: self._kept(written, batch))
+
+    def _kept(self, written: Future[None], batch: dict[str, tuple[float, float | None]]
+              ) -> None:
+        """After a flush: when the store could not take it, put its polls back (the writer
+        calls this, or `flush` itself when the writer refused at once; never with the lock
+        held). Any other failure is a defect that retrying would only repeat: logged."""
+        error = None if written.cancelled() else written.exception()
+        if error is None:
+            return
+        if not isinstance(error, DatabaseUnavailable):
+            log.error("last-seen times of %d client(s) not stored", len(batch),
+                      exc_info=error)
+            return
+        log.warning("last-seen times of %d client(s) kept for the next flush: %s",
+                    len(batch), error)
+        with self._lock:
+            for client_id, poll in batch.items():
+                self._pending.setdefault(client_id, poll)

@@ -5,10 +5,11 @@ the same statements with `%s` (and a literal `%` doubled). Reads borrow a pooled
 in autocommit mode; durable writes go through the group-commit writer of `wfm.db` on a
 connection of their own, reconnecting after the server was lost. While PostgreSQL cannot be
 reached every read and write raises `DatabaseUnavailable` (503 with `Retry-After` for the
-caller), and the pool reconnects by itself once it is back. Pooled connections are not
-checked at every checkout (that was a second query per read, and most of the time a replica's
-event loop spent blocked under load): one that broke while PostgreSQL was away fails its
-next read with a 503 and the pool replaces it.
+caller), and the pool reconnects by itself once it is back; until a write succeeds again,
+readiness probes the server through the pool (and asks whether it is a standby). Pooled
+connections are not checked at every checkout (that was a second query per read, and most
+of the time a replica's event loop spent blocked under load): one that broke while
+PostgreSQL was away fails its next read with a 503 and the pool replaces it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ __all__ = ["PgConnection", "PostgresDatabase", "translate"]
 T = TypeVar("T")
 log = logging.getLogger("margo.wfm.db")
 _CONNECT_TIMEOUT = 5
+#: Readiness probes answer within this (Kubernetes' default probe timeout is 1 s).
+_PROBE_TIMEOUT = 2
 
 
 @functools.lru_cache(maxsize=1024)
@@ -69,7 +72,10 @@ class PgConnection:
 class PostgresDatabase(Database):
     dialect = "postgresql"
     begin = "BEGIN"
-    unavailable = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+    #: ReadOnlySqlTransaction: a standby (after a failover, the old primary): nothing can
+    #: be stored here now, the writer reconnects for the next batch.
+    unavailable = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,
+                   psycopg.errors.ReadOnlySqlTransaction)
 
     def __init__(self, url: str, *, pool_size: int = 8):
         self.url = url
@@ -96,6 +102,12 @@ class PostgresDatabase(Database):
                 return fn(PgConnection(conn))
         except self.unavailable as exc:
             raise DatabaseUnavailable(f"the database is unavailable: {exc}") from exc
+
+    def _probe(self) -> None:
+        """A pooled connection within a second or two, to a server that takes writes."""
+        with self._pool.connection(timeout=_PROBE_TIMEOUT) as conn:
+            if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+                raise DatabaseUnavailable("PostgreSQL is a standby (read-only)")
 
     def connect(self) -> PgConnection:
         """A connection of its own (autocommit), for what holds a session: the compile

@@ -10,6 +10,7 @@ added or removed); polls in between are answered from memory.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,14 +30,46 @@ BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-@dataclass(frozen=True, slots=True)
 class ServedDeployment:
-    deployment_id: str
-    digest: str
-    data: bytes
-    device_id: str
-    intent: str | None = None
-    application_id: str | None = None
+    """One deployment document as served to a device. Its intent and application id are
+    read from the document on first use: the manifest path needs only the id and digest."""
+
+    __slots__ = ("_document", "device_id")
+
+    def __init__(self, document: _Document, device_id: str):
+        self._document = document
+        self.device_id = device_id
+
+    @property
+    def deployment_id(self) -> str:
+        return self._document.deployment_id
+
+    @property
+    def digest(self) -> str:
+        return self._document.digest
+
+    @property
+    def data(self) -> bytes:
+        return self._document.data
+
+    @property
+    def intent(self) -> str | None:
+        return self._document.details()[0]
+
+    @property
+    def application_id(self) -> str | None:
+        return self._document.details()[1]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ServedDeployment) and other.device_id == self.device_id \
+            and other.data == self.data
+
+    def __hash__(self) -> int:
+        return hash((self.device_id, self.digest))
+
+    def __repr__(self) -> str:
+        return (f"ServedDeployment({self.deployment_id!r}, {self.digest!r}, "
+                f"device_id={self.device_id!r})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,32 +84,80 @@ class ClientState:
                      if d.deployment_id == deployment_id and d.digest == digest), None)
 
 
-@dataclass(frozen=True, slots=True)
-class _Parsed:
-    deployment_id: str
-    digest: str
-    data: bytes
-    intent: str | None
-    application_id: str | None
+#: How our own emitter (`margo.canonical`) begins an rc.3 and an Oct-2024 deployment
+#: document: the id is the first key of the top-level block mapping (rc.3), or the first
+#: annotation (Oct-2024), as a plain scalar. A match is exactly what a YAML reader would
+#: take as the id; anything else is read in full.
+_HEADS = (
+    re.compile(rb"id: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\n"
+               rb"metadata:\n"),
+    re.compile(rb"apiVersion: application\.margo\.org/v1alpha1\nkind: ApplicationDeployment\n"
+               rb"metadata:\n  annotations:\n    id: "
+               rb"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\n"),
+)
 
 
-def _parse(data: bytes) -> _Parsed | None:
-    """What the server needs to know of a deployment document we wrote (any shape)."""
+class _Document:
+    """A deployment document we wrote, with what the server needs to know of it. Serving a
+    fleet's manifests after a compile means one of these per device: the id comes from the
+    document's first lines when our emitter wrote them (no YAML parse), the rest (intent,
+    application) is parsed when a person's view first asks for it."""
+
+    __slots__ = ("_details", "data", "deployment_id", "digest")
+
+    def __init__(self, deployment_id: str, data: bytes,
+                 details: tuple[str | None, str | None] | None = None):
+        self.deployment_id = deployment_id
+        self.digest = digest_of(data)
+        self.data = data
+        self._details = details
+
+    @classmethod
+    def read(cls, data: bytes) -> _Document | None:
+        """None when this is not a deployment document with an id (any shape)."""
+        for head in _HEADS:
+            match = head.match(data)
+            if match is not None:
+                return cls(match.group(1).decode("ascii"), data)
+        doc = _load(data)
+        if doc is None:
+            return None
+        deployment_id = doc.get("id") or (_annotations(doc)).get("id")
+        if not isinstance(deployment_id, str):
+            return None
+        return cls(deployment_id, data, _details(doc))
+
+    def details(self) -> tuple[str | None, str | None]:
+        """(intent, application id), as the document says."""
+        if self._details is None:
+            doc = _load(self.data)
+            self._details = _details(doc) if doc is not None else (None, None)
+        return self._details
+
+
+def _load(data: bytes) -> dict[str, Any] | None:
     try:
         doc = yaml.load(data, Loader=_LOADER)
     except yaml.YAMLError:
         return None
-    if not isinstance(doc, dict):
-        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _annotations(doc: dict[str, Any]) -> dict[str, Any]:
     metadata = doc.get("metadata") or {}
-    annotations = metadata.get("annotations") or {}
-    deployment_id = doc.get("id") or annotations.get("id")
-    if not isinstance(deployment_id, str):
-        return None
-    intent = (metadata.get("labels") or {}).get("margo-gitops.dev/intent")
-    application = (doc.get("spec") or {}).get("applicationId") or annotations.get(
-        "applicationId")
-    return _Parsed(deployment_id, digest_of(data), data, intent, application)
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    return annotations if isinstance(annotations, dict) else {}
+
+
+def _details(doc: dict[str, Any]) -> tuple[str | None, str | None]:
+    metadata = doc.get("metadata")
+    labels = (metadata.get("labels") if isinstance(metadata, dict) else None) or {}
+    intent = labels.get("margo-gitops.dev/intent") if isinstance(labels, dict) else None
+    spec = doc.get("spec")
+    application = (spec.get("applicationId") if isinstance(spec, dict) else None) or \
+        _annotations(doc).get("applicationId")
+    return (intent if isinstance(intent, str) else None,
+            application if isinstance(application, str) else None)
 
 
 def manifest_body(version: int, state: ClientState, prefix: str) -> bytes:
@@ -101,7 +182,10 @@ class DesiredState:
         self._store = store
         self._lock = threading.Lock()
         self._generation = 0
-        self._blobs: dict[str, _Parsed | None] = {}  # blob oid -> parsed document
+        # blob oid -> document: what the branches hold now, and what they held before the
+        # last change (kept so a change that leaves most blobs alone reads none again).
+        self._blobs: dict[str, _Document | None] = {}
+        self._older_blobs: dict[str, _Document | None] = {}
         self._current: dict[str, tuple[int, tuple[str, ...], ClientState]] = {}
         self._recent: dict[str, OrderedDict[str, ClientState]] = {}
         self._history = history
@@ -114,20 +198,26 @@ class DesiredState:
         """Something changed in the branches or device ownership: recompute on demand."""
         with self._lock:
             self._generation += 1
+            self._older_blobs, self._blobs = self._blobs, {}
 
     def _served(self, device_id: str) -> list[ServedDeployment]:
         tree = self._store.tree_ids(device_id) or {}
-        if any(oid not in self._blobs for oid in tree.values()):
+        blobs, older = self._blobs, self._older_blobs
+        missing = [oid for oid in tree.values() if oid not in blobs]
+        for oid in missing:
+            if oid in older:
+                blobs[oid] = older[oid]
+        if any(oid not in blobs for oid in missing):
             files = self._store.read_files(device_id) or {}
             for name, oid in tree.items():
-                data = files.get(name)
-                self._blobs[oid] = _parse(data) if data is not None else None
+                if oid not in blobs:
+                    data = files.get(name)
+                    blobs[oid] = _Document.read(data) if data is not None else None
         out = []
         for name in sorted(tree):
-            parsed = self._blobs[tree[name]]
-            if parsed is not None:
-                out.append(ServedDeployment(parsed.deployment_id, parsed.digest, parsed.data,
-                                            device_id, parsed.intent, parsed.application_id))
+            document = blobs.get(tree[name])
+            if document is not None:
+                out.append(ServedDeployment(document, device_id))
         return out
 
     def history(self, device_id: str, limit: int = 20) -> list[CommitInfo]:
@@ -174,8 +264,8 @@ class DesiredState:
                 files = self._store.read_files(device_id, commit.id) or {}
                 for data in files.values():
                     if digest_of(data) == digest:
-                        parsed = _parse(data)
-                        if parsed is not None and parsed.deployment_id == deployment_id:
+                        document = _Document.read(data)
+                        if document is not None and document.deployment_id == deployment_id:
                             return data
         return None
 

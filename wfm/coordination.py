@@ -75,6 +75,7 @@ class Coordinator:
         self.working = RepoReplica(REPO, self.compile_dir / REPOSITORY_NAME)
         self.source = None if source_repo is None else RepoReplica("source", source_repo)
         self._source_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         #: Held while the served repository moves (and by readers that must not see it move).
         self.lock = threading.RLock()
         self.on_synced: Callable[[], None] = lambda: None
@@ -113,6 +114,8 @@ class Coordinator:
                 self._tick()
             except _ERRORS as exc:
                 log.warning("replica coordination: %s", exc)
+            except Exception:  # anything else: say so in full, and keep coordinating
+                log.exception("replica coordination failed; trying again")
 
     def _tick(self) -> None:
         self._keep_lease()
@@ -167,11 +170,15 @@ class Coordinator:
 
     def sync(self) -> bool:
         """Bring the served repository to the newest published generation."""
-        with self.lock:
+        with self._sync_lock:  # one sync at a time; readers wait only for the refs
             since = self.serving.generation
             snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
                                                             dialect=self.db.dialect))
-            moved = self.serving.apply(snapshot)
+            if snapshot.generation <= since and not snapshot.packs:
+                return False
+            self.serving.add_objects(snapshot)
+            with self.lock:
+                moved = self.serving.move_to(snapshot)
         if moved:
             self.on_synced()
         return moved

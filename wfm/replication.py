@@ -148,9 +148,21 @@ class RepoReplica:
         one rewrite, then the generation. False when it was there already."""
         if snapshot.generation <= self.generation and not snapshot.packs:
             return False
+        self.add_objects(snapshot)
+        return self.move_to(snapshot)
+
+    def add_objects(self, snapshot: Snapshot) -> None:
+        """The snapshot's objects, which no ref names yet: invisible to readers, so this
+        (the slow part, an index-pack per pack) needs no lock against them."""
         for _, pack in snapshot.packs:
             if pack:
                 self._git("index-pack", "--stdin", stdin=pack)
+
+    def move_to(self, snapshot: Snapshot) -> bool:
+        """The refs and generation of a snapshot whose objects are here (`add_objects`): the
+        one visible step, a single rewrite of the refs. False when it was there already."""
+        if snapshot.generation <= self.generation and not snapshot.packs:
+            return False
         current = self.refs()
         updates = {name: (current.get(name), target) for name, target in snapshot.refs.items()
                    if target is not None and current.get(name) != target}

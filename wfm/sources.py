@@ -74,11 +74,22 @@ class SourceWatcher:
         self._thread.start()
 
     def _run(self) -> None:
+        """Watch until stopped. A failing watch (the directory went away, inotify limits)
+        or a failing callback is logged and the watch starts again a second later: a
+        watcher that died quietly would leave source edits uncompiled with no word."""
         from watchfiles import watch
 
-        for _changes in watch(self._directory, stop_event=self._stop, debounce=200, step=20):
-            log.info("fleet source changed; recompiling")
-            self._on_change()
+        while not self._stop.is_set():
+            try:
+                for _changes in watch(self._directory, stop_event=self._stop, debounce=200,
+                                      step=20):
+                    log.info("fleet source changed; recompiling")
+                    self._on_change()
+                return  # stopped
+            except Exception:
+                log.exception("watching the fleet source %s failed; watching again",
+                              self._directory)
+                self._stop.wait(1.0)
 
     def stop(self) -> None:
         self._stop.set()

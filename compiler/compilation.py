@@ -530,7 +530,7 @@ def _gated(ctx: _Context, out: _DeviceOutcome, intent: Intent, device: Device,
     if stored == oid:
         return False
     wave = waves.get(device.id)
-    if not plan.is_open(wave):
+    if not plan.is_open(wave, device.id):
         out.keep(fname, current)
         assert intent.rollout is not None
         where = ("in no wave" if wave is None else

@@ -21,7 +21,7 @@ from fastjsonschema import JsonSchemaException
 from jsonschema import Draft202012Validator
 
 from compiler.expressions import CompiledValue, ExpressionError, compile_value
-from compiler.rollout import PERCENT, RolloutSpec, Wave
+from compiler.rollout import PERCENT, POSITIVE_PERCENT, RolloutSpec, Wave
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem
@@ -77,6 +77,9 @@ def intent_schema() -> dict[str, Any]:
             "waveDeadline": {"type": "string", "pattern": DURATION},
             "maxFailed": {"oneOf": [{"type": "integer", "minimum": 0},
                                     {"type": "string", "pattern": PERCENT}]},
+            # At least one device must be allowed to be unavailable, or none could move.
+            "maxUnavailable": {"oneOf": [{"type": "integer", "minimum": 1},
+                                         {"type": "string", "pattern": POSITIVE_PERCENT}]},
         }, ["waves"]),
     }, ["application"])
     return {
@@ -225,11 +228,16 @@ def _compile_rollout(raw: Any) -> tuple[RolloutSpec | None, list[Problem]]:
         waves.append(Wave(wave["name"], devices if isinstance(devices, int) else None,
                           int(devices[:-1]) if isinstance(devices, str) else None, selector))
     failed = raw.get("maxFailed", 0)
+    unavailable = raw.get("maxUnavailable")
     return RolloutSpec(
         tuple(waves), soak_seconds=parse_duration(raw.get("soak", "0s")),
         deadline_seconds=parse_duration(raw.get("waveDeadline", "1h")),
         max_failed=failed if isinstance(failed, int) else None,
-        max_failed_percent=int(failed[:-1]) if isinstance(failed, str) else None), problems
+        max_failed_percent=int(failed[:-1]) if isinstance(failed, str) else None,
+        # (JSON Schema counts 2.0 as an integer: keep it a cap, not "no cap".)
+        max_unavailable=int(unavailable) if isinstance(unavailable, int | float) else None,
+        max_unavailable_percent=int(unavailable[:-1]) if isinstance(unavailable, str)
+        else None), problems
 
 
 def _without_rules_key(path: tuple[str | int, ...], at: int = 3) -> tuple[str | int, ...]:

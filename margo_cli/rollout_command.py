@@ -54,12 +54,18 @@ def spark(history: list[list[float]], total: int) -> str:
 def describe(view: dict[str, Any], now: float) -> list[str]:
     """One rollout: its state, then a line per wave."""
     total = sum(w["devices"] for w in view["waves"])
+    # (.get: a server from before maxUnavailable sends neither field.)
+    capped = view.get("maxUnavailable")
     head = (f"{view['intent']}: {view['status']} (revision {view['revision'][:19]}, wave "
             f"{view['openWave'] + 1} of {len(view['waves'])} open, failure budget "
-            f"{view['failureBudget']})")
+            f"{view['failureBudget']}"
+            + (f", max unavailable {capped}, {view.get('unavailable', 0)} unavailable"
+               if capped is not None else "") + ")")
     lines = [head]
     if view.get("reason"):
         lines.append(f"  reason: {view['reason']}")
+    if view.get("blocked"):
+        lines.append(f"  waits: {view['blocked']}")
     if view.get("superseded"):
         lines.append(f"  superseded revision {view['superseded'][:19]}")
     for index, wave in enumerate(view["waves"]):
@@ -68,7 +74,8 @@ def describe(view: dict[str, Any], now: float) -> list[str]:
             f"  {index + 1}. {wave['name']:<12} {state:<6} devices {wave['devices']:>4}  "
             f"moved {wave['moved']:>4}  installed {wave['installed']:>4}  failed "
             f"{wave['failed']:>3}  stale {wave['stale']:>3}  pending {wave['pending']:>3}  "
-            f"held {wave['held']:>4}  opened {_ago(wave['openedAt'], now)}")
+            + (f"waiting {wave.get('waiting', 0):>4}  " if capped is not None else "")
+            + f"held {wave['held']:>4}  opened {_ago(wave['openedAt'], now)}")
     line = spark(view.get("history", []), total)
     if line:
         lines.append(f"  installed over time: {line}")

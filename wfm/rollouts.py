@@ -14,8 +14,14 @@ and the compiling one moves it on:
 * failed plus stale beyond `maxFailed` → `rolled back`: every moved device gets its file
   from before back (the compiler commits that, saying why), and the rollout stays so until
   the intent changes again;
-* once no device of the open wave is pending, the wave has settled; `soak` later the next
-  wave opens, or after the last one the rollout is `complete`;
+* a device of an open wave counts as pending until a compile has moved it (the plan that
+  compile was given opened its wave: `moved`), so a wave never settles on the reports its
+  devices made for the revision they ran before;
+* with `maxUnavailable`, the open wave lets its devices through progressively (`admitted`,
+  in `compiler.rollout.next_admissions` order): only while fewer than that many devices of
+  the rollout are unavailable (pending, failed or stale); the others wait;
+* once no device of the open wave is pending or waiting, the wave has settled; `soak` later
+  the next wave opens, or after the last one the rollout is `complete`;
 * a new revision while a rollout moves supersedes it: waves start again at the first, held
   devices go straight to the newest revision, and the moved devices keep the base they had
   (the last revision that completed);
@@ -35,7 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiler.compilation import CompileReport, resolve_intents
-from compiler.rollout import RolloutPlan, RolloutSpec, budget_of
+from compiler.rollout import (
+    RolloutPlan,
+    RolloutSpec,
+    budget_of,
+    next_admissions,
+    unavailable_limit,
+)
 from compiler.source import FleetSource
 from margo.digests import data_digest
 from wfm import records
@@ -51,6 +63,8 @@ ACTIVE = ("progressing",)
 #: While a rollout moves, it is evaluated at least this often (seconds).
 RECHECK_SECONDS = 5.0
 _HISTORY = 200
+#: Where a device of an open wave that has not installed the new revision stands.
+_UNAVAILABLE = ("pending", "failed", "stale")
 
 
 class RolloutError(ValueError):
@@ -96,6 +110,9 @@ class RolloutController:
         (None: none)."""
         self._db, self._served = db, served
         self.next_due: float | None = None
+        #: The plans the last `plans()` gave the compiler: `after_compile` records which
+        #: devices that compile moved.
+        self._given: dict[str, RolloutPlan] = {}
 
     # --- before and after a compile ----------------------------------------------------
 
@@ -126,16 +143,22 @@ class RolloutController:
                 state["updatedAt"] = now
                 changed[name] = state
             if state["status"] != "complete":
-                plans[name] = RolloutPlan(revision, state["status"], int(state["openWave"]),
-                                          dict(state["base"]), state.get("reason", ""))
+                capped = unavailable_limit(intent.rollout, len(state.get("waves", {})))
+                plans[name] = RolloutPlan(
+                    revision, state["status"], int(state["openWave"]), dict(state["base"]),
+                    state.get("reason", ""),
+                    admitted=None if capped is None else frozenset(state.get("admitted", {})))
         if changed:
             self._db.write_sync(lambda conn: [_save(conn, n, s) for n, s in changed.items()])
+        self._given = plans
         return plans
 
     def after_compile(self, report: CompileReport) -> None:
-        """Remember each rollout's waves and the bases of the devices the compile moved."""
+        """Remember each rollout's waves, the bases of the devices the compile moved, and
+        which devices the plan it was given let move (from now on their reports count)."""
         if not report.rollout_waves:
             return
+        given = self._given
 
         def update(conn: Connection) -> None:
             stored = load_rollouts(conn)
@@ -146,6 +169,12 @@ class RolloutController:
                 state["waves"] = dict(sorted(waves.items()))
                 for device, base in report.rollout_moves.get(name, {}).items():
                     state["base"].setdefault(device, base)
+                plan = given.get(name)
+                if plan is not None and plan.revision == state["revision"] and \
+                        "moved" in state:
+                    moved = set(state["moved"])
+                    moved.update(d for d, w in waves.items() if plan.is_open(w, d))
+                    state["moved"] = sorted(moved)
                 _save(conn, name, state)
 
         self._db.write_sync(update)
@@ -155,18 +184,28 @@ class RolloutController:
     def _evaluate(self, state: dict[str, Any], spec: RolloutSpec, now: float) -> None:
         waves: dict[str, int] = state.get("waves", {})
         open_wave = int(state["openWave"])
-        counts = {"installed": 0, "failed": 0, "stale": 0, "pending": 0}
-        pending_in_open = 0
+        limit = unavailable_limit(spec, len(waves))
         statuses = self._statuses()
-        for device, wave in sorted(waves.items()):
-            if wave > open_wave:
-                continue
-            verdict = self._verdict(device, state, now, spec.deadline_seconds, wave, statuses)
+        verdicts = {device: self._verdict(device, state, now, spec.deadline_seconds, wave,
+                                          statuses, capped=limit is not None)
+                    for device, wave in sorted(waves.items()) if wave <= open_wave}
+        if limit is not None:
+            admitted = state.setdefault("admitted", {})
+            unavailable = sum(v in _UNAVAILABLE for v in verdicts.values())
+            for device in next_admissions(
+                    state["intent"], [d for d, v in verdicts.items() if v == "waiting"],
+                    unavailable, limit):
+                admitted[device] = now
+                verdicts[device] = "pending"  # until the compile after this one moves it
+        counts = {"installed": 0, "failed": 0, "stale": 0, "pending": 0, "waiting": 0}
+        pending_in_open = 0
+        for device, verdict in verdicts.items():
             counts[verdict] += 1
-            if wave == open_wave and verdict == "pending":
+            if waves[device] == open_wave and verdict in ("pending", "waiting"):
                 pending_in_open += 1
-                deadline = float(state["openedAt"][str(wave)]) + spec.deadline_seconds
-                self._due(deadline)
+                if verdict == "pending":
+                    self._due(_started_at(state, device, open_wave, now)
+                              + spec.deadline_seconds)
         state["counts"] = counts
         history = state.setdefault("history", [])
         point = [round(now, 3), counts["installed"], counts["failed"], counts["stale"]]
@@ -199,7 +238,19 @@ class RolloutController:
             "SELECT deployment_id, state, adopted_manifest_version FROM statuses")})
 
     def _verdict(self, device: str, state: dict[str, Any], now: float, deadline: float,
-                 wave: int, statuses: dict[str, tuple[str, int | None]]) -> str:
+                 wave: int, statuses: dict[str, tuple[str, int | None]], *,
+                 capped: bool) -> str:
+        """installed | failed | stale | pending, or waiting: a device of the open wave of a
+        capped rollout not let through yet. `capped`: the rollout has a `maxUnavailable`."""
+        moved = state.get("moved")  # None: a rollout stored before moves were recorded
+        if moved is not None and device not in moved:
+            if capped and wave == int(state["openWave"]) and \
+                    device not in state.get("admitted", {}):
+                return "waiting"
+            # Its wave is open, but no compile has moved it yet: whatever it reported was
+            # about the revision it ran before.
+            opened = _started_at(state, device, wave, now)
+            return "stale" if now - opened > deadline else "pending"
         served = self._served(device, state["intent"])
         if served is None:
             return "installed"  # nothing of the intent there (no longer targeted): no wait
@@ -211,7 +262,7 @@ class RolloutController:
             report = {"state": status[0], "adopted": status[1]}
             if status_for_current(served.digest, report, contents, served.deployment_id):
                 return status[0]
-        opened = float(state["openedAt"].get(str(wave), now))
+        opened = _started_at(state, device, wave, now)
         return "stale" if now - opened > deadline else "pending"
 
     def _due(self, when: float) -> None:
@@ -229,26 +280,43 @@ class RolloutController:
         names = [w.name for w in spec.waves] if spec is not None else []
         count = max(len(names), max(waves.values(), default=-1) + 1)
         per = [{"name": names[i] if i < len(names) else f"wave-{i}", "devices": 0,
-                "moved": 0, "installed": 0, "failed": 0, "stale": 0, "pending": 0, "held": 0,
-                "openedAt": state["openedAt"].get(str(i)),
+                "moved": 0, "installed": 0, "failed": 0, "stale": 0, "pending": 0,
+                "waiting": 0, "held": 0, "openedAt": state["openedAt"].get(str(i)),
                 "settledAt": state["settledAt"].get(str(i))} for i in range(count)]
         open_wave = int(state["openWave"])
         deadline = spec.deadline_seconds if spec is not None else 3600
+        limit = unavailable_limit(spec, len(waves)) if spec is not None else None
         statuses = self._statuses()
+        complete = state["status"] == "complete"
+        # A finished rollout moved every device (the last compile was given no plan, so it
+        # recorded no moves); one rolled back moves no device further.
+        shown = state if not complete else {**state, "moved": None}
+        never_moved = (state["status"] == "rolled back" and state.get("moved") is not None)
+        unavailable = 0
         for device, wave in sorted(waves.items()):
             entry = per[wave]
             entry["devices"] += 1
             entry["moved"] += device in state["base"]
-            if state["status"] == "complete" or wave <= open_wave:
-                entry[self._verdict(device, state, now, deadline, wave, statuses)] += 1
+            if (complete or wave <= open_wave) and not (never_moved
+                                                        and device not in state["moved"]):
+                verdict = self._verdict(device, shown, now, deadline, wave, statuses,
+                                        capped=limit is not None)
+                entry[verdict] += 1
+                unavailable += verdict in _UNAVAILABLE
             else:
                 entry["held"] += 1
+        waiting = sum(w["waiting"] for w in per)
         return {"intent": state["intent"], "status": state["status"],
                 "revision": state["revision"], "previous": state.get("previous"),
                 "superseded": state.get("superseded"), "openWave": open_wave,
                 "reason": state.get("reason", ""), "startedAt": state.get("startedAt"),
                 "updatedAt": state.get("updatedAt"),
                 "failureBudget": budget_of(spec, len(waves)) if spec is not None else None,
+                "maxUnavailable": limit, "unavailable": unavailable,
+                "blocked": (f"{unavailable} device(s) unavailable, maxUnavailable {limit}: "
+                            f"{waiting} device(s) of the open wave wait"
+                            if limit is not None and waiting and unavailable >= limit
+                            and state["status"] in ACTIVE else ""),
                 "waves": per, "history": state.get("history", [])}
 
     # --- operators ----------------------------------------------------------------------
@@ -280,13 +348,22 @@ class RolloutController:
         return result
 
 
+def _started_at(state: dict[str, Any], device: str, wave: int, now: float) -> float:
+    """When a device's wait for the new revision began (its wave deadline runs from it):
+    when `maxUnavailable` let it through, else when its wave opened."""
+    admitted = state.get("admitted", {}).get(device)
+    if admitted is not None:
+        return float(admitted)
+    return float(state["openedAt"].get(str(wave), now))
+
+
 def _started(state: dict[str, Any] | None, revision: str, now: float) -> dict[str, Any]:
     """The state after seeing `revision`: the first revision seen is complete (there is
     nothing to stage against); a new one starts a rollout, superseding one that moves."""
     if state is None:
         return {"intent": None, "revision": revision, "previous": None, "status": "complete",
                 "openWave": 0, "openedAt": {}, "settledAt": {}, "base": {}, "waves": {},
-                "reason": "", "history": [], "startedAt": now}
+                "reason": "", "history": [], "startedAt": now, "moved": [], "admitted": {}}
     if state["revision"] == revision:
         return state
     superseding = state["status"] != "complete"
@@ -294,5 +371,5 @@ def _started(state: dict[str, Any] | None, revision: str, now: float) -> dict[st
             "previous": state["previous"] if superseding else state["revision"],
             "status": "progressing", "openWave": 0, "openedAt": {"0": now}, "settledAt": {},
             "base": dict(state["base"]) if superseding else {}, "reason": "",
-            "history": [], "startedAt": now,
+            "history": [], "startedAt": now, "moved": [], "admitted": {},
             "superseded": state["revision"] if superseding else None}

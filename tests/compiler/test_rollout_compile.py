@@ -1,14 +1,26 @@
 """Staged rollouts, the compiler's side (compiler/rollout.py): waves, held devices, moves
-and their bases, rollback to the base, and the compile after the rollout ends. Real
-compiles through the Git store and state."""
+and their bases, rollback to the base, the compile after the rollout ends, and a wave
+capped by `maxUnavailable` moving only the devices the plan admits. Real compiles through
+the Git store and state."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
-from compiler.rollout import RolloutPlan, RolloutSpec, Wave, assign_waves, budget_of
+from compiler.rollout import (
+    RolloutPlan,
+    RolloutSpec,
+    Wave,
+    assign_waves,
+    budget_of,
+    move_order,
+    next_admissions,
+    unavailable_limit,
+)
 
 ROLLOUT = {"waves": [{"name": "canary", "devices": 1}, {"name": "half", "devices": "50%"},
                      {"name": "rest"}], "soak": "1m", "maxFailed": 1}
@@ -110,3 +122,91 @@ def test_rollout_specs_are_validated_with_located_errors(tmp_path: Path) -> None
     problems = [p.format() for p in load_source(fleet.source).problems]
     assert any("waves[1].name" in p and "named twice" in p for p in problems), problems
     assert any("waves[1]" in p and "not both" in p for p in problems), problems
+
+
+def test_a_capped_wave_moves_only_the_admitted_devices_and_a_recompile_moves_the_same(
+        tmp_path: Path) -> None:
+    fleet = fleet_of(tmp_path)
+    fleet.compile()
+    fleet.intents["web"]["spec"]["rollout"]["maxUnavailable"] = 1
+    fleet.intents["web"]["spec"]["parameters"]["greeting"] = "v2"
+    probe = fleet.compile(dry_run=True, rollouts={"web": RolloutPlan("r2", "progressing")})
+    waves = probe.rollout_waves["web"]
+    half = move_order("web", [d for d, w in waves.items() if w == 1])
+    canary = [d for d, w in waves.items() if w == 0]
+    plan = RolloutPlan("r2", "progressing", open_wave=1, admitted=frozenset(half[:1]))
+    report = fleet.compile(rollouts={"web": plan})
+    on_new = {d for d in waves if _greeting(fleet, d) == "v2"}
+    assert on_new == {*canary, half[0]}  # the earlier wave whole, one of the open wave
+    assert set(report.rollout_moves["web"]) == on_new
+    waiting = next(r for r in report.results if r.device_id == half[1])
+    assert any("held by its rollout" in note for note in waiting.notes)
+    trees = {d: fleet.tree(d) for d in waves}
+    again = fleet.compile(rollouts={"web": plan})
+    assert again.commits == 0 and {d: fleet.tree(d) for d in waves} == trees
+    # The same plan on a fleet that reported in another order moves the same devices.
+    other = fleet_of(tmp_path / "other")
+    other.devices = dict(reversed(other.devices.items()))
+    other.compile()
+    other.intents["web"]["spec"]["rollout"]["maxUnavailable"] = 1
+    other.intents["web"]["spec"]["parameters"]["greeting"] = "v2"
+    other.compile(rollouts={"web": plan})
+    assert {d: other.tree(d) for d in waves} == trees
+
+
+def test_the_next_devices_through_a_cap_are_a_function_of_the_inputs() -> None:
+    devices = [f"d{i}" for i in range(8)]
+    first = next_admissions("web", devices, unavailable=0, limit=2)
+    assert first == move_order("web", devices)[:2]
+    assert next_admissions("web", list(reversed(devices)), 0, 2) == first
+    assert next_admissions("web", devices, unavailable=1, limit=2) == first[:1]
+    assert next_admissions("web", devices, unavailable=3, limit=2) == []
+    assert move_order("other", devices) != move_order("web", devices)
+    spec = RolloutSpec((Wave("all"),), max_unavailable_percent=10)
+    assert unavailable_limit(spec, 25) == 2  # rounded down...
+    assert unavailable_limit(spec, 5) == 1  # ...but never below 1
+    assert unavailable_limit(RolloutSpec((Wave("all"),), max_unavailable=3), 25) == 3
+    assert unavailable_limit(RolloutSpec((Wave("all"),)), 25) is None
+    plan = RolloutPlan("r", "progressing", open_wave=1, admitted=frozenset({"a"}))
+    assert plan.is_open(0, "b") and plan.is_open(1, "a")
+    assert not plan.is_open(1, "b") and not plan.is_open(2, "a") and not plan.is_open(1)
+    assert RolloutPlan("r", "progressing", open_wave=1).is_open(1, "b")
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (-1, "less than the minimum of 1"),
+    (0, "less than the minimum of 1"),
+    ("150%", "found '150%'"),
+    ("0%", "found '0%'"),
+    ("abc", "found 'abc'"),
+    (True, "expected an integer"),
+    (2.5, "expected an integer"),
+    ([1], "expected an integer"),
+])
+def test_max_unavailable_is_validated_with_located_errors(tmp_path: Path, bad: Any,
+                                                          expected: str) -> None:
+    from compiler.source import load_source
+
+    fleet = fleet_of(tmp_path, count=1)
+    fleet.intents["web"]["spec"]["rollout"] = {**ROLLOUT, "maxUnavailable": bad}
+    fleet.write()
+    problems = [p.format() for p in load_source(fleet.source).problems]
+    assert any(p.startswith("deployments/web.yaml:") and
+               "$.spec.rollout.maxUnavailable" in p and expected in p
+               for p in problems), problems
+
+
+@pytest.mark.parametrize("good, count, percent", [(1, 1, None), (2.0, 2, None),
+                                                  ("25%", None, 25), ("100%", None, 100)])
+def test_max_unavailable_is_read_as_a_count_or_a_percentage(
+        tmp_path: Path, good: Any, count: int | None, percent: int | None) -> None:
+    from compiler.source import load_source
+
+    fleet = fleet_of(tmp_path, count=1)
+    fleet.intents["web"]["spec"]["rollout"] = {**ROLLOUT, "maxUnavailable": good}
+    fleet.write()
+    source = load_source(fleet.source)
+    assert not source.problems
+    spec = source.intents["web"].rollout
+    assert spec is not None
+    assert (spec.max_unavailable, spec.max_unavailable_percent) == (count, percent)

@@ -1,6 +1,7 @@
 """Staged rollouts end to end (docs/intents.md, "Staged rollouts"): a real `margo serve`
 watching its fleet source, and six simulated devices speaking the rc.3 REST protocol (they
-poll, fetch their YAMLs and report `installed`, or `failed` when told to). Each test edits
+poll, fetch their YAMLs and report `installed`, or `failed` when told to, or `installing`
+first when slow). Each test edits
 the intent and follows the rollout through the read API and `margo rollout`."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import yaml
 from kits.fleetkit import Fleet, app, device, intent
 from kits.serverkit import ROOT, add_client, running_server
 
+from compiler.rollout import move_order
 from tools.polling import poll_until
 
 DEVICES = [f"d{i}" for i in range(6)]
@@ -27,7 +29,10 @@ DEVICES = [f"d{i}" for i in range(6)]
 class Devices:
     """The fleet's devices, as one client: each poll fetches every deployment whose digest
     moved and reports on it; `fails(device, greeting)` says which installs fail, and
-    devices in `offline` never report."""
+    devices in `offline` never report. With `installing_first`, a device reports
+    `installing` on the poll it first sees new bytes and `installed` only on the next;
+    `most_unavailable` is, per greeting, the most devices one poll found served it without
+    having reported on it yet, or only `installing` (what `maxUnavailable` caps)."""
 
     def __init__(self, http: httpx.Client) -> None:
         self.http = http
@@ -36,18 +41,31 @@ class Devices:
         self.reported: dict[str, str] = {}  # deployment id -> digest reported on
         self.greetings: dict[str, str] = {}  # device -> the greeting it runs now
         self.seen: dict[str, set[str]] = defaultdict(set)  # device -> every greeting served
+        self.first_seen: dict[str, list[str]] = defaultdict(list)  # greeting -> devices
+        self.installing_first = False
+        self.installing: dict[str, str] = {}  # deployment id -> digest reported installing
+        self.most_unavailable: dict[str, int] = defaultdict(int)  # greeting -> most at once
 
     def step(self) -> None:
         manifest = self.http.get("/api/v1/deployments").json()
+        unavailable: dict[str, int] = defaultdict(int)
         for ref in manifest["deployments"]:
             doc = yaml.safe_load(self.http.get(ref["url"]).content)
             device_id = doc["metadata"]["deviceId"]
             greeting = _greeting(doc)
+            if greeting not in self.seen[device_id]:
+                self.first_seen[greeting].append(device_id)
             self.seen[device_id].add(greeting)
-            if device_id in self.offline or self.reported.get(ref["deploymentId"]) == \
-                    ref["digest"]:
+            if self.reported.get(ref["deploymentId"]) == ref["digest"]:
+                continue
+            unavailable[greeting] += 1
+            if device_id in self.offline:
                 continue
             state = "failed" if self.fails(device_id, greeting) else "installed"
+            if self.installing_first and state == "installed" and \
+                    self.installing.get(ref["deploymentId"]) != ref["digest"]:
+                state = "installing"
+                self.installing[ref["deploymentId"]] = ref["digest"]
             report = {"deploymentId": ref["deploymentId"],
                       "adoptedManifestVersion": manifest["manifestVersion"],
                       "status": {"state": state, **({"error": {"code": "E1", "message":
@@ -57,8 +75,11 @@ class Devices:
             response = self.http.post(f"/api/v1/deployments/{ref['deploymentId']}/status",
                                       json=report)
             assert response.status_code == 200, response.text
-            self.reported[ref["deploymentId"]] = ref["digest"]
-            self.greetings[device_id] = greeting
+            if state != "installing":
+                self.reported[ref["deploymentId"]] = ref["digest"]
+                self.greetings[device_id] = greeting
+        for greeting, count in unavailable.items():
+            self.most_unavailable[greeting] = max(self.most_unavailable[greeting], count)
 
     def on(self, greeting: str) -> set[str]:
         return {d for d, g in self.greetings.items() if g == greeting}
@@ -253,3 +274,65 @@ def test_an_offline_device_goes_stale_at_the_wave_deadline_and_counts_against_th
                  lambda v: v["status"] == "complete", timeout=60)
     assert view["waves"][0]["stale"] == 1
     assert devices.on("v2") == set(DEVICES) - {canary}
+
+
+ONE_AT_A_TIME = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}],
+                 "soak": "1s", "waveDeadline": "5m", "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize("fleet_server", [ONE_AT_A_TIME], indirect=True)
+def test_max_unavailable_moves_the_devices_of_a_wave_one_at_a_time(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    devices.installing_first = True  # each device stays unavailable for a poll or more
+    set_greeting(fleet, "greeting-v2", base)
+    waiting: list[int] = []
+
+    def record(view: dict[str, Any]) -> bool:
+        assert view["unavailable"] <= 1, view
+        assert view["maxUnavailable"] == 1
+        if view["openWave"] == 1 and view["status"] == "progressing":
+            waiting.append(view["waves"][1]["waiting"])
+        return view["status"] == "complete"
+
+    done = until("the rollout to complete", devices, base, record, timeout=120)
+    assert devices.on("v2") == set(DEVICES)
+    # No poll ever found two devices on v2 that had not installed it.
+    assert devices.most_unavailable["v2"] == 1
+    assert [w["devices"] for w in done["waves"]] == [1, 5]
+    assert max(waiting) >= 3  # the rest of the wave waited its turn, visibly
+    # One after the other, in the fixed order of sha256(intent/device).
+    [canary, *rest] = devices.first_seen["v2"]
+    assert rest == move_order("web", set(DEVICES) - {canary})
+    shown = rollout_cli(base, "status", "web")
+    assert shown.returncode == 0, shown.stderr
+    assert "max unavailable 1" in shown.stdout and "waiting" in shown.stdout
+    page = httpx.get(f"{base}/").text
+    assert 'data-testid="rollout-unavailable">at most 1 unavailable at once' in page
+    assert '<th scope="col" class="num">Waiting</th>' in page
+
+
+STOPS_AT_A_FAILURE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}],
+                      "soak": "1s", "maxFailed": 1, "maxUnavailable": 1}
+
+
+@pytest.mark.parametrize("fleet_server", [STOPS_AT_A_FAILURE], indirect=True)
+def test_a_failure_within_the_budget_fills_max_unavailable_and_the_rest_waits(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    devices.fails = lambda device_id, greeting: greeting == "v2"
+    set_greeting(fleet, "greeting-v2", base)
+    view = until("the rest of the rollout to wait", devices, base,
+                 lambda v: bool(v["blocked"]))
+    assert view["status"] == "progressing" and view["openWave"] == 1
+    assert view["unavailable"] == 1 and view["waves"][1]["waiting"] == 5
+    assert "1 device(s) unavailable, maxUnavailable 1" in view["blocked"]
+    shown = rollout_cli(base, "status", "web")
+    assert "waits: 1 device(s) unavailable" in shown.stdout, shown.stdout
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        devices.step()
+        time.sleep(0.2)
+    assert len([d for d, seen in devices.seen.items() if "v2" in seen]) == 1
+    assert rollout_cli(base, "abort", "web").returncode == 0
+    until("the rollout rolled back", devices, base, lambda v: v["status"] == "rolled back")

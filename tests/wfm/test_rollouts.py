@@ -20,7 +20,7 @@ import yaml
 from kits.fleetkit import Fleet, app, device, intent
 from kits.serverkit import ROOT, add_client, running_server
 
-from compiler.rollout import move_order
+from compiler.rollout import RolloutSpec, Wave, assign_waves, move_order
 from tools.polling import poll_until
 
 DEVICES = [f"d{i}" for i in range(6)]
@@ -42,6 +42,8 @@ class Devices:
         self.greetings: dict[str, str] = {}  # device -> the greeting it runs now
         self.seen: dict[str, set[str]] = defaultdict(set)  # device -> every greeting served
         self.first_seen: dict[str, list[str]] = defaultdict(list)  # greeting -> devices
+        #: (greeting, device) -> the devices that had installed it when this one first got it
+        self.installed_before: dict[tuple[str, str], set[str]] = {}
         self.installing_first = False
         self.installing: dict[str, str] = {}  # deployment id -> digest reported installing
         self.most_unavailable: dict[str, int] = defaultdict(int)  # greeting -> most at once
@@ -49,12 +51,15 @@ class Devices:
     def step(self) -> None:
         manifest = self.http.get("/api/v1/deployments").json()
         unavailable: dict[str, int] = defaultdict(int)
+        runs = dict(self.greetings)  # as the server knew it when it served this manifest
         for ref in manifest["deployments"]:
             doc = yaml.safe_load(self.http.get(ref["url"]).content)
             device_id = doc["metadata"]["deviceId"]
             greeting = _greeting(doc)
             if greeting not in self.seen[device_id]:
                 self.first_seen[greeting].append(device_id)
+                self.installed_before[greeting, device_id] = {
+                    d for d, g in runs.items() if g == greeting}
             self.seen[device_id].add(greeting)
             if self.reported.get(ref["deploymentId"]) == ref["digest"]:
                 continue
@@ -336,3 +341,25 @@ def test_a_failure_within_the_budget_fills_max_unavailable_and_the_rest_waits(
     assert len([d for d, seen in devices.seen.items() if "v2" in seen]) == 1
     assert rollout_cli(base, "abort", "web").returncode == 0
     until("the rollout rolled back", devices, base, lambda v: v["status"] == "rolled back")
+
+
+
+NO_SOAK = {"waves": [{"name": "canary", "devices": 1}, {"name": "half", "devices": "50%"},
+                     {"name": "rest"}], "waveDeadline": "5m"}
+
+
+@pytest.mark.parametrize("fleet_server", [NO_SOAK], indirect=True)
+def test_without_a_soak_a_wave_still_waits_for_the_previous_one_to_install(
+        fleet_server: tuple[Fleet, str, Devices]) -> None:
+    fleet, base, devices = fleet_server
+    devices.installing_first = True  # a moved device is unavailable for a poll or more
+    set_greeting(fleet, "greeting-v2", base)
+    done = until("the rollout to complete", devices, base, lambda v: v["status"] == "complete")
+    assert devices.on("v2") == set(DEVICES)
+    assert [w["devices"] for w in done["waves"]] == [1, 3, 2]
+    spec = RolloutSpec((Wave("canary", count=1), Wave("half", percent=50), Wave("rest")))
+    waves = assign_waves("web", spec, [(d, {}, {}) for d in DEVICES])  # as the compiler does
+    for device_id in DEVICES:
+        earlier = {d for d, w in waves.items() if w < waves[device_id]}
+        installed = devices.installed_before["v2", device_id]
+        assert earlier <= installed, (device_id, earlier, installed)

@@ -89,6 +89,7 @@ class RepoReplica:
 
     def __init__(self, repo: str, path: Path) -> None:
         self.repo, self.path = repo, Path(path)
+        self._generation: int | None = None
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             pygit2.init_repository(str(self.path), bare=True)
@@ -97,16 +98,21 @@ class RepoReplica:
 
     @property
     def generation(self) -> int:
-        """The generation this repository holds (-1: none synced yet)."""
-        try:
-            return int((self.path / _GENERATION_FILE).read_text().strip())
-        except (OSError, ValueError):
-            return -1
+        """The generation this repository holds (-1: none synced yet). Read from its file
+        once, then remembered: every manifest a replica serves asks, and this process is
+        the file's only writer (the data directory's lock, `wfm.datalock`)."""
+        if self._generation is None:
+            try:
+                self._generation = int((self.path / _GENERATION_FILE).read_text().strip())
+            except (OSError, ValueError):
+                return -1
+        return self._generation
 
     def mark_generation(self, generation: int) -> None:
         tmp = self.path / f"{_GENERATION_FILE}.tmp"
         tmp.write_text(f"{generation}\n")
         os.replace(tmp, self.path / _GENERATION_FILE)
+        self._generation = generation
 
     def refs(self) -> dict[str, str]:
         """Every direct ref under refs/ and its target."""

@@ -1,7 +1,8 @@
 """The read API for people and tools (`/api/fleet/...`) and the Git-hosting hook.
 
 Devices with their capabilities, what their branch holds, the last status of every
-deployment per component, eligibility per intent with every failing clause, and the
+deployment per component and its recent reports (each with the server's receive time and
+the device's own time of it), eligibility per intent with every failing clause, and the
 branch history; deployment counts per state, rolled up per intent and application.
 When the server has an operator token (`--admin-token`), these endpoints require it.
 """
@@ -251,6 +252,10 @@ class FleetApi:
             raise ProblemError(404, f"no device {device_id!r}", margo_type="device-not-found")
         statuses = self.statuses()
         deployments = self.device_deployments(device_id, statuses)
+        reports = self.api.db.read(lambda c: records.status_history(
+            c, [d["deploymentId"] for d in deployments]))
+        for deployment in deployments:  # each report: server receive time and device time
+            deployment["statusHistory"] = reports.get(deployment["deploymentId"], [])
         history = self.history(device_id)
         eligibility = (await run_in_threadpool(self.eligibility, [device_id]))[device_id]
         return JSONResponse({**self.device_summary(row, statuses),

@@ -5,18 +5,20 @@ API holds no SQL of its own."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from wfm.db import Connection
 
-__all__ = ["HISTORY_VERSIONS", "CapabilityWrite", "DeviceRow", "StatusWrite",
+__all__ = ["DEVICE_TIME", "HISTORY_VERSIONS", "CapabilityWrite", "DeviceRow", "StatusWrite",
            "advance_manifest_version", "client_devices", "client_polls", "device_documents",
-           "device_owner", "device_row", "forget_device", "manifest_contents",
-           "manifest_version", "record_polls", "status_device", "store_capabilities",
-           "store_status"]
+           "device_owner", "device_row", "device_time", "forget_device", "manifest_contents",
+           "manifest_version", "record_polls", "status_device", "status_history",
+           "store_capabilities", "store_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +194,44 @@ def store_status(conn: Connection, *, client_id: str, deployment_id: str,
         "reported_at = excluded.reported_at",
         (deployment_id, client_id, device_id, state, text, digest, adopted, now))
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
-                 "document, reported_at) VALUES (?, ?, ?, ?, ?, ?)",
-                 (deployment_id, client_id, device_id, state, text, now))
+                 "document, reported_at, device_time) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                 (deployment_id, client_id, device_id, state, text, now,
+                  device_time(document)))
     return StatusWrite(created=existing is None, changed=True)
+
+
+#: Where a status report carries the device's own time of the state it reports: the spec
+#: has no such field and refuses unknown ones, so it travels in our extension object.
+DEVICE_TIME = ("x-margo-gitops-extensions", "observedAt")
+
+
+def device_time(document: dict[str, Any]) -> float | None:
+    """The device's time of a status report (`DEVICE_TIME`, RFC 3339 with an offset) in
+    seconds since the epoch, or None when it is missing or cannot be read: the device's
+    clock is information next to the server's receive time, never a reason to refuse or
+    lose a report. A time without an offset is ambiguous, so it is not read either."""
+    extension = document.get(DEVICE_TIME[0])
+    text = extension.get(DEVICE_TIME[1]) if isinstance(extension, dict) else None
+    if not isinstance(text, str) or len(text) > 64:
+        return None
+    try:
+        when = dt.datetime.fromisoformat(text)
+        return None if when.tzinfo is None else when.timestamp()
+    except (ValueError, OverflowError, OSError):
+        return None
+
+
+def status_history(conn: Connection, deployment_ids: Iterable[str],
+                   limit: int = 10) -> dict[str, list[dict[str, Any]]]:
+    """The last `limit` status reports of each deployment, newest first: state, when the
+    server received it (`reportedAt`) and the device's own time of it (`deviceTime`, None
+    when the report carried none). The two differ by the device's clock skew and by how
+    long a report waited in its journal (an offline device reports late)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for deployment_id in sorted(set(deployment_ids)):
+        rows = conn.execute("SELECT state, reported_at, device_time FROM status_reports "
+                            "WHERE deployment_id = ? ORDER BY id DESC LIMIT ?",
+                            (deployment_id, limit)).fetchall()
+        found[deployment_id] = [{"state": r[0], "reportedAt": r[1], "deviceTime": r[2]}
+                                for r in rows]
+    return found

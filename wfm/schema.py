@@ -128,6 +128,12 @@ _ROLLOUTS = [_both(s) for s in (
     "CREATE TABLE IF NOT EXISTS rollouts (intent TEXT PRIMARY KEY, state TEXT NOT NULL)",
 )]
 
+_DEVICE_TIME = [_both(s) for s in (
+    # The device's own time of each status report, next to the server's receive time
+    # (`records.device_time`); NULL when the report carried none or an unreadable one.
+    "ALTER TABLE status_reports ADD COLUMN device_time {real}",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -141,6 +147,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(s for s, _ in _FRESHNESS), tuple(p for _, p in _FRESHNESS)),
     Migration(6, "staged rollouts", tuple(s for s, _ in _ROLLOUTS),
               tuple(p for _, p in _ROLLOUTS)),
+    Migration(7, "status history: the device's own time of each report",
+              tuple(s for s, _ in _DEVICE_TIME), tuple(p for _, p in _DEVICE_TIME)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

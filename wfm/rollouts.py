@@ -273,8 +273,9 @@ class RolloutController:
     def view(self, state: dict[str, Any], spec: RolloutSpec | None,
              now: float | None = None) -> dict[str, Any]:
         """One rollout for people: per wave, its devices, how many moved, and where the
-        devices of open waves stand (installed / failed / stale / pending); held devices
-        of closed waves; the progress history."""
+        devices of open waves stand (installed / failed / stale / pending, or waiting for
+        room under `maxUnavailable`); held devices of closed waves; the cap, how many
+        devices are unavailable and why the rest waits (`blocked`); the progress history."""
         now = time.time() if now is None else now
         waves: dict[str, int] = state.get("waves", {})
         names = [w.name for w in spec.waves] if spec is not None else []

@@ -39,7 +39,6 @@ import hashlib
 import itertools
 import os
 import re
-import string
 import subprocess
 import tempfile
 import time
@@ -53,6 +52,8 @@ from typing import IO, ClassVar
 import pygit2
 
 from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs
+from margo.errors import short_repr
+from margo.identifiers import branch_component, device_id_problem
 
 __all__ = [
     "DEVICE_ID_PATTERN",
@@ -66,6 +67,7 @@ __all__ = [
     "InvalidCommitError",
     "StoredTree",
     "blob_id",
+    "branch_problem",
     "device_id_from_ref",
     "device_ref",
     "tree_id_of",
@@ -82,7 +84,6 @@ _DEVICE_ID_RE = re.compile(DEVICE_ID_PATTERN)
 # What an encoded device id may look like: kept characters and upper-case %XX escapes only.
 _ENCODED_RE = re.compile(r"(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+")
 _FULL_OID_RE = re.compile(r"[0-9a-f]{40}")
-_KEPT = frozenset(string.ascii_letters + string.digits + "_-")
 # fast-import builds every commit on this branch but never writes it: see the module docstring.
 _SCRATCH_REF = "refs/margo-gitops/fast-import-scratch"
 _FILE_MODE = b"100644"
@@ -199,15 +200,25 @@ class CommitInfo:
 def device_ref(device_id: str) -> str:
     """The branch of `device_id`: ``refs/heads/devices/<encoded>``.
 
-    The whole id becomes ONE ref component, so a gateway ``gw`` and its child ``gw/child`` can
-    both have branches (as refs they would be a file and a directory of the same name). Kept
-    as is: ``[A-Za-z0-9_-]`` and dots Git accepts; percent-encoded (``%XX``, upper-case):
-    ``%``, ``~``, ``/``, and a dot that is first, last or follows another dot, plus the dot of a
-    trailing ``.lock``. Everything Git forbids in a ref name is thereby avoided.
+    The whole id becomes ONE ref component (`margo.identifiers.branch_component` has the
+    encoding), so a gateway ``gw`` and its child ``gw/child`` can both have branches.
+    Everything Git forbids in a ref name is thereby avoided. Any id of the standard's
+    syntax has a name; the store only writes and reads the branches of ids that are also
+    within `margo.identifiers.DEVICE_ID`'s bounds (see `branch_problem`).
     """
     if not isinstance(device_id, str) or not _DEVICE_ID_RE.fullmatch(device_id):
-        raise ValueError(f"not a Margo device id (expected {DEVICE_ID_PATTERN}): {device_id!r}")
-    return DEVICE_REF_PREFIX + _encode(device_id)
+        raise ValueError(f"not a Margo device id (expected {DEVICE_ID_PATTERN}): "
+                         f"{short_repr(device_id)}")
+    return DEVICE_REF_PREFIX + branch_component(device_id)
+
+
+def branch_problem(device_id: object) -> str | None:
+    """Why the store can hold no branch for `device_id`, or None: it must be a valid
+    `margo.identifiers.DEVICE_ID`, whose bounds keep the branch name a file a clone can
+    write (``<component>.lock``) and a ref libgit2 can look up (1,024 bytes at most)."""
+    if not isinstance(device_id, str):
+        return f"a device id must be a string, found {type(device_id).__name__}"
+    return device_id_problem(device_id)
 
 
 def device_id_from_ref(ref: str) -> str | None:
@@ -225,25 +236,9 @@ def device_id_from_ref(ref: str) -> str | None:
         device_id = urllib.parse.unquote(encoded, errors="strict")
     except UnicodeDecodeError:
         return None
-    if not _DEVICE_ID_RE.fullmatch(device_id) or _encode(device_id) != encoded:
+    if not _DEVICE_ID_RE.fullmatch(device_id) or branch_component(device_id) != encoded:
         return None
     return device_id
-
-
-def _encode(device_id: str) -> str:
-    """Percent-encode `device_id` into one valid ref component (rules in `device_ref`)."""
-    last = len(device_id) - 1
-    out: list[str] = []
-    for i, char in enumerate(device_id):
-        plain_dot = char == "." and 0 < i < last and device_id[i - 1] != "."
-        if char in _KEPT or plain_dot:
-            out.append(char)
-        else:
-            out.append("".join(f"%{byte:02X}" for byte in char.encode("utf-8")))
-    encoded = "".join(out)
-    if encoded.endswith(".lock"):
-        encoded = encoded[: -len(".lock")] + "%2Elock"
-    return encoded
 
 
 def blob_id(data: bytes) -> str:
@@ -309,9 +304,12 @@ def _check_commit(commit: DeviceCommit) -> None:
     """Reject what Git or a device's checkout could not represent faithfully."""
     try:
         device_ref(commit.device_id)
-    except (ValueError, TypeError):
-        raise InvalidCommitError(f"not a Margo device id (expected {DEVICE_ID_PATTERN}): "
-                                 f"{commit.device_id!r}") from None
+    except (ValueError, TypeError) as exc:
+        raise InvalidCommitError(str(exc)) from None
+    problem = branch_problem(commit.device_id)
+    if problem is not None:  # a branch nobody could fetch or look up again
+        raise InvalidCommitError(f"no branch for device {short_repr(commit.device_id)}: "
+                                 f"{problem}")
     where = f"device {commit.device_id!r}"
     if isinstance(commit.timestamp, bool) or not isinstance(commit.timestamp, int):
         raise InvalidCommitError(f"{where}: timestamp must be an int, got {commit.timestamp!r}")
@@ -534,6 +532,10 @@ class DeviceStore:
         return None if ref is None else ref.peel(pygit2.Commit)
 
     def _branch(self, device_id: str) -> pygit2.Reference | None:
+        """The device's branch; None also for an id no branch can be named for (an id
+        stored before the server bounded them: it has no desired state, never a 500)."""
+        if branch_problem(device_id) is not None:
+            return None
         return self._own_repo().references.get(device_ref(device_id))
 
     def _commit_on_branch(self, device_id: str, tip: pygit2.Commit,

@@ -12,7 +12,9 @@ Failure containment, so that nothing already committed is lost:
 * a device whose rendering fails (bad parameter value, failing expression, immutable
   change) keeps its whole previous tree, and its problems are reported;
 * a broken capability document leaves its device untouched; devices absent from the
-  snapshot are left untouched too (absence is not evidence of anything).
+  snapshot are left untouched too (absence is not evidence of anything);
+* a device whose id can name no branch (`compiler.gitstore.branch_problem`) is an error of
+  its own: the other devices are compiled and committed as if it were not there.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ import yaml
 
 from compiler.capacity import DeviceCapacity, is_cluster
 from compiler.gcpause import collection_paused
-from compiler.gitstore import DeviceCommit, DeviceStore, StoredTree, blob_id, tree_id_of
+from compiler.gitstore import (
+    DeviceCommit,
+    DeviceStore,
+    StoredTree,
+    blob_id,
+    branch_problem,
+    tree_id_of,
+)
 from compiler.intents import Intent
 from compiler.messages import Change, commit_message, warm_up
 from compiler.parallel import (
@@ -53,7 +62,7 @@ from compiler.state import (
     StagedSave,
 )
 from compiler.targeting import TargetIndex
-from margo.errors import Problem
+from margo.errors import Problem, short_repr
 from margo.models import DeploymentProfile
 
 __all__ = ["CompileReport", "DeviceResult", "compile_fleet", "resolve_intents"]
@@ -650,6 +659,23 @@ def _known_tree(ctx: _Context, job: _Job) -> StoredTree | None:
 
 
 def _work(ctx: _Context, job: _Job) -> _Work:
+    """Compile one device (`_compile_one`); whatever it raises is that device's error.
+
+    Why: the compile is one for the whole fleet, so one device's document or branch that
+    trips something unforeseen must not stop the commits of every other device. The device
+    keeps its branch as it is (like a device whose rendering fails) and the error names it.
+    """
+    try:
+        return _compile_one(ctx, job)
+    except Exception as exc:  # contained and reported, never swallowed
+        problem = Problem((), f"device {short_repr(job.device.id)} could not be compiled "
+                          f"and keeps its desired state: {type(exc).__name__}: "
+                          f"{str(exc)[:300]}", file=job.device.file)
+        outcome = _DeviceOutcome({}, [], [], [problem], [])
+        return _Work(outcome, None, None, job.record.deployments if job.record else 0, None)
+
+
+def _compile_one(ctx: _Context, job: _Job) -> _Work:
     """Compile one device: pure but for reading its branch, so it can run in a worker
     process. Only the intents that changed are evaluated again when the device's
     capabilities and its branch are as the state last recorded them."""
@@ -915,6 +941,20 @@ def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list
             for name in sorted(frozen) if name in previous]
 
 
+def _unusable_id(device: Device, report: CompileReport) -> bool:
+    """Whether no branch can be named for the device's id (one a snapshot built by hand
+    holds, or one stored before ids were bounded where they enter): then it is reported as
+    an error of its own and left out, so it cannot stop the commits of the rest."""
+    problem = branch_problem(device.id)
+    if problem is None:
+        return False
+    located = Problem(("properties", "id"), f"device {short_repr(device.id)} gets no desired "
+                      f"state: {problem}", file=device.file, found=short_repr(device.id))
+    report.results.append(DeviceResult(device.id, "error", problems=[located]))
+    report.errors.append((device.id, located))
+    return True
+
+
 def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: CompilerState,
           report: CompileReport) -> list[_Job]:
     """The devices that must be compiled, with what they need read up front; the others
@@ -933,6 +973,8 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
     todo: list[tuple[Device, DeviceRecord | None]] = []
     for device_id in sorted(snapshot.devices):
         device = snapshot.devices[device_id]
+        if _unusable_id(device, report):
+            continue
         record = previous_devices.get(device_id)
         if _needs_compile(device, record, affected_devices):
             todo.append((device, record))

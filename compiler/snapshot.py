@@ -3,9 +3,11 @@
 Offline compiles read it from a directory (one document per file, any spec shape) or from
 one YAML/JSON file keyed by device id; the fleet server builds the same from its database
 with `snapshot_from_documents`. A broken document is a located problem and its device is
-left alone (its previous desired state stays), never dropped. A cluster proposal's
-`ClusterCapabilitiesManifest` is read as the rc.3 document `margo.cluster` converts it to,
-exactly as the server stores it, so both bodies of one cluster compile alike.
+left alone (its previous desired state stays), never dropped; so is a device whose id is
+not a valid `margo.identifiers.DEVICE_ID` (one stored before the server bounded ids: no
+branch can be named for it). A cluster proposal's `ClusterCapabilitiesManifest` is read
+as the rc.3 document `margo.cluster` converts it to, exactly as the server stores it, so
+both bodies of one cluster compile alike.
 
 Reading a large keyed file again costs its JSON safety checks, decoding it and one digest
 per device. When its bytes are exactly those the last compile read (`SnapshotMemo`, kept in
@@ -32,7 +34,8 @@ from compiler.gcpause import collection_paused
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
 from margo.constraints import matching_view
 from margo.digests import data_digest
-from margo.errors import DocumentError, Problem
+from margo.errors import DocumentError, Problem, short_repr
+from margo.identifiers import device_id_problem
 from margo.kinds import Kind, detect
 from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
 from margo.models import DeviceCapabilities
@@ -253,6 +256,13 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
             expected=key, found=device_id)))
         snapshot.broken.add(key)
         return
+    problem = device_id_problem(device_id)
+    if problem is not None:  # e.g. stored before the server bounded ids: no branch for it
+        snapshot.problems.append(loaded.locate(Problem(
+            ("properties", "id"), f"device {short_repr(device_id)} is left alone: {problem}",
+            found=short_repr(device_id))))
+        snapshot.broken.add(device_id)
+        return
     if device_id in snapshot.devices:
         snapshot.problems.append(loaded.locate(Problem(
             ("properties", "id"), f"device {device_id!r} is reported twice (also in "
@@ -341,7 +351,7 @@ def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: Snapsho
         return False
     for key in plain:
         digest = digests.get(key)
-        if digest is None or trusted.get(key) != digest:
+        if digest is None or trusted.get(key) != digest or device_id_problem(key) is not None:
             return False
     text = _json_text(data)
     devices = snapshot.devices
@@ -423,7 +433,8 @@ def _add_known(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
         value = loaded.value[key]
         digest = known.get(key)
         if (digest is not None and trusted.get(key) == digest and key not in devices
-                and _claimed_id(value) == key and not is_cluster_manifest(value)):
+                and _claimed_id(value) == key and not is_cluster_manifest(value)
+                and device_id_problem(key) is None):
             devices[key] = Device(key, None, digest, file, document=value)
         else:
             _add(snapshot, _keyed(loaded, key), key, trusted, known)

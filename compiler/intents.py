@@ -24,7 +24,9 @@ from compiler.expressions import CompiledValue, ExpressionError, compile_value
 from compiler.rollout import PERCENT, POSITIVE_PERCENT, RolloutSpec, Wave
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
-from margo.errors import DocumentError, Problem
+from margo.errors import DocumentError, Problem, short_repr
+from margo.identifiers import DEVICE_ID as DEVICE_ID_NAME
+from margo.identifiers import DNS_LABEL as DNS_LABEL_NAME
 from margo.kinds import Shape
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
@@ -246,6 +248,27 @@ def _without_rules_key(path: tuple[str | int, ...], at: int = 3) -> tuple[str | 
     return path
 
 
+def _name_problems(spec: Mapping[str, Any]) -> list[Problem]:
+    """Names the intent hands on that would not survive where they go: listed device ids
+    beyond `margo.identifiers.DEVICE_ID`'s bounds (no device can have them: the server
+    refuses such ids), and, without a `namespace`, an application id whose first 63
+    characters (what `compiler.render` names the namespace after) are no DNS label."""
+    problems = []
+    for index, device_id in enumerate(spec.get("targets", {}).get("devices", ())):
+        problem = DEVICE_ID_NAME.problem(device_id)
+        if problem is not None:
+            problems.append(Problem(("spec", "targets", "devices", index), problem,
+                                    found=short_repr(device_id)))
+    app_id = spec["application"]["id"]
+    if "namespace" not in spec and DNS_LABEL_NAME.problem(app_id[:63].rstrip("-")):
+        problems.append(Problem(("spec", "application", "id"), "without spec.namespace the "
+                                "namespace is named after the application id, and this one "
+                                "gives no DNS label: set spec.namespace",
+                                expected="an id starting with a letter or digit",
+                                found=short_repr(app_id)))
+    return problems
+
+
 def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> Intent:
     """Validate and compile one intent; raise `DocumentError` with located problems."""
     doc = loaded.value
@@ -271,6 +294,7 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
     parameters, parameter_problems = _compile_parameters(spec.get("parameters", {}))
     rollout, rollout_problems = _compile_rollout(spec.get("rollout"))
     found += selector_problems + constraint_problems + parameter_problems + rollout_problems
+    found += _name_problems(spec)
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
     profile = spec.get("profile", {})

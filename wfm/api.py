@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,14 @@ from margo.cluster import (
     validate_cluster_manifest,
 )
 from margo.digests import data_digest, digest_of
-from margo.errors import DocumentError
+from margo.errors import DocumentError, Problem, short_repr
+from margo.identifiers import (
+    DEPLOYMENT_ID,
+    DEVICE_ID,
+    LABEL_KEY,
+    IdentifierFamily,
+    label_value_problem,
+)
 from margo.kinds import Kind, Shape
 from margo.models import DeploymentStatus, DeviceCapabilities
 from margo.validation import validate_value
@@ -56,6 +64,8 @@ MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 IMMUTABLE = "private, max-age=31536000, immutable"
 MAX_BODY = 1024 * 1024
 CREDENTIAL_TTL = 2.0
+#: The largest manifestVersion a status may say it adopted (SQL integers are signed 64-bit).
+MAX_MANIFEST_VERSION = 2**63 - 1
 
 
 class Api:
@@ -177,6 +187,8 @@ class Api:
         device_id = request.path_params.get("deviceId")
         if device_id is None:  # rc.2 POST/PUT .../capabilities, id from the body
             device_id = _reported_id(doc)
+        else:
+            _check_identifier(DEVICE_ID, device_id, "deviceId")
         created = await self.report_capabilities(client, device_id, doc)
         rc3 = request.url.path.startswith("/api/v1/capabilities/")
         return Response(status_code=201 if created or not rc3 else 200)
@@ -189,6 +201,9 @@ class Api:
             caps: DeviceCapabilities = validate_value(doc, expect=Kind.DEVICE_CAPABILITIES)
         except DocumentError as exc:
             raise semantic_error(exc.problems) from None
+        problems = _label_problems(doc)
+        if problems:
+            raise semantic_error(problems)
         if caps.device_id != device_id:
             raise ProblemError(422, f"properties.id {caps.device_id!r} does not match the "
                                f"deviceId {device_id!r} in the path",
@@ -349,14 +364,29 @@ class Api:
         doc = await self.json_body(request)
         deployment_id = request.path_params["deploymentId"]
         path_device = request.path_params.get("deviceId")
+        if path_device is not None:
+            _check_identifier(DEVICE_ID, path_device, "deviceId")
         adopted = doc.get("adoptedManifestVersion")
-        if isinstance(adopted, str) and adopted.isdigit():
+        if isinstance(adopted, str) and _DECIMAL.fullmatch(adopted):
             # The official conformance kit fills this from a template as a string ("3").
+            # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
             doc = {**doc, "adoptedManifestVersion": int(adopted)}
         try:
             status: DeploymentStatus = validate_value(doc, expect=Kind.DEPLOYMENT_STATUS)
         except DocumentError as exc:
             raise semantic_error(exc.problems) from None
+        _check_identifier(DEPLOYMENT_ID, status.deployment_id, "deploymentId")
+        adopted_version = status.adopted_manifest_version
+        if adopted_version is not None and adopted_version > MAX_MANIFEST_VERSION:
+            # The schema allows up to 2^64 - 1, but versions start at 1 and grow by one per
+            # change: a larger one was never served (and does not fit an SQL integer).
+            raise ProblemError(422, f"adoptedManifestVersion {adopted_version} was never "
+                               "served: versions this server gives out stay below 2^63",
+                               margo_type="semantic-error",
+                               errors=[{"field": "adoptedManifestVersion",
+                                        "message": "larger than any manifestVersion served"}])
+        if status.device_id is not None:
+            _check_identifier(DEVICE_ID, status.device_id, "deviceId")
         if status.deployment_id != deployment_id:
             raise ProblemError(422, "deploymentId in the body does not match the path",
                                margo_type="semantic-error",
@@ -458,7 +488,9 @@ class Api:
         """Oct-2024 `POST|PUT /device/{deviceId}/capabilities`."""
         client = self.authenticate(request)
         doc = await self.json_body(request)
-        await self.report_capabilities(client, request.path_params["deviceId"], doc)
+        device_id = request.path_params["deviceId"]
+        _check_identifier(DEVICE_ID, device_id, "deviceId")
+        await self.report_capabilities(client, device_id, doc)
         return Response(status_code=201)
 
 
@@ -469,7 +501,44 @@ def _reported_id(doc: dict[str, Any]) -> str:
     device_id = section.get("id") if isinstance(section, dict) else None
     if not isinstance(device_id, str):
         raise ProblemError(400, f"{field}.id is required", margo_type="invalid-request")
-    return device_id
+    return _check_identifier(DEVICE_ID, device_id, f"{field}.id")
+
+
+#: What a manifest version sent as a string may look like (at most 2^64 - 1: 20 digits).
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
+def _check_identifier(family: IdentifierFamily, value: object, field: str) -> str:
+    """`value` if it is a valid name of `family`; otherwise a 422 naming `field` (a path
+    parameter such as ``deviceId``, or a body field), before anything is stored: an id the
+    store, Git or a device's clone cannot hold must never get as far as a compile. 422, as
+    for every other id the schema's pattern refuses, wherever the id was written."""
+    problem = family.problem(value)
+    if problem is None:
+        assert isinstance(value, str)
+        return value
+    raise ProblemError(422, f"{field} {short_repr(value)}: {problem}",
+                       margo_type="semantic-error",
+                       errors=[{"field": field, "message": problem}])
+
+
+def _label_problems(doc: dict[str, Any]) -> list[Problem]:
+    """Every label key that is not a `margo.identifiers.LABEL_KEY`, and every value too big
+    or with control characters (selectors, the dashboard and templates all read them)."""
+    labels = doc.get("labels")
+    if not isinstance(labels, dict):
+        return []
+    problems = []
+    for key, value in labels.items():
+        problem = LABEL_KEY.problem(key)
+        if problem is not None:
+            shown = key if len(key) <= 80 else key[:77] + "..."  # a path, not a copy
+            problems.append(Problem(("labels", shown), problem, found=short_repr(key)))
+            continue
+        problem = label_value_problem(value)
+        if problem is not None:
+            problems.append(Problem(("labels", key), problem, found=short_repr(value)))
+    return problems
 
 
 def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -481,7 +550,7 @@ def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any
     problems = validate_cluster_manifest(manifest)
     if problems:
         raise semantic_error(problems)
-    cluster_id = manifest["metadata"]["id"]
+    cluster_id = _check_identifier(DEVICE_ID, manifest["metadata"]["id"], "metadata.id")
     if cluster_id != device_id:
         raise ProblemError(422, f"metadata.id {cluster_id!r} does not match the deviceId "
                            f"{device_id!r} in the path", margo_type="semantic-error",

@@ -22,13 +22,21 @@ from typing import Any
 
 from wfm.db import Connection, Database
 
-__all__ = ["Client", "ClientKey", "ClientRegistry", "token_hash"]
+__all__ = ["Client", "ClientKey", "ClientRegistry", "same_secret", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
 
+def same_secret(given: str, expected: str) -> bool:
+    """Constant-time equality of two texts, whatever characters a caller sent: compared as
+    UTF-8 bytes, because `hmac.compare_digest` raises TypeError for a `str` holding anything
+    but ASCII, and a credential must be refused (401), never crash the request (500)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
+                               expected.encode("utf-8", "surrogatepass"))
+
+
 def token_hash(token: str) -> str:
     # Tokens are 256 random bits: a plain hash is enough (no dictionary to attack).
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +178,7 @@ class ClientRegistry:
 
     def by_basic(self, client_id: str, token: str) -> Client | None:
         client = self.by_token(token)
-        if client is None or not hmac.compare_digest(client.client_id, client_id):
+        if client is None or not same_secret(client_id, client.client_id):
             return None
         return client
 

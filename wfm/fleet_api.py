@@ -9,7 +9,6 @@ When the server has an operator token (`--admin-token`), these endpoints require
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 from collections import Counter, defaultdict
@@ -27,6 +26,7 @@ from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm import records
 from wfm.api import Api
+from wfm.clients import same_secret
 from wfm.compiles import SourceConfig
 from wfm.db import Connection
 from wfm.freshness import STALE_POLLS, Freshness, device_freshness
@@ -75,8 +75,7 @@ class FleetApi:
         if self.admin_token is None:
             return
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip(),
-                                                                 self.admin_token):
+        if scheme.lower() != "bearer" or not same_secret(value.strip(), self.admin_token):
             raise ProblemError(401, "the operator token is required",
                                headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
 

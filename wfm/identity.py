@@ -39,6 +39,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from starlette.requests import Request
 
+from margo.errors import short_repr
+from margo.identifiers import CLIENT_ID
 from margo.spiffe import (
     SpiffeIdError,
     SvidError,
@@ -217,6 +219,11 @@ class Identity:
             raise ProblemError(403, f"the client relationship with {client_id!r} has been "
                                "retired", margo_type="not-authorized", title=RETIRED)
         listed = self.settings.whole_namespace or client_id in self.settings.accept_clients
+        if client is None and listed and not CLIENT_ID.is_valid(client_id):
+            # A certificate names the id; only a bounded one may become a client row (it is
+            # a URL segment and a key of everything the client reports).
+            raise ProblemError(403, f"client id {short_repr(client_id)} is not accepted: "
+                               f"{CLIENT_ID.problem(client_id)}", margo_type="not-authorized")
         if client is None and not listed:
             raise ProblemError(403, f"client {client_id!r} is not in the accepted-client policy "
                                "(register it with `margo clients issue|import`, or list it in "

@@ -38,6 +38,7 @@ from margo.kinds import Kind
 from margo.models import DeploymentState
 from margo.validation import validate_value
 from wfm import records
+from wfm.clients import same_secret
 from wfm.compiles import SourceConfig
 from wfm.fleet_api import FleetApi
 from wfm.sourcecondition import load_condition
@@ -408,11 +409,6 @@ def session_value(token: str) -> str:
                     hashlib.sha256).hexdigest()
 
 
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"),
-                               b.encode("utf-8", "surrogateescape"))
-
-
 # --- the pages ----------------------------------------------------------------------------
 
 def render_page(template: str, *, nonce: str, path: str, **context: Any) -> str:
@@ -449,13 +445,13 @@ class Dashboard:
             return None
         offered = request.query_params.get("token")
         if offered is not None:
-            if not _same(offered, token):
+            if not same_secret(offered, token):
                 return self._unauthorized(request, "That operator token is not valid.")
             return self._signed_in(request, token)
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and _same(value.strip(), token):
+        if scheme.lower() == "bearer" and same_secret(value.strip(), token):
             return None
-        if _same(request.cookies.get(COOKIE_NAME, ""), session_value(token)):
+        if same_secret(request.cookies.get(COOKIE_NAME, ""), session_value(token)):
             return None
         return self._unauthorized(request, "This dashboard needs the operator token.")
 

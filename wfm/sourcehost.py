@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import subprocess
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
-from wfm.clients import parse_basic
+from wfm.clients import parse_basic, same_secret
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.problems import ProblemError, problem_response
 from wfm.receivehook import HOOK_NAME, hook_script
@@ -60,7 +59,7 @@ def _authorized(request: Request, admin_token: str | None) -> bool:
     if not admin_token:
         return False
     pair = parse_basic(request.headers.get("authorization", ""))
-    return pair is not None and hmac.compare_digest(pair[1], admin_token)
+    return pair is not None and same_secret(pair[1], admin_token)
 
 
 async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[int, dict[str, str],

@@ -195,6 +195,11 @@ def test_pushing_to_the_hosted_source_recompiles(tmp_path: Path) -> None:
                                  env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
                                       "HOME": str(work)})
         assert refused.returncode != 0
+        for password in ("pässwörd", "operator-tokén"):  # was a 500 (compare_digest on str)
+            answer = httpx.get(f"{base}/git/source.git/info/refs",
+                               params={"service": "git-receive-pack"},
+                               auth=("operator", password))
+            assert answer.status_code == 401, answer.text
         git("push", "-q", url, "main", cwd=work)
         manifest = poll(http, lambda m: len(m["deployments"]) == 1)
         assert len(manifest["deployments"]) == 1

@@ -95,13 +95,13 @@ class Api:
 
     # --- authentication ----------------------------------------------------------------
 
-    def authenticate(self, request: Request) -> Client:
+    async def authenticate(self, request: Request) -> Client:
         """The caller, from the first proof it presents: an SVID (rc.3), an rc.2 signature,
         then (when enabled) a token. `wfm.identity` has the rules and the policy."""
         client = (self.identity.svid_caller(request)
                   or self.identity.signature_caller(request))
         if client is None and self.identity.settings.bearer_tokens:
-            client = self._token_caller(request)
+            client = await self._token_caller(request)
         if client is None:
             raise ProblemError(401, "valid client credentials are required",
                                headers={"WWW-Authenticate": f"{self.identity.challenge} "
@@ -111,24 +111,24 @@ class Api:
                                margo_type="not-authorized", title=RETIRED)
         return client
 
-    def _token_caller(self, request: Request) -> Client | None:
+    async def _token_caller(self, request: Request) -> Client | None:
         header = request.headers.get("authorization", "")
         scheme, _, value = header.partition(" ")
         if scheme.lower() == "bearer" and value.strip():
-            return self._by_token(value.strip())
+            return await self._by_token(value.strip())
         if scheme.lower() == "basic":
             pair = parse_basic(header)
-            return self.clients.by_basic(*pair) if pair else None
+            return await self.db.offload(self.clients.by_basic, *pair) if pair else None
         return None
 
-    def _by_token(self, token: str) -> Client | None:
+    async def _by_token(self, token: str) -> Client | None:
         """Token lookups, remembered for a second or two: a retired client or a revoked
         token is refused within `CREDENTIAL_TTL` seconds."""
         now = time.monotonic()
         cached = self._credentials.get(token)
         if cached is not None and cached[0] > now:
             return cached[1]
-        client = self.clients.by_token(token)
+        client = await self.db.offload(self.clients.by_token, token)
         if len(self._credentials) > 100_000:
             self._credentials.clear()
         self._credentials[token] = (now + CREDENTIAL_TTL, client)
@@ -142,18 +142,18 @@ class Api:
         second never lacks what the first advertised, and no replica serves a branch older
         than what another already answered before the request arrived."""
         try:
-            client = self.authenticate(request)
+            client = await self.authenticate(request)
         except ProblemError:
             return False
-        owner = self.db.read(lambda conn: records.device_owner(conn, device_id))
+        owner = await self.db.aread(lambda conn: records.device_owner(conn, device_id))
         if owner != client.client_id:
             return False
         await self._caught_up()
         return True
 
-    def scoped(self, request: Request) -> tuple[Client, str]:
+    async def scoped(self, request: Request) -> tuple[Client, str]:
         """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
-        client = self.authenticate(request)
+        client = await self.authenticate(request)
         path_client = request.path_params.get("clientId")
         if path_client is None:
             return client, "/api/v1"
@@ -182,7 +182,7 @@ class Api:
     # --- capabilities ------------------------------------------------------------------
 
     async def put_capabilities(self, request: Request) -> Response:
-        client, _ = self.scoped(request)
+        client, _ = await self.scoped(request)
         doc = await self.json_body(request)
         device_id = request.path_params.get("deviceId")
         if device_id is None:  # rc.2 POST/PUT .../capabilities, id from the body
@@ -211,7 +211,7 @@ class Api:
                                errors=[{"field": "properties.id", "message": "must equal the "
                                         "deviceId in the path"}])
         parent = device_id.rpartition("/")[0]
-        if parent and self.db.read(lambda c: records.device_row(c, parent)) is None:
+        if parent and await self.db.aread(lambda c: records.device_row(c, parent)) is None:
             raise ProblemError(404, f"no gateway {parent!r} has reported its capabilities",
                                margo_type="gateway-not-found")
 
@@ -232,7 +232,7 @@ class Api:
         return result.created
 
     async def delete_capabilities(self, request: Request) -> Response:
-        client, _ = self.scoped(request)
+        client, _ = await self.scoped(request)
         device_id = request.path_params["deviceId"]
         removed = await self.db.write(
             lambda conn: records.forget_device(conn, client.client_id, device_id))
@@ -245,9 +245,8 @@ class Api:
 
     # --- desired state -----------------------------------------------------------------
 
-    def _state(self, client: Client) -> Any:
-        devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
-        return self.desired.client_state(client.client_id, devices)
+    async def _devices(self, client: Client) -> tuple[str, ...]:
+        return await self.db.aread(lambda conn: records.client_devices(conn, client.client_id))
 
     async def _manifest_version(self, client: Client, state: ClientState,
                                 generation: int) -> int | None:
@@ -255,35 +254,40 @@ class Api:
         served state changes; persisted, so it never goes back (restarts included). None
         when another replica already gave the client a newer generation's state."""
         state_digest = state.state_digest
-        current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
+        current = await self.db.aread(
+            lambda conn: records.manifest_version(conn, client.client_id))
         if current is not None and current[0] > 0 and current[1] == state_digest:
             return current[0]
         contents = {d.deployment_id: d.digest for d in state.deployments}
         return await self.db.write(lambda conn: records.advance_manifest_version(
             conn, client.client_id, state_digest, generation, contents))
 
-    def _still_current(self, client: Client, version: int) -> bool:
+    async def _still_current(self, client: Client, version: int) -> bool:
         """Whether a cached manifest is still the client's newest. One process knows (its
         cache moves with its compiles); a replica asks the database, since another replica
         may have given the client a newer version from a generation this one has not synced
         yet, and serving the cached one would take the client back."""
         if self.coordinator is None:
             return True
-        current = self.db.read(lambda conn: records.manifest_version(conn, client.client_id))
+        current = await self.db.aread(
+            lambda conn: records.manifest_version(conn, client.client_id))
         return current is not None and current[0] == version
 
-    def _served_state(self, client: Client) -> tuple[int, Any]:
+    async def _served_state(self, client: Client) -> tuple[int, Any]:
         """The fleet generation this replica serves and the client's state at it, read
-        together (a sync moves the repository under the coordinator's lock)."""
+        together (a sync moves the repository under the coordinator's lock, held here only
+        while the state is computed from the repository, never across a database read)."""
+        devices = await self._devices(client)
         if self.coordinator is None:
-            return 0, self._state(client)
+            return 0, self.desired.client_state(client.client_id, devices)
         with self.coordinator.lock:
-            return self.coordinator.generation, self._state(client)
+            return (self.coordinator.generation,
+                    self.desired.client_state(client.client_id, devices))
 
     async def _fresh_manifest(self, client: Client, prefix: str) -> tuple[bytes, str]:
         for _ in range(3):
             local = self.desired.generation
-            generation, state = self._served_state(client)
+            generation, state = await self._served_state(client)
             version = await self._manifest_version(client, state, generation)
             if version is None:  # behind another replica: catch up, then answer
                 await run_in_threadpool(self.coordinator.sync)  # type: ignore[union-attr]
@@ -296,7 +300,7 @@ class Api:
                            retry_after=1)
 
     async def get_manifest(self, request: Request) -> Response:
-        client, prefix = self.scoped(request)
+        client, prefix = await self.scoped(request)
         if not _accepts(request.headers.get("accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
                                margo_type="server-cannot-generate-response")
@@ -304,7 +308,7 @@ class Api:
         key = (client.client_id, prefix)
         cached = self._manifests.get(key)
         if cached is not None and cached[0] == self.desired.generation and \
-                self._still_current(client, cached[3]):
+                await self._still_current(client, cached[3]):
             body, etag = cached[1], cached[2]
         else:
             body, etag = await self._fresh_manifest(client, prefix)
@@ -314,17 +318,17 @@ class Api:
         return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
 
     async def get_deployment(self, request: Request) -> Response:
-        client, _ = self.scoped(request)
+        client, _ = await self.scoped(request)
         deployment_id, digest = request.path_params["deploymentId"], request.path_params["digest"]
         for _ in range(2):
-            self._served_state(client)
+            await self._served_state(client)
             for state in self.desired.recent_states(client.client_id):
                 found = state.find(deployment_id, digest)
                 if found is not None:
                     return _immutable(request, found.data, "application/yaml", digest)
             if not await self._caught_up():
                 break
-        devices = self.db.read(lambda conn: records.client_devices(conn, client.client_id))
+        devices = await self._devices(client)
         data = await run_in_threadpool(self.desired.find_in_history, devices, deployment_id,
                                        digest)
         if data is not None:  # named by a manifest this replica never computed
@@ -333,10 +337,10 @@ class Api:
                            "client", margo_type="deployment-not-found")
 
     async def get_bundle(self, request: Request) -> Response:
-        client, _ = self.scoped(request)
+        client, _ = await self.scoped(request)
         digest = request.path_params["digest"]
         for _ in range(2):
-            self._served_state(client)
+            await self._served_state(client)
             for state in self.desired.recent_states(client.client_id):
                 if state.bundle is not None and state.bundle_digest == digest:
                     return _immutable(request, state.bundle, BUNDLE_MEDIA_TYPE, digest)
@@ -360,7 +364,7 @@ class Api:
     # --- status ------------------------------------------------------------------------
 
     async def post_status(self, request: Request) -> Response:
-        client, _ = self.scoped(request)
+        client, _ = await self.scoped(request)
         doc = await self.json_body(request)
         deployment_id = request.path_params["deploymentId"]
         path_device = request.path_params.get("deviceId")
@@ -392,9 +396,9 @@ class Api:
                                margo_type="semantic-error",
                                errors=[{"field": "deploymentId", "message": "must equal the "
                                         "deploymentId in the path"}])
-        owner = self._deployment_device(client, deployment_id)
+        owner = await self._deployment_device(client, deployment_id)
         if owner is None and await self._caught_up():  # assigned in a newer generation
-            owner = self._deployment_device(client, deployment_id)
+            owner = await self._deployment_device(client, deployment_id)
         if owner is None:
             raise ProblemError(422, f"deployment {deployment_id} was never assigned to this "
                                "client's devices", margo_type="semantic-error")
@@ -407,31 +411,31 @@ class Api:
                 digest=data_digest(doc), adopted=status.adopted_manifest_version)
 
         written = await self.db.write(write)
-        if written.changed and self._rollout_moving():
+        if written.changed and await self._rollout_moving():
             self.compiles.trigger()  # the report may settle a wave or exhaust a budget
         # The status of an assigned deployment exists from its assignment on, so a report
         # updates it: 200 (what the official conformance kit expects); Oct-2024 said 201.
         return Response(status_code=201 if _generation(request) == Shape.OCT_2024 else 200)
 
-    def _rollout_moving(self) -> bool:
+    async def _rollout_moving(self) -> bool:
         """Whether a staged rollout moves (read at most every second: asked per status; the
         rollout is also evaluated every `wfm.rollouts.RECHECK_SECONDS` while it moves)."""
         now = time.monotonic()
         if now - self._rollouts_checked > 1:
             self._rollouts_checked = now
-            self._rollouts_moving = bool(self.db.read(lambda conn: conn.execute(
+            self._rollouts_moving = bool(await self.db.aread(lambda conn: conn.execute(
                 "SELECT COUNT(*) FROM rollouts WHERE state LIKE ?",
                 ('%"status": "progressing"%',)).fetchone()[0]))
         return self._rollouts_moving
 
-    def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
-        self._served_state(client)
+    async def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
+        await self._served_state(client)
         for state in self.desired.recent_states(client.client_id):
             for served in state.deployments:
                 if served.deployment_id == deployment_id:
                     return served.device_id
-        return self.db.read(lambda conn: records.status_device(conn, deployment_id,
-                                                               client.client_id))
+        return await self.db.aread(lambda conn: records.status_device(conn, deployment_id,
+                                                                      client.client_id))
 
     # --- rc.2 onboarding and Oct-2024 tokens -------------------------------------------
 
@@ -486,7 +490,7 @@ class Api:
 
     async def device_capabilities(self, request: Request) -> Response:
         """Oct-2024 `POST|PUT /device/{deviceId}/capabilities`."""
-        client = self.authenticate(request)
+        client = await self.authenticate(request)
         doc = await self.json_body(request)
         device_id = request.path_params["deviceId"]
         _check_identifier(DEVICE_ID, device_id, "deviceId")

@@ -37,6 +37,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import anyio.to_thread
+
 from wfm.schema import migrate
 
 __all__ = ["Connection", "Database", "DatabaseUnavailable", "SqliteDatabase", "is_url",
@@ -118,6 +120,22 @@ class Database:
     def read(self, fn: Callable[[Any], T]) -> T:
         """Run a read on a connection that sees every committed write."""
         raise NotImplementedError
+
+    #: Whether a read waits on another machine (PostgreSQL). An event loop that waited for
+    #: it would answer nobody meanwhile, so `aread` hands such reads to a worker thread;
+    #: a local SQLite read takes microseconds and is cheaper run where it is.
+    remote_reads = False
+
+    async def aread(self, fn: Callable[[Any], T]) -> T:
+        """`read`, for code on the event loop."""
+        return await self.offload(self.read, fn)
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)`, a call that reads this store (a registry lookup, say), from the
+        event loop: in place for a local store, on a worker thread for a remote one."""
+        if not self.remote_reads:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args)
 
     def _probe(self) -> None:
         """Raise unless a write could be taken right now; quick (readiness calls it while

@@ -72,6 +72,7 @@ class PgConnection:
 class PostgresDatabase(Database):
     dialect = "postgresql"
     begin = "BEGIN"
+    remote_reads = True
     #: ReadOnlySqlTransaction: a standby (after a failover, the old primary): nothing can
     #: be stored here now, the writer reconnects for the next batch.
     unavailable = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,

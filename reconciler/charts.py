@@ -17,6 +17,13 @@ Caching rules, and why:
   always matches the digest in its name even if the tag moves in between.
 - Files are written to a temporary directory next to the cache and renamed into place, so
   a crash never leaves a truncated archive under a digest name.
+- A file on disk is checked before every use. Its name is the OCI *manifest* digest, which
+  the archive's bytes cannot be checked against, so each pull records the archive's own
+  sha256 beside it (`<hex>.archive-digest`, written before the archive is renamed into
+  place). An archive that no longer matches (a bad sector, an edit behind the client's back)
+  is removed and pulled again; if the registry cannot be reached the step fails with
+  `PULL_FAILED` saying so, and nothing is installed from the damaged file. An archive from
+  before this check (no digest beside it) has its digest recorded on first use.
 
 Plain HTTP is used only for the loopback hosts in `plain_http_hosts` (test and demo
 registries); everything else is HTTPS.
@@ -29,6 +36,7 @@ registry client as a Docker `config.json` it reads, written with mode 0600 in a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -41,12 +49,16 @@ from types import TracebackType
 
 import helm_python as helm
 
+from margo.digests import DigestError, digest_of, verify_digest
+from margo.files import write_atomically
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.registry_credentials import RegistryCredential, docker_config_text
 
 __all__ = ["DEFAULT_PLAIN_HTTP_HOSTS", "ChartCache", "OciReference", "parse_repository"]
 
 DEFAULT_PLAIN_HTTP_HOSTS = frozenset({"127.0.0.1", "localhost"})
+
+log = logging.getLogger("margo.device")
 
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 # OCI distribution tag grammar; Helm stores a SemVer `+` as `_` in tags.
@@ -133,14 +145,22 @@ class ChartCache:
         key = (repository, revision)
         with self._fetch_lock:
             known = self._fetched.get(key)
-            if known is not None and known.is_file():
+            if known is not None and _intact(known):
                 return known
             plain_http = reference.hostname in self.plain_http_hosts
             digest = revision if _DIGEST.match(revision) else self._resolve(
                 reference, revision, plain_http=plain_http)
             target = self._blobs / f"{digest.removeprefix('sha256:')}.tgz"
-            if not target.is_file():
-                self._pull(reference, digest, target, plain_http=plain_http)
+            damaged = target.is_file() and not _intact(target)
+            if damaged or not target.is_file():
+                try:
+                    self._pull(reference, digest, target, plain_http=plain_http)
+                except ApplyError as exc:
+                    if damaged:
+                        raise ApplyError(exc.code, f"the cached chart {target} was damaged and "
+                                         f"has been removed; {exc.message}",
+                                         retryable=exc.retryable) from exc
+                    raise
             self._fetched[key] = target
             return target
 
@@ -236,7 +256,42 @@ class ChartCache:
             if len(archives) != 1:
                 raise ApplyError(ErrorCode.PULL_FAILED, f"pulling {ref} gave {len(archives)} chart "
                                  "archives instead of one")
+            # Helm verified the archive against the manifest; remember its digest first, so
+            # an archive under the target name always has its digest beside it.
+            write_atomically(_digest_file(target), digest_of(archives[0].read_bytes()) + "\n")
             archives[0].replace(target)
         finally:
             with contextlib.suppress(OSError):
                 shutil.rmtree(staging)
+
+
+def _digest_file(archive: Path) -> Path:
+    """Where the digest of `archive`'s bytes, recorded when it was pulled, is kept."""
+    return archive.with_name(archive.name.removesuffix(".tgz") + ".archive-digest")
+
+
+def _intact(archive: Path) -> bool:
+    """Whether a cached archive still has the bytes it was pulled with. A damaged one is
+    removed (with its digest), so the caller pulls it again; one cached before digests were
+    recorded gets its digest recorded now (it was renamed into place whole)."""
+    try:
+        data = archive.read_bytes()
+    except OSError:
+        return False
+    recorded = _digest_file(archive)
+    try:
+        expected = recorded.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        write_atomically(recorded, digest_of(data) + "\n")
+        return True
+    except (OSError, UnicodeDecodeError):
+        expected = ""
+    try:
+        verify_digest(data, expected)
+    except DigestError as exc:
+        log.warning("the cached chart %s is damaged (%s); pulling it again", archive, exc)
+        for path in (archive, recorded):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return False
+    return True

@@ -31,6 +31,11 @@ member and the rule, anything that could escape or surprise:
 Extraction never uses tarfile's extraction: files are written from the validated bytes with
 mode 0644 (directories 0755) into a temporary sibling directory that is renamed into place,
 so the destination either holds the complete package or does not exist.
+
+An extracted package is reused by every later step of the same archive, so before each use
+`restore_extracted` compares it with the archive just pulled and verified: a file whose bytes
+differ, or that is missing, is written again (one bad sector or one edit behind the client's
+back must not be what `docker compose up` runs).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import os
 import posixpath
 import secrets
 import shutil
+import stat
 import tarfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -54,7 +60,8 @@ from margo.digests import digest_of
 from reconciler.errors import ApplyError, ErrorCode
 
 __all__ = ["COMPOSE_FILE", "MAX_COMPOSE_BYTES", "MAX_MEMBERS", "MAX_UNPACKED_BYTES",
-           "ComposePackage", "UnsafePackageError", "extract_package", "validate_package"]
+           "ComposePackage", "UnsafePackageError", "extract_package", "restore_extracted",
+           "validate_package"]
 
 COMPOSE_FILE = "compose.yaml"
 MAX_MEMBERS = 2000
@@ -363,3 +370,65 @@ def extract_package(package: ComposePackage, dest: Path) -> Path:
     finally:
         os.close(directory_fd)
     return dest / COMPOSE_FILE
+
+
+def restore_extracted(package: ComposePackage, dest: Path) -> list[str]:
+    """Make `dest` hold exactly the package's bytes again before it is used; the names of
+    the files that had to be written (empty when it was intact).
+
+    `dest` missing: it is extracted (`extract_package`). A file that is missing, not a
+    regular file, or holds other bytes is replaced atomically (written beside it, renamed
+    over it, so a link planted there is replaced, never followed). Files the package does not
+    have are left alone: a service may bind-mount a package directory and write into it. A
+    package directory that is no longer a real directory (a link could lead a write
+    anywhere) means extracting the whole package afresh."""
+    dest = Path(dest)
+    if not dest.exists() and not dest.is_symlink():
+        extract_package(package, dest)
+        return sorted(package.files)
+    if not _real_directory(dest) or not all(_real_directory(dest / d)
+                                            for d in package.directories):
+        if dest.is_symlink() or not dest.is_dir():
+            dest.unlink()
+        else:
+            shutil.rmtree(dest)
+        extract_package(package, dest)
+        return sorted(package.files)
+    restored = []
+    for name in sorted(package.files):
+        path = dest / name
+        if _holds(path, package.files[name]):
+            continue
+        staging = path.with_name(f".{path.name}.restore-{secrets.token_hex(6)}")
+        try:
+            _write_file(staging, package.files[name])
+            os.replace(staging, path)
+        except IsADirectoryError:  # a directory where the file belongs: start over
+            staging.unlink(missing_ok=True)
+            shutil.rmtree(dest)
+            extract_package(package, dest)
+            return sorted(package.files)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+        restored.append(name)
+    return restored
+
+
+def _real_directory(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _holds(path: Path, content: bytes) -> bool:
+    """Whether `path` is a regular file (not a link) with exactly `content`."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read(len(content) + 1) == content

@@ -49,6 +49,7 @@ The command lines and files are built by pure functions (`compose_commands`,
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -62,7 +63,7 @@ import yaml
 
 from margo.component_values import env_string
 from margo.files import write_atomically
-from reconciler.compose_package import COMPOSE_FILE, extract_package, validate_package
+from reconciler.compose_package import COMPOSE_FILE, restore_extracted, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose_engine import (
     LABEL_PROJECT,
@@ -88,6 +89,8 @@ __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container
            "ProjectFiles", "compose_commands", "container_healthy", "detect_compose_command",
            "env_file_text", "override_document", "parse_ps_output", "project_files",
            "releases_from_ps"]
+
+log = logging.getLogger("margo.device")
 
 ENV_FILE = "margo.env"
 OVERRIDE_FILE = "margo-override.yaml"
@@ -289,10 +292,11 @@ class ComposeDriver:
         package = validate_package(artifact.data)
         files = project_files(self.work_dir, step.release_name, package.digest,
                               package_env=".env" in package.files)
-        if not files.compose_file.is_file():
-            if files.package_dir.exists():  # not made by us (we rename complete dirs only)
-                shutil.rmtree(files.package_dir)
-            extract_package(package, files.package_dir)
+        existed = files.package_dir.exists()
+        restored = restore_extracted(package, files.package_dir)
+        if existed and restored:
+            log.warning("%s: the extracted package %s no longer matched the verified archive; "
+                        "restored %s", step.release_name, files.package_dir, ", ".join(restored))
         labels = ownership_labels(deployment.deployment_id, component.name,
                                   desired_digest=deployment.digest,
                                   spec_digest=component.spec_digest,

@@ -63,6 +63,32 @@ def test_cache_hits_do_not_contact_the_registry(tmp_path: Path) -> None:
     assert caught.value.retryable
 
 
+def test_a_damaged_cached_chart_is_pulled_again_never_installed(tmp_path: Path) -> None:
+    """The archive is damaged in the cache directory itself (a bad disk, an edit behind the
+    client's back): every use checks it, in the same process and after a restart."""
+    with running_registry(tmp_path / "private") as private:
+        repository = published(private, tmp_path, "charts", "1.0.0")
+        digest = chart_digest(private, repository, "1.0.0")
+        with ChartCache(tmp_path / "cache") as charts:
+            path = charts.fetch(repository, digest)
+            good = path.read_bytes()
+            path.write_bytes(good[:-16] + b"\0" * 16)
+            assert charts.fetch(repository, digest) == path  # a hit, checked: pulled again
+            assert path.read_bytes() == good
+            assert charts.load(path).version == "1.0.0"
+            recorded = path.with_name(path.name.removesuffix(".tgz") + ".archive-digest")
+            recorded.unlink()  # as a cache written before digests were recorded
+        with ChartCache(tmp_path / "cache") as restarted:
+            assert restarted.fetch(repository, digest) == path  # accepted, digest recorded
+            assert recorded.is_file()
+    path.write_bytes(b"not the chart any more")
+    with ChartCache(tmp_path / "cache") as offline, pytest.raises(ApplyError) as caught:
+        offline.fetch(repository, digest)  # the registry is gone: fail, never use the file
+    assert caught.value.code == "PULL_FAILED" and caught.value.retryable
+    assert f"the cached chart {path} was damaged and has been removed" in caught.value.message
+    assert not path.exists()
+
+
 def test_a_digest_revision_pulls_exactly_that_manifest(registry: str, tmp_path: Path) -> None:
     repository = published(registry, tmp_path, "cache-digest", "1.0.0", "2.0.0")
     first = chart_digest(registry, repository, "1.0.0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import shutil
 import stat
 import tarfile
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from reconciler.compose_package import (
     ComposePackage,
     UnsafePackageError,
     extract_package,
+    restore_extracted,
     validate_package,
 )
 
@@ -298,3 +300,35 @@ def test_a_failed_extraction_leaves_nothing_behind(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         extract_package(broken, tmp_path / "pkg")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_extracted_package_that_no_longer_matches_is_restored_before_use(
+        tmp_path: Path) -> None:
+    """The extracted files are changed on disk, as a bad disk or someone with access to the
+    data directory would: the next step must run the verified package, not them."""
+    package = validate_package(targz(*good_entries()))
+    dest = tmp_path / "pkg"
+    assert restore_extracted(package, dest) == ["compose.yaml", "configs/site.conf", "web.env"]
+    assert restore_extracted(package, dest) == []  # intact: nothing written
+
+    (dest / "compose.yaml").write_bytes(COMPOSE.replace(b"nginx:1.27", b"evil:latest"))
+    (dest / "web.env").unlink()
+    (dest / "data").mkdir()  # what a service wrote into a bind-mounted package directory
+    (dest / "data" / "state").write_bytes(b"kept")
+    assert restore_extracted(package, dest) == ["compose.yaml", "web.env"]
+    assert (dest / "compose.yaml").read_bytes() == COMPOSE
+    assert (dest / "web.env").is_file() and (dest / "data" / "state").read_bytes() == b"kept"
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (dest / "compose.yaml").unlink()
+    (dest / "compose.yaml").symlink_to(outside / "target")  # a planted link is replaced
+    assert restore_extracted(package, dest) == ["compose.yaml"]
+    assert not (dest / "compose.yaml").is_symlink() and list(outside.iterdir()) == []
+
+    shutil.rmtree(dest / "configs")
+    (dest / "configs").symlink_to(outside)  # a directory turned into a link: start over
+    assert restore_extracted(package, dest) == ["compose.yaml", "configs/site.conf", "web.env"]
+    assert tree(dest) == {"compose.yaml": 0o644, "configs": 0o755, "configs/site.conf": 0o644,
+                          "web.env": 0o644}
+    assert list(outside.iterdir()) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -126,10 +127,23 @@ def _source(config: DeviceConfig, http: httpx.Client, client_id: str) -> Source:
         pygit2.settings.server_timeout = timeout_ms
         return GitSource(config.git_url, cache_dir=config.data_dir / "git",
                          username=client_id, password=config.token(),
-                         depth=config.git_depth)
+                         depth=config.git_depth,
+                         accept_history_rewrite=config.git_accept_history_rewrite)
     from reconciler.sources.rest_source import RestSource
     prefix = "/api/v1" if config.api == Shape.RC3 else f"/api/v1/clients/{client_id}"
     return RestSource(http, prefix=prefix, device_id=config.device_id)
+
+
+def _source_is_the_server(config: DeviceConfig) -> bool:
+    """Whether an answer from the source is an answer from the server status reports go to:
+    always for the REST source; for Git only when its repository is on that server (same
+    scheme, host and port), not, say, on a separate Git host that may be up while the
+    fleet server is down."""
+    if config.source != "git" or config.git_url is None:
+        return True
+    ours, theirs = urlsplit(config.server_url), urlsplit(config.git_url)
+    return (ours.scheme, ours.hostname, ours.port) == (theirs.scheme, theirs.hostname,
+                                                       theirs.port)
 
 
 def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
@@ -206,9 +220,16 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
                 outcome = capabilities.report(provider.gather())
             except (DocumentError, OSError, ValueError) as exc:
                 return str(exc)
+            if outcome.kind == "delivered":
+                reporter.resume()  # the server is back: queued reports need not wait
             return None if outcome.ok else f"{outcome.kind}: {outcome.status} {outcome.detail}"
+
+        def server_answered() -> None:
+            reporter.resume()
 
         yield Reconciler(state=state, source=source, driver=driver,
                          target=StatusTarget(config.api, config.device_id, client_id),
                          deliver=deliver, report_capabilities=report_capabilities,
-                         schedule=config.schedule)
+                         schedule=config.schedule,
+                         server_answered=server_answered if _source_is_the_server(config)
+                         else None)

@@ -61,6 +61,9 @@ def config_schema() -> dict[str, Any]:
             "type": {"enum": ["git", "margo-rest"]},
             "url": {"type": "string", "pattern": r"^(https?|file)://\S+$"},
             "depth": {"type": "integer", "minimum": 0},
+            # git only: a tip the operator moved the branch to on purpose, accepted once
+            "acceptHistoryRewrite": {"type": "string",
+                                     "pattern": r"^[0-9a-f]{40}([0-9a-f]{24})?$"},
         }, ["type"]),
         "driver": _closed({
             "type": {"enum": ["helm", "compose", "render"]},
@@ -175,6 +178,9 @@ class DeviceConfig:
     registry_credentials: tuple[RegistryCredential, ...] = ()
     schedule: Schedule = field(default_factory=Schedule)
     identity: IdentityConfig | None = None
+    #: Git source: the commit of a deliberately rewound or rewritten branch to accept once
+    #: although it does not descend from the adopted commit (rollback protection).
+    git_accept_history_rewrite: str | None = None
 
     def token(self) -> str:
         """Read at use, so a rotated token file is picked up without a restart."""
@@ -344,8 +350,10 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if source["type"] == "margo-rest" and api == Shape.OCT_2024:
         found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "
                              "rc.3 or rc.2 with the margo-rest source", found=api))
-    if "url" in source and source["type"] != "git":
-        found.append(Problem(("source", "url"), "only the git source takes a url"))
+    for key in ("url", "acceptHistoryRewrite"):
+        if key in source and source["type"] != "git":
+            found.append(Problem(("source", key), "only the git source takes this setting",
+                                 found=source["type"]))
     caps = doc.get("capabilities", {})
     if len(caps) > 1:
         found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
@@ -387,7 +395,8 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         drift_detection=driver.get("driftDetection", "warn"),
         rollback_on_failure=bool(driver.get("rollbackOnFailure", False)),
         compose=compose, docker_host=driver.get("dockerHost"),
-        registry_credentials=credentials)
+        registry_credentials=credentials,
+        git_accept_history_rewrite=source.get("acceptHistoryRewrite"))
 
 
 def load_config(path: str | Path) -> DeviceConfig:

@@ -15,6 +15,13 @@
 A problem body's `retryable` overrides the status class when present (a 503 that says
 `retryable: false` is not retried; a 409 that says `retryable: true` is).
 
+Our own backoff guesses when the server will be back; once another request has been
+answered (a poll, a capability report), it is back, and `Reporter.resume` makes deferred
+entries due at once with their backoff started over. Otherwise reports queued during an
+outage would wait out a delay that grew while the server was away (up to five minutes)
+after it returned. A delay the server asked for (Retry-After, `retryAfterSeconds`) is a
+request, not a guess: it is kept (in the state's keys and values, so across restarts).
+
 `send_json` is the same classification for one request (capabilities use it). Nothing here
 raises httpx errors: every outcome is a value.
 """
@@ -39,6 +46,8 @@ __all__ = ["MAX_BACKOFF_SECONDS", "DeliveryResult", "Outcome", "Reporter", "back
 
 MAX_BACKOFF_SECONDS = 300.0
 BASE_BACKOFF_SECONDS = 1.0
+#: The state key holding when the server's own requested delay ends (wall clock).
+_SERVER_DELAY_KEY = "delivery.server-delay-until"
 
 DELIVERED, RETRY, REJECTED, UNAUTHORIZED, UNCHANGED = (
     "delivered", "retry", "rejected", "unauthorized", "unchanged")
@@ -186,9 +195,20 @@ class Reporter:
                     retry_at = self._defer(entry, last, now)
                     return self._result(delivered, dead, "retry", retry_at, last)
 
+    def resume(self) -> int:
+        """The server answered another request: entries waiting out our own backoff are due
+        now and their backoff starts over (see the module docstring); a delay the server
+        asked for still holds until it ends. Returns how many entries were made due."""
+        requested = self.state.get(_SERVER_DELAY_KEY)
+        held_until = float(requested) if requested else 0.0
+        due = held_until if held_until > self.clock() else 0.0
+        return self.state.resume_deferred(due)
+
     def _defer(self, entry: JournalEntry, outcome: Outcome, now: float) -> float:
         attempts = entry.attempts + 1
         retry_at = now + backoff_delay(outcome, attempts, self.rng)
+        if outcome.retry_after is not None:
+            self.state.set(_SERVER_DELAY_KEY, repr(retry_at))
         self.state.deferred(entry.seq, retry_at, attempts)
         return retry_at
 

@@ -89,6 +89,10 @@ class DesiredState:
     manifest_version: int | None
     etag: str | None
     deployments: tuple[DesiredDeployment, ...]
+    #: Set when this state was accepted only because an operator allowed a rewritten Git
+    #: history up to this commit (`source.acceptHistoryRewrite`); adopting it spends that
+    #: override, so the same setting cannot let a later rollback through.
+    history_rewrite_accepted: str | None = None
 
     def by_id(self) -> dict[str, DesiredDeployment]:
         return {d.deployment_id: d for d in self.deployments}

@@ -32,7 +32,7 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, DeploymentPlan, Step, plan
 from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
-from reconciler.state import DeviceState
+from reconciler.state import DamagedDocumentsError, DeviceState
 from reconciler.statuses import status_body, status_path
 
 __all__ = ["CycleResult", "Reconciler", "StatusTarget"]
@@ -85,13 +85,19 @@ class Reconciler:
                  target: StatusTarget, deliver: Callable[[], tuple[int, int]],
                  report_capabilities: Callable[[], str | None] | None = None,
                  schedule: Schedule | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 server_answered: Callable[[], None] | None = None) -> None:
+        """`server_answered` is called whenever the source got an answer from the server
+        that status reports go to (a poll, unchanged or not): queued reports waiting out a
+        backoff from an outage are then due at once (`Reporter.resume`), so they arrive in
+        this cycle instead of after a backoff that grew while the server was away."""
         self.state = state
         self.source = source
         self.driver = driver
         self.target = target
         self._deliver = deliver
         self._report_capabilities = report_capabilities
+        self._server_answered = server_answered
         self.schedule = schedule or Schedule()
         self._clock = clock
         self._parsed: dict[str, DesiredDeployment] = {}
@@ -102,7 +108,8 @@ class Reconciler:
 
     def _desired(self) -> list[DesiredDeployment]:
         """The adopted documents, parsed once per digest (an unchanged cycle re-parses
-        nothing)."""
+        nothing). Raises `DamagedDocumentsError` when a stored copy no longer matches its
+        digest (the state store checks every read)."""
         deployments: list[DesiredDeployment] = []
         fresh: dict[str, DesiredDeployment] = {}
         for data in self.state.desired_documents():
@@ -114,9 +121,14 @@ class Reconciler:
         return deployments
 
     def _fetch(self, result: CycleResult, now: datetime) -> None:
+        adopted = self.state.adopted()
+        if adopted.damaged:
+            log.warning("the stored copies of deployments %s no longer match their digests; "
+                        "not applying them, fetching them again", ", ".join(adopted.damaged))
         try:
-            fetched: DesiredState | None = self.source.fetch(self.state.adopted())
+            fetched: DesiredState | None = self.source.fetch(adopted)
         except IntegrityError as exc:
+            self._answered()  # refused, but the server did answer
             result.fetched = "rejected"
             result.failures.append(f"desired state rejected: {exc.message}")
             log.warning("SECURITY: desired state rejected, previous state kept: %s", exc)
@@ -128,13 +140,26 @@ class Reconciler:
             result.failures.append(f"fetching desired state failed: {exc.message}")
             log.warning("fetching desired state failed (%s); keeping the previous state", exc)
             return
+        self._answered()
         if fetched is None:
             return
         self.state.adopt(fetched)
         result.fetched = "adopted"
         result.version = fetched.version
+        if fetched.history_rewrite_accepted is not None:
+            log.warning("SECURITY: adopted %s although it does not descend from the previously "
+                        "adopted commit %s, because source.acceptHistoryRewrite allows it; the "
+                        "override is now spent: remove it from the configuration",
+                        fetched.version, adopted.version)
+        if adopted.damaged and fetched.version == adopted.version:
+            log.warning("fetched desired state %s again: its damaged local copies are replaced",
+                        fetched.version)
         log.info("adopted desired state %s (%d deployments)", fetched.version,
                  len(fetched.deployments))
+
+    def _answered(self) -> None:
+        if self._server_answered is not None:
+            self._server_answered()
 
     # --- status ---------------------------------------------------------------------------
 
@@ -282,8 +307,13 @@ class Reconciler:
         self._fetch(result, now)
         try:
             desired = self._desired()
+        except DamagedDocumentsError as exc:  # and fetching them again failed: apply nothing
+            result.failures.append(f"adopted desired state damaged: {exc}")
+            self._finish_delivery(result)
+            return result
         except (DocumentError, ValueError) as exc:  # only if the store itself was tampered with
             result.failures.append(f"adopted desired state unreadable: {exc}")
+            self._finish_delivery(result)
             return result
         try:
             installed = self.driver.installed()

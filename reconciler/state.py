@@ -16,31 +16,52 @@ What it holds, and why each part must be durable:
 
 Every method that writes commits before it returns (WAL, `synchronous=FULL`): a SIGKILL right
 after a call loses nothing the call acknowledged. A file that cannot be read is an error that
-names the file, never a silent fresh start: starting empty would make the device re-install
-everything and forget the manifestVersion it must never go below.
+names the file, never a silent fresh start: starting empty would forget the manifestVersion
+(or commit) the device must never go back behind, and every status report not yet
+delivered. Only a file that does not exist is created, and it is created whole (schema
+written aside, then linked into place), so an empty or schema-less file under the real name
+is always damage (a file system that lost its content in a power cut, a failed copy), and is
+refused as such.
+
+Stored documents are checked against their digests on every read (`_verified`): a copy
+that no longer matches (a bad disk sector, an edit made behind the client's back) is never
+handed out. `adopted()` leaves it out and names it in `Adopted.damaged`, so the source fetches
+it again; `desired_documents()` refuses to return a damaged set at all.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from margo.digests import DigestError, verify_digest
 from reconciler.desired import DesiredState
 from reconciler.errors import ErrorCode
 from reconciler.sources import Adopted
 
-__all__ = ["SCHEMA_VERSION", "BodyFactory", "ComponentRecord", "ComponentReport", "DeadLetter",
-           "DeviceState", "ErrorInfo", "JournalEntry", "StateError"]
+__all__ = ["SCHEMA_VERSION", "BodyFactory", "ComponentRecord", "ComponentReport",
+           "DamagedDocumentsError", "DeadLetter", "DeviceState", "ErrorInfo", "JournalEntry",
+           "StateError"]
 
 SCHEMA_VERSION = 1
 _APPLICATION_ID = 0x4D47_4F53  # "MGOS": marks the file as ours (PRAGMA application_id)
+#: The kv key of the history rewrite an operator accepted and the device then adopted
+#: (`Adopted.history_rewrite_accepted`): an override is used once, never again.
+_REWRITE_ACCEPTED = "source.history-rewrite-accepted"
+#: What every refusal of a damaged file ends with: what to do about it.
+_WHAT_TO_DO = ("restore it from a backup, or move it (with its -wal and -shm files) aside to "
+               "start this device over on purpose (see 'A damaged device state' in "
+               "docs/operations.md); starting empty silently would forget the version the "
+               "device must never go back behind and every status report not yet delivered")
 
 _SCHEMA = """
 CREATE TABLE adopted (
@@ -81,6 +102,18 @@ BodyFactory = Callable[[list[ComponentReport]], Body | tuple[str, Body]]
 
 class StateError(Exception):
     """The device state file cannot be used (corrupt, not ours, or from a newer version)."""
+
+
+class DamagedDocumentsError(StateError):
+    """Adopted documents whose stored bytes no longer hash to the digest they were adopted
+    with. They must not be planned or applied; the source fetches them again (the damaged
+    ones are left out of `Adopted.documents` and named in `Adopted.damaged`)."""
+
+    def __init__(self, path: Path, damaged: Sequence[str]) -> None:
+        self.damaged = tuple(damaged)
+        super().__init__(f"{path}: the stored copies of deployments {', '.join(self.damaged)} no "
+                         "longer match their digests (damaged on disk or changed behind the "
+                         "client's back); they are not applied and are fetched again")
 
 
 @dataclass(frozen=True)
@@ -157,6 +190,9 @@ class DeviceState:
         self.path = Path(path)
         self._clock = clock
         self._lock = threading.RLock()
+        self._check_file()
+        if not self.path.exists():
+            self._create_file()
         try:
             self._conn = sqlite3.connect(self.path, isolation_level=None,
                                          check_same_thread=False, timeout=30)
@@ -170,6 +206,64 @@ class DeviceState:
 
     # --- lifecycle -----------------------------------------------------------------------
 
+    def _check_file(self) -> None:
+        """Damage SQLite itself would not report: it takes a 0-byte file for a new, empty
+        database (so would start fresh), and a write-ahead log without its database for
+        nothing at all (and would lose what the log holds)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            wal = self.path.with_name(self.path.name + "-wal")
+            if wal.is_file() and wal.stat().st_size > 0:
+                raise StateError(f"{self.path}: the device state is missing but its write-ahead "
+                                 f"log {wal.name} is there: the file was deleted or lost; "
+                                 f"{_WHAT_TO_DO}") from None
+            return
+        except OSError as exc:
+            raise StateError(f"{self.path}: cannot read the device state: {exc}") from exc
+        if size == 0 and self.path.is_file():
+            raise StateError(f"{self.path}: the device state is empty (0 bytes): its content was "
+                             f"lost (a power cut before the file system wrote it, a failed "
+                             f"copy); {_WHAT_TO_DO}")
+
+    def _create_file(self) -> None:
+        """A new state file, created whole: the schema is written to a file beside it, which
+        is then linked into place (never over a file another process created meanwhile) and
+        the directory synced, so the real name never holds an empty or half-made file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(prefix=f".{self.path.name}.new-", dir=self.path.parent)
+        os.close(descriptor)
+        fresh = Path(name)
+        try:
+            conn = sqlite3.connect(fresh, isolation_level=None)
+            try:
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("BEGIN IMMEDIATE")
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA application_id = {_APPLICATION_ID}")
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            finally:
+                conn.close()
+            try:
+                os.link(fresh, self.path)
+            except FileExistsError:
+                pass  # another process created it first: theirs is as good
+            except OSError:  # a file system without hard links
+                os.replace(fresh, self.path)
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except (sqlite3.Error, OSError) as exc:
+            raise StateError(f"{self.path}: cannot create the device state: {exc}") from exc
+        finally:
+            for leftover in (fresh, fresh.with_name(fresh.name + "-journal")):
+                leftover.unlink(missing_ok=True)
+
     def _open(self) -> None:
         try:
             version = self._conn.execute("PRAGMA user_version").fetchone()[0]
@@ -178,14 +272,13 @@ class DeviceState:
             raise self._unreadable(exc) from exc
         if check != [("ok",)]:
             detail = "; ".join(str(row[0]) for row in check[:3])
-            raise StateError(f"{self.path}: the device state is corrupt ({detail}); restore it "
-                             "from a backup or move it away deliberately (starting empty would "
-                             "re-install every deployment)")
+            raise StateError(f"{self.path}: the device state is corrupt ({detail}); "
+                             f"{_WHAT_TO_DO}")
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA foreign_keys=ON")
         if version == 0:
-            self._create_schema()
+            self._refuse_unversioned()
         elif version > SCHEMA_VERSION:
             raise StateError(f"{self.path}: device state schema version {version} is newer than "
                              f"this client understands ({SCHEMA_VERSION}); upgrade the client")
@@ -195,23 +288,18 @@ class DeviceState:
                              "state (application_id differs)")
 
     def _unreadable(self, exc: Exception) -> StateError:
-        return StateError(f"{self.path}: the device state is unreadable ({exc}); restore it from "
-                          "a backup or move it away deliberately (starting empty would "
-                          "re-install every deployment)")
+        return StateError(f"{self.path}: the device state is unreadable ({exc}); {_WHAT_TO_DO}")
 
-    def _create_schema(self) -> None:
-        """A brand-new file gets the schema; a file that already holds tables but no version
-        is someone else's database and is refused rather than written into."""
+    def _refuse_unversioned(self) -> None:
+        """An existing file without a schema version. New files are created with their
+        schema (`_create_file`), so this is never ours to write into: another program's
+        database, or one of ours whose content was lost."""
         tables = self._conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
         if tables:
             raise StateError(f"{self.path}: this SQLite file is not a margo-gitops device state "
                              "(it has tables but no schema version)")
-        with self._transaction() as conn:
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-            conn.execute(f"PRAGMA application_id = {_APPLICATION_ID}")
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        raise StateError(f"{self.path}: the device state holds no schema (an empty database): "
+                         f"its content was lost; {_WHAT_TO_DO}")
 
     def close(self) -> None:
         with self._lock:
@@ -243,20 +331,49 @@ class DeviceState:
 
     # --- adopted desired state -----------------------------------------------------------
 
+    def _verified(self, rows: Iterable[tuple[str, str, Any]]
+                  ) -> tuple[dict[str, tuple[str, bytes]], list[str]]:
+        """The one way stored documents are read: `(deployment id, digest, data)` rows split
+        into those whose bytes still hash to their digest (deployment id -> (digest, bytes))
+        and the ids of those that do not. Checking costs one sha256 per small document; using
+        a damaged copy would apply what no server sent. A value SQLite no longer holds as a
+        BLOB (an edit made with SQL text functions) is checked as its UTF-8 bytes."""
+        good: dict[str, tuple[str, bytes]] = {}
+        damaged: list[str] = []
+        for deployment_id, digest, data in rows:
+            raw = data.encode("utf-8") if isinstance(data, str) else data
+            try:
+                if not isinstance(raw, bytes | memoryview) or not isinstance(digest, str):
+                    raise DigestError("not a stored document")
+                verify_digest(bytes(raw), digest)
+            except DigestError:
+                damaged.append(str(deployment_id))
+                continue
+            good[deployment_id] = (digest, bytes(raw))
+        return good, damaged
+
     def adopted(self) -> Adopted:
-        """The adopted marker and documents (digest -> exact bytes), as sources expect it."""
+        """The adopted marker and the documents whose stored copies are intact (digest ->
+        exact bytes), as sources expect it; damaged copies are named in `damaged`."""
         with self._lock:
             self._conn.execute("BEGIN")  # one snapshot: marker and documents agree
             try:
                 row = self._conn.execute("SELECT version, manifest_version, etag FROM adopted"
                                          ).fetchone()
-                documents = {digest: bytes(data) for digest, data in self._conn.execute(
-                    "SELECT digest, data FROM documents")}
+                rows = self._conn.execute(
+                    "SELECT deployment_id, digest, data FROM documents").fetchall()
+                accepted = self._conn.execute("SELECT value FROM kv WHERE key = ?",
+                                              (_REWRITE_ACCEPTED,)).fetchone()
             finally:
                 self._conn.execute("COMMIT")
+        good, damaged = self._verified(rows)
+        documents = dict(good.values())
+        rewrite = accepted[0] if accepted else None
         if row is None:
-            return Adopted(documents=documents)
-        return Adopted(version=row[0], manifest_version=row[1], etag=row[2], documents=documents)
+            return Adopted(documents=documents, damaged=tuple(damaged),
+                           history_rewrite_accepted=rewrite)
+        return Adopted(version=row[0], manifest_version=row[1], etag=row[2], documents=documents,
+                       damaged=tuple(damaged), history_rewrite_accepted=rewrite)
 
     def adopted_source(self) -> str | None:
         """Which source ("git", "margo-rest") the adopted state came from, if any."""
@@ -275,12 +392,23 @@ class DeviceState:
             conn.execute("DELETE FROM documents")
             conn.executemany("INSERT INTO documents (deployment_id, digest, data) VALUES (?, ?, ?)",
                              [(d.deployment_id, d.digest, d.document) for d in state.deployments])
+            if state.history_rewrite_accepted is not None:
+                conn.execute("INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) "
+                             "DO UPDATE SET value = excluded.value",
+                             (_REWRITE_ACCEPTED, state.history_rewrite_accepted))
 
     def desired_documents(self) -> list[bytes]:
         """The adopted documents' exact bytes in deployment id order, to re-parse after a
-        restart (parsing is cheap; storing parsed objects would tie the file to our code)."""
-        return [bytes(row[0]) for row in self._read(
-            "SELECT data FROM documents ORDER BY deployment_id")]
+        restart (parsing is cheap; storing parsed objects would tie the file to our code).
+
+        Raises `DamagedDocumentsError` when any stored copy no longer matches its digest:
+        a partial set would remove the deployments left out, a damaged one would apply bytes
+        no server sent."""
+        good, damaged = self._verified(self._read(
+            "SELECT deployment_id, digest, data FROM documents"))
+        if damaged:
+            raise DamagedDocumentsError(self.path, sorted(damaged))
+        return [good[deployment_id][1] for deployment_id in sorted(good)]
 
     # --- component states and install order ----------------------------------------------
 
@@ -384,6 +512,21 @@ class DeviceState:
         with self._transaction() as conn:
             conn.execute("UPDATE journal SET not_before = ?, attempts = ? WHERE seq = ?",
                          (not_before, attempts, seq))
+
+    def resume_deferred(self, not_before: float = 0.0) -> int:
+        """Entries that have been deferred become due at `not_before` (0: now; an entry
+        deferred to an earlier time keeps it), with their attempts counted from zero again;
+        returns how many. Writes nothing when none was deferred, so calling it after every
+        poll costs one read."""
+        with self._lock:
+            deferred = self._conn.execute("SELECT count(*) FROM journal WHERE attempts > 0"
+                                          ).fetchone()[0]
+        if not deferred:
+            return 0
+        with self._transaction() as conn:
+            changed = conn.execute("UPDATE journal SET not_before = min(not_before, ?), "
+                                   "attempts = 0 WHERE attempts > 0", (not_before,)).rowcount
+        return int(changed)
 
     def dead_letter(self, seq: int, reason: str) -> None:
         """Move an entry the server refused for good out of the queue (so it cannot block

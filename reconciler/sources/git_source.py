@@ -12,15 +12,31 @@ challenge). So `fetch` first reads the advertisement; only a tip it does not hol
 is fetched, shallowly (depth 1), into a local ref. Trees and blobs are then read straight
 from the bare repository: there is no work tree.
 
+Rollback protection. The REST source refuses a manifestVersion that does not grow; the
+Git equivalent is a tip that does not descend from the commit the device adopted last (a
+branch moved back, or history rewritten): such a tip is refused (`IntegrityError`,
+`ROLLBACK`) and the adopted state kept. Proving descent needs history, which a shallow cache
+lacks, so the walk reads each commit's raw `parent` lines (libgit2 hides a shallow commit's
+parents) and deepens the fetch (8, 64, 512 commits, then the whole branch) only while the
+adopted commit is neither found nor ruled out. A device that adopts every change finds its
+adopted commit as the new tip's parent, with no extra fetch; a rewound tip that the cache
+knows to be an ancestor of the adopted commit is refused with none either. An operator who
+rewound the branch on purpose names the new tip in `accept_history_rewrite`
+(`source.acceptHistoryRewrite`): a tip that is, or descends from, that commit is accepted
+once, and the device's state records the override as spent (`Adopted.history_rewrite_accepted`)
+so the same setting never lets a later rollback through.
+
 The bare repository in `cache_dir` is a cache and nothing more: the runner keeps the adopted
 documents itself. libgit2 writes packs and refs crash-safely (a pack is renamed into place
-once indexed), an unreadable cache is rebuilt, and since every changed fetch adds a pack,
-the cache is rebuilt from scratch once it holds `MAX_PACKS` packs (a depth-1 fetch of one
-device's state is a few kilobytes).
+once indexed) and checks every object's hash when it reads it, so a damaged cache (an
+unreadable repository, or objects that no longer match their ids) is rebuilt and fetched
+again; and since every changed fetch adds a pack, the cache is rebuilt from scratch once it
+holds `MAX_PACKS` packs (a depth-1 fetch of one device's state is a few kilobytes).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -39,7 +55,9 @@ from reconciler.desired import (
 from reconciler.errors import ErrorCode
 from reconciler.sources import Adopted, IntegrityError, SourceError
 
-__all__ = ["LOCAL_REF", "MAX_PACKS", "NO_BRANCH_VERSION", "GitSource"]
+__all__ = ["COMMIT_ID", "LOCAL_REF", "MAX_PACKS", "NO_BRANCH_VERSION", "GitSource"]
+
+log = logging.getLogger("margo.device")
 
 #: Where the fetched tip is kept in the cache repository.
 LOCAL_REF = "refs/margo-gitops/desired"
@@ -47,6 +65,12 @@ LOCAL_REF = "refs/margo-gitops/desired"
 NO_BRANCH_VERSION = "no-branch"
 #: Packs the cache may accumulate before it is rebuilt.
 MAX_PACKS = 64
+#: A full commit id (SHA-1, or SHA-256 for repositories that use it), as `version` holds it.
+COMMIT_ID = re.compile(r"^[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
+#: Shallow depths tried in turn while proving that a tip descends from the adopted commit;
+#: past the last, the whole branch is fetched (libgit2's GIT_FETCH_DEPTH_UNSHALLOW).
+_DEEPEN = (8, 64, 512)
+_UNSHALLOW = 2**31 - 1
 
 _T = TypeVar("_T")
 _HTTP_STATUS = re.compile(r"http status code: (\d{3})")
@@ -60,6 +84,11 @@ _UNREACHABLE_HINTS = ("failed to connect", "failed to resolve", "connection refu
 class _CredentialsRejected(Exception):
     """Raised from the credentials callback when the server refuses what we already sent:
     asking again with the same answer would only loop (libgit2 gives up after 15 replays)."""
+
+
+class _BranchMoved(SourceError):
+    """The branch moved while the history of the tip being checked was fetched: nothing is
+    wrong with the cache, the next cycle checks the new tip."""
 
 
 class _Callbacks(pygit2.RemoteCallbacks):
@@ -88,12 +117,22 @@ class GitSource:
     name = "git"
 
     def __init__(self, url: str, *, cache_dir: Path, username: str | None = None,
-                 password: str | None = None, depth: int | None = 1) -> None:
+                 password: str | None = None, depth: int | None = 1,
+                 accept_history_rewrite: str | None = None) -> None:
+        """`accept_history_rewrite`: the commit id of a tip an operator moved the branch to
+        on purpose (see the module docstring); None refuses every non-descending tip."""
+        if accept_history_rewrite is not None and not COMMIT_ID.match(accept_history_rewrite):
+            raise ValueError(f"accept_history_rewrite must be a full commit id, not "
+                             f"{accept_history_rewrite!r}")
         self._url = url
         self._cache_dir = Path(cache_dir)
         self._username, self._password = username, password
         self._depth = depth
+        self._accept_rewrite = accept_history_rewrite
         self._repo: pygit2.Repository | None = None
+        #: The last history verdict, (tip, adopted) -> descends: a refused tip is refused
+        #: again on every poll, at the cost of the ref advertisement only.
+        self._verdict: tuple[str, str, bool] | None = None
 
     # --- the Source protocol -----------------------------------------------------------------
 
@@ -105,7 +144,12 @@ class GitSource:
         state keeps it (`SourceError("NO_BRANCH")`, retryable) rather than removing every
         workload because the branch went missing. `margo serve` answers 404 for a device
         without a branch, and also for a path that names no device, so a mistyped URL looks
-        like "nothing compiled yet" to a new device; it never removes anything."""
+        like "nothing compiled yet" to a new device; it never removes anything.
+
+        A tip that does not descend from the adopted commit raises `IntegrityError`
+        (`ROLLBACK`) unless the operator accepted it (module docstring). With
+        `adopted.damaged`, the adopted commit is read again even though the tip has not
+        moved."""
         tip = self._advertised_tip()
         if tip is None:
             if adopted.version is None:
@@ -115,13 +159,91 @@ class GitSource:
                 return None
             raise SourceError(ErrorCode.NO_BRANCH, "the repository lost its branch; keeping the "
                               "previous state")
-        if tip == adopted.version:
+        if tip == adopted.version and not adopted.damaged:
             return None
+        try:
+            return self._state(tip, adopted)
+        except (pygit2.GitError, SourceError) as exc:
+            # Objects that fail libgit2's hash check, or a fetch that fails for a reason
+            # libgit2 gives no class to (a damaged local pack breaks the negotiation): the
+            # cache is only a cache, so start it over once.
+            if isinstance(exc, SourceError) and (exc.code != ErrorCode.GIT_ERROR
+                                                 or isinstance(exc, _BranchMoved)):
+                raise
+            log.warning("the Git cache %s is damaged or unusable (%s); rebuilding it and "
+                        "fetching again", self._cache_dir, exc)
+            self._rebuild()
+            try:
+                return self._state(tip, adopted)
+            except pygit2.GitError as again:
+                raise SourceError(ErrorCode.GIT_ERROR, f"{self._url}: the fetched objects cannot "
+                                  f"be read: {again}") from None
+
+    def _state(self, tip: str, adopted: Adopted) -> DesiredState | None:
+        """The desired state at `tip` (held locally or fetched), after the history check.
+        Local reads that find damaged objects raise `pygit2.GitError`."""
         commit = self._local_commit(tip) or self._fetch_tip()
-        if str(commit.id) == adopted.version:
+        version = str(commit.id)
+        if version == adopted.version and not adopted.damaged:
             return None
-        return DesiredState(source=self.name, version=str(commit.id), manifest_version=None,
-                            etag=None, deployments=_deployments(commit))
+        accepted = None if version == adopted.version else self._check_history(version, adopted)
+        return DesiredState(source=self.name, version=version, manifest_version=None,
+                            etag=None, deployments=_deployments(commit),
+                            history_rewrite_accepted=accepted)
+
+    # --- rollback protection -----------------------------------------------------------------
+
+    def _check_history(self, tip: str, adopted: Adopted) -> str | None:
+        """None when `tip` may be adopted because it descends from the adopted commit (or
+        nothing was adopted from Git before); the override commit when only the operator's
+        override allows it; `IntegrityError` otherwise."""
+        previous = adopted.version
+        if previous is None or not COMMIT_ID.match(previous):
+            return None  # the first state, a branch that had not existed, or another source
+        if self._verdict is not None and self._verdict[:2] == (tip, previous):
+            descends = self._verdict[2]
+        else:
+            descends = self._descends(tip, previous)
+            self._verdict = (tip, previous, descends)
+        if descends:
+            return None
+        override = self._accept_rewrite
+        spent = override is not None and override == adopted.history_rewrite_accepted
+        if override is not None and not spent and (
+                tip == override or self._descends(tip, override)):
+            return override
+        hint = (f"source.acceptHistoryRewrite {override} was used once already; "
+                if spent else "")
+        raise IntegrityError(ErrorCode.ROLLBACK, f"{self._url}: the branch tip {tip} does not "
+                             f"descend from the adopted commit {previous}: the branch was moved "
+                             f"back or its history rewritten; refusing it and keeping the "
+                             f"adopted state. {hint}If the branch was moved on purpose, accept "
+                             f"this tip once with `source: {{acceptHistoryRewrite: {tip}}}` in "
+                             "the device configuration and restart the client")
+
+    def _descends(self, tip: str, ancestor: str) -> bool:
+        """Whether `ancestor` is `tip` or in its history, deepening the cache's history
+        (module docstring) until the walk finds it or reaches the branch's root commits."""
+        repo = self._repository()
+        if tip == ancestor:
+            return True
+        if _reaches(repo, ancestor, tip):
+            return False  # tip is an ancestor of the adopted commit: moved back
+        depths = iter((*_DEEPEN, _UNSHALLOW) if self._depth else ())
+        while True:
+            found = _reaches(repo, tip, ancestor)
+            if found is not None:
+                return found
+            depth = next(depths, None)
+            if depth is None:
+                raise SourceError(ErrorCode.GIT_ERROR, f"{self._url}: the history of {tip} is "
+                                  "incomplete even fetched in full; cannot check that it "
+                                  f"descends from {ancestor}")
+            if self._depth is not None and depth <= self._depth:
+                continue
+            if str(self._fetch_tip(depth=depth).id) != tip:
+                raise _BranchMoved(ErrorCode.GIT_ERROR, f"{self._url}: the branch moved while its "
+                                   "history was read; checking again next cycle")
 
     def close(self) -> None:
         if self._repo is not None:
@@ -145,13 +267,14 @@ class GitSource:
         head = next((h for h in heads if h.name == "HEAD"), None)
         return None if head is None or not any(head.oid.raw) else str(head.oid)
 
-    def _fetch_tip(self) -> pygit2.Commit:
-        """Fetch HEAD (shallowly unless `depth` is None) into `LOCAL_REF` and return it."""
+    def _fetch_tip(self, depth: int | None = None) -> pygit2.Commit:
+        """Fetch HEAD into `LOCAL_REF` and return it: `depth` commits deep (default: the
+        configured depth; 0 or None configured: the whole history)."""
         repo = self._repository()
         if _pack_count(self._cache_dir) >= MAX_PACKS:
             repo = self._rebuild()
         remote = repo.remotes.create_anonymous(self._url)
-        depth = self._depth or 0
+        depth = depth or self._depth or 0
         fetched = self._call(lambda callbacks: remote.fetch(
             [f"+HEAD:{LOCAL_REF}"], callbacks=callbacks, depth=depth))
         if fetched is None:
@@ -235,6 +358,43 @@ def _classify(url: str, exc: Exception) -> SourceError | None:
     if any(hint in lowered for hint in _UNREACHABLE_HINTS):
         return SourceError(ErrorCode.UNREACHABLE, f"{url}: {text}")
     return SourceError(ErrorCode.GIT_ERROR, f"{url}: {type(exc).__name__}: {text}")
+
+
+def _raw_parents(repo: pygit2.Repository, oid: str) -> list[str] | None:
+    """A commit's parents as its object says, None when the cache lacks the object. libgit2
+    presents a shallow commit (the edge of a shallow fetch) as parentless; its object still
+    names the real parents. A damaged object raises `pygit2.GitError`."""
+    try:
+        kind, data = repo.odb.read(oid)
+    except KeyError:  # pygit2.NotFoundError is also a GitError: a missing object, not damage
+        return None
+    if kind != pygit2.enums.ObjectType.COMMIT:
+        raise pygit2.GitError(f"{oid} is not a commit")
+    header = data.split(b"\n\n", 1)[0]
+    return [line[7:].decode("ascii") for line in header.split(b"\n")
+            if line.startswith(b"parent ")]
+
+
+def _reaches(repo: pygit2.Repository, start: str, target: str) -> bool | None:
+    """Whether `target` is `start` or in its history among the cache's objects: True when
+    found, False when the whole history is here and it is not, None when the walk met a
+    commit the cache does not hold (a shallow edge) before finding it."""
+    seen: set[str] = set()
+    pending = [start]
+    complete = True
+    while pending:
+        oid = pending.pop()
+        if oid == target:
+            return True
+        if oid in seen:
+            continue
+        seen.add(oid)
+        parents = _raw_parents(repo, oid)
+        if parents is None:
+            complete = False
+            continue
+        pending.extend(parents)
+    return False if complete else None
 
 
 def _pack_count(cache_dir: Path) -> int:

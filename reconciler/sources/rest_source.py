@@ -2,10 +2,13 @@
 
 The spec's client algorithm, with nothing trusted before it is verified:
 
-1. poll the manifest with the adopted ETag; 304 means unchanged (one request, nothing else);
+1. poll the manifest with the adopted ETag; 304 means unchanged (one request, nothing else).
+   When a stored copy of an adopted document is damaged (`Adopted.damaged`), the poll goes
+   without `If-None-Match`: "unchanged" would leave the device nothing usable to apply;
 2. the manifest's ETag must be the digest of its exact body, its `manifestVersion` must be
-   greater than the adopted one (rollback protection), every digest must use a supported
-   algorithm and every URL must be a path on this server;
+   greater than the adopted one (rollback protection; the adopted manifest itself, the very
+   same bytes by its ETag, is no rollback), every digest must use a supported algorithm and
+   every URL must be a path on this server;
 3. documents already adopted are reused by digest; the rest come from the bundle (first sync,
    or when most documents changed) or one by one;
 4. every byte is checked against its digest before it is parsed, and every document must be
@@ -88,15 +91,20 @@ class RestSource:
         Raises `IntegrityError` for anything that must not be used and `SourceError` for
         everything else (never an httpx exception)."""
         headers = {"Accept": MANIFEST_MEDIA_TYPE}
-        if adopted.etag:
+        if adopted.etag and not adopted.damaged:
             headers["If-None-Match"] = adopted.etag
         response = self._get(f"{self._prefix}/deployments", "the manifest", headers,
                              not_modified_ok=True)
         if response.status == 304:
+            if adopted.damaged:  # we did not ask for this: never "unchanged" while damaged
+                raise SourceError(ErrorCode.BAD_RESPONSE, "the manifest: HTTP 304 to a request "
+                                  "without If-None-Match")
             return None
         etag = _verified_etag(response)
+        if etag == adopted.etag and not adopted.damaged:
+            return None  # the adopted manifest, byte for byte (a server ignoring If-None-Match)
         manifest = _parse_manifest(response.body)
-        _check_manifest(manifest, adopted)
+        _check_manifest(manifest, adopted, etag)
         documents = self._documents(manifest, adopted)
         deployments = [_parse_document(ref, documents[ref.digest])
                        for ref in manifest.deployments]
@@ -248,11 +256,13 @@ def _parse_manifest(body: bytes) -> m.StateManifest:
     return manifest
 
 
-def _check_manifest(manifest: m.StateManifest, adopted: Adopted) -> None:
+def _check_manifest(manifest: m.StateManifest, adopted: Adopted, etag: str) -> None:
     """Rollback, digest algorithms and URLs: what must hold before anything the manifest
-    names is fetched."""
+    names is fetched. The adopted manifest itself (same version, and the same bytes by its
+    ETag) passes: it is what a device with damaged local copies fetches again."""
     stored = adopted.manifest_version
-    if stored is not None and manifest.manifest_version <= stored:
+    readopted = manifest.manifest_version == stored and etag == adopted.etag
+    if stored is not None and manifest.manifest_version <= stored and not readopted:
         raise IntegrityError(ErrorCode.ROLLBACK,
                              f"manifestVersion {manifest.manifest_version} is not "
                              f"newer than the adopted {stored}; refusing a replayed or "

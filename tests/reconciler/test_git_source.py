@@ -157,6 +157,30 @@ def test_a_broken_cache_is_rebuilt(server: FleetServer, tmp_path: Path) -> None:
         assert len(fetched(git).deployments) == 4
 
 
+def test_damaged_local_copies_are_delivered_again_from_the_same_commit(
+        server: FleetServer, tmp_path: Path) -> None:
+    """The runner found that stored documents no longer match their digests: an unchanged
+    tip must not be "nothing changed" then. And when the cache's own objects are damaged
+    (their bytes overwritten on disk here), libgit2's hash checks notice, and the cache is
+    rebuilt and fetched again."""
+    cache = tmp_path / "cache"
+    with git_source(server, cache) as git:
+        state = fetched(git)
+        damaged = Adopted(version=state.version,
+                          damaged=(state.deployments[0].deployment_id,))
+        again = fetched(git, damaged)
+        assert again.version == state.version
+        assert ids_and_digests(again) == ids_and_digests(state)
+    for pack in (cache / "objects" / "pack").glob("*.pack"):
+        data = bytearray(pack.read_bytes())
+        data[12:-20] = b"\x5a" * (len(data) - 32)  # every object; header and trailer kept
+        pack.chmod(0o644)
+        pack.write_bytes(bytes(data))
+    with git_source(server, cache) as git:
+        repaired = fetched(git, damaged)
+    assert ids_and_digests(repaired) == ids_and_digests(state)
+
+
 # --- a device without a branch -------------------------------------------------------------
 
 
@@ -190,7 +214,8 @@ def test_a_device_with_nothing_to_deploy_gets_an_empty_branch(tmp_path: Path) ->
         server.put_capabilities(capabilities(GPU))
         server.wait_for(lambda: server.device(GPU)["history"], what="the device's branch")
         with git_source(server, tmp_path / "cache") as git:
-            state = fetched(git, Adopted(version="ab" * 20))
+            # adopted earlier: the state of a repository that had no branch yet
+            state = fetched(git, Adopted(version=NO_BRANCH_VERSION))
     assert len(state.version) == 40 and state.deployments == ()
 
 

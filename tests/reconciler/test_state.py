@@ -32,7 +32,13 @@ from margo.validation import validate_value
 from reconciler.delivery import Outcome, Reporter, backoff_delay
 from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
 from reconciler.http_answers import parse_retry_after
-from reconciler.state import SCHEMA_VERSION, ComponentReport, DeviceState, StateError
+from reconciler.state import (
+    SCHEMA_VERSION,
+    ComponentReport,
+    DamagedDocumentsError,
+    DeviceState,
+    StateError,
+)
 from reconciler.statuses import status_body, status_path
 from tools.polling import poll_until
 
@@ -226,6 +232,79 @@ def test_a_corrupt_file_is_a_clear_error_never_a_fresh_start(tmp_path: Path) -> 
     damaged.write_bytes(bytes(data))
     with pytest.raises(StateError, match=r"damaged\.sqlite"):
         DeviceState(damaged)
+
+
+def test_an_empty_or_orphaned_file_is_damage_never_a_fresh_start(tmp_path: Path) -> None:
+    """SQLite itself takes a 0-byte file for a new database: the client must not. Only a
+    missing file is created, and it is created whole, so nothing of ours is ever empty."""
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    with pytest.raises(StateError, match=r"empty\.sqlite: the device state is empty \(0 bytes\)"
+                       r".*restore it from a backup.*move it .* aside"):
+        DeviceState(empty)
+    assert empty.stat().st_size == 0  # untouched: the operator decides
+
+    schemaless = tmp_path / "schemaless.sqlite"
+    sqlite3.connect(schemaless).execute("PRAGMA page_size").close()
+    conn = sqlite3.connect(schemaless)
+    conn.execute("VACUUM")  # a valid, empty database file (header only)
+    conn.close()
+    assert schemaless.stat().st_size > 0
+    with pytest.raises(StateError, match="holds no schema"):
+        DeviceState(schemaless)
+
+    orphan = tmp_path / "orphan.sqlite"
+    with DeviceState(orphan) as state:
+        state.adopt(desired("1", DEPLOYMENT))
+        keep = sqlite3.connect(orphan)  # a second reader keeps the WAL from checkpointing away
+        keep.execute("SELECT 1 FROM documents").fetchall()
+        wal = (orphan.parent / "orphan.sqlite-wal").read_bytes()
+    keep.close()
+    orphan.unlink()
+    (orphan.parent / "orphan.sqlite-wal").write_bytes(wal or b"x")
+    with pytest.raises(StateError, match="missing but its write-ahead log"):
+        DeviceState(orphan)
+
+    fresh = tmp_path / "new" / "device.sqlite"
+    with DeviceState(fresh) as state:
+        assert state.adopted() == state.adopted()  # opens and reads
+    assert sorted(p.name for p in fresh.parent.iterdir() if not p.name.startswith(
+        "device.sqlite-")) == ["device.sqlite"]  # no half-made sibling left behind
+
+
+def test_a_damaged_stored_document_is_never_handed_out(tmp_path: Path) -> None:
+    """Every read of a stored document checks its digest. The bytes are changed in the file
+    itself (as a bad disk or someone with the file would), not in the code."""
+    path = tmp_path / "device.sqlite"
+    demo, other = parse_deployment(DEPLOYMENT), parse_deployment(OTHER)
+    with DeviceState(path) as state:
+        state.adopt(desired("7", DEPLOYMENT, OTHER, manifest_version=7, etag='"e"'))
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE documents SET data = replace(data, '2.0.0', '6.6.6') "
+                 "WHERE deployment_id = ?", (demo.deployment_id,))
+    conn.commit()
+    conn.close()
+    with DeviceState(path) as state:
+        adopted = state.adopted()
+        assert (adopted.version, adopted.manifest_version, adopted.etag) == ("7", 7, '"e"')
+        assert adopted.damaged == (demo.deployment_id,)
+        assert dict(adopted.documents) == {other.digest: OTHER}  # only intact copies
+        with pytest.raises(DamagedDocumentsError) as raised:
+            state.desired_documents()
+        assert raised.value.damaged == (demo.deployment_id,)
+        assert demo.deployment_id in str(raised.value) and "fetched again" in str(raised.value)
+        state.adopt(desired("7", DEPLOYMENT, OTHER, manifest_version=7, etag='"e"'))  # refetched
+        assert state.adopted().damaged == ()
+        assert state.desired_documents() == [DEPLOYMENT, OTHER]
+
+
+def test_an_accepted_history_rewrite_is_remembered_with_the_state(tmp_path: Path) -> None:
+    commit = "ab" * 20
+    with DeviceState(tmp_path / "s.sqlite") as state:
+        state.adopt(DesiredState("git", commit, None, None, (), history_rewrite_accepted=commit))
+        state.adopt(DesiredState("git", "cd" * 20, None, None, ()))  # later states keep it
+    with DeviceState(tmp_path / "s.sqlite") as state:
+        assert state.adopted().history_rewrite_accepted == commit
 
 
 def test_foreign_and_newer_files_are_refused(tmp_path: Path) -> None:
@@ -618,6 +697,46 @@ def test_backoff_without_retry_after_grows_and_is_capped(tmp_path: Path) -> None
     assert all(150 <= backoff_delay(exponential, 40, rng) <= 300 for _ in range(20))
     assert backoff_delay(Outcome("retry", 503, backoff="none"), 5, rng) == 0
     assert 2.5 <= backoff_delay(Outcome("retry", 503, backoff="fixed"), 9, rng) <= 5
+
+
+def test_resume_makes_backed_off_reports_due_but_keeps_a_delay_the_server_asked_for(
+        tmp_path: Path) -> None:
+    """When another request reached the server (a poll), queued reports need not wait out
+    a backoff that grew during the outage; a Retry-After is the server's request and holds.
+    """
+    clock = [1000.0]
+    rng = random.Random(3)
+    script = [(500, {}, b"down")] * 6
+    with Scripted(script) as server, httpx.Client(base_url=server.base) as http, \
+            DeviceState(tmp_path / "s.sqlite") as state:
+        journal(state, 2)
+        reporter = Reporter(http, state, clock=lambda: clock[0], rng=rng)
+        retry_at = clock[0]
+        for _ in range(6):  # the outage: six failed attempts, each once the last one is due
+            clock[0] = retry_at
+            result = reporter.deliver()
+            assert result.stopped == "retry" and result.next_attempt is not None
+            retry_at = result.next_attempt
+        assert retry_at - clock[0] >= 16  # the backoff has grown to 16-32 s
+        assert reporter.deliver().stopped == "waiting"
+        assert reporter.resume() == 1  # the server answered a poll
+        [head, _] = state.pending()
+        assert (head.attempts, head.not_before) == (0, 0)
+        done = reporter.deliver()
+        assert (done.delivered, done.stopped) == (2, "empty")
+        assert reporter.resume() == 0  # nothing deferred: nothing written
+
+    script = [(429, {"Retry-After": "120"}, b"")]
+    with Scripted(script) as server, httpx.Client(base_url=server.base) as http, \
+            DeviceState(tmp_path / "t.sqlite") as state:
+        journal(state, 1)
+        reporter = Reporter(http, state, clock=lambda: clock[0])
+        assert reporter.deliver().next_attempt == clock[0] + 120
+        reporter.resume()
+        assert state.pending()[0].not_before == clock[0] + 120  # the server's own delay
+        clock[0] += 120
+        reporter.resume()
+        assert reporter.deliver().stopped == "empty"
 
 
 def test_unreachable_server_budget_and_retry_after_parsing(tmp_path: Path) -> None:

@@ -294,15 +294,16 @@ class Database:
         results: list[tuple[Future[Any], Any, BaseException | None]] = []
         conn.execute(self.begin)
         for fn, future in batch:
+            # Each write's savepoint stays on the stack until the commit: `ROLLBACK TO` goes
+            # back to the newest of that name, this write's, and not releasing saves a round
+            # trip per write (on PostgreSQL, the writer's cost is its round trips).
             conn.execute("SAVEPOINT item")
             try:
                 results.append((future, fn(conn), None))
-                conn.execute("RELEASE SAVEPOINT item")
             except self.unavailable:
                 raise
             except Exception as exc:  # one bad write must not sink its neighbours
                 conn.execute("ROLLBACK TO SAVEPOINT item")
-                conn.execute("RELEASE SAVEPOINT item")
                 results.append((future, None, exc))
         conn.execute("COMMIT")
         for future, value, error in results:

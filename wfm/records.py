@@ -61,6 +61,8 @@ def manifest_version(conn: Connection, client_id: str) -> tuple[int, str] | None
 
 #: Manifest versions remembered per client (older statuses than that are not matched).
 HISTORY_VERSIONS = 50
+#: The older ones are deleted on every this-many-th version (a statement saved per poll).
+_HISTORY_TRIM_EVERY = 10
 
 
 def advance_manifest_version(conn: Connection, client_id: str, state_digest: str,
@@ -72,14 +74,19 @@ def advance_manifest_version(conn: Connection, client_id: str, state_digest: str
     replica that has not synced yet must not hand out an older state under a newer
     version); a single server always passes generation 0. `deployments` (id -> digest) is
     recorded as what a new version holds (`manifest_history`, for `wfm.freshness`)."""
-    moved = conn.execute(
+    returned = conn.execute(
         "UPDATE clients SET manifest_version = manifest_version + 1, "
         "manifest_state = ?, manifest_generation = ? WHERE client_id = ? AND "
-        "(manifest_state != ? OR manifest_version = 0) AND manifest_generation <= ?",
-        (state_digest, generation, client_id, state_digest, generation)).rowcount
-    row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
-                       "WHERE client_id = ?", (client_id,)).fetchone()
-    if row[1] != state_digest:
+        "(manifest_state != ? OR manifest_version = 0) AND manifest_generation <= ? "
+        "RETURNING manifest_version, manifest_state",
+        (state_digest, generation, client_id, state_digest, generation)).fetchall()
+    # (fetchall: SQLite finishes a RETURNING statement only once its rows are all read)
+    moved = bool(returned)
+    row = returned[0] if returned else None
+    if not moved:
+        row = conn.execute("SELECT manifest_version, manifest_state FROM clients "
+                           "WHERE client_id = ?", (client_id,)).fetchone()
+    if row is None or row[1] != state_digest:
         return None
     version = int(row[0])
     if moved and deployments is not None:
@@ -87,8 +94,9 @@ def advance_manifest_version(conn: Connection, client_id: str, state_digest: str
                      "created_at) VALUES (?, ?, ?, ?) ON CONFLICT (client_id, version) DO "
                      "NOTHING", (client_id, version, json.dumps(deployments, sort_keys=True),
                                  time.time()))
-        conn.execute("DELETE FROM manifest_history WHERE client_id = ? AND version <= ?",
-                     (client_id, version - HISTORY_VERSIONS))
+        if version % _HISTORY_TRIM_EVERY == 0:  # between HISTORY_VERSIONS and +10 are kept
+            conn.execute("DELETE FROM manifest_history WHERE client_id = ? AND version <= ?",
+                         (client_id, version - HISTORY_VERSIONS))
     return version
 
 

@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from reconciler.datadir import BusyError
     from reconciler.identity import IdentityError
     from reconciler.signing import OnboardingError, SigningError
+    from reconciler.state import StateError
 
     def show(result: CycleResult) -> None:
         print(_as_json(result) if args.json else describe(result), flush=True)
@@ -137,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             reconciler.run(on_cycle=show)
             return 0
     except BusyError as exc:
+        raise UsageError(str(exc)) from None
+    except StateError as exc:  # damaged, foreign or newer state: the message says what to do
         raise UsageError(str(exc)) from None
     except (IdentityError, SigningError, OnboardingError) as exc:
         raise UsageError(f"{args.config}: identity: {exc}") from None

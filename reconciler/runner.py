@@ -33,7 +33,7 @@ from reconciler.planner import Action, DeploymentPlan, Step, plan
 from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
 from reconciler.state import DamagedDocumentsError, DeviceState
-from reconciler.statuses import status_body, status_path
+from reconciler.statuses import observed_now, status_body, status_path
 
 __all__ = ["CycleResult", "Reconciler", "StatusTarget"]
 
@@ -174,7 +174,8 @@ class Reconciler:
                                 device_id=target.device_id, client_id=target.client_id),
                     status_body(target.generation, deployment_id=deployment_id,
                                 device_id=target.device_id, adopted_version=adopted,
-                                components=components, deployment_name=name))
+                                components=components, deployment_name=name,
+                                observed_at=observed_now()))
 
         self.state.record(deployment_id, changes, body)
 

@@ -20,6 +20,7 @@ official OpenAPI types them so).
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -27,7 +28,8 @@ from urllib.parse import quote
 from margo.kinds import GENERATIONS, Shape
 from margo.models import DeploymentState
 
-__all__ = ["GENERATIONS", "overall_state", "status_body", "status_path"]
+__all__ = ["GENERATIONS", "OBSERVED_AT", "observed_now", "overall_state", "status_body",
+           "status_path"]
 
 STATUS_API_VERSION = "deployment.margo.org/v1alpha1"
 STATUS_KIND = "DeploymentStatusManifest"
@@ -69,14 +71,20 @@ def _error(error: Mapping[str, Any] | Sequence[str], source: str) -> dict[str, s
 
 def status_body(generation: str, *, deployment_id: str, device_id: str | None,
                 adopted_version: int | None, components: Sequence[ComponentReport],
-                deployment_name: str) -> dict[str, Any]:
+                deployment_name: str, observed_at: str | None = None) -> dict[str, Any]:
     """The DeploymentStatusManifest for one deployment, shaped for `generation`.
 
     `components` lists every component of the deployment once, in the deployment's order.
     The overall error is the first component error whose state is the overall state (for a
     failed deployment: the first failed component's code and message), with the deployment's
     name as its source. rc.3 requires `adopted_version` (the manifestVersion the device had
-    adopted when this state arose); the older generations have no such field."""
+    adopted when this state arose); the older generations have no such field.
+
+    `observed_at` (RFC 3339, with an offset): when the device saw this state, sent to rc.3
+    servers in `x-margo-gitops-extensions.observedAt` (the spec has no field for it, and
+    servers must ignore extensions they do not know). A report may wait in the journal for
+    days while the device is offline; with this the server's history shows when the state
+    arose, next to when it arrived. Older generations get the body they always had."""
     _check_generation(generation)
     overall = overall_state([state for _, state, _ in components])
     if generation == Shape.RC3 and adopted_version is None:
@@ -102,7 +110,19 @@ def status_body(generation: str, *, deployment_id: str, device_id: str | None,
             entry["error"] = _error(error, name)
         entries.append(entry)
     body["components"] = entries
+    if observed_at is not None and generation == Shape.RC3:
+        body[OBSERVED_AT[0]] = {OBSERVED_AT[1]: observed_at}
     return body
+
+
+#: Where a status report carries the device's time of the state it reports (the server
+#: reads it at the same place: `wfm.records.DEVICE_TIME`).
+OBSERVED_AT = ("x-margo-gitops-extensions", "observedAt")
+
+
+def observed_now() -> str:
+    """The device's current time for `observed_at`: UTC, milliseconds, with its offset."""
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
 def status_path(generation: str, *, deployment_id: str, device_id: str | None,

@@ -259,6 +259,7 @@ def test_queued_reports_go_as_soon_as_the_server_answers_again(server: FleetServ
     port = int(server.base.rpartition(":")[2])
     with cuttable_proxy(port) as proxy:
         device = new_device(server, "outage", url=proxy.url)
+        started = time.time()
         with open_reconciler(load_config(device.config)) as reconciler:
             real_fetch = reconciler.source.fetch
 
@@ -283,10 +284,17 @@ def test_queued_reports_go_as_soon_as_the_server_answers_again(server: FleetServ
             [queued] = reconciler.state.pending(1)
             assert queued.attempts == 3 and queued.not_before > time.time() + 1
 
+            restored = time.time()
             proxy.restore()
             back = reconciler.cycle()  # its poll is answered (304)
         assert (back.delivered, back.pending_reports) == (3, 0)
         assert back.converged
+    # Each report says when the device saw its state (during the first cycle, before the
+    # outage), next to when the server received it (after the outage).
+    [deployment] = server.device("outage")["deployments"]
+    history = deployment["statusHistory"]
+    assert history and all(started - 1 <= r["deviceTime"] < restored for r in history), history
+    assert all(r["reportedAt"] >= restored - 0.5 for r in history), history
 
 
 # --- a damaged state file ------------------------------------------------------------------

@@ -4,7 +4,9 @@
 
 Starts a server (its own process, SQLite, the example fleet), registers one client per
 device, and prints requests per second and p50/p99 latency for: capability reports,
-manifest polls answered 304, durable status reports, and Git no-change fetches; plus the
+manifest polls answered 304, durable status reports (over `--concurrency` shared
+connections, and again with every device on a connection of its own, offered at `--rate`
+reports per second in total: two reports per device), and Git no-change fetches; plus the
 bytes one no-change poll costs on each transport. The load generator is a minimal
 keep-alive HTTP/1.1 client on asyncio (so it costs the shared 2 cores less than a
 general-purpose client would).
@@ -110,6 +112,40 @@ async def run_load(port: int, jobs: list[tuple[str, str, dict[str, str], bytes]]
     return latencies, time.perf_counter() - start
 
 
+async def open_loop(port: int, jobs: list[list[tuple[str, str, dict[str, str], bytes]]],
+                    rate: float, expect: set[int]) -> tuple[list[float], float]:
+    """Each device on a connection of its own (as real devices are), its requests sent
+    one after another, the k-th request of the whole load due at k / `rate` seconds
+    whether or not earlier ones were answered (open loop: a server that falls behind
+    shows it as latency, not as a lower offered rate). Latency counts from when a request
+    was due."""
+    connections = [await Connection.open(port) for _ in jobs]
+    latencies: list[float] = []
+    start = time.perf_counter() + 0.2
+    order = sorted(((k * len(jobs) + d) / rate, d, k)
+                   for d, device_jobs in enumerate(jobs) for k in range(len(device_jobs)))
+    due: list[list[float]] = [[] for _ in jobs]
+    for when, d, _ in order:
+        due[d].append(when)
+
+    async def device(d: int) -> None:
+        for (method, path, headers, body), when in zip(jobs[d], sorted(due[d]), strict=True):
+            delay = start + when - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            status, _, payload, _ = await connections[d].request(method, path, headers, body)
+            latencies.append(time.perf_counter() - (start + when))
+            if status not in expect:
+                raise RuntimeError(f"{method} {path}: {status} {payload[:200]!r}")
+
+    try:
+        await asyncio.gather(*(device(d) for d in range(len(jobs))))
+    finally:
+        for connection in connections:
+            connection.close()
+    return latencies, time.perf_counter() - start
+
+
 def capabilities(index: int) -> dict[str, Any]:
     return {"properties": {
         "id": f"device-{index:04d}", "vendor": "Example", "modelNumber": "B1",
@@ -168,6 +204,14 @@ async def scenario(port: int, tokens: list[str], args: argparse.Namespace) -> No
     latencies, elapsed = await run_load(port, jobs, args.concurrency, None, {200, 201})
     summary("status reports (durable)", latencies, elapsed)
 
+    # The shape of a fleet: every device on its own connection, all reporting within the
+    # same second or two at `--rate` reports per second in total.
+    per_device = [[(m, p, h, b) for m, p, h, b in jobs[:2 * n] if h is auth[i]]
+                  for i in range(n) if deployments[i]]
+    latencies, elapsed = await open_loop(port, per_device, args.rate, {200, 201})
+    summary(f"status reports (durable; one connection per device, {len(per_device):,} "
+            f"connections, offered {args.rate:,.0f}/s)", latencies, elapsed)
+
     jobs = [("PUT", f"/api/v1/capabilities/device-{i:04d}", auth[i],
              json.dumps(capabilities(i)).encode()) for i in range(n)]
     latencies, elapsed = await run_load(port, jobs, args.concurrency, None, {200, 201})
@@ -202,6 +246,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--git-polls", type=int, default=50)
+    parser.add_argument("--rate", type=float, default=2000.0,
+                        help="offered status reports per second, one connection per device")
     args = parser.parse_args()
     random.seed(7)
     with tempfile.TemporaryDirectory(prefix="margo-bench-serve-") as tmp:

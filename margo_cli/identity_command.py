@@ -121,7 +121,18 @@ class _Registry:
 # --- clients add / retire / list -------------------------------------------------------
 
 
+def _check_client_id(verb: str, client_id: str) -> None:
+    """The server refuses such client ids where they enter (`margo.identifiers`): so does
+    the command that would register one, before anything is written."""
+    from margo.identifiers import CLIENT_ID
+
+    problem = CLIENT_ID.problem(client_id)
+    if problem is not None:
+        _fail(f"clients {verb}: {problem}")
+
+
 def run_clients_add(args: argparse.Namespace) -> int:
+    _check_client_id("add", args.client_id)
     with _Registry(args) as clients:
         client_id, token = clients.add(args.client_id)
     if args.json:
@@ -220,6 +231,7 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def run_clients_issue(args: argparse.Namespace) -> int:
+    _check_client_id("issue", args.client_id)
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
@@ -264,6 +276,7 @@ def run_clients_issue(args: argparse.Namespace) -> int:
 
 
 def run_clients_import(args: argparse.Namespace) -> int:
+    _check_client_id("import", args.client_id)
     from cryptography import x509
 
     try:

@@ -151,6 +151,11 @@ def test_add_list_and_retire(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert lines["dev-2"].startswith("retired")
     rows = listing(capsys, data)
     assert rows["dev-1"]["token"] and rows["dev-2"]["retired"]
+    # an id the server would refuse where it enters is refused here too, nothing written
+    for bad in ("a" * 129, "..", "dev 3", "dév"):
+        code, _, err = run(capsys, "clients", "add", bad, "--data", str(data))
+        assert code == 2 and "clients add: a client id" in err, err
+    assert set(listing(capsys, data)) == {"dev-1", "dev-2"}
 
 
 def test_trust_rotate_checks_and_installs_atomically(tmp_path: Path,

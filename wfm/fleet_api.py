@@ -41,9 +41,9 @@ __all__ = ["FleetApi"]
 
 def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
     rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at, "
-                        "adopted_manifest_version FROM statuses")
+                        "adopted_manifest_version, client_id FROM statuses")
     return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
-                   "reportedAt": r[4], "adopted": r[5]} for r in rows}
+                   "reportedAt": r[4], "adopted": r[5], "clientId": r[6]} for r in rows}
 
 
 def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
@@ -88,8 +88,10 @@ class FleetApi:
 
     def device_summary(self, row: records.DeviceRow, statuses: dict[str, dict[str, Any]],
                        polls: dict[str, tuple[float | None, float | None]] | None = None,
+                       contents: dict[str, dict[int, dict[str, str]]] | None = None,
                        ) -> dict[str, Any]:
-        """`polls`: every client's last poll and interval (`records.client_polls`), when the
+        """`polls`: every client's last poll and interval (`records.client_polls`), and
+        `contents`: what the adopted manifest versions held (`fleet_contents`), when the
         caller summarises many devices; read here otherwise."""
         deployments = self.api.desired.device_deployments(row.device_id)
         states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
@@ -99,19 +101,25 @@ class FleetApi:
                 "vendor": properties.get("vendor"), "reportedAt": row.reported_at,
                 "deployments": len(deployments), "states": dict(sorted(states.items())),
                 "labels": row.document.get("labels", {}),
-                "freshness": self._freshness(row, deployments, statuses, polls).to_json(),
+                "freshness": self._freshness(row, deployments, statuses, polls,
+                                             contents).to_json(),
                 "errors": _errors(deployments, statuses)}
 
     def _freshness(self, row: records.DeviceRow, deployments: list[Any],
                    statuses: dict[str, dict[str, Any]],
-                   polls: dict[str, tuple[float | None, float | None]] | None) -> Freshness:
+                   polls: dict[str, tuple[float | None, float | None]] | None,
+                   fleet_contents: dict[str, dict[int, dict[str, str]]] | None) -> Freshness:
         if polls is None:
             polls = self.api.db.read(records.client_polls)
         held = {d.deployment_id: d.digest for d in deployments}
         mine = {i: statuses[i] for i in held if i in statuses}
         versions = {int(s["adopted"]) for s in mine.values() if s.get("adopted") is not None}
-        contents = self.api.db.read(lambda c: records.manifest_contents(
-            c, row.client_id, versions)) if versions else {}
+        if fleet_contents is not None:
+            known = fleet_contents.get(row.client_id, {})
+            contents = {v: known[v] for v in versions if v in known}
+        else:
+            contents = self.api.db.read(lambda c: records.manifest_contents(
+                c, row.client_id, versions)) if versions else {}
         last_poll, interval = polls.get(row.client_id, (None, None))
         heard = [t for t in (row.reported_at, last_poll,
                              *(s.get("reportedAt") for s in mine.values())) if t is not None]
@@ -121,17 +129,22 @@ class FleetApi:
                                 stale_polls=self.stale_polls)
 
     def device_rows(self) -> list[records.DeviceRow]:
-        ids = self.api.db.read(lambda c: [r[0] for r in c.execute(
-            "SELECT device_id FROM devices ORDER BY device_id")])
-        rows = [self.api.db.read(lambda c, i=i: records.device_row(c, i)) for i in ids]
-        return [r for r in rows if r is not None]
+        return self.api.db.read(records.device_rows)
+
+    def fleet_contents(self, statuses: dict[str, dict[str, Any]],
+                       ) -> dict[str, dict[int, dict[str, str]]]:
+        """What each client's adopted manifest versions held, for every status at once."""
+        wanted = [(s["clientId"], int(s["adopted"])) for s in statuses.values()
+                  if s.get("adopted") is not None and s.get("clientId")]
+        return self.api.db.read(lambda c: records.manifest_contents_of(c, wanted))
 
     async def devices(self, request: Request) -> Response:
         self._authorize(request)
         await self.api.catch_up()
         statuses = self.statuses()
         polls = self.api.db.read(records.client_polls)
-        return JSONResponse({"devices": [self.device_summary(r, statuses, polls)
+        contents = self.fleet_contents(statuses)
+        return JSONResponse({"devices": [self.device_summary(r, statuses, polls, contents)
                                          for r in self.device_rows()]})
 
     def eligibility(self, device_ids: Iterable[str]) -> dict[str, list[dict[str, Any]] | str]:

@@ -16,9 +16,9 @@ from wfm.db import Connection
 
 __all__ = ["DEVICE_TIME", "HISTORY_VERSIONS", "CapabilityWrite", "DeviceRow", "StatusWrite",
            "advance_manifest_version", "client_devices", "client_polls", "device_documents",
-           "device_owner", "device_row", "device_time", "forget_device", "manifest_contents",
-           "manifest_version", "record_polls", "status_device", "status_history",
-           "store_capabilities", "store_status"]
+           "device_owner", "device_row", "device_rows", "device_time", "forget_device",
+           "manifest_contents", "manifest_contents_of", "manifest_version", "record_polls",
+           "status_device", "status_history", "store_capabilities", "store_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,13 @@ def device_row(conn: Connection, device_id: str) -> DeviceRow | None:
     if row is None:
         return None
     return DeviceRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5])
+
+
+def device_rows(conn: Connection) -> list[DeviceRow]:
+    """Every device's row, by device id: one query for a fleet-wide view."""
+    return [DeviceRow(r[0], r[1], json.loads(r[2]), r[3], r[4], r[5]) for r in conn.execute(
+        "SELECT device_id, client_id, document, digest, shape, reported_at FROM devices "
+        "ORDER BY device_id")]
 
 
 def device_owner(conn: Connection, device_id: str) -> str | None:
@@ -111,6 +118,24 @@ def manifest_contents(conn: Connection, client_id: str,
                         f"client_id = ? AND version IN ({marks})",
                         (client_id, *sorted(versions))).fetchall()
     return {int(v): json.loads(d) for v, d in rows}
+
+
+def manifest_contents_of(conn: Connection, wanted: Iterable[tuple[str, int]],
+                         ) -> dict[str, dict[int, dict[str, str]]]:
+    """`manifest_contents` for many (client, version) pairs at once, by client: a
+    fleet-wide view asks for every device's adopted version, and one query per device made
+    the read API's device list cost a round trip per device."""
+    pairs = sorted(set(wanted))
+    found: dict[str, dict[int, dict[str, str]]] = {}
+    for start in range(0, len(pairs), 500):
+        chunk = pairs[start:start + 500]
+        marks = ", ".join("(?, ?)" for _ in chunk)
+        rows = conn.execute(f"SELECT client_id, version, deployments FROM manifest_history "
+                            f"WHERE (client_id, version) IN (VALUES {marks})",
+                            tuple(v for pair in chunk for v in pair)).fetchall()
+        for client_id, version, deployments in rows:
+            found.setdefault(client_id, {})[int(version)] = json.loads(deployments)
+    return found
 
 
 def client_polls(conn: Connection) -> dict[str, tuple[float | None, float | None]]:

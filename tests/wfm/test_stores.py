@@ -72,6 +72,29 @@ def test_the_record_functions_read_back_what_they_wrote(store: Database) -> None
     assert store.write_sync(lambda c: records.forget_device(c, client_id, "edge-1")) is True
 
 
+def test_manifest_history_is_read_for_many_clients_at_once(store: Database) -> None:
+    """`manifest_contents_of`: one query for the fleet-wide views, the same answers as one
+    `manifest_contents` per client; the history is trimmed to the last HISTORY_VERSIONS
+    (and at most ten more)."""
+    clients = ClientRegistry(store)
+    ids = [clients.add(f"plant-{i}")[0] for i in range(3)]
+    for n, client_id in enumerate(ids):
+        for version in range(1, 4 + 60 * (n == 0)):
+            store.write_sync(lambda c, v=version, i=client_id: records.advance_manifest_version(
+                c, i, f"sha256:{v}", 0, {"d-1": f"sha256:{v}"}))
+    wanted = [(ids[0], 63), (ids[0], 1), (ids[1], 2), (ids[1], 3), (ids[2], 9), ("nobody", 1)]
+    found = store.read(lambda c: records.manifest_contents_of(c, wanted))
+    assert found == {ids[0]: {63: {"d-1": "sha256:63"}},
+                     ids[1]: {2: {"d-1": "sha256:2"}, 3: {"d-1": "sha256:3"}}}
+    for client_id, version in wanted:
+        one = store.read(lambda c, i=client_id, v=version: records.manifest_contents(c, i, {v}))
+        assert one == ({version: found[client_id][version]}
+                       if version in found.get(client_id, {}) else {})
+    kept = store.read(lambda c: c.execute(
+        "SELECT COUNT(*) FROM manifest_history WHERE client_id = ?", (ids[0],)).fetchone()[0])
+    assert records.HISTORY_VERSIONS <= kept <= records.HISTORY_VERSIONS + 10
+
+
 def test_one_bad_write_does_not_sink_its_batch(store: Database) -> None:
     ClientRegistry(store).add("plant-a")
     good = [store.submit(lambda c, i=i: c.execute(

@@ -15,7 +15,6 @@ compiled and shown exactly like one, so both bodies are matched alike.
 from __future__ import annotations
 
 import base64
-import json
 import re
 import time
 import uuid
@@ -26,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from margo import jsonstrict
 from margo.cluster import (
     CLUSTER_API_VERSION,
     CLUSTER_KIND,
@@ -166,13 +166,17 @@ class Api:
 
     @staticmethod
     async def json_body(request: Request) -> dict[str, Any]:
+        """The body as a JSON object, parsed strictly (`margo.jsonstrict`): what is stored
+        must serialize again, so NaN or 1e999 is a 400 now rather than a 500 on every read.
+        The size check is a second line: `wfm.bodylimit` stops a larger body while it
+        streams, before it is buffered here."""
         body = await request.body()
         if len(body) > MAX_BODY:
             raise ProblemError(413, f"request bodies are limited to {MAX_BODY} bytes")
         try:
-            doc = json.loads(body)
-        except (ValueError, RecursionError):
-            raise ProblemError(400, "the request body is not valid JSON",
+            doc = jsonstrict.loads(body)  # NaN, 1e999, duplicate keys: refused here
+        except jsonstrict.JsonRefused as exc:
+            raise ProblemError(400, f"the request body is not valid JSON: {exc}",
                                margo_type="invalid-request") from None
         if not isinstance(doc, dict):
             raise ProblemError(400, "the request body must be a JSON object",

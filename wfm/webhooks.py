@@ -46,7 +46,8 @@ Order of checks
 4. Signature / token check → 401. The body is not decoded or parsed before this succeeds, and
    the check runs for every event type, pings included.
 5. Non-push events → ``None``. Push events: the body must be a UTF-8 JSON object with the push
-   fields, else 400.
+   fields, else 400 (parsed by :mod:`margo.jsonstrict`: no NaN, no infinite numbers, no
+   duplicate keys).
 
 Error messages say what is wrong and which header or field; they never include the secret, the
 received signature or token, or pieces of the body.
@@ -56,11 +57,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from margo import jsonstrict
 
 __all__ = ["MAX_BODY_BYTES", "PushEvent", "WebhookError", "verify_push"]
 
@@ -268,10 +270,11 @@ def _verify_gitlab(h: _Headers, key: bytes) -> None:
 
 def _load_object(body: bytes) -> dict[str, Any]:
     try:
-        payload = json.loads(body.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        payload = jsonstrict.loads(body)  # NaN, 1e999, duplicate keys: refused
+    except jsonstrict.JsonRefused as exc:
         raise WebhookError(
-            "body is not UTF-8 JSON (set the hook's content type to application/json)", 400
+            f"body is not UTF-8 JSON ({exc.reason}; set the hook's content type to "
+            "application/json)", 400
         ) from None
     if not isinstance(payload, dict):
         raise WebhookError(f"body is JSON but not an object ({type(payload).__name__})", 400)

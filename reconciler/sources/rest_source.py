@@ -21,7 +21,6 @@ may have compiled in between); only absence from a verified manifest removes a d
 
 from __future__ import annotations
 
-import json
 import tarfile
 import time
 import zlib
@@ -31,6 +30,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from margo import jsonstrict
 from margo import models as m
 from margo.archive import read_targz
 from margo.digests import DigestError, digest_of, parse_digest, verify_digest
@@ -243,8 +243,8 @@ def _verify(data: bytes, digest: str, what: str) -> None:
 
 def _parse_manifest(body: bytes) -> m.StateManifest:
     try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError) as exc:
+        doc = jsonstrict.loads(body)  # the server's parser: no NaN, 1e999, duplicate keys
+    except jsonstrict.JsonRefused as exc:
         raise IntegrityError(ErrorCode.INVALID_MANIFEST,
                              f"the manifest is not JSON: {exc}") from None
     try:

@@ -861,7 +861,7 @@ def test_signature_is_checked_before_the_body_is_parsed(
     def forbidden(*args: object, **kwargs: object) -> object:
         raise AssertionError("body parsed before authentication")
 
-    monkeypatch.setattr(webhooks.json, "loads", forbidden)
+    monkeypatch.setattr(webhooks.jsonstrict, "loads", forbidden)
     with pytest.raises(WebhookError) as caught:
         verify_push(body, headers, SECRET)
     assert caught.value.status == 401

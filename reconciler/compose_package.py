@@ -24,8 +24,14 @@ member and the rule, anything that could escape or surprise:
 * `missing-compose-yaml`: no regular file `<top>/compose.yaml` (the spec makes
   `compose.yml`, `docker-compose.yaml` and `docker-compose.yml` invalid names);
 * `compose-yaml-invalid`: `compose.yaml` is not a YAML mapping with a `services` mapping;
-* `referenced-file`: an `env_file` or `configs.<name>.file` that is absolute, uses
-  `${...}` interpolation, leaves the top directory, or is missing from the package;
+* `referenced-file`: a path in `compose.yaml`, or in a file it includes or extends, that
+  Compose would read from outside the package: `include` (paths, `project_directory`,
+  `env_file`), `extends.file`, `env_file`, `label_file`, `configs.<name>.file`, `build`
+  contexts, Dockerfiles, additional contexts, relative bind-mount sources. Absolute, `~`,
+  `$`-interpolated or escaping paths, and referenced files missing from the package, are
+  refused, naming the file, the YAML path and the value (`reconciler.compose_paths`);
+* `reference-cycle`, `reference-depth`: an include cycle, or included and extended files
+  nested more than `compose_paths.MAX_REFERENCE_DEPTH` deep (or too many of them);
 * `secret-in-archive`: a `secrets.<name>.file` shipped inside the package.
 
 Extraction never uses tarfile's extraction: files are written from the validated bytes with
@@ -43,7 +49,6 @@ from __future__ import annotations
 import gzip
 import io
 import os
-import posixpath
 import secrets
 import shutil
 import stat
@@ -57,6 +62,7 @@ from typing import Any
 import yaml
 
 from margo.digests import digest_of
+from reconciler.compose_paths import PathRefused, check_compose_paths
 from reconciler.errors import ApplyError, ErrorCode
 
 __all__ = ["COMPOSE_FILE", "MAX_COMPOSE_BYTES", "MAX_MEMBERS", "MAX_UNPACKED_BYTES",
@@ -78,13 +84,16 @@ except AttributeError:  # pragma: no cover - depends on the PyYAML build
 
 class UnsafePackageError(ApplyError):
     """A Compose Archive broke a structure or safety rule; `rule` is one of the names in the
-    module docstring and `member` the archive entry at fault (None for whole-archive rules)."""
+    module docstring, `member` the archive entry at fault (None for whole-archive rules) and
+    `field` the YAML path inside it when a Compose file's field is at fault."""
 
-    def __init__(self, rule: str, message: str, *, member: str | None = None) -> None:
+    def __init__(self, rule: str, message: str, *, member: str | None = None,
+                 field: str | None = None) -> None:
         where = f"member {member!r}: " if member is not None else ""
         super().__init__(ErrorCode.UNSAFE_PACKAGE, f"{where}{message} [{rule}]", retryable=False)
         self.rule = rule
         self.member = member
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -218,7 +227,9 @@ class _Tree:
 # --------------------------------------------------------------------------- compose.yaml
 
 
-def _parse_compose(text: bytes, where: str) -> dict[str, Any]:
+def _parse_document(text: bytes, where: str) -> dict[str, Any]:
+    """A Compose file as a mapping (any file of the package: `compose.yaml` or one it
+    includes or extends), or `compose-yaml-invalid`."""
     if len(text) > MAX_COMPOSE_BYTES:
         raise UnsafePackageError("compose-yaml-invalid", f"larger than {MAX_COMPOSE_BYTES} "
                                  "bytes", member=where)
@@ -229,6 +240,11 @@ def _parse_compose(text: bytes, where: str) -> dict[str, Any]:
                                  member=where) from None
     if not isinstance(document, dict):
         raise UnsafePackageError("compose-yaml-invalid", "must be a YAML mapping", member=where)
+    return document
+
+
+def _parse_compose(text: bytes, where: str) -> dict[str, Any]:
+    document = _parse_document(text, where)
     services = document.get("services")
     if not isinstance(services, dict) or not services:
         raise UnsafePackageError("compose-yaml-invalid", "must have a non-empty 'services' "
@@ -240,63 +256,20 @@ def _parse_compose(text: bytes, where: str) -> dict[str, Any]:
     return document
 
 
-def _env_files(services: Mapping[str, Any]) -> Iterator[tuple[str, str, bool]]:
-    """(where, path, required) for every `env_file` entry (string, list, or long form)."""
-    for name, service in services.items():
-        entries = (service or {}).get("env_file")
-        if entries is None:
-            continue
-        for entry in entries if isinstance(entries, list) else [entries]:
-            where = f"services.{name}.env_file"
-            if isinstance(entry, dict):
-                yield where, entry.get("path"), entry.get("required", True) is not False
-            else:
-                yield where, entry, True
+def _check_references(document: Mapping[str, Any], tree: _Tree, top: str) -> None:
+    """Every path Compose would follow stays in the package (`reconciler.compose_paths`),
+    reported like any other unsafe member: the file inside the archive, and the YAML path
+    and value in the message."""
+    def parse(name: str) -> Mapping[str, Any]:
+        return _parse_document(tree.files[name], f"{top}/{name}")
 
-
-def _file_sources(document: Mapping[str, Any], section: str) -> Iterator[tuple[str, Any]]:
-    entries = document.get(section)
-    if not isinstance(entries, dict):
-        return
-    for name, entry in entries.items():
-        if isinstance(entry, dict) and "file" in entry:
-            yield f"{section}.{name}.file", entry["file"]
-
-
-def _inside(path: Any, where: str, top: str) -> str:
-    """`path` normalised relative to the top directory, or `referenced-file`."""
-    member = f"{top}/{COMPOSE_FILE}"
-    if not isinstance(path, str) or not path:
-        raise UnsafePackageError("referenced-file", f"{where} must be a path", member=member)
-    if "$" in path:
-        raise UnsafePackageError("referenced-file", f"{where} {path!r} uses interpolation; "
-                                 "packaged files must be named literally", member=member)
-    normal = posixpath.normpath(path)
-    if posixpath.isabs(path) or normal == ".." or normal.startswith("../"):
-        raise UnsafePackageError("referenced-file", f"{where} {path!r} must be a relative path "
-                                 "inside the package", member=member)
-    return normal
-
-
-def _check_references(document: Mapping[str, Any], files: Mapping[str, bytes],
-                      top: str) -> None:
-    """`env_file` and `configs` files must ship in the package; `secrets` files must not."""
-    member = f"{top}/{COMPOSE_FILE}"
-    for where, path, required in _env_files(document["services"]):
-        normal = _inside(path, where, top)
-        if required and normal not in files:
-            raise UnsafePackageError("referenced-file", f"{where} {path!r} is not in the "
-                                     "package", member=member)
-    for where, path in _file_sources(document, "configs"):
-        if _inside(path, where, top) not in files:
-            raise UnsafePackageError("referenced-file", f"{where} {path!r} is not in the "
-                                     "package", member=member)
-    for where, path in _file_sources(document, "secrets"):
-        if not isinstance(path, str) or posixpath.isabs(path) or "$" in path:
-            continue  # provisioned on the device, outside the package: allowed
-        if posixpath.normpath(path) in files:
-            raise UnsafePackageError("secret-in-archive", f"{where} {path!r}: secret files "
-                                     "must not be shipped in the package", member=member)
+    try:
+        check_compose_paths(document, files=tree.files, directories=tree.directories,
+                            parse=parse, compose_file=COMPOSE_FILE)
+    except PathRefused as refused:
+        raise UnsafePackageError(refused.rule, f"{refused.where} {refused.value!r} "
+                                 f"{refused.reason}", member=f"{top}/{refused.file}",
+                                 field=refused.where) from None
 
 
 # --------------------------------------------------------------------------- public API
@@ -325,7 +298,7 @@ def validate_package(data: bytes, *, max_members: int = MAX_MEMBERS,
         raise UnsafePackageError("missing-compose-yaml", f"the top-level directory has no "
                                  f"{COMPOSE_FILE}{hint}", member=top)
     compose = _parse_compose(tree.files[COMPOSE_FILE], f"{top}/{COMPOSE_FILE}")
-    _check_references(compose, tree.files, top)
+    _check_references(compose, tree, top)
     directories = tuple(sorted(tree.directories, key=lambda d: (d.count("/"), d)))
     return ComposePackage(digest=digest_of(data), top_directory=top, files=dict(tree.files),
                           directories=directories, compose=compose)

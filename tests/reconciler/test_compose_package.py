@@ -255,6 +255,158 @@ def test_secret_files_must_not_ship_in_the_package() -> None:
                                   "secrets: {s: {file: /run/secrets/token}}"))
 
 
+# --------------------------------------------------------------------------- referenced paths
+
+BASE = b"services:\n  a:\n    image: busybox\n    env_file: a.env\n"
+
+ESCAPES = {
+    "include up and out": ("include: ../x.yaml\nservices: {web: {image: x}}", [],
+                           "compose.yaml", "include", "../x.yaml"),
+    "include an absolute path": ("include: [{path: /etc/passwd}]\nservices: {web: {image: x}}",
+                                 [], "compose.yaml", "include[0].path", "/etc/passwd"),
+    "include with interpolation": ("include: ['${HOME}/x.yaml']\nservices: {web: {image: x}}",
+                                   [], "compose.yaml", "include[0]", "${HOME}/x.yaml"),
+    "include a bare variable": ("include: [$INC]\nservices: {web: {image: x}}", [],
+                                "compose.yaml", "include[0]", "$INC"),
+    "include from the home directory": ("include: ['~/x.yaml']\nservices: {web: {image: x}}",
+                                        [], "compose.yaml", "include[0]", "~/x.yaml"),
+    "include a list of paths": (
+        "include: [{path: [base.yaml, ../../x.yaml]}]\nservices: {web: {image: x}}",
+        [Entry("app/base.yaml", BASE), Entry("app/a.env", b"")], "compose.yaml",
+        "include[0].path[1]", "../../x.yaml"),
+    "include project_directory": (
+        "include: [{path: base.yaml, project_directory: ..}]\nservices: {web: {image: x}}",
+        [Entry("app/base.yaml", BASE)], "compose.yaml", "include[0].project_directory", ".."),
+    "include env_file": (
+        "include: [{path: base.yaml, env_file: [/etc/environment]}]\n"
+        "services: {web: {image: x}}", [Entry("app/base.yaml", BASE), Entry("app/a.env", b"")],
+        "compose.yaml", "include[0].env_file[0]", "/etc/environment"),
+    "extends a file outside": (
+        "services: {web: {image: x, extends: {file: ../../base.yaml, service: a}}}", [],
+        "compose.yaml", "services.web.extends.file", "../../base.yaml"),
+    "absolute env_file": ("services: {web: {image: x, env_file: /etc/shadow}}", [],
+                          "compose.yaml", "services.web.env_file", "/etc/shadow"),
+    "label_file outside": ("services: {web: {image: x, label_file: [../labels]}}", [],
+                           "compose.yaml", "services.web.label_file[0]", "../labels"),
+    "build context outside": ("services: {web: {build: ../..}}", [], "compose.yaml",
+                              "services.web.build", "../.."),
+    "absolute build context": ("services: {web: {build: {context: /}}}", [], "compose.yaml",
+                               "services.web.build.context", "/"),
+    "dockerfile outside the context": (
+        "services: {web: {build: {context: src, dockerfile: ../../Dockerfile}}}",
+        [Entry("app/src/Dockerfile", b"FROM busybox\n")], "compose.yaml",
+        "services.web.build.dockerfile", "../../Dockerfile"),
+    "additional build context outside": (
+        "services: {web: {build: {context: ., additional_contexts: {etc: /etc}}}}", [],
+        "compose.yaml", "services.web.build.additional_contexts.etc", "/etc"),
+    "a context that only looks remote": ("services: {web: {build: 'file:///etc'}}", [],
+                                         "compose.yaml", "services.web.build", "file:///etc"),
+    "relative bind mount outside": (
+        "services: {web: {image: x, volumes: ['../../..:/host']}}", [], "compose.yaml",
+        "services.web.volumes[0]", "../../.."),
+    "relative long-syntax bind mount outside": (
+        "services: {web: {image: x, volumes: [{type: bind, source: ./../x, target: /x}]}}", [],
+        "compose.yaml", "services.web.volumes[0].source", "./../x"),
+    "secret file outside the package by a relative path": (
+        "services: {web: {image: x}}\nsecrets: {s: {file: ../../token}}", [],
+        "compose.yaml", "secrets.s.file", "../../token"),
+    "nested include that escapes": (
+        "include: [inc/one.yaml]\nservices: {web: {image: x}}",
+        [Entry("app/inc/one.yaml", b"include: [two.yaml]\n"),
+         Entry("app/inc/two.yaml", b"services: {b: {image: x, env_file: ../../../etc/x}}\n")],
+        "inc/two.yaml", "services.b.env_file", "../../../etc/x"),
+    "an extended file that escapes": (
+        "services: {web: {extends: {file: lib/base.yaml, service: a}}}",
+        [Entry("app/lib/base.yaml", b"services: {a: {image: x, extends: "
+                                    b"{file: ../../up.yaml, service: b}}}\n")],
+        "lib/base.yaml", "services.a.extends.file", "../../up.yaml"),
+    "a missing included file": ("include: [nowhere.yaml]\nservices: {web: {image: x}}", [],
+                                "compose.yaml", "include[0]", "nowhere.yaml"),
+}
+
+
+@pytest.mark.parametrize("case", list(ESCAPES), ids=list(ESCAPES))
+def test_paths_that_leave_the_package_are_refused_with_their_location(case: str) -> None:
+    compose, extra, file, where, value = ESCAPES[case]
+    error = rejection(with_compose(compose, *extra))
+    assert (error.rule, error.member, error.field) == ("referenced-file", f"app/{file}", where)
+    assert error.code == "UNSAFE_PACKAGE" and error.retryable is False
+    assert f"{where} {value!r}" in error.message
+
+
+def test_an_include_cycle_is_refused() -> None:
+    data = with_compose("include: [a.yaml]\nservices: {web: {image: x}}",
+                        Entry("app/a.yaml", b"include: [sub/b.yaml]\n"),
+                        Entry("app/sub/b.yaml", b"include: [../a.yaml]\n"))
+    error = rejection(data)
+    assert (error.rule, error.member) == ("reference-cycle", "app/sub/b.yaml")
+    assert "a.yaml -> sub/b.yaml -> a.yaml" in error.message
+
+
+def test_a_chain_of_includes_deeper_than_the_limit_is_refused() -> None:
+    chain = [Entry(f"app/i{n}.yaml", f"include: [i{n + 1}.yaml]\n".encode())
+             for n in range(20)]
+    data = with_compose("include: [i0.yaml]\nservices: {web: {image: x}}", *chain,
+                        Entry("app/i20.yaml", b"services: {b: {image: x}}\n"))
+    assert rejection(data).rule == "reference-depth"
+
+
+def test_an_included_file_must_be_a_compose_mapping() -> None:
+    error = rejection(with_compose("include: [x.yaml]\nservices: {web: {image: x}}",
+                                   Entry("app/x.yaml", b"- not a mapping\n")))
+    assert (error.rule, error.member) == ("compose-yaml-invalid", "app/x.yaml")
+
+
+def test_a_symlink_pointing_out_of_the_package_is_refused() -> None:
+    # Links never get as far as the path check: the archive check refuses them all.
+    data = with_compose("include: [x.yaml]\nservices: {web: {image: x}}",
+                        Entry("app/x.yaml", kind=tarfile.SYMTYPE, linkname="../../etc/x.yaml"))
+    assert (rejection(data).rule, rejection(data).member) == ("link", "app/x.yaml")
+
+
+def test_includes_extends_and_files_inside_the_package_are_accepted() -> None:
+    compose = """\
+include:
+  - lib/db.yaml
+  - path: [lib/cache.yaml, ./lib/cache-override.yaml]
+    project_directory: lib
+    env_file: lib/cache.env
+services:
+  web:
+    extends: {file: ./lib/base.yaml, service: base}
+    env_file: [web.env, {path: ./local.env, required: false}]
+    label_file: web.labels
+    build: {context: ., dockerfile: docker/Dockerfile, additional_contexts: {img: "docker-image://busybox"}}
+    volumes: [./data:/data, named:/named, /var/run/docker.sock:/var/run/docker.sock]
+  worker:
+    extends: web
+    build: https://github.com/example/worker.git
+  common:
+    image: busybox
+    env_file: web.env
+configs:
+  site: {file: ./lib/../configs/site.conf}
+secrets:
+  token: {file: /run/secrets/device-token}
+volumes:
+  named: {}
+"""
+    package = validate_package(with_compose(
+        compose,
+        Entry("app/lib/db.yaml", b"services: {db: {image: postgres, env_file: ../db.env}}\n"),
+        Entry("app/db.env", b""),
+        Entry("app/lib/cache.yaml", b"services: {cache: {image: redis, env_file: c.env}}\n"),
+        Entry("app/lib/cache-override.yaml", b"services: {cache: {extends: "
+                                              b"{file: ../lib/base.yaml, service: base}}}\n"),
+        Entry("app/lib/c.env", b""), Entry("app/lib/cache.env", b""),
+        Entry("app/lib/base.yaml", b"services: {base: {image: x, env_file: base.env, "
+                                   b"extends: {file: ../compose.yaml, service: common}}}\n"),
+        Entry("app/lib/base.env", b""), Entry("app/web.env", b""), Entry("app/web.labels", b""),
+        Entry("app/docker/Dockerfile", b"FROM busybox\n"),
+        Entry("app/configs/site.conf", b"")))
+    assert package.services == ("web", "worker", "common")
+
+
 # --------------------------------------------------------------------------- extraction
 
 

@@ -37,6 +37,7 @@ from compiler.gitstore import (
     StoredTree,
     blob_id,
     branch_problem,
+    device_ref,
     tree_id_of,
 )
 from compiler.intents import Intent
@@ -970,12 +971,18 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
             affected = _affected_devices(ctx, in_grace, placed_by_changed)
         return affected
 
+    # A device the state recorded whose branch is gone (its ref lost, e.g. `packed-refs`
+    # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
+    # staying missing because nothing it depends on changed.
+    refs = store.branch_names() if previous_devices else frozenset()
     todo: list[tuple[Device, DeviceRecord | None]] = []
     for device_id in sorted(snapshot.devices):
         device = snapshot.devices[device_id]
         if _unusable_id(device, report):
             continue
         record = previous_devices.get(device_id)
+        if record is not None and device_ref(device_id) not in refs:
+            record = None
         if _needs_compile(device, record, affected_devices):
             todo.append((device, record))
         else:

@@ -443,6 +443,12 @@ class DeviceStore:
                if ref.startswith(DEVICE_REF_PREFIX))
         return sorted(i for i in ids if i is not None)
 
+    def branch_names(self) -> frozenset[str]:
+        """The name of every ref, read in one listing: a recompile that skips most devices
+        tells from it which recorded devices lost their branch (one set lookup each, not
+        one ref lookup each)."""
+        return frozenset(self._own_repo().listall_references())
+
     def tip(self, device_id: str) -> str | None:
         """The id of the newest commit of the device's branch; None when it has none."""
         commit = self._tip_commit(device_id)

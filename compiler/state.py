@@ -32,9 +32,12 @@ from typing import Any, NamedTuple
 from compiler.gcpause import collection_paused
 from compiler.snapshot import SnapshotMemo, TrustedDigests
 
-__all__ = ["CompilerState", "DeviceRecord", "IntentRecord", "PlacementRecord", "StagedSave"]
+__all__ = ["STATE_FILE_NAME", "CompilerState", "DeviceRecord", "IntentRecord",
+           "PlacementRecord", "StagedSave", "recorded_branch"]
 
 SCHEMA_VERSION = "4"
+#: The state's file beside the repository (``<repos>/compiler-state.sqlite``) in the server.
+STATE_FILE_NAME = "compiler-state.sqlite"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -387,3 +390,35 @@ class StagedSave:
             raise RuntimeError("this save was already committed or rolled back")
         db, self._db = self._db, None
         db.execute(statement)
+
+
+def recorded_branch(repos_dir: str | Path, device_id: str) -> str | None:
+    """What the compiler's state (``<repos_dir>/compiler-state.sqlite``) says the device's
+    branch holds: the commit it left the branch at, ``"unknown commit"`` when only a
+    compiled tree with deployments is recorded, or None when it records no branch (no such
+    file, a device not compiled yet).
+
+    Why: a device without a branch normally has no desired state yet, but one the compiler
+    did give a branch has LOST its state (e.g. ``packed-refs`` deleted); serving that as
+    "no deployments" would make the device uninstall everything. Read-only, for the server's
+    readers, asked only when a branch is missing: a state that cannot be read says nothing.
+    """
+    path = Path(repos_dir) / STATE_FILE_NAME
+    if not path.is_file():
+        return None
+    try:
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=2.0)
+    except sqlite3.Error:
+        return None
+    try:
+        row = db.execute("SELECT tip FROM device_trees WHERE device_id=?",
+                         (device_id,)).fetchone()
+        if row is not None:
+            return str(row[0])
+        row = db.execute("SELECT deployments FROM devices WHERE device_id=?",
+                         (device_id,)).fetchone()
+        return "unknown commit" if row is not None and row[0] else None
+    except sqlite3.Error:
+        return None
+    finally:
+        db.close()

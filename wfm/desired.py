@@ -10,24 +10,46 @@ added or removed); polls in between are answered from memory.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import pygit2
 import yaml
 
-from compiler.gitstore import CommitInfo, DeviceStore
+from compiler.gitstore import CommitInfo, DeviceStore, GitStoreError
+from compiler.state import recorded_branch
 from margo.archive import deterministic_targz
 from margo.canonical import canonical_json
 from margo.digests import digest_of
+from wfm.problems import ProblemError
 
-__all__ = ["BUNDLE_MEDIA_TYPE", "ClientState", "DesiredState", "ServedDeployment",
-           "manifest_body"]
+__all__ = ["BUNDLE_MEDIA_TYPE", "STATE_LOST_RETRY", "ClientState", "DesiredState",
+           "ServedDeployment", "StateLost", "manifest_body"]
 
 BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
+#: Seconds a device is told to wait before asking again for a state the server lost.
+STATE_LOST_RETRY = 60
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+log = logging.getLogger("margo.wfm.desired")
+
+
+class StateLost(ProblemError):
+    """A device's branch is missing or unreadable although the compiler gave it one: its
+    desired state is LOST, not empty. Served as "no deployments" it would make the device
+    uninstall everything (and a higher manifestVersion would make that stick), so whatever
+    would serve it answers 503 with Retry-After instead, until the repository is repaired
+    or a compile rebuilds the branch."""
+
+    def __init__(self, device_id: str, why: str) -> None:
+        super().__init__(503, f"the desired state of device {device_id!r} is not available: "
+                         f"{why}; the server's repository needs repair (a compile rebuilds "
+                         "the branch from the fleet source); nothing was changed on the "
+                         "device's side, ask again later", retry_after=STATE_LOST_RETRY)
+        self.device_id = device_id
 
 
 class ServedDeployment:
@@ -189,6 +211,7 @@ class DesiredState:
         self._current: dict[str, tuple[int, tuple[str, ...], ClientState]] = {}
         self._recent: dict[str, OrderedDict[str, ClientState]] = {}
         self._history = history
+        self._reported_lost: set[str] = set()  # devices whose lost state was logged
 
     @property
     def generation(self) -> int:
@@ -201,7 +224,18 @@ class DesiredState:
             self._older_blobs, self._blobs = self._blobs, {}
 
     def _served(self, device_id: str) -> list[ServedDeployment]:
-        tree = self._store.tree_ids(device_id) or {}
+        try:
+            tree = self._store.tree_ids(device_id)
+        except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
+            raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
+        if tree is None:
+            recorded = recorded_branch(self._store.path.parent, device_id)
+            if recorded is not None:
+                raise self._lost(device_id, f"its branch is missing from the repository "
+                                 f"(the last compile left it at {recorded})")
+            tree = {}  # not compiled yet: no desired state, rightly empty
+        else:
+            self._reported_lost.discard(device_id)
         blobs, older = self._blobs, self._older_blobs
         missing = [oid for oid in tree.values() if oid not in blobs]
         for oid in missing:
@@ -219,6 +253,16 @@ class DesiredState:
             if document is not None:
                 out.append(ServedDeployment(document, device_id))
         return out
+
+    def _lost(self, device_id: str, why: str) -> StateLost:
+        """The 503 for a device whose state is lost, logged as an error once (until its
+        branch is back): every poll of that device meets it."""
+        if device_id not in self._reported_lost:
+            self._reported_lost.add(device_id)
+            log.error("device %r: %s in %s; it is answered 503 until the branch is back "
+                      "(restore the repository's refs, or let a compile rebuild it)",
+                      device_id, why, self._store.path)
+        return StateLost(device_id, why)
 
     def history(self, device_id: str, limit: int = 20) -> list[CommitInfo]:
         """The device branch's newest commits (what changed, and why)."""

@@ -78,6 +78,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import device_ref
+from compiler.state import recorded_branch
 
 __all__ = [
     "BACKEND_GONE",
@@ -205,6 +206,16 @@ class _GitServer:
             return _problem(404, f"{device_id!r} is not a device id")
         tip = await asyncio.to_thread(_branch_tip, self.repository, ref)
         if tip is None:
+            # A branch the compiler made and the repository lost is lost state, never an
+            # empty repository (`wfm.desired.StateLost` has why).
+            recorded = await asyncio.to_thread(recorded_branch, self.repository.parent,
+                                               device_id)
+            if recorded is not None:
+                _log.error("device %r: its branch is missing or unreadable in %s (the last "
+                           "compile left it at %s)", device_id, self.repository, recorded)
+                return _problem(503, f"the desired state of device {device_id!r} is not "
+                                "available: its branch is missing from the server's "
+                                "repository, which needs repair", headers={"Retry-After": "60"})
             return _problem(404, f"device {device_id!r} has no desired state yet")
         protocol = _protocol_version(request.headers.get("git-protocol", ""))
         encoding = request.headers.get("content-encoding")

@@ -1,0 +1,45 @@
+"""A branch the compiler made and the repository lost is rebuilt by the next compile (never
+left missing because nothing changed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kits.fleetkit import Fleet, app, device, intent
+
+from compiler.gitstore import device_ref
+from compiler.state import recorded_branch
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Fleet:
+    f = Fleet(tmp_path)
+    f.apps["com-example-app"] = app()
+    f.intents["everywhere"] = intent("everywhere", parameters={
+        "greeting": "hi {{ device.labels['site'] }}"})
+    f.devices["d1"] = device("d1", labels={"site": "one"})
+    f.devices["d2"] = device("d2", labels={"site": "two"})
+    return f
+
+
+def drop_ref(repos: Path, ref: str) -> None:
+    packed = repos / "fleet-state.git" / "packed-refs"
+    packed.write_text("".join(line for line in packed.read_text().splitlines(keepends=True)
+                              if not line.rstrip("\n").endswith(" " + ref)))
+    (repos / "fleet-state.git" / ref).unlink(missing_ok=True)
+
+
+def test_a_lost_branch_is_rebuilt_by_a_compile_with_nothing_changed(fleet: Fleet) -> None:
+    fleet.compile()
+    tree = fleet.store.tree_ids("d1")
+    tip = fleet.store.tip("d1")
+    assert tree and recorded_branch(fleet.repos, "d1") == tip
+    drop_ref(fleet.repos, device_ref("d1"))
+    assert fleet.store.tip("d1") is None
+    assert recorded_branch(fleet.repos, "d1") == tip  # what says the state is lost
+    report = fleet.compile()  # no input changed
+    assert report.commits == 1
+    assert fleet.store.tree_ids("d1") == tree
+    assert fleet.compile().commits == 0
+

@@ -583,6 +583,31 @@ class DeviceStore:
 
     # --- writing -------------------------------------------------------------------------
 
+    def delete_branches(self, device_ids: Iterable[str]) -> dict[str, str]:
+        """Delete the branches of these devices (those that have one), all or none; device
+        id -> the commit its branch was at. Hold `lock`.
+
+        Why: a device id that its client deleted may be registered again, by another
+        client; its branch must then start from nothing, or a clone would show the previous
+        owner's history. Git's own ``update-ref`` transaction removes the ref wherever it
+        is stored (``packed-refs`` or a loose file) with its reflog, each only if it still
+        points where it was read. The commits become unreachable: the Git hosting serves
+        only what a device's own branch reaches (`wfm.githttp`), and ``git gc`` prunes them.
+        """
+        doomed = {}
+        for device_id in dict.fromkeys(device_ids):
+            target = self.branch_target(device_id)
+            if target is not None:
+                doomed[device_id] = target
+        if not doomed:
+            return {}
+        lines = [b"start\n", *(f"delete {device_ref(d)} {old}\n".encode()
+                               for d, old in doomed.items()), b"commit\n"]
+        with tempfile.TemporaryDirectory(prefix="margo-gitstore-") as scratch:
+            self._run_git(["update-ref", "--stdin"], lines, Path(scratch),
+                          "no device branch was deleted")
+        return doomed
+
     def write(self, commits: Iterable[DeviceCommit], *,
               while_moving: Callable[[Mapping[str, str]], None] | None = None,
               ) -> dict[str, str]:

@@ -153,6 +153,16 @@ class CompilerState:
     def close(self) -> None:
         self._db.close()
 
+    def forget(self, device_ids: Iterable[str]) -> None:
+        """Forget everything remembered about these devices (record, placements, tree), in
+        one transaction: a device deleted from the fleet, whose id may be registered again
+        by another client that must start from nothing (no skipped compile because its
+        capabilities happen to be the same, no placements or grace periods carried over)."""
+        forgotten = [(device_id,) for device_id in dict.fromkeys(device_ids)]
+        with self.transaction() as db:
+            for table in ("devices", "placements", "device_trees"):
+                db.executemany(f"DELETE FROM {table} WHERE device_id=?", forgotten)
+
     def intents(self) -> dict[str, IntentRecord]:
         rows = self._db.execute("SELECT name, digest, app_id, app_version, app_digest, "
                                 "placement_digest FROM intents")

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from compiler.gitstore import GitStoreError
 from margo import jsonstrict
 from margo.cluster import (
     CLUSTER_API_VERSION,
@@ -215,9 +216,12 @@ class Api:
                                errors=[{"field": "properties.id", "message": "must equal the "
                                         "deviceId in the path"}])
         parent = device_id.rpartition("/")[0]
-        if parent and await self.db.aread(lambda c: records.device_row(c, parent)) is None:
-            raise ProblemError(404, f"no gateway {parent!r} has reported its capabilities",
-                               margo_type="gateway-not-found")
+        # Another client's gateway is answered like an unknown one: no way to learn which
+        # ids other clients use, and no child under a gateway the caller does not own.
+        if parent and await self.db.aread(
+                lambda c: records.device_owner(c, parent)) != client.client_id:
+            raise ProblemError(404, f"no gateway {parent!r} of this client has reported its "
+                               "capabilities", margo_type="gateway-not-found")
 
         def write(conn: Connection) -> records.CapabilityWrite:
             return records.store_capabilities(
@@ -236,8 +240,24 @@ class Api:
         return result.created
 
     async def delete_capabilities(self, request: Request) -> Response:
+        """Forget a device of the caller (and its children): its rows, its statuses, and
+        its branch with its whole history, so that the id, once registered again (by
+        anyone), starts from nothing. Another client's device is answered like an unknown
+        one (404): no way to learn which ids others use. The branch goes first: if it
+        cannot (the compile lock stays taken), nothing is forgotten and the caller retries."""
         client, _ = await self.scoped(request)
         device_id = request.path_params["deviceId"]
+        family = [d for d in await self._devices(client)
+                  if d == device_id or d.startswith(device_id + "/")]
+        if not family:
+            raise ProblemError(404, f"no device {device_id!r} for this client",
+                               margo_type="device-not-found")
+        if self.coordinator is None:  # replicas: the served repository is a copy
+            try:
+                await run_in_threadpool(self.desired.forget_devices, family)
+            except GitStoreError as exc:
+                raise ProblemError(503, f"device {device_id!r} was not deleted: its branch "
+                                   f"could not be deleted now ({exc})", retry_after=5) from None
         removed = await self.db.write(
             lambda conn: records.forget_device(conn, client.client_id, device_id))
         if not removed:
@@ -400,6 +420,14 @@ class Api:
                                margo_type="semantic-error",
                                errors=[{"field": "deploymentId", "message": "must equal the "
                                         "deploymentId in the path"}])
+        named = status.device_id or path_device
+        if named is not None and named not in await self._devices(client):
+            # Another client's device and an unknown id get the same answer (no oracle for
+            # which ids other clients use), and a report is never filed under either.
+            raise ProblemError(422, f"deviceId {named!r} is not one of this client's devices",
+                               margo_type="semantic-error",
+                               errors=[{"field": "deviceId", "message": "not one of this "
+                                        "client's devices"}])
         owner = await self._deployment_device(client, deployment_id)
         if owner is None and await self._caught_up():  # assigned in a newer generation
             owner = await self._deployment_device(client, deployment_id)

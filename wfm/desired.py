@@ -21,7 +21,7 @@ import pygit2
 import yaml
 
 from compiler.gitstore import CommitInfo, DeviceStore, GitStoreError
-from compiler.state import recorded_branch
+from compiler.state import STATE_FILE_NAME, CompilerState, recorded_branch
 from margo.archive import deterministic_targz
 from margo.canonical import canonical_json
 from margo.digests import digest_of
@@ -263,6 +263,24 @@ class DesiredState:
                       "(restore the repository's refs, or let a compile rebuild it)",
                       device_id, why, self._store.path)
         return StateLost(device_id, why)
+
+    def forget_devices(self, device_ids: list[str], *, timeout: float = 30.0) -> list[str]:
+        """Delete these devices' branches and what the compiler remembers of them, under
+        the compile lock; the devices that had a branch. Why: the id may be registered
+        again, by another client, whose branch must start from nothing (no parent commit,
+        no previous owner's history or parameter values). GitStoreError when the lock is
+        not had within `timeout` seconds (nothing deleted)."""
+        with self._store.lock(timeout=timeout):
+            deleted = self._store.delete_branches(device_ids)
+            state_file = self._store.path.parent / STATE_FILE_NAME
+            if state_file.exists():
+                state = CompilerState(state_file)
+                try:
+                    state.forget(device_ids)
+                finally:
+                    state.close()
+        self.bump()
+        return sorted(deleted)
 
     def history(self, device_id: str, limit: int = 20) -> list[CommitInfo]:
         """The device branch's newest commits (what changed, and why)."""

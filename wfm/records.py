@@ -196,10 +196,25 @@ def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
 
 
 def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
-    """Remove a device (and its children) of this client; history is kept."""
-    rows = conn.execute("DELETE FROM devices WHERE client_id = ? AND (device_id = ? OR "
-                        "device_id LIKE ?)", (client_id, device_id, device_id + "/%")).rowcount
-    return rows > 0
+    """Remove a device (and its children, ``<id>/...``, matched exactly: in LIKE, an
+    id's ``_`` matches any character) of this client, with the statuses it reported,
+    current and history: a device id belongs to one client, and whoever registers it next
+    must neither see nor be credited with the previous owner's reports. The capability
+    reports stay (attributed to this client, never served)."""
+    family = [(client_id, str(r[0])) for r in conn.execute(
+        "SELECT device_id FROM devices WHERE client_id = ? AND (device_id = ? OR "
+        "substr(device_id, 1, ?) = ?)",
+        (client_id, device_id, len(device_id) + 1, device_id + "/")).fetchall()]
+    deployments = [(client_id, str(r[0])) for pair in family for r in conn.execute(
+        "SELECT deployment_id FROM statuses WHERE client_id = ? AND device_id = ?",
+        pair).fetchall()]
+    for pair in deployments:
+        conn.execute("DELETE FROM status_reports WHERE client_id = ? AND deployment_id = ?",
+                     pair)
+        conn.execute("DELETE FROM statuses WHERE client_id = ? AND deployment_id = ?", pair)
+    for pair in family:
+        conn.execute("DELETE FROM devices WHERE client_id = ? AND device_id = ?", pair)
+    return bool(family)
 
 
 @dataclass(frozen=True, slots=True)

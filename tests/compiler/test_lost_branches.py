@@ -1,15 +1,16 @@
 """A branch the compiler made and the repository lost is rebuilt by the next compile (never
-left missing because nothing changed)."""
+left missing because nothing changed); a forgotten device starts again from nothing."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
 from compiler.gitstore import device_ref
-from compiler.state import recorded_branch
+from compiler.state import CompilerState, recorded_branch
 
 
 @pytest.fixture
@@ -43,3 +44,26 @@ def test_a_lost_branch_is_rebuilt_by_a_compile_with_nothing_changed(fleet: Fleet
     assert fleet.store.tree_ids("d1") == tree
     assert fleet.compile().commits == 0
 
+
+def test_forgotten_devices_lose_branch_and_records(fleet: Fleet) -> None:
+    fleet.compile()
+    old = fleet.store.tip("d1")
+    store = fleet.store
+    with store.lock():
+        assert store.delete_branches(["d1", "nobody"]) == {"d1": old}
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        state.forget(["d1"])
+        assert "d1" not in state.devices() and state.placements_for("d1") == {}
+    finally:
+        state.close()
+    assert store.tip("d1") is None and store.tip("d2") is not None
+    assert recorded_branch(fleet.repos, "d1") is None
+    git_dir = fleet.repos / "fleet-state.git"
+    listed = subprocess.run(["git", f"--git-dir={git_dir}", "for-each-ref"],
+                            capture_output=True, text=True, check=True).stdout
+    assert device_ref("d1") not in listed
+    fleet.devices["d1"] = device("d1", labels={"site": "new-owner"})
+    fleet.compile()
+    history = fleet.store.history("d1")
+    assert len(history) == 1 and history[0].parent is None and history[0].id != old

@@ -53,6 +53,9 @@ def register(commands: Any) -> None:
                        help="a device that has not been heard from for N of its polling "
                             "intervals is stale (default 3; 15 minutes until its interval "
                             "is known)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a request body must arrive within SECONDS of its headers, "
+                            "else 408 (default 30; Git requests at least 300)")
     serve.add_argument("--log-level", default="info")
     _identity_options(serve)
     serve.set_defaults(run=run_serve)
@@ -120,7 +123,8 @@ def run_serve(args: argparse.Namespace) -> int:
         host_source=args.host_source,
         webhook_secret=_secret(args.webhook_secret_file),
         admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
-        database_url=_database(args.database), stale_polls=args.stale_polls))
+        database_url=_database(args.database), stale_polls=args.stale_polls,
+        body_timeout=args.body_timeout))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}

@@ -26,8 +26,9 @@ from starlette.routing import Mount, Route
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
-from wfm.api import Api, routes
+from wfm.api import MAX_BODY, Api, routes
 from wfm.authority import ensure_ca, ensure_shared_ca
+from wfm.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.dashboard import dashboard_routes
@@ -36,18 +37,19 @@ from wfm.db import Database, DatabaseUnavailable, open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.freshness import STALE_POLLS
-from wfm.githttp import git_app
+from wfm.githttp import MAX_REQUEST_BYTES, git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
 from wfm.rollouts import RolloutController, served_from
 from wfm.sourcecondition import store_condition
-from wfm.sourcehost import ensure_repository, source_app
+from wfm.sourcehost import MAX_PUSH_BYTES, ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher, fetch_source
+from wfm.webhooks import MAX_BODY_BYTES as MAX_HOOK_BYTES
 
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["GIT_BODY_TIMEOUT", "ServerConfig", "body_limits", "create_app"]
 
 log = logging.getLogger("margo.wfm")
 
@@ -71,6 +73,9 @@ class ServerConfig:
     #: The data directory's lock, when the caller took it already (`margo serve` does, to
     #: refuse a second server before anything starts); else the server takes it itself.
     data_lock: DataDirLock | None = field(default=None, compare=False)
+    #: Seconds a request body may take to arrive after its headers (`wfm.bodylimit`); Git
+    #: requests get at least `GIT_BODY_TIMEOUT`, a push being large by nature.
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -221,11 +226,27 @@ def create_app(config: ServerConfig) -> Starlette:
                   if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
         lifespan=lifespan,
-        middleware=[Middleware(SignatureMiddleware, identity=identity)],
+        # Body limits first: nothing below (signature checks buffer bodies) sees more.
+        middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config)),
+                    Middleware(SignatureMiddleware, identity=identity)],
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             DatabaseUnavailable: _unavailable_handler,
                             Exception: _crash_handler},
     )
+
+
+#: The shortest deadline for a Git request's body: a 64 MiB push at 256 KiB/s.
+GIT_BODY_TIMEOUT = 300.0
+
+
+def body_limits(config: ServerConfig) -> list[BodyLimit]:
+    """Per path, the largest body and how long it may take to arrive (`wfm.bodylimit`):
+    each route's own limit, enforced before its handler buffers anything."""
+    git = max(config.body_timeout, GIT_BODY_TIMEOUT)
+    return [BodyLimit("/git/source.git/", MAX_PUSH_BYTES, git),
+            BodyLimit("/git/", MAX_REQUEST_BYTES, git),
+            BodyLimit("/hooks/git", MAX_HOOK_BYTES, config.body_timeout),
+            BodyLimit("", MAX_BODY, config.body_timeout)]
 
 
 def _source_kind(config: ServerConfig) -> str:

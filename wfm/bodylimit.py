@@ -1,0 +1,169 @@
+"""Request body limits, enforced while the body streams in, and a deadline for it.
+
+Handlers that call `request.body()` buffer the whole body before they can look at its
+size, and the push hook and onboarding do so before anyone is authenticated: one 300 MB
+body cost 735 MiB of memory, and bodies that were announced but never finished held their
+connections open for ever. This ASGI middleware sits in front of every route:
+
+- a declared ``Content-Length`` above the path's limit is answered 413 at once, without
+  reading a byte of the body;
+- a body without one (chunked) is counted as its chunks arrive, and the request is refused
+  with 413 as soon as it passes the limit, so no more than one chunk past the limit is ever
+  held;
+- the whole body must arrive within the path's deadline after the headers did: a
+  half-sent body gets 408 (drip-feeding a byte now and then does not reset the clock);
+- every response sent before its request's body was complete (413, 408, or a handler that
+  answered without reading, such as a 401) says ``Connection: close``, so uvicorn closes the
+  connection instead of waiting for the rest of a body nobody will read.
+
+The limits are per path prefix (`BodyLimit`): the hosted fleet source takes pushes up to
+`wfm.sourcehost.MAX_PUSH_BYTES`, device Git requests up to `wfm.githttp.MAX_REQUEST_BYTES`,
+the push hook what GitHub may send (`wfm.webhooks.MAX_BODY_BYTES`), and everything else the
+Margo API's `wfm.api.MAX_BODY`. The handlers keep their own checks as a second line.
+
+Refusals are `ProblemError`s raised from `receive`, so the app's problem handler renders
+them like every other error; one that escapes the app (raised under another middleware)
+is rendered here, and one raised after the response started just ends the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from wfm.problems import ProblemError, problem_response
+
+__all__ = ["DEFAULT_BODY_TIMEOUT", "BodyLimit", "BodyLimitMiddleware", "BodyRefused"]
+
+#: Seconds a request body may take to arrive, once its headers did.
+DEFAULT_BODY_TIMEOUT = 30.0
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Asgi = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class BodyLimit:
+    """The largest body (bytes) and the longest time to receive it (seconds) for the paths
+    starting with `prefix` ("" matches every path)."""
+
+    prefix: str
+    max_bytes: int
+    timeout: float = DEFAULT_BODY_TIMEOUT
+
+    def matches(self, path: str) -> bool:
+        return path.startswith(self.prefix)
+
+
+class BodyRefused(ProblemError):
+    """413 or 408 for a body over its limit or not complete in time; the connection is
+    closed after the answer (the rest of the body is never read)."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(status, detail, headers={"Connection": "close"})
+
+
+class BodyLimitMiddleware:
+    """Enforce `rules` (first matching prefix wins, the last rule should be the catch-all
+    "") on every HTTP request; see the module docstring."""
+
+    def __init__(self, app: Asgi, *, rules: Sequence[BodyLimit]):
+        if not rules or rules[-1].prefix != "":
+            raise ValueError("the last body limit must be the catch-all prefix ''")
+        self.app, self.rules = app, tuple(rules)
+
+    def rule_for(self, path: str) -> BodyLimit:
+        return next(rule for rule in self.rules if rule.matches(path))
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive,
+                       send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rule = self.rule_for(scope.get("path", ""))
+        declared, chunked = _framing(scope.get("headers") or [])
+        if declared is not None and declared > rule.max_bytes:
+            await _answer(BodyRefused(413, f"request bodies here are limited to "
+                                           f"{rule.max_bytes} bytes; this one declares "
+                                           f"{declared}"), scope, send)
+            return
+        if not chunked and not declared:
+            await self.app(scope, receive, send)  # no body: nothing to guard
+            return
+        guard = _Guard(rule, receive)
+
+        async def guarded_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                guard.started = True
+                if not guard.complete:
+                    message = {**message, "headers": [
+                        *[(k, v) for k, v in message.get("headers") or []
+                          if k.lower() != b"connection"], (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, guard.receive, guarded_send)
+        except BodyRefused as refusal:
+            if guard.started:
+                return  # the answer is under way: ending it closes the connection
+            await _answer(refusal, scope, send)
+
+
+class _Guard:
+    """One request's body: bytes so far, the deadline, whether it is complete."""
+
+    def __init__(self, rule: BodyLimit, receive: Receive):
+        self.rule, self._receive = rule, receive
+        self.deadline = asyncio.get_running_loop().time() + rule.timeout
+        self.size = 0
+        self.complete = False
+        self.refused = False
+        self.started = False
+
+    async def receive(self) -> Message:
+        if self.complete:
+            return await self._receive()  # disconnect listeners wait here, unbounded
+        if self.refused:
+            return {"type": "http.disconnect"}
+        remaining = self.deadline - asyncio.get_running_loop().time()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            message = await asyncio.wait_for(self._receive(), remaining)
+        except TimeoutError:
+            self.refused = True
+            raise BodyRefused(408, f"the request body did not arrive within "
+                                   f"{self.rule.timeout:g} seconds") from None
+        if message["type"] == "http.request":
+            self.size += len(message.get("body", b""))
+            if self.size > self.rule.max_bytes:
+                self.refused = True
+                raise BodyRefused(413, f"request bodies here are limited to "
+                                       f"{self.rule.max_bytes} bytes")
+            self.complete = not message.get("more_body", False)
+        return message
+
+
+def _framing(headers: Sequence[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """The declared Content-Length (None without one, or when it is not a number: the HTTP
+    parser answers that itself) and whether the body is chunked."""
+    declared, chunked = None, False
+    for name, value in headers:
+        name = name.lower()
+        if name == b"content-length" and value.strip().isdigit():
+            declared = int(value.strip())
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    return declared, chunked
+
+
+async def _answer(refusal: ProblemError, scope: MutableMapping[str, Any], send: Send) -> None:
+    async def no_body() -> Message:
+        return {"type": "http.disconnect"}
+
+    response = problem_response(refusal, instance=scope.get("path"))
+    await response(scope, no_body, send)  # type: ignore[arg-type]

@@ -14,11 +14,13 @@ from typing import Any
 
 from wfm.db import Connection
 
-__all__ = ["DEVICE_TIME", "HISTORY_VERSIONS", "CapabilityWrite", "DeviceRow", "StatusWrite",
+__all__ = ["DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY", "STATUS_HISTORY_BYTES",
+           "CapabilityWrite", "DeviceRow", "StatusWrite",
            "advance_manifest_version", "client_devices", "client_polls", "device_documents",
            "device_owner", "device_row", "device_rows", "device_time", "forget_device",
            "manifest_contents", "manifest_contents_of", "manifest_version", "record_polls",
-           "status_device", "status_history", "store_capabilities", "store_status"]
+           "status_device", "status_history", "store_capabilities", "store_status",
+           "trim_status_history"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,29 +225,103 @@ class StatusWrite:
     changed: bool
 
 
+#: Status reports kept per deployment in `status_reports` (its history): the newest this
+#: many, and at most `_STATUS_TRIM_EVERY` more between two trims. A report that changes
+#: nothing is not history (see `store_status`), so this is this many changes of state.
+STATUS_HISTORY = 100
+#: A deployment's history is trimmed back to `STATUS_HISTORY` once it holds this many more:
+#: one indexed DELETE per this-many changed reports, never one per report (status writes
+#: are what the server's writer spends its time on).
+_STATUS_TRIM_EVERY = 20
+#: The most a history row stores of a report's document (UTF-8 bytes). A larger report
+#: (the API takes up to 1 MiB) is kept whole as the current status, but its history row
+#: holds a summary: the states, the component names, and how large the report was.
+STATUS_HISTORY_BYTES = 16 * 1024
+
+
 def store_status(conn: Connection, *, client_id: str, deployment_id: str,
                  device_id: str | None, state: str, document: dict[str, Any], digest: str,
-                 adopted: int | None) -> StatusWrite:
-    """Idempotent: the same report twice changes nothing and adds no history."""
+                 adopted: int | None, history: int = STATUS_HISTORY) -> StatusWrite:
+    """Idempotent: the same report twice changes nothing and adds no history. A changed
+    report is appended to the deployment's history, which keeps the last `history` of them
+    (trimmed every `_STATUS_TRIM_EVERY` reports, by the count kept on the status row)."""
     existing = conn.execute("SELECT digest FROM statuses WHERE deployment_id = ? AND "
                             "client_id = ?", (deployment_id, client_id)).fetchone()
     if existing is not None and existing[0] == digest:
         return StatusWrite(created=False, changed=False)
     now = time.time()
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    conn.execute(
+    counted = conn.execute(
         "INSERT INTO statuses (deployment_id, client_id, device_id, state, document, digest, "
-        "adopted_manifest_version, reported_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+        "adopted_manifest_version, reported_at, history_count) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1) "
         "ON CONFLICT (deployment_id) DO UPDATE SET device_id = excluded.device_id, "
         "state = excluded.state, document = excluded.document, digest = excluded.digest, "
         "adopted_manifest_version = excluded.adopted_manifest_version, "
-        "reported_at = excluded.reported_at",
-        (deployment_id, client_id, device_id, state, text, digest, adopted, now))
+        "reported_at = excluded.reported_at, history_count = statuses.history_count + 1 "
+        "RETURNING history_count",
+        (deployment_id, client_id, device_id, state, text, digest, adopted, now)).fetchall()
+    # (fetchall: SQLite finishes a RETURNING statement only once its rows are all read)
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
                  "document, reported_at, device_time) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (deployment_id, client_id, device_id, state, text, now,
-                  device_time(document)))
+                 (deployment_id, client_id, device_id, state,
+                  _history_document(document, text, state), now, device_time(document)))
+    if counted and int(counted[0][0]) >= history + _STATUS_TRIM_EVERY:
+        trim_status_history(conn, deployment_id, history)
     return StatusWrite(created=existing is None, changed=True)
+
+
+def trim_status_history(conn: Connection, deployment_id: str,
+                        keep: int = STATUS_HISTORY) -> int:
+    """Delete all but the newest `keep` history rows of a deployment and set its count to
+    what is left; the number deleted. Index range scans (`status_reports_by_deployment_id`)
+    however long the history had grown (a database from before the retention)."""
+    keep = max(keep, 1)
+    row = conn.execute("SELECT id FROM status_reports WHERE deployment_id = ? "
+                       "ORDER BY id DESC LIMIT 1 OFFSET ?", (deployment_id, keep - 1)).fetchone()
+    deleted = 0
+    if row is not None:
+        deleted = conn.execute("DELETE FROM status_reports WHERE deployment_id = ? AND id < ?",
+                               (deployment_id, row[0])).rowcount
+    conn.execute("UPDATE statuses SET history_count = (SELECT COUNT(*) FROM status_reports "
+                 "WHERE deployment_id = ?) WHERE deployment_id = ?",
+                 (deployment_id, deployment_id))
+    return max(deleted, 0)
+
+
+def _history_document(document: dict[str, Any], text: str, state: str) -> str:
+    """What a history row keeps of a report: the report itself, or for one over
+    `STATUS_HISTORY_BYTES` a summary (deployment, states, component names and states, the
+    device's time, and the report's size), so a device that sends large reports cannot
+    make the history hundreds of times the size of the fleet's current statuses."""
+    if len(text) * 4 <= STATUS_HISTORY_BYTES:  # (UTF-8 takes at most 4 bytes a character)
+        return text
+    size = len(text.encode("utf-8"))
+    if size <= STATUS_HISTORY_BYTES:
+        return text
+    summary: dict[str, Any] = {
+        "deploymentId": _short(document.get("deploymentId")),
+        "status": {"state": state},
+        "x-margo-gitops-history": {"summarized": True, "bytes": size}}
+    if device_time(document) is not None:
+        summary[DEVICE_TIME[0]] = {DEVICE_TIME[1]: document[DEVICE_TIME[0]][DEVICE_TIME[1]]}
+    components = document.get("components")
+    if isinstance(components, list):
+        summary["components"] = [{"name": _short(c.get("name")), "state": _short(c.get("state"))}
+                                 for c in components if isinstance(c, dict)]
+    out = json.dumps(summary, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if len(out.encode("utf-8")) > STATUS_HISTORY_BYTES:  # thousands of components
+        summary.pop("components", None)
+        out = json.dumps(summary, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return out
+
+
+def _short(value: Any) -> Any:
+    """A value of a summary: a string cut to 256 characters, a scalar as it is, anything
+    else left out (None)."""
+    if isinstance(value, str):
+        return value[:256]
+    return value if value is None or isinstance(value, bool | int | float) else None
 
 
 #: Where a status report carries the device's own time of the state it reports: the spec

@@ -134,6 +134,21 @@ _DEVICE_TIME = [_both(s) for s in (
     "ALTER TABLE status_reports ADD COLUMN device_time {real}",
 )]
 
+_STATUS_RETENTION = [_both(s) for s in (
+    # Status history is kept to the last `records.STATUS_HISTORY` reports per deployment.
+    # How many a deployment holds is counted on its `statuses` row, so a write knows when
+    # to trim without counting rows; a database that grew before has its counts filled in
+    # here, and the next report of an overgrown deployment trims it.
+    "ALTER TABLE statuses ADD COLUMN history_count {int} NOT NULL DEFAULT 0",
+    "UPDATE statuses SET history_count = (SELECT COUNT(*) FROM status_reports "
+    "WHERE status_reports.deployment_id = statuses.deployment_id)",
+    # Newest first per deployment without a sort (reads and trims); it covers what the
+    # index on deployment_id alone did.
+    "CREATE INDEX IF NOT EXISTS status_reports_by_deployment_id ON status_reports "
+    "(deployment_id, id)",
+    "DROP INDEX IF EXISTS status_reports_by_deployment",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -149,6 +164,9 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(p for _, p in _ROLLOUTS)),
     Migration(7, "status history: the device's own time of each report",
               tuple(s for s, _ in _DEVICE_TIME), tuple(p for _, p in _DEVICE_TIME)),
+    Migration(8, "status history retention: a count per deployment, an index to trim by",
+              tuple(s for s, _ in _STATUS_RETENTION),
+              tuple(p for _, p in _STATUS_RETENTION)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

@@ -56,7 +56,15 @@ def register(commands: Any) -> None:
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request body must arrive within SECONDS of its headers, "
                             "else 408 (default 30; Git requests at least 300)")
+    serve.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a connection must send a request's headers within SECONDS "
+                            "(of connecting, or of the request's first byte), else it is "
+                            "closed (default 30)")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--new-database", action="store_true",
+                       help="start on a new, empty <data>/wfm.sqlite although <data> was used "
+                            "before (its database lost): no clients, manifestVersions start "
+                            "over (docs/operations.md, 'Damaged state')")
     _identity_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -100,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from wfm.app import ServerConfig, create_app
+    from wfm.bodylimit import head_deadline_protocol
     from wfm.datalock import DataDirBusy, DataDirLock
     from wfm.tls import ServerContexts, TlsHttpProtocol
 
@@ -112,11 +121,14 @@ def run_serve(args: argparse.Namespace) -> int:
         contexts = ServerContexts(tls) if tls is not None else None
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise SystemExit(f"margo serve: {exc}") from None
+    used = () if args.database or args.new_database else _used_before(data)
     lock = DataDirLock(data)
     try:
         lock.acquire(listening=f"{args.host}:{args.port}")
     except DataDirBusy as exc:
         raise SystemExit(f"margo serve: {exc}") from None
+    if not args.database:
+        _check_database(data / "wfm.sqlite", used)
     app = create_app(ServerConfig(
         data, source, source_url=args.source_url,
         source_branch=args.source_branch, watch_source=args.watch_source,
@@ -128,6 +140,10 @@ def run_serve(args: argparse.Namespace) -> int:
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
+    # uvicorn has no deadline for a request's head; this protocol adds one (wfm.bodylimit).
+    protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
+    if protocol is not None:
+        transport["http"] = protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 proxy_headers=False, server_header=False, **transport)
     return 0
@@ -198,6 +214,27 @@ def _agree(own: SpiffeId, trust_domain: str | None, wfm: str | None) -> tuple[st
         raise ValueError(f"the --tls-cert SVID is {own}, not spiffe://{trust_domain or '*'}"
                          f"/margo/wfm/{wfm or '*'}")
     return own.trust_domain, segments[2]
+
+
+#: What a data directory holds once a server ran on it (beside `wfm.sqlite`).
+_SERVED_MARKS = ("serve.lock", "repos/fleet-state.git", "repos/compiler-state.sqlite", "ca",
+                 "hosted-source.git", "source.git")
+
+
+def _used_before(data: Path) -> tuple[str, ...]:
+    """What in `data` shows a server ran there: its database cannot be missing by design."""
+    return tuple(mark for mark in _SERVED_MARKS if (data / mark).exists())
+
+
+def _check_database(path: Path, used_before: tuple[str, ...]) -> None:
+    """Refuse to start on a damaged or lost SQLite database (`wfm.db.check_sqlite_file`)
+    with what happened and what to do, before anything else opens it."""
+    from wfm.db import DatabaseDamaged, check_sqlite_file
+
+    try:
+        check_sqlite_file(path, used_before=used_before)
+    except DatabaseDamaged as exc:
+        raise SystemExit(f"margo serve: {exc}") from None
 
 
 def _database(url: str | None) -> str | None:

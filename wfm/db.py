@@ -41,8 +41,8 @@ import anyio.to_thread
 
 from wfm.schema import migrate
 
-__all__ = ["Connection", "Database", "DatabaseUnavailable", "SqliteDatabase", "is_url",
-           "open_database"]
+__all__ = ["Connection", "Database", "DatabaseDamaged", "DatabaseUnavailable", "SqliteDatabase",
+           "check_sqlite_file", "is_url", "open_database"]
 
 T = TypeVar("T")
 log = logging.getLogger("margo.wfm.db")
@@ -73,6 +73,12 @@ class Connection(Protocol):
 
 class DatabaseUnavailable(RuntimeError):
     """The store cannot be reached now; the request may be retried later."""
+
+
+class DatabaseDamaged(RuntimeError):
+    """The server's SQLite file cannot be trusted (empty, unreadable, failing its integrity
+    check, or gone from a data directory that was used): refused at start, because starting
+    on an empty database would silently drop every client and their manifestVersions."""
 
 
 class _Stop:
@@ -332,9 +338,18 @@ class SqliteDatabase(Database):
         self.busy_timeout = _busy_timeout() if busy_timeout is None else busy_timeout
         self.stalled_after = max(Database.stalled_after, 2 * self.busy_timeout)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        setup = self._connect()
-        migrate(setup, self.dialect)
-        setup.close()
+        check_sqlite_file(self.path, integrity=False)  # `margo serve` checks it whole first
+        try:
+            setup = self._connect()
+            try:
+                migrate(setup, self.dialect)
+            finally:
+                setup.close()
+        except sqlite3.DatabaseError as exc:
+            if _sqlite_code(exc) not in _SQLITE_DAMAGED:
+                raise
+            raise DatabaseDamaged(f"{self.path}: the server's database is unreadable ({exc}); "
+                                  f"{_WHAT_TO_DO}") from exc
         self._local = threading.local()
         super().__init__()
 
@@ -378,6 +393,75 @@ class SqliteDatabase(Database):
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
+
+
+#: SQLite's result codes for a file that is not (or no longer) a sound database: CORRUPT,
+#: NOTADB.
+_SQLITE_DAMAGED = frozenset({11, 26})
+#: What every refusal of a damaged database file ends with: what to do about it.
+_WHAT_TO_DO = ("restore it from a backup, or move it (with its -wal and -shm files) aside "
+               "and start `margo serve` with --new-database to begin again on purpose (see "
+               "'Damaged state: what the server does' in docs/operations.md); an empty "
+               "database has no clients (every device is refused until added again) and "
+               "starts manifestVersions over, below what devices adopted")
+
+
+def _sqlite_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
+
+
+def check_sqlite_file(path: str | Path, *, used_before: tuple[str, ...] = (),
+                      integrity: bool = True) -> None:
+    """Refuse (`DatabaseDamaged`) a server database that must not be opened as it is.
+
+    SQLite itself takes a 0-byte file, or no file, for a new empty database, and a
+    write-ahead log without its database for nothing: each would start a server with no
+    clients, silently. So: a 0-byte file is refused; a missing one is refused when its
+    `-wal` is there or when `used_before` names what shows the data directory served before
+    (its repositories, its lock file); with `integrity`, `PRAGMA quick_check` must pass (it
+    reads every page once: seconds for gigabytes, at start only)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        wal = path.with_name(path.name + "-wal")
+        if wal.is_file() and wal.stat().st_size > 0:
+            raise DatabaseDamaged(f"{path}: the server's database is missing but its "
+                                  f"write-ahead log {wal.name} is there: the file was deleted "
+                                  f"or lost; {_WHAT_TO_DO}") from None
+        if used_before:
+            raise DatabaseDamaged(f"{path}: the server's database is missing, but "
+                                  f"{path.parent} was used by a server before (it holds "
+                                  f"{', '.join(used_before)}): the file was deleted or lost; "
+                                  f"{_WHAT_TO_DO}") from None
+        return
+    except OSError as exc:
+        raise DatabaseDamaged(f"{path}: cannot read the server's database: {exc}") from exc
+    if size == 0 and path.is_file():
+        raise DatabaseDamaged(f"{path}: the server's database is empty (0 bytes): its content "
+                              "was lost (a power cut before the file system wrote it, a "
+                              f"failed copy or restore); {_WHAT_TO_DO}")
+    if not integrity:
+        return
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=_busy_timeout())
+    except sqlite3.Error as exc:
+        raise DatabaseDamaged(f"{path}: cannot open the server's database: {exc}") from exc
+    try:
+        check = [tuple(row) for row in conn.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as exc:
+        if _sqlite_code(exc) not in _SQLITE_DAMAGED:
+            raise
+        raise DatabaseDamaged(f"{path}: the server's database is unreadable ({exc}); "
+                              f"{_WHAT_TO_DO}") from exc
+    finally:
+        conn.close()
+    if check != [("ok",)]:
+        detail = "; ".join(str(row[0]) for row in check[:3]).replace("\n", " ")
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        raise DatabaseDamaged(f"{path}: the server's database is corrupt ({detail}); "
+                              f"{_WHAT_TO_DO}")
 
 
 def _busy_timeout() -> float:

@@ -22,7 +22,10 @@ running grace periods. It holds:
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,9 +36,17 @@ from compiler.gcpause import collection_paused
 from compiler.snapshot import SnapshotMemo, TrustedDigests
 
 __all__ = ["STATE_FILE_NAME", "CompilerState", "DeviceRecord", "IntentRecord",
-           "PlacementRecord", "StagedSave", "recorded_branch"]
+           "PlacementRecord", "StagedSave", "is_damage", "is_sound", "recorded_branch",
+           "set_aside"]
 
 SCHEMA_VERSION = "4"
+log = logging.getLogger("margo.compiler.state")
+#: SQLite's result codes for a file that is not (or no longer) a sound database: CORRUPT,
+#: NOTADB. Only these make the state be set aside and rebuilt; a locked file is not damage.
+_DAMAGED_CODES = frozenset({11, 26})
+#: The state files whose pages this process has checked whole (`PRAGMA quick_check`) since
+#: it started: once per file, the later opens of a compile only fail on what they read.
+_CHECKED: set[Path] = set()
 #: The state's file beside the repository (``<repos>/compiler-state.sqlite``) in the server.
 STATE_FILE_NAME = "compiler-state.sqlite"
 
@@ -111,16 +122,42 @@ class CompilerState:
     """Read everything at the start of a compile, write one transaction at the end."""
 
     def __init__(self, path: str | Path):
+        """Open the state at `path`, creating it. A damaged file (not a database, or failing
+        its integrity check, checked once per process) is set aside (`set_aside`) and a new
+        state started: it is a cache, and the next compile, a full one, rebuilds it."""
         self.path = Path(path)
         self._devices: dict[str, DeviceRecord] | None = None  # read ahead: see `devices`
-        self._db = sqlite3.connect(self.path, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-        version = self._meta("schema")
-        if version != SCHEMA_VERSION:  # a cache: start over rather than migrate
-            self._reset()
-            self._set_meta("schema", SCHEMA_VERSION)
+        try:
+            self._db = self._open()
+        except sqlite3.DatabaseError as exc:
+            if not is_damage(exc):
+                raise
+            set_aside(self.path, exc)
+            self._db = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            key = self.path.absolute()
+            if key not in _CHECKED:
+                check = db.execute("PRAGMA quick_check").fetchall()
+                if check != [("ok",)]:
+                    raise sqlite3.DatabaseError(
+                        "integrity check failed: "
+                        + "; ".join(str(r[0]) for r in check[:3]).replace("\n", " ")[:300])
+                _CHECKED.add(key)
+            db.executescript(_SCHEMA)
+            self._db = db
+            version = self._meta("schema")
+            if version != SCHEMA_VERSION:  # a cache: start over rather than migrate
+                self._reset()
+                self._set_meta("schema", SCHEMA_VERSION)
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     def _meta(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
@@ -376,6 +413,56 @@ class CompilerState:
                            [(d, memo.digests.get(d), *spans.get(d, (None, None)), d in plain)
                             for d in sorted(memo.digests.keys() | spans.keys())])
             self._set_meta("snapshot", memo.key)
+
+
+def is_damage(exc: BaseException) -> bool:
+    """Whether an SQLite error says the state's file is damaged (so it is to be rebuilt),
+    rather than busy or misused. A failed integrity check (`CompilerState`) has no code."""
+    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.ProgrammingError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None:
+        return not isinstance(exc, sqlite3.OperationalError)
+    return code & 0xFF in _DAMAGED_CODES
+
+
+def is_sound(path: str | Path) -> bool:
+    """Whether the state file passes SQLite's integrity check now (`PRAGMA quick_check`):
+    after an error that looks like damage, whether it came from this file at all."""
+    try:
+        db = sqlite3.connect(Path(path), isolation_level=None)
+    except sqlite3.Error:
+        return False
+    try:
+        return db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        db.close()
+
+
+def set_aside(path: str | Path, exc: BaseException) -> Path:
+    """Move a damaged state file (and its `-wal` and `-shm`, which must not be replayed into
+    a new file) to `<name>.corrupt-<UTC time>` beside it, for a post-mortem, and say so:
+    the next open starts a new state, and the compile after it is a full one (it commits
+    nothing that has not changed). Returns where the file went."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    number = 1
+    while aside.exists():  # set aside twice in a second: keep both
+        number += 1
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{number}")
+    for suffix in ("", "-wal", "-shm"):
+        source = path.with_name(path.name + suffix)
+        if source.exists():
+            os.replace(source, aside.with_name(aside.name + suffix))
+    _CHECKED.discard(path.absolute())
+    log.warning("the compiler state %s is damaged (%s): moved it to %s and starting a new "
+                "one; this compile is a full one, rebuilt from the fleet source and the "
+                "device branches (delete the moved file when it is no longer wanted)",
+                path, exc, aside.name)
+    return aside
 
 
 class StagedSave:

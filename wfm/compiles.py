@@ -25,7 +25,7 @@ from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
-from compiler.state import CompilerState
+from compiler.state import CompilerState, is_damage, is_sound, set_aside
 from wfm.sourcecondition import SourceCondition
 
 if TYPE_CHECKING:
@@ -154,16 +154,16 @@ class CompileService:
             source = loaded
         log.info("compiling source %s", source.revision)
         store = DeviceStore(repos)
-        state = CompilerState(repos / "compiler-state.sqlite")
         try:
-            state.bind(store.identity)
-            snapshot = snapshot_from_documents(self._documents(),
-                                               trusted=state.trusted_digests())
-            plans = self._rollouts.plans(source) if self._rollouts is not None else None
-            report = compile_fleet(source, snapshot, store, state, rollouts=plans)
-        finally:
-            state.close()
-            release_frozen()  # what the compile froze, back to the collector (see gcpause)
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
+        except Exception as exc:
+            if not is_damage(exc) or is_sound(repos / "compiler-state.sqlite"):
+                raise  # (damage elsewhere, e.g. in the server's own database)
+            # Damage the opening check could not see (a page read only now): the state is a
+            # cache, so set it aside and compile again in full; nothing moved that the full
+            # compile would not move the same way.
+            set_aside(repos / "compiler-state.sqlite", exc)
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
         if self._coordinator is not None:
             published = self._coordinator.publish()  # LeaseLost: logged by the loop
             if published is not None:
@@ -184,6 +184,19 @@ class CompileService:
                            self._rollouts.next_due if self._rollouts is not None else None)
                if t is not None]
         self._schedule_grace(min(due) if due else None)
+
+    def _compile_with_state(self, source: FleetSource, store: DeviceStore,
+                            path: Path) -> CompileReport:
+        state = CompilerState(path)  # a damaged file is set aside and rebuilt (CompilerState)
+        try:
+            state.bind(store.identity)
+            snapshot = snapshot_from_documents(self._documents(),
+                                               trusted=state.trusted_digests())
+            plans = self._rollouts.plans(source) if self._rollouts is not None else None
+            return compile_fleet(source, snapshot, store, state, rollouts=plans)
+        finally:
+            state.close()
+            release_frozen()  # what the compile froze, back to the collector (see gcpause)
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

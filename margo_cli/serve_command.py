@@ -56,6 +56,10 @@ def register(commands: Any) -> None:
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request body must arrive within SECONDS of its headers, "
                             "else 408 (default 30; Git requests at least 300)")
+    serve.add_argument("--header-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="a connection must send a request's headers within SECONDS "
+                            "(of connecting, or of the request's first byte), else it is "
+                            "closed (default 30)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--new-database", action="store_true",
                        help="start on a new, empty <data>/wfm.sqlite although <data> was used "
@@ -104,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from wfm.app import ServerConfig, create_app
+    from wfm.bodylimit import head_deadline_protocol
     from wfm.datalock import DataDirBusy, DataDirLock
     from wfm.tls import ServerContexts, TlsHttpProtocol
 
@@ -135,6 +140,10 @@ def run_serve(args: argparse.Namespace) -> int:
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
+    # uvicorn has no deadline for a request's head; this protocol adds one (wfm.bodylimit).
+    protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
+    if protocol is not None:
+        transport["http"] = protocol
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 proxy_headers=False, server_header=False, **transport)
     return 0

@@ -21,6 +21,12 @@ The limits are per path prefix (`BodyLimit`): the hosted fleet source takes push
 the push hook what GitHub may send (`wfm.webhooks.MAX_BODY_BYTES`), and everything else the
 Margo API's `wfm.api.MAX_BODY`. The handlers keep their own checks as a second line.
 
+Before any of that, uvicorn must have a complete request head, and it sets no deadline
+for one: `HeadDeadline` (installed by `margo serve` as uvicorn's protocol class) closes a
+connection whose request line and headers are not complete within `--header-timeout`
+seconds of connecting (or of the request's first byte), and answers 400 to a head over
+`MAX_HEADER_BYTES`.
+
 Refusals are `ProblemError`s raised from `receive`, so the app's problem handler renders
 them like every other error; one that escapes the app (raised under another middleware)
 is rendered here, and one raised after the response started just ends the request.
@@ -35,7 +41,8 @@ from typing import Any
 
 from wfm.problems import ProblemError, problem_response
 
-__all__ = ["DEFAULT_BODY_TIMEOUT", "BodyLimit", "BodyLimitMiddleware", "BodyRefused"]
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT", "MAX_HEADER_BYTES", "BodyLimit",
+           "BodyLimitMiddleware", "BodyRefused", "HeadDeadline", "head_deadline_protocol"]
 
 #: Seconds a request body may take to arrive, once its headers did.
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -167,3 +174,91 @@ async def _answer(refusal: ProblemError, scope: MutableMapping[str, Any], send: 
 
     response = problem_response(refusal, instance=scope.get("path"))
     await response(scope, no_body, send)  # type: ignore[arg-type]
+
+
+# --- before the app: the request head ---------------------------------------------------------
+
+#: Seconds a connection may take to send a request's headers, from the connection or from
+#: the request's first byte: uvicorn has no such limit, so a client that connects and then
+#: sends nothing (or a header line now and then) held its connection for ever.
+DEFAULT_HEADER_TIMEOUT = 30.0
+#: The most bytes a request line and its headers may take (uvicorn's httptools protocol
+#: keeps every header it is sent); past it the request is answered 400 and closed.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback: httptools reports it as a parse error, and uvicorn
+    answers 400 and closes the connection."""
+
+
+class HeadDeadline:
+    """A mixin for uvicorn's httptools protocol (`head_deadline_protocol` builds the class):
+    the request head must be complete within `header_timeout` seconds and
+    `MAX_HEADER_BYTES`, else the connection is closed. Between requests uvicorn's own
+    keep-alive timeout applies; the clock starts again with the next request's first byte."""
+
+    header_timeout = DEFAULT_HEADER_TIMEOUT
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_message_begin(self) -> None:
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._arm_head_timer()
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)  # type: ignore[misc]
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)  # type: ignore[misc]
+
+    def on_headers_complete(self) -> None:
+        self._cancel_head_timer()
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEADER_BYTES:
+            raise _HeadRefused(f"request head over {MAX_HEADER_BYTES} bytes")
+
+    def _arm_head_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._head_timer = loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_deadline_protocol(base: type | None = None,
+                           header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> type | None:
+    """uvicorn's HTTP protocol class (`base`, default its auto choice) with `HeadDeadline`;
+    None when that is not the httptools protocol (h11 bounds its head by size itself, and
+    its callbacks differ), so uvicorn keeps its default."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    base = base or AutoHTTPProtocol
+    if not issubclass(base, HttpToolsProtocol):
+        return None
+    return type(f"HeadDeadline{base.__name__}", (HeadDeadline, base),
+                {"header_timeout": header_timeout})

@@ -2,7 +2,8 @@
 against a real `margo serve` on loopback, over raw sockets: a declared Content-Length over
 the limit is refused unread, a chunked body is cut off once past it (the server's memory
 does not grow with it), and half-sent bodies are answered 408 and their connections closed
-within the deadline (here shortened to 2 s with `--body-timeout`)."""
+within the deadline (here shortened to 2 s with `--body-timeout`); so are connections that
+never finish their headers (`--header-timeout`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     data = root / "data"
     token = add_client(data, "site-a")
     (root / "secret").write_text("s3cret\n")
-    with running_server(data, "--body-timeout", str(DEADLINE),
+    with running_server(data, "--body-timeout", str(DEADLINE), "--header-timeout", str(DEADLINE),
                         "--webhook-secret-file", str(root / "secret"),
                         "--source-url", str(root / "no-such-repository")) as base:
         host, port = base.removeprefix("http://").split(":")
@@ -220,3 +221,66 @@ def test_hundreds_of_half_sent_bodies_are_all_closed(server: dict[str, Any]) -> 
     with connect(server) as sock:  # and the server still answers
         sock.sendall(head("GET", "/healthz", {}))
         assert read_response(sock)[0] == 200
+
+
+# --- the request head ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n",
+                                  b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /he"],
+                         ids=["silent", "half-a-head", "second-request-half-sent"])
+def test_a_connection_that_never_finishes_its_headers_is_closed(
+        server: dict[str, Any], sent: bytes) -> None:
+    with connect(server) as sock:
+        sock.sendall(sent)
+        started = time.monotonic()
+        assert closed_by_server(sock, DEADLINE + 5)
+        assert time.monotonic() - started < DEADLINE + 3
+
+
+def test_a_drip_fed_head_is_closed_at_the_deadline(server: dict[str, Any]) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\n")
+        started = time.monotonic()
+        sock.settimeout(0.3)
+        closed = False
+        while time.monotonic() - started < DEADLINE + 3 and not closed:
+            try:
+                sock.sendall(b"X-Drip: 1\r\n")
+                closed = sock.recv(65536) == b""
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed
+
+
+def test_an_oversized_head_is_refused(server: dict[str, Any]) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for i in range(100):
+                sock.sendall(f"X-Filler-{i}: {'a' * 1000}\r\n".encode())
+        status, _, _ = read_response(sock)
+        assert status == 400
+        assert closed_by_server(sock, 3)
+
+
+def test_keep_alive_requests_still_work(server: dict[str, Any]) -> None:
+    with connect(server) as sock:
+        for _ in range(3):
+            sock.sendall(head("GET", "/healthz", {}))
+            assert read_response(sock)[0] == 200
+            time.sleep(DEADLINE / 2)  # idle between requests: uvicorn's keep-alive (5 s)
+
+
+def test_hundreds_of_silent_connections_are_all_closed(server: dict[str, Any]) -> None:
+    socks = [connect(server) for _ in range(300)]
+    try:
+        deadline = time.monotonic() + DEADLINE + 15
+        still_open = [sock for sock in socks
+                      if not closed_by_server(sock, max(0.1, deadline - time.monotonic()))]
+        assert not still_open, f"{len(still_open)} of 300 connections were not closed"
+    finally:
+        for sock in socks:
+            sock.close()

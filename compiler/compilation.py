@@ -623,6 +623,9 @@ class _Job:
     may_have_branch: bool
     #: The commit the state says the branch was left at, and its files (name -> blob id).
     known: tuple[str, dict[str, str]] | None = None
+    #: The branch is gone (its ref lost) and the state says it was left at this commit: the
+    #: device is compiled as a new one and its new commit continues from that one.
+    lost_tip: str | None = None
 
     @property
     def likely_reuse(self) -> bool:
@@ -643,6 +646,8 @@ class _Work:
     on_parent: bool = False
     removed: tuple[str, ...] = ()
     ids: dict[str, str] | None = None  # the new tree's files (None after problems)
+    #: The branch is gone and `tip` is the commit it was at (`DeviceCommit.branch_lost`).
+    branch_lost: bool = False
 
 
 def _known_tree(ctx: _Context, job: _Job) -> StoredTree | None:
@@ -684,6 +689,11 @@ def _compile_one(ctx: _Context, job: _Job) -> _Work:
     stored = _known_tree(ctx, job)
     if stored is None and job.may_have_branch:
         stored = ctx.store.tree(device.id)
+    lost = stored is None and job.lost_tip is not None
+    if lost:  # continue the lost branch's history if its last commit is still stored
+        assert job.lost_tip is not None
+        stored = ctx.store.commit_tree(job.lost_tip)
+        lost = stored is not None
     current = _NO_TREE if stored is None else stored
     tip = None if stored is None else stored.commit
     reuse = (record is not None and stored is not None
@@ -692,19 +702,24 @@ def _compile_one(ctx: _Context, job: _Job) -> _Work:
     outcome = _compile_device(ctx, device, current, job.previous, caps_changed, reuse=reuse)
     if outcome.problems:
         return _Work(outcome, None, None, len(current.ids), tip)
-    if stored is not None and not stored.foreign and stored.ids == outcome.ids:
+    if stored is not None and not stored.foreign and stored.ids == outcome.ids and not lost:
         return _Work(outcome, None, stored.tree, len(current.ids), tip, ids=outcome.ids)
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
                 "Inputs-Digest": _inputs_digest(ctx, device, outcome.placements)}
     message = commit_message(device.id, outcome.changes, trailers)
+    if lost:
+        message = (f"Restore the lost branch of {device.id}\n\nIts ref was missing from the "
+                   "repository; this commit continues from the commit the compiler last "
+                   "left it at.\n\n" + message)
     tree = tree_id_of(outcome.ids)
     if stored is None or stored.foreign:
-        return _Work(outcome, message, tree, len(current.ids), tip, ids=outcome.ids)
+        return _Work(outcome, message, tree, len(current.ids), tip, ids=outcome.ids,
+                     branch_lost=lost)
     # Only the difference from the tip travels on (to the parent process and to Git).
     before, after = stored.ids, outcome.ids
     outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
     removed = tuple(n for n in before if n not in after)
-    return _Work(outcome, message, tree, len(current.ids), tip, True, removed, after)
+    return _Work(outcome, message, tree, len(current.ids), tip, True, removed, after, lost)
 
 
 #: Above this many devices unknown to the state, list all branches once rather than looking
@@ -721,18 +736,19 @@ def _pack(work: _Work) -> tuple[Any, ...]:
             [tuple(p) for p in o.placements],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.on_parent, work.removed, work.ids, o.moves)
+            work.tip, work.on_parent, work.removed, work.ids, o.moves, work.branch_lost)
 
 
 def _unpack(packed: tuple[Any, ...]) -> _Work:
     """What the parent process needs of the `_Work` that `_pack` was given (the outcome's
     own `ids` stay behind: `ids` of the work is the same dict)."""
     (files, kept, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, on_parent, removed, ids, moves) = packed
+     stored_files, tip, on_parent, removed, ids, moves, branch_lost) = packed
     outcome = _DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
                              [Change(*c) for c in changes], problems, notes, grace_until,
                              kept, moves=moves)
-    return _Work(outcome, message, tree, stored_files, tip, on_parent, removed, ids)
+    return _Work(outcome, message, tree, stored_files, tip, on_parent, removed, ids,
+                 branch_lost)
 
 
 def _precompute_targets(ctx: _Context, names: list[str], *, split: bool) -> None:
@@ -830,7 +846,7 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         report.commits += 1
         yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
                            parent=work.tip, parent_known=True, on_parent=work.on_parent,
-                           removed=work.removed)
+                           removed=work.removed, branch_lost=work.branch_lost)
 
 
 @collection_paused()
@@ -975,6 +991,7 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
     # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
     # staying missing because nothing it depends on changed.
     refs = store.branch_names() if previous_devices else frozenset()
+    lost: list[str] = []
     todo: list[tuple[Device, DeviceRecord | None]] = []
     for device_id in sorted(snapshot.devices):
         device = snapshot.devices[device_id]
@@ -982,6 +999,7 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
             continue
         record = previous_devices.get(device_id)
         if record is not None and device_ref(device_id) not in refs:
+            lost.append(device_id)
             record = None
         if _needs_compile(device, record, affected_devices):
             todo.append((device, record))
@@ -995,6 +1013,8 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)
     branches = set(store.device_ids()) if unknown > _LIST_BRANCHES_ABOVE else None
+    lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()}
     return [_Job(device, record, placements[device.id],
-                 branches is None or device.id in branches, trees.get(device.id))
+                 branches is None or device.id in branches, trees.get(device.id),
+                 lost_tips.get(device.id))
             for device, record in todo]

@@ -144,6 +144,12 @@ class DeviceCommit:
     tree instead: `files` and `kept` are written into it and the names in `removed` are
     deleted; everything else stays as it is. Why: a compile that re-renders one intent
     changes one file of a device's tree, and sending only that costs less than the tree.
+
+    With `branch_lost` (which needs a known `parent`), the device's branch is gone (its ref
+    lost from the repository) and `parent` is the commit it was last left at, still stored:
+    the commit builds on it and the branch is created (it must not exist). Why: a rebuilt
+    branch that continues its history is a fast-forward for a device following it over
+    Git, whose rollback protection would refuse a new history.
     """
 
     device_id: str
@@ -155,6 +161,7 @@ class DeviceCommit:
     parent_known: bool = False
     on_parent: bool = False
     removed: Collection[str] = ()
+    branch_lost: bool = False
 
 
 class StoredTree:
@@ -329,6 +336,9 @@ def _check_commit(commit: DeviceCommit) -> None:
             not isinstance(commit.parent, str) or not _FULL_OID_RE.fullmatch(commit.parent)):
         raise InvalidCommitError(f"{where}: parent must be a full commit id or None, "
                                  f"got {commit.parent!r}")
+    if commit.branch_lost and (not commit.parent_known or commit.parent is None):
+        raise InvalidCommitError(f"{where}: restoring a lost branch needs the commit it "
+                                 "was at as a known parent")
     if commit.on_parent and (not commit.parent_known or commit.parent is None):
         raise InvalidCommitError(f"{where}: a change on the parent's tree needs a known parent")
     if not commit.on_parent and commit.removed:
@@ -480,7 +490,23 @@ class DeviceStore:
         """The tip's tree id and blob ids, with contents read on demand (None without a
         branch): what `tree_id`, `tree_ids` and `read_files` say, from one ref lookup
         instead of three, loading no blob up front."""
-        commit = self._tip_commit(device_id)
+        return self._stored_tree(self._tip_commit(device_id))
+
+    def commit_tree(self, commit: str) -> StoredTree | None:
+        """`tree` of a commit given by its full id instead of a branch tip; None when the
+        repository has no such commit. For a branch whose ref was lost: the compiler's
+        state still names the commit it was at, and its objects usually survive."""
+        if not isinstance(commit, str) or not _FULL_OID_RE.fullmatch(commit):
+            return None
+        try:
+            found = self._own_repo()[pygit2.Oid(hex=commit)]
+        except (KeyError, ValueError, pygit2.GitError):
+            return None
+        if not isinstance(found, pygit2.Commit):
+            return None
+        return self._stored_tree(found)
+
+    def _stored_tree(self, commit: pygit2.Commit | None) -> StoredTree | None:
         if commit is None:
             return None
         tree_id = commit.tree_id
@@ -665,8 +691,8 @@ class DeviceStore:
             device_id = commit.device_id
             previous = last_mark.get(device_id)
             if previous is None:
-                parent = old_tips[device_id] = (commit.parent if commit.parent_known
-                                                else self.tip(device_id))
+                parent = (commit.parent if commit.parent_known else self.tip(device_id))
+                old_tips[device_id] = None if commit.branch_lost else parent
             elif commit.on_parent:
                 raise InvalidCommitError(f"device {device_id!r}: a change on the parent's "
                                          "tree must be the device's first commit of a write")

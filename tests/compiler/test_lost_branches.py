@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
-from compiler.gitstore import device_ref
+from compiler.gitstore import DeviceCommit, GitStoreError, InvalidCommitError, device_ref
 from compiler.state import CompilerState, recorded_branch
 
 
@@ -42,7 +42,26 @@ def test_a_lost_branch_is_rebuilt_by_a_compile_with_nothing_changed(fleet: Fleet
     report = fleet.compile()  # no input changed
     assert report.commits == 1
     assert fleet.store.tree_ids("d1") == tree
+    # The rebuilt branch continues its history: a fast-forward for a device on Git.
+    newest = fleet.store.history("d1", limit=1)[0]
+    assert newest.parent == tip
+    assert newest.message.startswith("Restore the lost branch of d1")
     assert fleet.compile().commits == 0
+
+
+def test_a_lost_branch_whose_commit_is_gone_too_starts_again(fleet: Fleet) -> None:
+    fleet.compile()
+    tree = fleet.store.tree_ids("d1")
+    drop_ref(fleet.repos, device_ref("d1"))
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:  # the state names a commit the repository does not have
+        with state.transaction() as db:
+            db.execute("UPDATE device_trees SET tip = ? WHERE device_id = 'd1'", ("0" * 40,))
+    finally:
+        state.close()
+    assert fleet.compile().commits == 1
+    assert fleet.store.tree_ids("d1") == tree
+    assert fleet.store.history("d1")[0].parent is None
 
 
 def test_forgotten_devices_lose_branch_and_records(fleet: Fleet) -> None:
@@ -67,3 +86,22 @@ def test_forgotten_devices_lose_branch_and_records(fleet: Fleet) -> None:
     fleet.compile()
     history = fleet.store.history("d1")
     assert len(history) == 1 and history[0].parent is None and history[0].id != old
+
+
+def test_restoring_a_branch_that_exists_moves_nothing(fleet: Fleet) -> None:
+    fleet.compile()
+    store = fleet.store
+    tip = store.tip("d1")
+    assert tip is not None
+    restore = DeviceCommit("d1", {"x.yaml": b"x: 1\n"}, "restore", 1, parent=tip,
+                           parent_known=True, branch_lost=True)
+    with store.lock(), pytest.raises(GitStoreError):
+        store.write([restore])
+    assert store.tip("d1") == tip
+    with pytest.raises(InvalidCommitError):
+        store.write([DeviceCommit("d1", {}, "restore", 1, parent_known=True,
+                                  branch_lost=True)])
+    drop_ref(fleet.repos, device_ref("d1"))
+    with store.lock():
+        new = store.write([restore])["d1"]
+    assert store.history("d1")[0].id == new and store.history("d1")[0].parent == tip

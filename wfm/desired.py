@@ -287,8 +287,15 @@ class DesiredState:
         return self._store.history(device_id, limit=limit)
 
     def device_deployments(self, device_id: str) -> list[ServedDeployment]:
-        """What a device's branch holds now (for people: the read API, the dashboard)."""
-        return self._served(device_id)
+        """What a device's branch holds now (for people: the read API, the dashboard; and
+        for the rollout controller). A device whose state is lost shows nothing here (the
+        error is logged; what the device itself is served answers 503): the rollout
+        controller runs just before each compile, and a raise there would keep the compile
+        that rebuilds the branch from ever running."""
+        try:
+            return self._served(device_id)
+        except StateLost:
+            return []
 
     def client_state(self, client_id: str, device_ids: tuple[str, ...]) -> ClientState:
         cached = self._current.get(client_id)

@@ -137,3 +137,33 @@ def test_an_emptied_packed_refs_is_503_for_every_device(fleet: dict[str, Any]) -
         fleet["source"].with_name("fleet-away").rename(fleet["source"])
         kept.put("/api/v1/capabilities/box-kept", json=box("box-kept", "c"))
         assert manifest_with_deployments(lost) == before
+
+
+def test_views_for_people_and_rollouts_never_stop_the_rebuilding_compile(
+        tmp_path: Path) -> None:
+    """What devices are served raises `StateLost` (a 503); what people's views and the
+    rollout controller (which runs before every compile) read is empty instead, so the
+    compile that rebuilds the branch is never kept from running."""
+    from kits.fleetkit import Fleet, app, device, intent
+
+    from compiler.gitstore import DeviceStore
+    from wfm.desired import DesiredState, StateLost
+
+    fleet = Fleet(tmp_path)
+    fleet.apps["com-example-app"] = app()
+    fleet.intents["everywhere"] = intent("everywhere")
+    fleet.devices["d1"] = device("d1")
+    fleet.devices["d2"] = device("d2")
+    fleet.compile()
+    desired = DesiredState(DeviceStore(fleet.repos))
+    assert desired.device_deployments("d1")
+    drop_ref(fleet.repos / REPOSITORY_NAME, device_ref("d1"))
+    desired.bump()
+    with pytest.raises(StateLost) as lost:
+        desired.client_state("c1", ("d1",))
+    assert lost.value.status == 503 and lost.value.retry_after
+    assert desired.client_state("c2", ("d2",)).deployments
+    assert desired.device_deployments("d1") == []
+    fleet.compile()
+    desired.bump()
+    assert desired.client_state("c1", ("d1",)).deployments

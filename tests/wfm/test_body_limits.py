@@ -120,6 +120,28 @@ def test_a_declared_length_over_the_limit_is_refused_without_reading_it(
         assert closed_by_server(sock, 5)
 
 
+@pytest.mark.parametrize(("method", "path", "size", "status"), [
+    ("POST", "/git/source.git/git-receive-pack", 2 * 1024 * 1024, None),
+    ("POST", "/hooks/git", 2 * 1024 * 1024, 401),
+    ("PUT", "/api/v1/capabilities/k8s-single-amd64", 1024 * 1024 + 1, 413),
+], ids=["push", "hook", "api"])
+def test_each_path_has_its_own_limit(server: dict[str, Any], method: str, path: str,
+                                     size: int, status: int | None) -> None:
+    """Pushes and hooks may be larger than API bodies: a 2 MiB body reaches their handlers
+    (refused there: no credentials, or no hosted source here), one byte past 1 MiB does not
+    reach the API's. `None`: any answer but 413."""
+    headers = {**auth(server), "Content-Length": str(size), "X-GitHub-Event": "push"}
+    with connect(server) as sock:
+        sock.sendall(head(method, path, headers))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(b"0" * size)
+        answered = read_response(sock)[0]
+    if status is None:
+        assert answered != 413
+    else:
+        assert answered == status
+
+
 def test_a_chunked_body_is_cut_off_past_the_limit_and_memory_stays_bounded(
         server: dict[str, Any]) -> None:
     pid = server_pid(server)

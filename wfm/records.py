@@ -245,28 +245,29 @@ def store_status(conn: Connection, *, client_id: str, deployment_id: str,
     """Idempotent: the same report twice changes nothing and adds no history. A changed
     report is appended to the deployment's history, which keeps the last `history` of them
     (trimmed every `_STATUS_TRIM_EVERY` reports, by the count kept on the status row)."""
-    existing = conn.execute("SELECT digest FROM statuses WHERE deployment_id = ? AND "
-                            "client_id = ?", (deployment_id, client_id)).fetchone()
+    existing = conn.execute("SELECT digest, history_count FROM statuses WHERE "
+                            "deployment_id = ? AND client_id = ?",
+                            (deployment_id, client_id)).fetchone()
     if existing is not None and existing[0] == digest:
         return StatusWrite(created=False, changed=False)
     now = time.time()
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    counted = conn.execute(
+    conn.execute(
         "INSERT INTO statuses (deployment_id, client_id, device_id, state, document, digest, "
         "adopted_manifest_version, reported_at, history_count) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1) "
         "ON CONFLICT (deployment_id) DO UPDATE SET device_id = excluded.device_id, "
         "state = excluded.state, document = excluded.document, digest = excluded.digest, "
         "adopted_manifest_version = excluded.adopted_manifest_version, "
-        "reported_at = excluded.reported_at, history_count = statuses.history_count + 1 "
-        "RETURNING history_count",
-        (deployment_id, client_id, device_id, state, text, digest, adopted, now)).fetchall()
-    # (fetchall: SQLite finishes a RETURNING statement only once its rows are all read)
+        "reported_at = excluded.reported_at, history_count = statuses.history_count + 1",
+        (deployment_id, client_id, device_id, state, text, digest, adopted, now))
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
                  "document, reported_at, device_time) VALUES (?, ?, ?, ?, ?, ?, ?)",
                  (deployment_id, client_id, device_id, state,
                   _history_document(document, text, state), now, device_time(document)))
-    if counted and int(counted[0][0]) >= history + _STATUS_TRIM_EVERY:
+    # The count as read above, plus this report: no statement of its own (a concurrent
+    # writer on another replica may make it one short, which only delays a trim).
+    if existing is not None and int(existing[1] or 0) + 1 >= history + _STATUS_TRIM_EVERY:
         trim_status_history(conn, deployment_id, history)
     return StatusWrite(created=existing is None, changed=True)
 

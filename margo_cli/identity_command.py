@@ -106,9 +106,12 @@ class _Registry:
 
     def __init__(self, args: argparse.Namespace):
         from wfm.clients import ClientRegistry
-        from wfm.db import open_database
+        from wfm.db import DatabaseDamaged, DatabaseUnavailable, open_database
 
-        self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")
+        try:
+            self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")
+        except (DatabaseDamaged, DatabaseUnavailable) as exc:  # says what to do
+            _fail(str(exc))
         self.clients = ClientRegistry(self.db)
 
     def __enter__(self) -> Any:

@@ -156,6 +156,13 @@ def test_add_list_and_retire(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         code, _, err = run(capsys, "clients", "add", bad, "--data", str(data))
         assert code == 2 and "clients add: a client id" in err, err
     assert set(listing(capsys, data)) == {"dev-1", "dev-2"}
+    # a damaged database: refused with what to do, no traceback, nothing written
+    (data / "wfm.sqlite").write_bytes(b"")
+    for name in ("-wal", "-shm"):
+        (data / f"wfm.sqlite{name}").unlink(missing_ok=True)
+    code, _, err = run(capsys, "clients", "add", "dev-3", "--data", str(data))
+    assert code == 2 and "the server's database is empty (0 bytes)" in err, err
+    assert (data / "wfm.sqlite").stat().st_size == 0
 
 
 def test_trust_rotate_checks_and_installs_atomically(tmp_path: Path,

@@ -800,6 +800,8 @@ class _Outcomes:
     devices: dict[str, DeviceRecord] = field(default_factory=dict)
     placements: list[PlacementRecord] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    #: Devices committed with no parent (a branch of their own from nothing).
+    restarted: list[str] = field(default_factory=list)
     #: The placements the state had for the devices of `devices` (`_Job.previous`).
     before: dict[str, dict[str, PlacementRecord]] = field(default_factory=dict)
     #: Device -> (its tip when unchanged, else None until Git says; its files).
@@ -844,6 +846,8 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
             continue
         result.status = "committed"
         report.commits += 1
+        if work.tip is None:
+            outcomes.restarted.append(device_id)
         yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
                            parent=work.tip, parent_known=True, on_parent=work.on_parent,
                            removed=work.removed, branch_lost=work.branch_lost)
@@ -901,6 +905,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                             and n not in intents.frozen],
             devices=outcomes.devices.values(), placements=outcomes.placements,
             forget_devices=outcomes.forget, snapshot=snapshot.memo,
+            restarted=outcomes.restarted,
             trees=outcomes.trees_at(tips), placements_before=outcomes.before))
 
     try:
@@ -1013,7 +1018,11 @@ def _jobs(ctx: _Context, snapshot: Snapshot, store: DeviceStore, state: Compiler
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)
     branches = set(store.device_ids()) if unknown > _LIST_BRANCHES_ABOVE else None
-    lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()}
+    # A device deleted on purpose starts from nothing, whatever a compile that raced the
+    # deletion wrote back: its old commits are never continued (`CompilerState.forget`).
+    forgotten = state.forgotten()
+    lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()
+                 if device_id not in forgotten}
     return [_Job(device, record, placements[device.id],
                  branches is None or device.id in branches, trees.get(device.id),
                  lost_tips.get(device.id))

@@ -49,6 +49,8 @@ _DAMAGED_CODES = frozenset({11, 26})
 _CHECKED: set[Path] = set()
 #: The state's file beside the repository (``<repos>/compiler-state.sqlite``) in the server.
 STATE_FILE_NAME = "compiler-state.sqlite"
+#: The meta key listing the devices `CompilerState.forget` marked (JSON list of ids).
+_FORGOTTEN = "forgotten"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -199,6 +201,19 @@ class CompilerState:
         with self.transaction() as db:
             for table in ("devices", "placements", "device_trees"):
                 db.executemany(f"DELETE FROM {table} WHERE device_id=?", forgotten)
+            # Marked until a compile gives the device a branch of its own again: a compile
+            # that read the state before this may still write the records back, and a tip
+            # it names must then never be taken for a lost branch to continue.
+            marked = self._forgotten() | {device_id for (device_id,) in forgotten}
+            self._set_meta(_FORGOTTEN, json.dumps(sorted(marked)))
+
+    def forgotten(self) -> frozenset[str]:
+        """The devices `forget` was told about whose branch no compile has started anew."""
+        return frozenset(self._forgotten())
+
+    def _forgotten(self) -> set[str]:
+        text = self._meta(_FORGOTTEN)
+        return set(json.loads(text)) if text else set()
 
     def intents(self) -> dict[str, IntentRecord]:
         rows = self._db.execute("SELECT name, digest, app_id, app_version, app_digest, "
@@ -332,6 +347,7 @@ class CompilerState:
               forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
               trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
               placements_before: Mapping[str, Mapping[str, PlacementRecord]] | None = None,
+              restarted: Iterable[str] = (),
               ) -> StagedSave:
         """`save`, with its transaction left open until the handle is committed or rolled
         back: a compile writes its records while Git moves the branches and commits them
@@ -339,6 +355,8 @@ class CompilerState:
 
         `trees` gives, for devices of `devices`, the commit their branch is left at and its
         files; a device of `devices` or `forget_devices` without one has none recorded.
+        `restarted` are devices this compile gave a branch with no parent: no longer
+        `forgotten`.
 
         `placements_before` is what `placements_of` read for devices of `devices` in this
         compile: rows equal to it are neither deleted nor written again. Why: a recompile
@@ -349,6 +367,11 @@ class CompilerState:
         self._devices = None  # rolled back or not, no longer known without reading
         db.execute("BEGIN IMMEDIATE")
         try:
+            restarted = set(restarted)
+            if restarted:  # read inside the transaction: `forget` may have marked more
+                marked = self._forgotten()
+                if marked & restarted:
+                    self._set_meta(_FORGOTTEN, json.dumps(sorted(marked - restarted)))
             self._save_memo(db, snapshot)
             db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?, ?)",
                            [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
@@ -508,6 +531,9 @@ def recorded_branch(repos_dir: str | Path, device_id: str) -> str | None:
     except sqlite3.Error:
         return None
     try:
+        marked = db.execute("SELECT value FROM meta WHERE key=?", (_FORGOTTEN,)).fetchone()
+        if marked is not None and device_id in json.loads(marked[0]):
+            return None  # deleted on purpose: whatever is recorded is not its state
         row = db.execute("SELECT tip FROM device_trees WHERE device_id=?",
                          (device_id,)).fetchone()
         if row is not None:

@@ -105,3 +105,32 @@ def test_restoring_a_branch_that_exists_moves_nothing(fleet: Fleet) -> None:
     with store.lock():
         new = store.write([restore])["d1"]
     assert store.history("d1")[0].id == new and store.history("d1")[0].parent == tip
+
+
+def test_a_compile_racing_a_deletion_never_revives_the_old_history(fleet: Fleet) -> None:
+    """A compile that read the state before a device was forgotten may write its records
+    back afterwards; the id, registered again, must still start from nothing."""
+    fleet.compile()
+    old = fleet.store.tip("d1")
+    store = fleet.store
+    path = fleet.repos / "compiler-state.sqlite"
+    state = CompilerState(path)
+    try:
+        stale = state.devices()["d1"], state.trees_of(["d1"])["d1"]
+        with store.lock():
+            store.delete_branches(["d1"])
+        state.forget(["d1"])
+        state.save(intents=[], forget_intents=[], devices=[stale[0]], placements=[],
+                   forget_devices=[], trees={"d1": stale[1]})  # the racing compile's save
+        assert state.forgotten() == {"d1"}
+    finally:
+        state.close()
+    assert recorded_branch(fleet.repos, "d1") is None  # not "lost": deleted on purpose
+    fleet.compile()
+    history = fleet.store.history("d1")
+    assert [c.parent for c in history] == [None] and history[0].id != old
+    state = CompilerState(path)
+    try:
+        assert state.forgotten() == frozenset()
+    finally:
+        state.close()

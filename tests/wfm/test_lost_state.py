@@ -167,3 +167,24 @@ def test_views_for_people_and_rollouts_never_stop_the_rebuilding_compile(
     fleet.compile()
     desired.bump()
     assert desired.client_state("c1", ("d1",)).deployments
+
+
+def test_a_branch_naming_a_missing_commit_is_lost_state_too(tmp_path: Path) -> None:
+    from kits.fleetkit import Fleet, app, device, intent
+
+    from compiler.gitstore import DeviceStore
+    from wfm.desired import DesiredState, StateLost
+
+    fleet = Fleet(tmp_path)
+    fleet.apps["com-example-app"] = app()
+    fleet.intents["everywhere"] = intent("everywhere")
+    fleet.devices["d1"] = device("d1")
+    fleet.compile()
+    repo = fleet.repos / REPOSITORY_NAME
+    ref = device_ref("d1")
+    drop_ref(repo, ref)
+    (repo / ref).parent.mkdir(parents=True, exist_ok=True)
+    (repo / ref).write_text("1" * 40 + "\n")  # a ref whose commit is not stored
+    with pytest.raises(StateLost) as lost:
+        DesiredState(DeviceStore(fleet.repos)).client_state("c1", ("d1",))
+    assert "cannot be read" in lost.value.detail

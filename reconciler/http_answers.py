@@ -8,11 +8,12 @@ read its refusals the same way: one parser for each, here.
 from __future__ import annotations
 
 import email.utils
-import json
 import math
 from typing import Any
 
 import httpx
+
+from margo import jsonstrict
 
 __all__ = ["MAX_RETRY_AFTER_SECONDS", "parse_retry_after", "problem_of"]
 
@@ -25,7 +26,7 @@ def problem_of(response: httpx.Response) -> dict[str, Any]:
     if "json" not in response.headers.get("content-type", ""):
         return {}
     try:
-        body = json.loads(response.content)
+        body = jsonstrict.loads(response.content)
     except (ValueError, RecursionError):
         return {}
     return body if isinstance(body, dict) else {}

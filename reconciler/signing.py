@@ -38,6 +38,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from http_message_signatures import HTTPMessageSigner, MappingKeyResolver
 
+from margo import jsonstrict
 from margo.files import write_atomically
 from margo.rfc9421 import (
     ALGORITHMS,
@@ -189,8 +190,8 @@ def _stored_client_id(state_file: Path, *, key: DeviceKey, server: str) -> str |
 def _detail(response: httpx.Response) -> str:
     """What the server said: the problem's detail/title, Symphony's `Error`, or the reason."""
     try:
-        doc = response.json()
-    except ValueError:
+        doc = jsonstrict.loads(response.content)
+    except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict):
         for field in ("detail", "title", "error", "Error"):
@@ -227,8 +228,8 @@ def onboard(client: httpx.Client, *, certificate: Path, key: DeviceKey,
         raise OnboardingError(f"onboarding: HTTP {response.status_code}: {_detail(response)}",
                               status=response.status_code)
     try:
-        client_id = response.json().get("clientId")
-    except (ValueError, AttributeError):
+        client_id = jsonstrict.loads(response.content).get("clientId")
+    except (ValueError, AttributeError, RecursionError):
         client_id = None
     if not isinstance(client_id, str) or not _CLIENT_ID.match(client_id):
         raise OnboardingError(f"onboarding answered {response.status_code} without a usable "

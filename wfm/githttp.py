@@ -32,11 +32,20 @@ How one device is confined to its branch in the SHARED repository
   clone fetches lazily). Only the ``ls-refs`` and ``fetch`` commands are let through;
   ``want-ref`` and ``deepen-not`` (which name refs, so their errors would tell which device
   branches exist) are refused in either protocol.
-- What remains: ``have`` and ``shallow`` lines are answered differently depending on whether
-  the object exists anywhere in the shared repository, so a device can test whether an object
-  id it already knows exists (v0 and v2 alike). It cannot obtain any content that way;
-  separate repositories would be needed to close this, which `compiler.gitstore` rejected for
-  its cost.
+- ``have`` and ``shallow`` lines, both protocols. MEASURED (git 2.39): upload-pack takes
+  them at their word for any object in the repository. With ``thin-pack`` and a shallow
+  request (``deepen`` or a ``shallow`` line), a ``have <another device's commit>`` makes that
+  commit's files delta bases, so the pack carried the caller's document as copy
+  instructions over the other device's document (and its size); and ``shallow <another
+  device's commit>`` with an infinite ``deepen`` "unshallows" that commit, sending its
+  parents' state outright, want gate or not. So the lines Git is given are rewritten: a
+  ``have`` or ``shallow`` line naming anything but a commit on the device's branch reaches
+  Git naming the null id instead, an object that exists nowhere, so Git answers as for any
+  id it lacks (the caller just gets more of its own objects). The body Git receives is
+  therefore the checked, decompressed one.
+- What remains: nothing in an answer tells whether an object id exists elsewhere in the
+  shared repository (a foreign ``want`` is refused like a missing one, foreign ``have`` and
+  ``shallow`` lines are answered like missing ones), except how long the check took.
 
 HEAD. Each request runs against a throw-away "view" directory holding only ``HEAD`` (a
 symbolic ref to the device's branch) and a ``commondir`` file naming the shared repository
@@ -222,13 +231,13 @@ class _GitServer:
         if encoding is not None and encoding.strip().lower() not in _GZIP_ENCODINGS:
             return _problem(415, f"request bodies may only be gzip-encoded, not {encoding!r}")
         gzipped = encoding is not None
-        gate = _WantGate(self.repository, tip, gzipped=gzipped) if service == _UPLOAD_PACK else None
+        gate = _Gate(self.repository, tip, gzipped=gzipped) if service == _UPLOAD_PACK else None
         return _BackendExchange(_CgiRequest(
             git=self.git, repository=self.repository, ref=ref, device_id=device_id,
             service=service, method=request.method, query=query, protocol=protocol,
             content_type=request.headers.get("content-type"),
             content_length=request.headers.get("content-length"),
-            # normalised, so http-backend inflates exactly when the gate does
+            # (upload-pack is given the gate's plain rewrite instead: `_cgi_environment`)
             content_encoding="gzip" if gzipped else None, gate=gate))
 
 
@@ -300,18 +309,19 @@ class _Refused(Exception):
 
 
 class _PktLines:
-    """Incremental pkt-line splitter: feed any chunking, get complete payloads back.
+    """Incremental pkt-line splitter: feed any chunking, get complete packets back.
 
     Stricter than Git (which dies on the same input), never more lenient: a length must be
     four hex digits, 0000/0001/0002 are the special packets, 0003 and lengths beyond 65520
-    are malformed.
+    are malformed, and a body may not end inside a packet.
     """
 
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """The payloads completed by `data` (special packets are skipped)."""
+    def feed(self, data: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+        """The packets completed by `data`: (its bytes as sent, its payload or None for a
+        special packet). The bytes are what is forwarded, so Git sees exactly what was sent."""
         self._buffer += data
         while len(self._buffer) >= 4:
             head = bytes(self._buffer[:4])
@@ -320,14 +330,20 @@ class _PktLines:
             length = int(head, 16)
             if length in (0, 1, 2):
                 del self._buffer[:4]
+                yield head, None
                 continue
             if length == 3 or length > 65520:
                 raise _Refused(400, "malformed pkt-line length in the request")
             if len(self._buffer) < length:
                 return
-            payload = bytes(self._buffer[4:length])
+            packet = bytes(self._buffer[:length])
             del self._buffer[:length]
-            yield payload
+            yield packet, packet[4:]
+
+    def finish(self) -> None:
+        """Refuse a body that ended inside a packet (Git would hang up on it too)."""
+        if self._buffer:
+            raise _Refused(400, "the request ends inside a pkt-line")
 
 
 class _Inflater:
@@ -366,65 +382,139 @@ class _Inflater:
             raise _Refused(400, f"the gzip-encoded request is corrupt: {exc}") from None
 
 
-class _WantGate:
-    """Lets an upload-pack request through only if every object it wants is the device's.
+class _Gate:
+    """What of an upload-pack request Git may see: refuses requests that want objects that
+    are not the device's, and makes ``have`` and ``shallow`` lines naming anything but a
+    commit on the device's branch name a missing object instead (see the module docstring
+    for what they leaked).
 
-    Why: v2 ``fetch`` serves any object id (see the module docstring). Each chunk is checked
-    before it is forwarded, so Git never receives a complete forbidden line; Git does not
-    answer before the request's final flush, which lies in or after that chunk.
+    Each chunk is decompressed and split into packets; only complete, checked packets are
+    forwarded, so Git never receives a line that was not checked (nor a partial one).
     """
 
     def __init__(self, repository: Path, tip: str, *, gzipped: bool) -> None:
-        self.repository, self.tip = repository, tip
+        self.branch = _Branch(repository, tip)
         self._inflater = _Inflater(gzipped)
         self._lines = _PktLines()
 
-    async def check(self, chunk: bytes) -> None:
-        """Raise `_Refused` if `chunk` completes a line Git must not see."""
-        wants: set[str] = set()
+    async def check(self, chunk: bytes, *, last: bool) -> bytes:
+        """The part of the request completed by `chunk` that Git may see (decompressed);
+        raises `_Refused` for a request Git must not see at all."""
+        packets: list[tuple[bytes, bytes | None]] = []
         for piece in self._inflater.feed(chunk):
-            for line in self._lines.feed(piece):
-                wants |= _wanted(line)
-        wants.discard(self.tip)
-        if wants:
-            foreign = await asyncio.to_thread(_foreign_objects, self.repository, self.tip, wants)
-            if foreign:
-                raise _Refused(403, f"object {min(foreign)} is not part of this device's "
-                                    f"state")
+            packets.extend(self._lines.feed(piece))
+        if last:
+            self._lines.finish()
+        wants: set[str] = set()
+        claimed: set[str] = set()
+        kept: list[tuple[bytes, _Line]] = []
+        for packet, payload in packets:
+            line = _Line.parse(payload)
+            wants |= line.wants
+            if line.claims is not None:
+                claimed.add(line.claims)
+            kept.append((packet, line))
+        if not wants and not claimed:
+            return b"".join(packet for packet, _ in kept)
+        foreign, own = await asyncio.to_thread(self.branch.sort, wants, claimed)
+        if foreign:
+            raise _Refused(403, f"object {min(foreign)} is not part of this device's state")
+        return b"".join(packet if line.claims is None or line.claims in own
+                        else _pkt_line(line.keyword + _MISSING) for packet, line in kept)
 
 
-def _wanted(line: bytes) -> set[str]:
-    """The object id a request line wants (if any; v0 lines carry capabilities after it);
-    refuses v2 commands and arguments that could reach beyond the device's branch."""
-    if line.endswith(b"\n"):
-        line = line[:-1]  # Git's PACKET_READ_CHOMP_NEWLINE
-    if line.startswith(b"command=") and line[len(b"command="):] not in _V2_COMMANDS:
-        raise _Refused(403, f"protocol v2 {line.decode('ascii', 'replace')!r} is not served")
-    if line.startswith(_REFUSED_V2_ARGS):
-        raise _Refused(403, f"{line.split(b' ')[0].decode()!r} is not served")
-    if not line.startswith(b"want "):
-        return set()
-    oid = line[5:45]  # Git's get_oid_hex reads 40 hex digits of either case, ignores the rest
-    if not _OID_HEX.fullmatch(oid):
-        raise _Refused(400, "malformed want line in the request")
-    return {oid.decode("ascii").lower()}
+def _pkt_line(payload: bytes) -> bytes:
+    return b"%04x" % (len(payload) + 4) + payload
 
 
-def _foreign_objects(repository: Path, tip: str, wants: Iterable[str]) -> set[str]:
-    """The wanted ids that are neither commits on the branch ending at `tip` nor the tip's
-    tree or one of its (flat) entries. Runs in a worker thread with its own Repository."""
-    repo = pygit2.Repository(str(repository))
-    tip_oid = pygit2.Oid(hex=tip)
-    tree = repo[tip_oid].peel(pygit2.Tree)
-    current = {str(tree.id)} | {str(entry.id) for entry in tree}
-    foreign = set()
-    for want in wants:
-        if want in current:
-            continue
-        found = repo.get(want)
-        if not isinstance(found, pygit2.Commit) or not repo.descendant_of(tip_oid, found.id):
-            foreign.add(want)
-    return foreign
+#: What a ``have`` or ``shallow`` line naming another device's object becomes: the null id,
+#: which no object has, so Git answers exactly as for any id it lacks. (Not dropped: a v2
+#: request whose haves all vanished would get a pack where the client expects
+#: acknowledgments.)
+_MISSING = b" " + b"0" * 40 + b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _Line:
+    """What one request line asks of upload-pack: the objects it `wants`, the object it
+    `claims` the caller has (``have``) or is shallow at (``shallow``), that `keyword`."""
+
+    wants: frozenset[str] = frozenset()
+    claims: str | None = None
+    keyword: bytes = b""
+
+    @classmethod
+    def parse(cls, payload: bytes | None) -> _Line:
+        """Refuses v2 commands and arguments that could reach beyond the device's branch,
+        and malformed lines naming objects (Git would die on them)."""
+        if payload is None:
+            return _NOTHING
+        line = payload[:-1] if payload.endswith(b"\n") else payload  # PACKET_READ_CHOMP_NEWLINE
+        if line.startswith(b"command=") and line[len(b"command="):] not in _V2_COMMANDS:
+            raise _Refused(403, f"protocol v2 {line.decode('ascii', 'replace')!r} is not served")
+        if line.startswith(_REFUSED_V2_ARGS):
+            raise _Refused(403, f"{line.split(b' ')[0].decode()!r} is not served")
+        keyword, _, rest = line.partition(b" ")
+        if keyword not in _NAMING_OBJECTS:
+            return _NOTHING
+        # Git's get_oid_hex reads 40 hex digits of either case, ignores the rest (v0 want
+        # lines carry capabilities after the id)
+        oid = rest[:40]
+        if not _OID_HEX.fullmatch(oid):
+            raise _Refused(400, f"malformed {keyword.decode()} line in the request")
+        name = oid.decode("ascii").lower()
+        if keyword == b"want":
+            return cls(wants=frozenset({name}))
+        return cls(claims=name, keyword=keyword)
+
+
+_NOTHING = _Line()
+_NAMING_OBJECTS = frozenset({b"want", b"have", b"shallow"})
+
+
+class _Branch:
+    """The objects of one device branch, for the gate's questions. Used from one worker
+    thread at a time (the gate awaits each answer), with its own Repository.
+
+    The branch's commits are walked lazily from the tip and remembered: clients send their
+    haves newest first, so a fetch that shares history walks only down to the newest common
+    commit; a foreign id costs one walk of the whole branch per request, never more.
+    """
+
+    def __init__(self, repository: Path, tip: str) -> None:
+        self.repository, self.tip = repository, tip
+        self._repo: pygit2.Repository | None = None
+        self._walk: Iterator[pygit2.Commit] | None = None
+        self._commits: set[str] = set()
+        self._current: set[str] | None = None
+
+    def sort(self, wants: Iterable[str], claimed: Iterable[str]) -> tuple[set[str], set[str]]:
+        """(the wanted ids that are not the device's, the claimed ids that are commits on
+        its branch). A want may be a commit on the branch, or the tip's tree or one of its
+        (flat) entries: what a partial clone fetches lazily."""
+        foreign = {w for w in wants if not self._on_branch(w) and w not in self._tip_tree()}
+        return foreign, {c for c in claimed if self._on_branch(c)}
+
+    def _on_branch(self, oid: str) -> bool:
+        while oid not in self._commits:
+            if self._walk is None:
+                self._walk = iter(self._repository().walk(pygit2.Oid(hex=self.tip)))
+            commit = next(self._walk, None)
+            if commit is None:
+                return False
+            self._commits.add(str(commit.id))
+        return True
+
+    def _tip_tree(self) -> set[str]:
+        if self._current is None:
+            tree = self._repository()[pygit2.Oid(hex=self.tip)].peel(pygit2.Tree)
+            self._current = {str(tree.id)} | {str(entry.id) for entry in tree}
+        return self._current
+
+    def _repository(self) -> pygit2.Repository:
+        if self._repo is None:
+            self._repo = pygit2.Repository(str(self.repository))
+        return self._repo
 
 
 # --- running git http-backend -------------------------------------------------------------
@@ -445,7 +535,7 @@ class _CgiRequest:
     content_type: str | None
     content_length: str | None
     content_encoding: str | None
-    gate: _WantGate | None
+    gate: _Gate | None
 
 
 class _ClientGone(Exception):
@@ -517,9 +607,14 @@ def _cgi_environment(cgi: _CgiRequest, view_root: Path) -> dict[str, str]:
     optional = {"CONTENT_TYPE": cgi.content_type, "CONTENT_LENGTH": cgi.content_length,
                 "HTTP_CONTENT_ENCODING": cgi.content_encoding,
                 "GIT_PROTOCOL": f"version={cgi.protocol}" if cgi.protocol else None}
+    if cgi.gate is not None:
+        # Git reads the gate's rewrite, plain and of its own length, up to EOF; the limit on
+        # what http-backend buffers is then ours (its default of 10 MiB applied to the
+        # compressed body before).
+        del optional["CONTENT_LENGTH"], optional["HTTP_CONTENT_ENCODING"]
     env.update({k: v for k, v in optional.items() if v is not None})
     config = [("uploadpack.hideRefs", "refs/"), ("uploadpack.hideRefs", f"!{cgi.ref}"),
-              *_FORCED_CONFIG]
+              *_FORCED_CONFIG, ("http.maxRequestBuffer", str(MAX_REQUEST_BYTES))]
     env["GIT_CONFIG_COUNT"] = str(len(config))
     for i, (key, value) in enumerate(config):
         env[f"GIT_CONFIG_KEY_{i}"], env[f"GIT_CONFIG_VALUE_{i}"] = key, value
@@ -568,18 +663,19 @@ async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope
 
 
 async def _feed(receive: Receive, stdin: asyncio.StreamWriter, cgi: _CgiRequest) -> None:
-    """Copy the request body into Git's stdin as it arrives, each chunk after the gate
-    passed it; stdin is closed only after a complete, accepted body."""
+    """Copy the request body into Git's stdin as it arrives, each chunk as the gate
+    rewrote it; stdin is closed only after a complete, accepted body."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise _ClientGone
         chunk = message.get("body", b"")
+        last = not message.get("more_body", False)
         if cgi.gate is not None:
-            await cgi.gate.check(chunk)
+            chunk = await cgi.gate.check(chunk, last=last)
         if chunk and not await write_to_backend(stdin, chunk):
             return  # Git stopped reading: its own answer says why
-        if not message.get("more_body", False):
+        if last:
             break
     stdin.close()
 

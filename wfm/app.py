@@ -179,7 +179,9 @@ def create_app(config: ServerConfig) -> Starlette:
         if config.host_source:
             ensure_repository(config.hosted_source, config.source_branch)
         coordinator = _coordinator(db, config)
-        desired = DesiredState(DeviceStore(config.repos))
+        desired = DesiredState(DeviceStore(config.repos)) if coordinator is None else \
+            DesiredState(DeviceStore(config.repos), recorded=coordinator.published_branch,
+                         on_lost=coordinator.request_repair)
         rollouts = RolloutController(db, served_from(desired, db))
         compiles = CompileService(
             config.repos, config.effective_source, lambda: db.read(records.device_documents),

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compiler.gitstore import REPOSITORY_NAME
+from compiler.gitstore import REPOSITORY_NAME, device_ref
 from wfm.db import DatabaseUnavailable
 from wfm.pgdb import PgConnection, PostgresDatabase
 from wfm.replication import (
@@ -54,6 +54,8 @@ LEASE_KEY = 0x636F6D70696C65
 #: The advisory lock under which replicas take turns updating the fleet source ("source").
 SOURCE_KEY = 0x736F75726365
 REPO = "devices"
+#: Seconds between two repairs of the served repository (`request_repair`).
+REPAIR_EVERY = 5.0
 _STATE_FILE = "compiler-state.sqlite"
 _STATE_GENERATION = "compiler-state.generation"
 _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
@@ -76,6 +78,8 @@ class Coordinator:
         self.source = None if source_repo is None else RepoReplica("source", source_repo)
         self._source_lock = threading.Lock()
         self._sync_lock = threading.Lock()
+        self._repair = threading.Event()
+        self._repaired = -REPAIR_EVERY
         #: Held while the served repository moves (and by readers that must not see it move).
         self.lock = threading.RLock()
         self.on_synced: Callable[[], None] = lambda: None
@@ -118,6 +122,7 @@ class Coordinator:
                 log.exception("replica coordination failed; trying again")
 
     def _tick(self) -> None:
+        self._repair_if_asked()
         self._keep_lease()
         generation, requests = self.db.read(lambda c: c.execute(
             "SELECT generation, compile_requests FROM fleet_state WHERE id = 1").fetchone())
@@ -170,11 +175,44 @@ class Coordinator:
 
     def sync(self) -> bool:
         """Bring the served repository to the newest published generation."""
+        return self._sync(full=False)
+
+    def published_branch(self, device_id: str) -> str | None:
+        """The commit the published state had for the device's branch at the generation
+        this replica serves (None: no branch by then). The served copy is derived from the
+        published state, so a branch missing here that was published by this generation
+        is LOST here (`wfm.desired`), not absent. One published later is only not synced
+        yet: absent until then, as on any replica behind (and the manifest versions'
+        generation guard keeps a client from being handed that older state once it saw a
+        newer one)."""
+        name = device_ref(device_id)
+        row = self.db.read(lambda c: c.execute(
+            "SELECT target, generation FROM git_refs WHERE repo = ? AND name = ?",
+            (REPO, name)).fetchone())
+        if row is None or row[0] is None or int(row[1]) > self.serving.generation:
+            return None
+        return str(row[0])
+
+    def request_repair(self, device_id: str) -> None:
+        """A served branch is lost (its ref deleted, `packed-refs` emptied): the loop
+        applies the whole published state again, at most every `REPAIR_EVERY` seconds."""
+        if not self._repair.is_set():
+            log.error("%s: device %r's branch is lost from the served repository; "
+                      "applying the published state again", self.name, device_id)
+        self._repair.set()
+
+    def _repair_if_asked(self) -> None:
+        if self._repair.is_set() and time.monotonic() - self._repaired >= REPAIR_EVERY:
+            self._repair.clear()
+            self._repaired = time.monotonic()
+            self._sync(full=True)
+
+    def _sync(self, *, full: bool) -> bool:
         with self._sync_lock:  # one sync at a time; readers wait only for the refs
-            since = self.serving.generation
+            since = -1 if full else self.serving.generation
             snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
                                                             dialect=self.db.dialect))
-            if snapshot.generation <= since and not snapshot.packs:
+            if snapshot.generation <= self.serving.generation and not snapshot.packs:
                 return False
             self.serving.add_objects(snapshot)
             with self.lock:

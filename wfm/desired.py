@@ -14,6 +14,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,8 +201,18 @@ def manifest_body(version: int, state: ClientState, prefix: str) -> bytes:
 class DesiredState:
     """Per-client desired state, derived from the device branches and cached."""
 
-    def __init__(self, store: DeviceStore, *, history: int = 4):
+    def __init__(self, store: DeviceStore, *, history: int = 4,
+                 recorded: Callable[[str], str | None] | None = None,
+                 on_lost: Callable[[str], None] | None = None):
+        """`recorded(device_id)`: where the device's branch should be when it is missing
+        here (None: it has none, so no desired state yet); by default what the compiler's
+        state next to the repository says (`compiler.state.recorded_branch`), while a
+        replica asks what was published. `on_lost(device_id)` is told of each lost branch
+        (a replica repairs its copy from what was published)."""
         self._store = store
+        self._recorded = recorded or (
+            lambda device_id: recorded_branch(store.path.parent, device_id))
+        self._on_lost = on_lost
         self._lock = threading.Lock()
         self._generation = 0
         # blob oid -> document: what the branches hold now, and what they held before the
@@ -229,7 +240,7 @@ class DesiredState:
         except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
             raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
         if tree is None:
-            recorded = recorded_branch(self._store.path.parent, device_id)
+            recorded = self._recorded(device_id)
             if recorded is not None:
                 raise self._lost(device_id, f"its branch is missing from the repository "
                                  f"(the last compile left it at {recorded})")
@@ -262,6 +273,8 @@ class DesiredState:
             log.error("device %r: %s in %s; it is answered 503 until the branch is back "
                       "(restore the repository's refs, or let a compile rebuild it)",
                       device_id, why, self._store.path)
+        if self._on_lost is not None:
+            self._on_lost(device_id)
         return StateLost(device_id, why)
 
     def forget_devices(self, device_ids: list[str], *, timeout: float = 30.0) -> list[str]:

@@ -144,13 +144,16 @@ def store_directly(database: str, client_id: str, devices: range) -> None:
 
 
 class StatusReporter(threading.Thread):
-    """Reports a new status for one deployment as fast as the replicas answer, alternating
-    between them; remembers which reports a replica acknowledged."""
+    """Reports a new status as fast as the replicas answer, alternating between them and
+    going round the client's deployments (so that no deployment gets more reports than its
+    bounded history keeps: every report acknowledged can be looked for); remembers which
+    reports a replica acknowledged."""
 
-    def __init__(self, bases: list[str], token: str, deployment: dict[str, Any],
+    def __init__(self, bases: list[str], token: str, deployments: list[dict[str, Any]],
                  version: int) -> None:
         super().__init__(daemon=True)
-        self.bases, self.token, self.deployment, self.version = bases, token, deployment, version
+        self.bases, self.token, self.version = bases, token, version
+        self.deployments = deployments
         self.acknowledged: list[str] = []
         self.answers: dict[str, int] = {}
         self.halt = threading.Event()
@@ -159,12 +162,13 @@ class StatusReporter(threading.Thread):
         clients = [httpx.Client(base_url=b, timeout=5,
                                 headers={"Authorization": f"Bearer {self.token}"})
                    for b in self.bases]
-        path = f"/api/v1/deployments/{self.deployment['deploymentId']}/status"
         n = 0
         while not self.halt.is_set():
             n += 1
             marker = f"report-{n}"
-            report = {"deploymentId": self.deployment["deploymentId"],
+            deployment_id = self.deployments[n % len(self.deployments)]["deploymentId"]
+            path = f"/api/v1/deployments/{deployment_id}/status"
+            report = {"deploymentId": deployment_id,
                       "adoptedManifestVersion": self.version,
                       "status": {"state": "installing"},
                       "components": [{"name": marker, "state": "installing"}]}
@@ -182,11 +186,11 @@ class StatusReporter(threading.Thread):
             client.close()
 
 
-def stored_reports(database: str, deployment_id: str) -> set[str]:
-    """The component markers of every status report the database keeps for a deployment."""
+def stored_reports(database: str, deployment_ids: list[str]) -> set[str]:
+    """The component markers of every status report the database keeps for deployments."""
     with psycopg.connect(database, autocommit=True) as conn:
-        rows = conn.execute("SELECT document FROM status_reports WHERE deployment_id = %s",
-                            (deployment_id,)).fetchall()
+        rows = conn.execute("SELECT document FROM status_reports WHERE deployment_id = "
+                            "ANY(%s)", (deployment_ids,)).fetchall()
     return {c["name"] for (doc,) in rows for c in json.loads(doc).get("components", [])}
 
 
@@ -200,7 +204,8 @@ def test_killing_the_compiling_replica_mid_compile_hands_the_lease_over(
     data = tmp_path / "replica-0"
     token = json.loads(margo("clients", "add", "edge", "--data", str(data), "--json",
                              "--database", database).stdout)["token"]
-    margo("clients", "add", "fleet", "--data", str(data), "--database", database)
+    fleet_token = json.loads(margo("clients", "add", "fleet", "--data", str(data), "--json",
+                                   "--database", database).stdout)["token"]
     admin = tmp_path / "admin"
     admin.write_text("operator-token")
     work = fleet_repository(tmp_path / "work")
@@ -220,9 +225,12 @@ def test_killing_the_compiling_replica_mid_compile_hands_the_lease_over(
             m if len((m := http.get("/api/v1/deployments").json())["deployments"]) == 1
             else None), timeout=120)
         poll_until("the fleet to settle", lambda: _settled(database), timeout=120)
-        deployment = first["deployments"][0]
-        reporter = StatusReporter([holder.base, other.base], token, deployment,
-                                  first["manifestVersion"])
+        fleet = httpx.get(f"{other.base}/api/v1/deployments", timeout=30,
+                          headers={"Authorization": f"Bearer {fleet_token}"}).json()
+        reported = fleet["deployments"]
+        assert len(reported) == devices - 1
+        reporter = StatusReporter([holder.base, other.base], fleet_token, reported,
+                                  fleet["manifestVersion"])
         reporter.start()
 
         before = lease(database)
@@ -254,7 +262,8 @@ def test_killing_the_compiling_replica_mid_compile_hands_the_lease_over(
         http.close()
     assert reporter.acknowledged, reporter.answers
     assert reporter.answers.get("unreachable"), "no report went to the killed replica"
-    missing = set(reporter.acknowledged) - stored_reports(database, deployment["deploymentId"])
+    missing = set(reporter.acknowledged) - stored_reports(
+        database, [d["deploymentId"] for d in reported])
     assert not missing, f"acknowledged but not stored: {sorted(missing)[:10]}"
     assert not {k for k in reporter.answers if k.startswith("5")}, reporter.answers
 

@@ -223,6 +223,8 @@ IDS = st.one_of(
 def test_any_device_id_is_accepted_as_a_usable_branch_name_or_refused(
         server: dict[str, Any], device_id: str) -> None:
     body = caps("compose-box-arm64", device_id)
+    if device_id in (".", ".."):
+        return  # a dot segment: clients remove it from the path (RFC 3986 5.2.4)
     path = "/api/v1/capabilities/" + urllib.parse.quote(device_id, safe="", errors="replace")
     with device_client(server) as http:
         try:

@@ -9,6 +9,7 @@ import pytest
 from kits.pgkit import fresh_database, shared_postgres
 
 from tools.postgres import PostgresServer
+from wfm.db import Database, open_database
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -30,3 +31,17 @@ def postgres() -> Iterator[PostgresServer]:
 def pg_url(postgres: PostgresServer) -> str:
     """A new, empty database on the session's server."""
     return fresh_database(postgres)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """The server's store, once on SQLite and once on PostgreSQL: the record functions
+    must answer alike on both."""
+    if request.param == "sqlite":
+        db = open_database(tmp_path / "wfm.sqlite")
+    else:
+        db = open_database(request.getfixturevalue("pg_url"))
+    try:
+        yield db
+    finally:
+        db.close()

@@ -7,16 +7,14 @@ error), on SQLite and on a real PostgreSQL server, and shown by the read API
 from __future__ import annotations
 
 import datetime as dt
-import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 from kits.fleetkit import Fleet, app, device, intent
+from kits.schemakit import database_at
 from kits.serverkit import add_client, running_server
 
 from tools.polling import poll_until
@@ -52,18 +50,6 @@ def test_the_device_time_of_a_report_is_read_or_none(document: dict[str, Any],
     assert records.device_time(document) == expected
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    if request.param == "sqlite":
-        db = open_database(tmp_path / "wfm.sqlite")
-    else:
-        db = open_database(request.getfixturevalue("pg_url"))
-    try:
-        yield db
-    finally:
-        db.close()
-
-
 def report(state: str, **extra: Any) -> dict[str, Any]:
     return {"deploymentId": "d-1", "adoptedManifestVersion": 1, "status": {"state": state},
             "components": [{"name": "web", "state": state}], **extra}
@@ -96,22 +82,7 @@ def test_the_history_stores_both_times_and_a_garbage_device_time_as_null(
 
 def _at_version_6(dialect: str, target: str) -> None:
     """A database as a server before migration 7 left it, with one status report."""
-    if dialect == "sqlite":
-        conn: Any = sqlite3.connect(target, isolation_level=None)
-        mark = "?"
-    else:
-        conn = psycopg.connect(target, autocommit=True)
-        mark = "%s"
-    real = "REAL" if dialect == "sqlite" else "DOUBLE PRECISION"
-    conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
-                 f"description TEXT NOT NULL, applied_at {real} NOT NULL)")
-    for migration in MIGRATIONS:
-        if migration.version > 6:
-            continue
-        for statement in migration.statements(dialect):
-            conn.execute(statement)
-        conn.execute(f"INSERT INTO schema_migrations VALUES ({mark}, {mark}, {mark})",
-                     (migration.version, migration.description, 0.0))
+    conn, mark = database_at(dialect, target, 6)
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
                  f"document, reported_at) VALUES ({', '.join([mark] * 6)})",
                  ("d-old", "plant-a", "edge-1", "installed", "{}", 1.0))

@@ -7,13 +7,11 @@ server; a database that grew before migration 8 is trimmed by the next report.""
 from __future__ import annotations
 
 import json
-import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
+from kits.schemakit import database_at
 
 from wfm import records
 from wfm.clients import ClientRegistry
@@ -21,18 +19,6 @@ from wfm.db import Database, open_database
 from wfm.schema import MIGRATIONS, schema_version
 
 BOUND = records.STATUS_HISTORY + records._STATUS_TRIM_EVERY
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    if request.param == "sqlite":
-        db = open_database(tmp_path / "wfm.sqlite")
-    else:
-        db = open_database(request.getfixturevalue("pg_url"))
-    try:
-        yield db
-    finally:
-        db.close()
 
 
 class Recording:
@@ -121,22 +107,7 @@ def test_a_large_report_is_summarized_in_the_history_but_kept_whole_as_the_statu
 
 def _at_version_7(dialect: str, target: str, reports: int) -> None:
     """A database as a server before migration 8 left it, whose history grew unbounded."""
-    if dialect == "sqlite":
-        conn: Any = sqlite3.connect(target, isolation_level=None)
-        mark = "?"
-    else:
-        conn = psycopg.connect(target, autocommit=True)
-        mark = "%s"
-    real = "REAL" if dialect == "sqlite" else "DOUBLE PRECISION"
-    conn.execute("CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
-                 f"description TEXT NOT NULL, applied_at {real} NOT NULL)")
-    for migration in MIGRATIONS:
-        if migration.version > 7:
-            continue
-        for statement in migration.statements(dialect):
-            conn.execute(statement)
-        conn.execute(f"INSERT INTO schema_migrations VALUES ({mark}, {mark}, {mark})",
-                     (migration.version, migration.description, 0.0))
+    conn, mark = database_at(dialect, target, 7)
     conn.execute("INSERT INTO clients (client_id, created_at) VALUES "
                  f"({mark}, {mark})", ("plant-a", 1.0))
     conn.execute("INSERT INTO statuses (deployment_id, client_id, device_id, state, "

@@ -5,7 +5,6 @@ and what happens when PostgreSQL goes away and comes back."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -17,19 +16,6 @@ from wfm.clients import ClientRegistry
 from wfm.db import Database, DatabaseUnavailable, SqliteDatabase, open_database
 from wfm.pgdb import translate
 from wfm.schema import MIGRATIONS, SchemaTooNew, schema_version
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    if request.param == "sqlite":
-        db = open_database(tmp_path / "wfm.sqlite")
-    else:
-        db = open_database(request.getfixturevalue("pg_url"))
-    try:
-        yield db
-    finally:
-        db.close()
-
 
 DOC = {"properties": {"id": "edge-1", "vendor": "Example"}}
 

@@ -328,8 +328,11 @@ def test_a_manifest_rollback_is_rejected_and_the_device_keeps_its_state(world: W
             source="margo-rest", version="1000000", manifest_version=1_000_000,
             etag=adopted.etag, deployments=tuple(parse_deployment(d) for d in documents)))
         commit = head(world, device)
+        _, served = world.server.manifest()
         world.server.set_parameter(device.device_id, "greeting", "Changed")
         wait_for_new_branch_commit(world, device, commit)
+        # (the branch moves before the server serves the new manifest: wait for that too)
+        world.server.wait_for_change(served)
         result = reconciler.cycle()
     assert result.fetched == "rejected"
     assert result.steps == []

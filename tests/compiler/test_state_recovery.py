@@ -12,6 +12,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from kits.damagekit import damage_table
 from kits.fleetkit import Fleet, app, device, intent
 
 from compiler import state as state_module
@@ -25,19 +26,6 @@ def _fleet(root: Path, devices: int = 3) -> Fleet:
     for index in range(devices):
         fleet.devices[f"edge-{index}"] = device(f"edge-{index}")
     return fleet
-
-
-def damage_table(path: Path, table: str) -> None:
-    """Garbage over the root page of one of the state's tables (the other pages intact)."""
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-    root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?",
-                        (table,)).fetchone()[0]
-    conn.close()
-    with path.open("r+b") as file:
-        file.seek(page_size * (root - 1))
-        file.write(b"\xff" * 16 + os.urandom(page_size - 16))
 
 
 def _aside(path: Path) -> list[Path]:

@@ -8,28 +8,15 @@ and compile again in full."""
 from __future__ import annotations
 
 import os
-import sqlite3
 from pathlib import Path
 
 import httpx
+from kits.damagekit import damage_table
 from kits.fleetkit import Fleet, app, device, intent
 from kits.serverkit import add_client, running_server
 
 from tools.polling import poll_until
 from wfm.compiles import CompileService, SourceConfig
-
-
-def damage_table(path: Path, table: str) -> None:
-    """Garbage over the root page of one of the state's tables (the other pages intact)."""
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-    root = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?",
-                        (table,)).fetchone()[0]
-    conn.close()
-    with path.open("r+b") as file:
-        file.seek(page_size * (root - 1))
-        file.write(b"\xff" * 16 + os.urandom(page_size - 16))
 
 
 def _aside(repos: Path) -> list[Path]:

@@ -78,6 +78,11 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+#: One decoder, built once (`json.loads` with hooks builds one per call).
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float,
+                            parse_int=_bounded_int, object_pairs_hook=_unique_pairs)
+
+
 def loads(data: bytes | bytearray | str) -> Any:
     """Parse one RFC 8259 JSON text strictly (see the module docstring), or raise
     :class:`JsonRefused` with a message fit to show the sender."""
@@ -93,8 +98,7 @@ def loads(data: bytes | bytearray | str) -> Any:
     else:
         text = data
     try:
-        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
-                          parse_int=_bounded_int, object_pairs_hook=_unique_pairs)
+        return _DECODER.decode(text)
     except JsonRefused:
         raise
     except RecursionError:

@@ -47,6 +47,7 @@ from margo.kinds import Kind, Shape
 from margo.models import DeploymentStatus, DeviceCapabilities
 from margo.validation import validate_value
 from wfm import records
+from wfm.clientdevices import ClientDevices
 from wfm.clients import Client, ClientRegistry, parse_basic
 from wfm.compiles import CompileService
 from wfm.db import Connection, Database
@@ -91,6 +92,7 @@ class Api:
         # Polls dominate the traffic: per client, the manifest served at a generation.
         self._manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
         self._credentials: dict[str, tuple[float, Client | None]] = {}
+        self.devices = ClientDevices(db, sole_writer=coordinator is None)
         self.polls = PollClock(db)
         self._rollouts_checked, self._rollouts_moving = -1e9, False
 
@@ -195,7 +197,7 @@ class Api:
         else:
             _check_identifier(DEVICE_ID, device_id, "deviceId")
         created = await self.report_capabilities(client, device_id, doc)
-        rc3 = request.url.path.startswith("/api/v1/capabilities/")
+        rc3 = request.scope["path"].startswith("/api/v1/capabilities/")
         return Response(status_code=201 if created or not rc3 else 200)
 
     async def report_capabilities(self, client: Client, device_id: str,
@@ -233,6 +235,8 @@ class Api:
         except PermissionError:
             raise ProblemError(403, f"device {device_id!r} belongs to another client",
                                margo_type="not-authorized") from None
+        finally:
+            self.devices.changed(client.client_id)
         if result.created:
             self.desired.bump()
         if result.changed:
@@ -270,7 +274,7 @@ class Api:
     # --- desired state -----------------------------------------------------------------
 
     async def _devices(self, client: Client) -> tuple[str, ...]:
-        return await self.db.aread(lambda conn: records.client_devices(conn, client.client_id))
+        return await self.devices.of(client.client_id)
 
     async def _manifest_version(self, client: Client, state: ClientState,
                                 generation: int) -> int | None:
@@ -599,7 +603,7 @@ def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any
 
 
 def _generation(request: Request) -> str:
-    path = request.url.path
+    path = request.scope["path"]  # (not `request.url`: building it costs more than the rest)
     if path.startswith("/device/"):
         return Shape.OCT_2024
     return Shape.RC2 if path.startswith("/api/v1/clients/") else Shape.RC3

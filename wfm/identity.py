@@ -153,8 +153,9 @@ class Identity:
         """(chain, forwarded): the proxy's Client-Cert header when the peer is a trusted
         proxy, else this connection's verified client certificate."""
         host = request.client.host if request.client else None
-        header = request.headers.get("client-cert")
-        if header is not None and self.is_trusted_proxy(host):
+        # (the proxy test first: no proxy, no header lookup, on every request)
+        header = request.headers.get("client-cert") if self.is_trusted_proxy(host) else None
+        if header is not None:
             try:
                 chain = parse_client_cert_header(header)
                 extra = request.headers.get("client-cert-chain")

@@ -14,13 +14,13 @@ from typing import Any
 
 from wfm.db import Connection
 
-__all__ = ["DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY", "STATUS_HISTORY_BYTES",
-           "CapabilityWrite", "DeviceRow", "StatusWrite",
+__all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
+           "STATUS_HISTORY_BYTES", "CapabilityWrite", "DeviceRow", "StatusWrite",
            "advance_manifest_version", "client_devices", "client_polls", "device_documents",
            "device_owner", "device_row", "device_rows", "device_time", "forget_device",
            "manifest_contents", "manifest_contents_of", "manifest_version", "record_polls",
            "status_device", "status_history", "store_capabilities", "store_status",
-           "trim_status_history"]
+           "trim_capability_history", "trim_status_history"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +194,29 @@ def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
         conn.execute("INSERT INTO capability_reports (device_id, client_id, digest, document, "
                      "reported_at) VALUES (?, ?, ?, ?, ?)",
                      (device_id, client_id, digest, text, now))
+        if existing is not None:
+            trim_capability_history(conn, device_id)
     return CapabilityWrite(created=existing is None, changed=changed)
+
+
+#: Capability documents kept per device in `capability_reports` (its history): the newest
+#: this many changes. A device sends a new document only when what it has changes, so a
+#: trim (one indexed range delete) comes with a change, never with an unchanged report.
+CAPABILITY_HISTORY = 50
+
+
+def trim_capability_history(conn: Connection, device_id: str,
+                            keep: int = CAPABILITY_HISTORY) -> int:
+    """Delete all but the newest `keep` capability reports of a device; the number deleted.
+    Without it a device that flips its document (or a client that reports for it over and
+    over, each time different) grew the table without bound."""
+    row = conn.execute("SELECT id FROM capability_reports WHERE device_id = ? "
+                       "ORDER BY id DESC LIMIT 1 OFFSET ?",
+                       (device_id, max(keep, 1) - 1)).fetchone()
+    if row is None:
+        return 0
+    return max(conn.execute("DELETE FROM capability_reports WHERE device_id = ? AND id < ?",
+                            (device_id, row[0])).rowcount, 0)
 
 
 def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:

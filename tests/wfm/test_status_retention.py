@@ -137,3 +137,36 @@ def test_migration_8_counts_an_overgrown_history_and_the_next_report_trims_it(
                        ) == records.STATUS_HISTORY
     finally:
         db.close()
+
+
+def capabilities(device_id: str, index: int) -> dict[str, Any]:
+    return {"properties": {"id": device_id, "vendor": "Example", "serialNumber": str(index)}}
+
+
+def test_a_device_that_keeps_changing_its_capabilities_keeps_a_bounded_history(
+        store: Database) -> None:
+    """Each changed document is history; only the newest `CAPABILITY_HISTORY` of a device
+    stay, the other devices' are untouched, and an unchanged report adds nothing."""
+    ClientRegistry(store).add("acme")
+    keep = records.CAPABILITY_HISTORY
+
+    def put(device_id: str, index: int) -> records.CapabilityWrite:
+        document = capabilities(device_id, index)
+        return store.write_sync(lambda c: records.store_capabilities(
+            c, client_id="acme", device_id=device_id, document=document,
+            digest=f"sha256:{device_id}:{index}", shape="rc3"))
+
+    for index in range(3):
+        put("quiet", index)
+    for index in range(keep * 3):
+        assert put("noisy", index).changed
+    assert not put("noisy", keep * 3 - 1).changed
+
+    def history(device_id: str) -> list[str]:
+        return store.read(lambda c: [json.loads(r[0])["properties"]["serialNumber"]
+                                     for r in c.execute(
+            "SELECT document FROM capability_reports WHERE device_id = ? ORDER BY id",
+            (device_id,))])
+
+    assert history("noisy") == [str(i) for i in range(keep * 2, keep * 3)]
+    assert history("quiet") == ["0", "1", "2"]

@@ -5,6 +5,8 @@
 | `processkit` | starting real servers as processes, waiting until they answer, stopping them |
 | `stubserver` | a small HTTP(S) server on loopback with a handler of the test's own |
 | `serverkit`, `fleetserver` | `margo serve` with a fleet source, clients and devices |
+| `devicekit` | render-driver devices of a `fleetserver` server, `margo device once` |
+| `githttpkit` | the Git smart-HTTP app under uvicorn, and Git's wire protocol by hand |
 | `pkikit` | certificates and SPIFFE identities for mutual TLS tests |
 | `registrykit` | Debian's docker-registry on loopback, optionally requiring credentials |
 | `chartkit` | real Helm charts, published to the registry, and deployments that use them |

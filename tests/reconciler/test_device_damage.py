@@ -11,60 +11,34 @@ since a real network cannot be made to fail between two given requests on demand
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from kits.chartkit import publish_example_charts
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.devicekit import (
+    Device,
+    cycle_losing_the_link,
+    head,
+    new_device,
+    once,
+    steps,
+    wait_for_new_commit,
+)
+from kits.fleetserver import FleetServer, fleet_server, write_fleet
 from kits.netkit import cuttable_proxy
 from kits.serverkit import free_port
 
 from margo.digests import digest_of
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config
-from reconciler.desired import DesiredState
-from reconciler.sources import Adopted
 
 ROOT = Path(__file__).resolve().parents[2]
-HELLO = "com-example-hello-world"
-
-INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata:
-  name: {name}
-spec:
-  application:
-    id: {app}
-  profile:
-    type: helm
-  namespace: ns-{name}
-  parameters:
-    greeting: {greeting}
-  targets:
-    devices: [{name}]
-"""
-
-
-@dataclass
-class Device:
-    device_id: str
-    config: Path
-    output: Path
-    data: Path
-
-    @property
-    def state_file(self) -> Path:
-        return self.data / "device-state.sqlite"
 
 
 @pytest.fixture(scope="module")
@@ -74,47 +48,6 @@ def server(registry: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     fleet = write_fleet(workdir / "fleet", registry=registry, intents={})
     with fleet_server(workdir, fleet=fleet) as running:
         yield running
-
-
-def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest",
-               url: str | None = None) -> Device:
-    """A device directory and an intent targeting it; waits for the compiled deployment."""
-    home = server.data_dir.parent / device_id
-    home.mkdir()
-    (home / "token").write_text(server.token)
-    doc = capabilities("k8s-single-amd64", device_id)
-    (home / "capabilities.json").write_text(json.dumps(doc))
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": device_id},
-        "server": {"url": url or server.base, "clientId": server.client_id,
-                   "tokenFile": "token", "timeout": "5s"},
-        "source": {"type": source},
-        "driver": {"type": "render", "outputDir": "rendered"},
-        "dataDir": "data",
-        "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": "1s"},
-    }))
-    server.put_capabilities(doc)
-    server.edit_intent(device_id, INTENT.format(name=device_id, app=HELLO, greeting="Hello"))
-    server.wait_for_deployments(1, device_id=device_id)
-    return Device(device_id, home / "device.yaml", home / "rendered", home / "data")
-
-
-def once(device: Device, *, expect: int | None = 0) -> dict[str, Any]:
-    """`margo device once --json` in its own process; its cycle report."""
-    done = subprocess.run(
-        [sys.executable, "-m", "margo_cli.main", "device", "once", "--config",
-         str(device.config), "--json", "--log-level", "warning"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if expect is not None:
-        assert done.returncode == expect, done.stdout + done.stderr
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    report["stderr"] = done.stderr
-    return report
-
-
-def steps(report: dict[str, Any]) -> list[tuple[str, str]]:
-    return [(s["action"], s["outcome"]) for s in report["steps"]]
 
 
 def greeting(device: Device) -> str:
@@ -128,11 +61,7 @@ def greeting(device: Device) -> str:
 def set_greeting(server: FleetServer, device: Device, text: str) -> None:
     before = head(server, device)
     server.set_parameter(device.device_id, "greeting", text)
-    server.wait_for(lambda: head(server, device) != before, what="a new commit on the branch")
-
-
-def head(server: FleetServer, device: Device) -> str:
-    return str(server.device(device.device_id)["history"][0]["commit"])
+    wait_for_new_commit(server, device, before)
 
 
 def tamper_with_stored_documents(device: Device, old: bytes, new: bytes) -> None:
@@ -261,16 +190,7 @@ def test_queued_reports_go_as_soon_as_the_server_answers_again(server: FleetServ
         device = new_device(server, "outage", url=proxy.url)
         started = time.time()
         with open_reconciler(load_config(device.config)) as reconciler:
-            real_fetch = reconciler.source.fetch
-
-            def fetch_then_lose_the_link(adopted: Adopted) -> DesiredState | None:
-                fetched = real_fetch(adopted)
-                proxy.cut()  # the link drops right after the desired state arrived
-                return fetched
-
-            reconciler.source.fetch = fetch_then_lose_the_link  # type: ignore[method-assign]
-            result = reconciler.cycle()
-            reconciler.source.fetch = real_fetch  # type: ignore[method-assign]
+            result = cycle_losing_the_link(reconciler, proxy)
             assert [s[3] for s in result.steps] == ["ok"] and result.pending_reports == 3
 
             # The outage goes on: every retry fails and the backoff doubles (0.5-1 s, 1-2 s,

@@ -25,34 +25,26 @@ from typing import Any
 import pytest
 import yaml
 from kits.chartkit import publish_chart, publish_example_charts, write_chart
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.devicekit import (
+    HELLO,
+    Device,
+    cycle_losing_the_link,
+    head,
+    intent,
+    new_device,
+    once,
+    steps,
+    wait_for_new_commit,
+)
+from kits.fleetserver import FleetServer, fleet_server, write_fleet
 from kits.netkit import cuttable_proxy
 from kits.registrykit import running_registry
 
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config
 from reconciler.desired import DesiredState
-from reconciler.sources import Adopted
 
 ROOT = Path(__file__).resolve().parents[2]
-HELLO = "com-example-hello-world"
-
-INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata:
-  name: {name}
-spec:
-  application:
-    id: {app}
-  profile:
-    type: helm
-  namespace: {namespace}
-  parameters:
-    greeting: {greeting}
-  targets:
-    devices: [{device}]
-"""
 
 
 @dataclass
@@ -102,59 +94,6 @@ def world(registry: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[W
         yield World(server, registry, int(spare.rpartition(":")[2]), workdir)
 
 
-@dataclass
-class Device:
-    device_id: str
-    config: Path
-    output: Path
-    data: Path
-
-
-def new_device(world: World, device_id: str, *, source: str = "margo-rest",
-               url: str | None = None, app: str = HELLO, greeting: str = "Hello",
-               intent: bool = True) -> Device:
-    """A device directory (config, token, capabilities) and an intent targeting it; waits
-    until the server compiled the device's deployment."""
-    home = world.workdir / device_id
-    home.mkdir()
-    (home / "token").write_text(world.server.token)
-    doc = capabilities("k8s-single-amd64", device_id)
-    (home / "capabilities.json").write_text(json.dumps(doc))
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": device_id},
-        "server": {"url": url or world.server.base, "clientId": world.server.client_id,
-                   "tokenFile": "token", "timeout": "5s"},
-        "source": {"type": source},
-        "driver": {"type": "render", "outputDir": "rendered"},
-        "dataDir": "data",
-        "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": "1s"},
-    }))
-    world.server.put_capabilities(doc)
-    if intent:
-        world.server.edit_intent(device_id, INTENT.format(
-            name=device_id, app=app, namespace="ns-" + device_id, greeting=greeting,
-            device=device_id))
-        world.server.wait_for_deployments(1, device_id=device_id)
-    return Device(device_id, home / "device.yaml", home / "rendered", home / "data")
-
-
-def once(device: Device, *, expect: int | None = 0) -> dict[str, Any]:
-    """`margo device once --json` in its own process; its cycle report."""
-    done = subprocess.run(
-        [sys.executable, "-m", "margo_cli.main", "device", "once", "--config",
-         str(device.config), "--json", "--log-level", "warning"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
-    if expect is not None:
-        assert done.returncode == expect, done.stdout + done.stderr
-    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return report
-
-
-def steps(report: dict[str, Any]) -> list[tuple[str, str]]:
-    return [(s["action"], s["outcome"]) for s in report["steps"]]
-
-
 def ledger(device: Device) -> dict[str, Any]:
     path = device.output / ".ledger.json"
     return json.loads(path.read_text()) if path.exists() else {}
@@ -189,18 +128,9 @@ def history(world: World, deployment: str) -> list[str]:
     return [row[0] for row in rows]
 
 
-def wait_for_new_branch_commit(world: World, device: Device, before: str) -> None:
-    world.server.wait_for(lambda: world.server.device(device.device_id)["history"][0]["commit"]
-                          != before, what="a new commit on the device branch")
-
-
-def head(world: World, device: Device) -> str:
-    return str(world.server.device(device.device_id)["history"][0]["commit"])
-
-
 @pytest.mark.parametrize("source", ["margo-rest", "git"])
 def test_deploy_reconfigure_upgrade_and_remove(world: World, source: str) -> None:
-    device = new_device(world, f"life-{source}", source=source)
+    device = new_device(world.server, f"life-{source}", source=source)
     server = world.server
 
     first = once(device)
@@ -213,9 +143,9 @@ def test_deploy_reconfigure_upgrade_and_remove(world: World, source: str) -> Non
     again = once(device)
     assert again["steps"] == [] and again["converged"]
 
-    commit = head(world, device)
+    commit = head(world.server, device)
     server.set_parameter(device.device_id, "greeting", "Bonjour")
-    wait_for_new_branch_commit(world, device, commit)
+    wait_for_new_commit(world.server, device, commit)
     assert steps(once(device)) == [("reconfigure", "ok")]
     assert "GREETING: \"Bonjour\"" in rendered_config(device)
     [release] = ledger(device)["releases"].values()
@@ -223,17 +153,17 @@ def test_deploy_reconfigure_upgrade_and_remove(world: World, source: str) -> Non
 
     # A newer chart: the application descriptor moves to revision 1.1.0.
     app = server.source_dir / "apps" / HELLO / "margo.yaml"
-    commit = head(world, device)
+    commit = head(world.server, device)
     original = app.read_text()
     try:
         app.write_text(original.replace("revision: 1.0.0", "revision: 1.1.0"))
-        wait_for_new_branch_commit(world, device, commit)
+        wait_for_new_commit(world.server, device, commit)
         assert steps(once(device)) == [("upgrade", "ok")]
         [release] = ledger(device)["releases"].values()
         assert release["chart"]["version"] == "1.1.0"
     finally:
         app.write_text(original)
-    wait_for_new_branch_commit(world, device, head(world, device))
+    wait_for_new_commit(world.server, device, head(world.server, device))
     assert steps(once(device)) == [("upgrade", "ok")]
 
     server.remove_intent(device.device_id)
@@ -251,25 +181,16 @@ def test_reports_made_while_the_server_is_unreachable_arrive_later_in_order(
         world: World) -> None:
     port = int(world.server.base.rpartition(":")[2])
     with cuttable_proxy(port) as proxy:
-        device = new_device(world, "cut-link", url=proxy.url)
+        device = new_device(world.server, "cut-link", url=proxy.url)
         config = load_config(device.config)
         with open_reconciler(config) as reconciler:
-            real_fetch = reconciler.source.fetch
-
-            def fetch_then_lose_the_link(adopted: Adopted) -> DesiredState | None:
-                fetched = real_fetch(adopted)
-                proxy.cut()  # the link drops right after the desired state arrived
-                return fetched
-
-            reconciler.source.fetch = fetch_then_lose_the_link  # type: ignore[method-assign]
-            result = reconciler.cycle()
+            result = cycle_losing_the_link(reconciler, proxy)
             assert [s[3] for s in result.steps] == ["ok"]
             assert result.delivered == 0 and result.pending_reports == 3
             deployment = deployment_id(world, device)
             assert history(world, deployment) == []
 
             proxy.restore()
-            reconciler.source.fetch = real_fetch  # type: ignore[method-assign]
             # Deferred reports wait out their backoff (about a second) and then go in order.
             deadline = time.monotonic() + 20
             while True:
@@ -283,7 +204,7 @@ def test_reports_made_while_the_server_is_unreachable_arrive_later_in_order(
 
 
 def test_registry_down_is_a_clear_failure_retried_next_cycle(world: World) -> None:
-    device = new_device(world, "registry-down", app="com-example-spare")
+    device = new_device(world.server, "registry-down", app="com-example-spare")
     failed = once(device, expect=1)
     assert steps(failed) == [("install", "failed: PULL_FAILED")]
     assert "connection refused" in " ".join(failed["failures"])
@@ -299,7 +220,7 @@ def test_registry_down_is_a_clear_failure_retried_next_cycle(world: World) -> No
 
 
 def test_a_chart_that_fails_to_render_reports_helms_message(world: World) -> None:
-    device = new_device(world, "broken-chart", app="com-example-broken")
+    device = new_device(world.server, "broken-chart", app="com-example-broken")
     failed = once(device, expect=1)
     assert steps(failed) == [("install", "failed: RENDER_FAILED")]
     status = world.server.statuses(deployment_id(world, device))
@@ -315,7 +236,7 @@ def test_a_chart_that_fails_to_render_reports_helms_message(world: World) -> Non
 
 
 def test_a_manifest_rollback_is_rejected_and_the_device_keeps_its_state(world: World) -> None:
-    device = new_device(world, "rollback")
+    device = new_device(world.server, "rollback")
     once(device)
     config = load_config(device.config)
     with open_reconciler(config) as reconciler:
@@ -327,10 +248,10 @@ def test_a_manifest_rollback_is_rejected_and_the_device_keeps_its_state(world: W
         reconciler.state.adopt(DesiredState(
             source="margo-rest", version="1000000", manifest_version=1_000_000,
             etag=adopted.etag, deployments=tuple(parse_deployment(d) for d in documents)))
-        commit = head(world, device)
+        commit = head(world.server, device)
         _, served = world.server.manifest()
         world.server.set_parameter(device.device_id, "greeting", "Changed")
-        wait_for_new_branch_commit(world, device, commit)
+        wait_for_new_commit(world.server, device, commit)
         # (the branch moves before the server serves the new manifest: wait for that too)
         world.server.wait_for_change(served)
         result = reconciler.cycle()
@@ -341,11 +262,11 @@ def test_a_manifest_rollback_is_rejected_and_the_device_keeps_its_state(world: W
 
 
 def test_sigkill_mid_apply_converges_without_duplicates(world: World) -> None:
-    device = new_device(world, "killed", intent=False)
+    device = new_device(world.server, "killed", with_intent=False)
     for index in range(6):
-        world.server.edit_intent(f"killed-{index}", INTENT.format(
-            name=f"killed-{index}", app=HELLO, namespace=f"kill-{index}",
-            greeting=f"Hi{index}", device=device.device_id))
+        world.server.edit_intent(f"killed-{index}", intent(
+            f"killed-{index}", device=device.device_id, greeting=f"Hi{index}",
+            namespace=f"kill-{index}"))
     world.server.wait_for_deployments(6, device_id=device.device_id)
     command = [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
                str(device.config), "--log-level", "warning"]
@@ -376,7 +297,7 @@ def test_sigkill_mid_apply_converges_without_duplicates(world: World) -> None:
 
 
 def test_nothing_is_contacted_during_downtime(world: World) -> None:
-    device = new_device(world, "downtime")
+    device = new_device(world.server, "downtime")
     config = yaml.safe_load(device.config.read_text())
     config["schedule"]["downtime"] = ["00:00-24:00"]
     device.config.write_text(yaml.safe_dump(config))

@@ -5,15 +5,9 @@ the shared fleet-state repository."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import contextlib
 import gzip
-import hmac
 import os
-import socket
 import subprocess
-import threading
 import time
 import urllib.parse
 import zlib
@@ -26,14 +20,13 @@ from typing import Any
 import httpx
 import pygit2
 import pytest
-import uvicorn
+from kits.githttpkit import UPLOAD_PACK_REQUEST, basic_authorizer, git_env, pkt, serving, v2_request
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceCommit, DeviceStore, device_ref
-from tools.polling import poll_until
 from wfm import githttp
 from wfm.githttp import git_app
 
@@ -43,23 +36,9 @@ FILES = {
     "dev-b": {"deployment-b.yaml": b"kind: ApplicationDeployment\nname: b\n", "secret": b"B\n"},
     "gw1/child": {"child.yaml": b"kind: ApplicationDeployment\nname: child\n"},
 }
-UPLOAD_PACK_REQUEST = "application/x-git-upload-pack-request"
 
 
 # --- the server under test --------------------------------------------------------------
-
-
-async def basic_authorize(request: Request, device_id: str) -> bool:
-    """HTTP Basic: user = device id, password = that device's token."""
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "basic":
-        return False
-    try:
-        user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
-    except (binascii.Error, UnicodeDecodeError):
-        return False
-    expected = TOKENS.get(device_id)
-    return user == device_id and expected is not None and hmac.compare_digest(password, expected)
 
 
 class ByteCounter:
@@ -95,30 +74,10 @@ class ByteCounter:
         return sum(e["bytes"] for e in self.exchanges)
 
 
-@contextlib.contextmanager
-def running(app: ASGIApp) -> Iterator[str]:
-    """Serve `app` with a real uvicorn on 127.0.0.1 (free port) in a thread; yield its URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", ws="none",
-                            access_log=False)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        poll_until("uvicorn to start", lambda: server.started or not thread.is_alive(),
-                   timeout=10, interval=0.01)
-        assert server.started, "uvicorn did not start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 def make_app(repository: Path, *, git: str = "git") -> ByteCounter:
     """The fleet server's shape: the Git app mounted at /git, wrapped by a byte counter."""
-    inner = Starlette(routes=[Mount("/git", app=git_app(repository, basic_authorize, git=git))])
+    git_hosting = git_app(repository, basic_authorizer(TOKENS), git=git)
+    inner = Starlette(routes=[Mount("/git", app=git_hosting)])
     return ByteCounter(inner)
 
 
@@ -153,7 +112,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     tips = store.write([DeviceCommit(d, f, f"state of {d}", 1_700_000_000)
                         for d, f in FILES.items()])
     counter = make_app(store.path)
-    with running(counter) as base:
+    with serving(counter) as base:
         yield Fleet(store, base, counter, dict(tips))
 
 
@@ -163,10 +122,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 def git(*args: str, cwd: Path | None = None, check: bool = True,
         protocol: int | None = None) -> subprocess.CompletedProcess[str]:
     """The real git CLI, isolated from the caller's configuration and never prompting."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_TERMINAL_PROMPT="0", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
-               GIT_COMMITTER_EMAIL="t@t")
+    env = {**git_env(), "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
     options = ["-c", "credential.helper=", "-c", "init.defaultBranch=main"]
     if protocol is not None:
         options += ["-c", f"protocol.version={protocol}"]
@@ -195,17 +152,6 @@ def has_object(repo: Path, oid: str) -> bool:
 def remote_refs(fleet: Fleet, device: str, protocol: int) -> dict[str, str]:
     out = git("ls-remote", fleet.url(device), protocol=protocol).stdout
     return {name: oid for oid, name in (line.split("\t") for line in out.splitlines())}
-
-
-def pkt(line: str | bytes) -> bytes:
-    data = line.encode() if isinstance(line, str) else line
-    return b"%04x" % (len(data) + 4) + data
-
-
-def v2_request(*args: str, command: str = "fetch") -> bytes:
-    """A protocol-v2 request as `git fetch` sends it."""
-    return (pkt(f"command={command}\n") + pkt("agent=git/test\n") + pkt("object-format=sha1\n")
-            + b"0001" + b"".join(pkt(a + "\n") for a in args) + b"0000")
 
 
 def post_upload_pack(fleet: Fleet, device: str, body: bytes | Iterator[bytes], *,
@@ -613,7 +559,7 @@ def test_git_running_too_long_is_killed(fleet: Fleet, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     program, pid_file = fake_git(tmp_path, "exec sleep 60")
     monkeypatch.setattr(githttp, "PROCESS_TIMEOUT", 0.5)
-    with running(make_app(fleet.store.path, git=program)) as base:
+    with serving(make_app(fleet.store.path, git=program)) as base:
         response = httpx.get(f"{base}/git/devices/dev-a.git/info/refs?service=git-upload-pack",
                              auth=("dev-a", TOKENS["dev-a"]), timeout=10)
     assert_problem(response, 504)
@@ -623,7 +569,7 @@ def test_git_running_too_long_is_killed(fleet: Fleet, tmp_path: Path,
 def test_git_is_killed_when_the_client_disconnects(fleet: Fleet, tmp_path: Path) -> None:
     program, pid_file = fake_git(
         tmp_path, r"printf 'Content-Type: text/plain\r\n\r\nfirst bytes\n'; exec sleep 60")
-    with running(make_app(fleet.store.path, git=program)) as base:
+    with serving(make_app(fleet.store.path, git=program)) as base:
         url = f"{base}/git/devices/dev-a.git/info/refs?service=git-upload-pack"
         with httpx.stream("GET", url, auth=("dev-a", TOKENS["dev-a"]), timeout=10) as response:
             assert response.status_code == 200
@@ -634,14 +580,14 @@ def test_git_is_killed_when_the_client_disconnects(fleet: Fleet, tmp_path: Path)
 
 def test_git_without_a_cgi_answer_is_a_502(fleet: Fleet, tmp_path: Path) -> None:
     program, _ = fake_git(tmp_path, "echo 'not a header block'; exit 1")
-    with running(make_app(fleet.store.path, git=program)) as base:
+    with serving(make_app(fleet.store.path, git=program)) as base:
         response = httpx.get(f"{base}/git/devices/dev-a.git/info/refs?service=git-upload-pack",
                              auth=("dev-a", TOKENS["dev-a"]))
     assert_problem(response, 502)
 
 
 def test_git_missing_on_the_server_is_a_503(fleet: Fleet, tmp_path: Path) -> None:
-    with running(make_app(fleet.store.path, git=str(tmp_path / "no-such-git"))) as base:
+    with serving(make_app(fleet.store.path, git=str(tmp_path / "no-such-git"))) as base:
         response = httpx.get(f"{base}/git/devices/dev-a.git/info/refs?service=git-upload-pack",
                              auth=("dev-a", TOKENS["dev-a"]))
     assert_problem(response, 503)

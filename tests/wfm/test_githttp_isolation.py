@@ -5,16 +5,9 @@ resolved, and each object and delta base checked against the caller's own branch
 
 from __future__ import annotations
 
-import base64
-import binascii
-import contextlib
 import gzip
-import hmac
-import os
-import socket
 import struct
 import subprocess
-import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,19 +17,16 @@ from pathlib import Path
 import httpx
 import pygit2
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kits.githttpkit import UPLOAD_PACK_REQUEST, basic_authorizer, git_env, pkt, serving, v2_request
 from starlette.applications import Starlette
-from starlette.requests import Request
 from starlette.routing import Mount
 
 from compiler.gitstore import DeviceCommit, DeviceStore
-from tools.polling import poll_until
 from wfm.githttp import git_app
 
 TOKENS = {"dev-a": "token-a", "dev-b": "token-b"}
-UPLOAD_PACK_REQUEST = "application/x-git-upload-pack-request"
 #: Git's INFINITE_DEPTH: "deepen" with it asks the server to unshallow completely.
 INFINITE_DEPTH = 0x7FFFFFFF
 
@@ -59,40 +49,6 @@ FILES = {
 
 
 # --- the server -------------------------------------------------------------------------
-
-
-async def basic_authorize(request: Request, device_id: str) -> bool:
-    """HTTP Basic: user = device id, password = that device's token."""
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "basic":
-        return False
-    try:
-        user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
-    except (binascii.Error, UnicodeDecodeError):
-        return False
-    expected = TOKENS.get(device_id)
-    return user == device_id and expected is not None and hmac.compare_digest(password, expected)
-
-
-@contextlib.contextmanager
-def running(repository: Path) -> Iterator[str]:
-    """The Git app mounted at /git under a real uvicorn on a free loopback port."""
-    app = Starlette(routes=[Mount("/git", app=git_app(repository, basic_authorize))])
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off",
-                                           ws="none", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        poll_until("uvicorn to start", lambda: server.started or not thread.is_alive(),
-                   timeout=10, interval=0.01)
-        assert server.started, "uvicorn did not start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @dataclass
@@ -140,7 +96,8 @@ def make_fleet(tmp: Path) -> Iterator[Fleet]:
                                     "old state of dev-a", 1_700_000_000)])["dev-a"]
     tips = store.write([DeviceCommit(d, f, f"state of {d}", 1_700_000_100)
                         for d, f in FILES.items()])
-    with running(store.path) as base:
+    app = Starlette(routes=[Mount("/git", app=git_app(store.path, basic_authorizer(TOKENS)))])
+    with serving(app, log_level="critical") as base:
         yield Fleet(store, base, dict(tips), old)
 
 
@@ -152,17 +109,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 # --- speaking the protocol ----------------------------------------------------------------
-
-
-def pkt(line: str | bytes) -> bytes:
-    data = line.encode() if isinstance(line, str) else line
-    return b"%04x" % (len(data) + 4) + data
-
-
-def v2_fetch(*args: str) -> bytes:
-    """A protocol-v2 fetch request as `git fetch` sends it."""
-    return (pkt("command=fetch\n") + pkt("agent=git/test\n") + pkt("object-format=sha1\n")
-            + b"0001" + b"".join(pkt(a + "\n") for a in args) + b"0000")
 
 
 def v0_fetch(wants: list[str], haves: list[str], *, shallows: tuple[str, ...] = (),
@@ -362,7 +308,7 @@ def test_a_foreign_have_is_no_delta_base(fleet: Fleet, protocol: int, shallow: s
     deepen = 1 if shallow == "deepen" else None
     if protocol == 2:
         extra = [f"shallow {s}" for s in shallows] + ([f"deepen {deepen}"] if deepen else [])
-        body = v2_fetch(f"want {tip_b}", f"have {tip_a}", *extra, "thin-pack", "ofs-delta",
+        body = v2_request(f"want {tip_b}", f"have {tip_a}", *extra, "thin-pack", "ofs-delta",
                         "no-progress", "done")
     else:
         body = v0_fetch([tip_b], [tip_a], shallows=shallows, deepen=deepen)
@@ -381,7 +327,7 @@ def test_a_foreign_shallow_line_does_not_unshallow_into_another_device(fleet: Fl
     commit: it added the commit's parents (dev-a's old state) to what it sends."""
     tip_a, tip_b = fleet.tips["dev-a"], fleet.tips["dev-b"]
     if protocol == 2:
-        body = v2_fetch(f"want {tip_b}", f"shallow {tip_a}", f"deepen {INFINITE_DEPTH}",
+        body = v2_request(f"want {tip_b}", f"shallow {tip_a}", f"deepen {INFINITE_DEPTH}",
                         "thin-pack", "ofs-delta", "no-progress", "done")
     else:
         body = v0_fetch([tip_b], [], shallows=(tip_a,), deepen=INFINITE_DEPTH)
@@ -398,7 +344,7 @@ def test_own_haves_still_make_small_thin_packs(fleet: Fleet, protocol: int) -> N
     its old state is acknowledged and sends the new objects only."""
     tip_a = fleet.tips["dev-a"]
     if protocol == 2:
-        body = v2_fetch(f"want {tip_a}", f"have {fleet.old_a}", "deepen 1", "thin-pack",
+        body = v2_request(f"want {tip_a}", f"have {fleet.old_a}", "deepen 1", "thin-pack",
                         "ofs-delta", "no-progress", "done")
     else:
         body = v0_fetch([tip_a], [fleet.old_a], deepen=1)
@@ -419,7 +365,7 @@ def test_foreign_wants_are_refused(fleet: Fleet, protocol: int) -> None:
     for oid in (str(tip_a.id), str(tip_a.tree.id), str(tip_a.tree["deployment.yaml"].id),
                 fleet.old_a):
         if protocol == 2:
-            body = v2_fetch(f"want {fleet.tips['dev-b']}", f"want {oid}", "no-progress",
+            body = v2_request(f"want {fleet.tips['dev-b']}", f"want {oid}", "no-progress",
                             "done")
         else:
             body = v0_fetch([fleet.tips["dev-b"], oid], [])
@@ -430,10 +376,8 @@ def test_foreign_wants_are_refused(fleet: Fleet, protocol: int) -> None:
 
 def git(*args: str, cwd: Path | None = None, protocol: int = 2) -> str:
     """The real git CLI, isolated from the caller's configuration and never prompting."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_TERMINAL_PROMPT="0", GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull)
     result = subprocess.run(["git", "-c", "credential.helper=", "-c",
-                             f"protocol.version={protocol}", *args], cwd=cwd, env=env,
+                             f"protocol.version={protocol}", *args], cwd=cwd, env=git_env(),
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, f"git {' '.join(args)} failed: {result.stderr}"
     return result.stdout
@@ -565,7 +509,7 @@ class Fetch:
             arguments = [f"{keyword} {oid}" for keyword, oid in claims]
             arguments += [*self.options, *([f"deepen {self.deepen}"] if self.deepen else []),
                           *(["done"] if self.done else [])]
-            return v2_fetch(f"want {own_tip}", *arguments)
+            return v2_request(f"want {own_tip}", *arguments)
         return v0_fetch([own_tip], [oid for keyword, oid in claims if keyword == "have"],
                         shallows=tuple(oid for keyword, oid in claims if keyword == "shallow"),
                         deepen=self.deepen, capabilities=" ".join(self.options))
@@ -649,7 +593,7 @@ def test_fuzzed_upload_pack_requests(fleet: Fleet, pool: Pool, data: st.DataObje
     response = httpx.post(f"{fleet.base}/git/devices/dev-b.git/git-upload-pack", content=body,
                           headers=headers, auth=("dev-b", TOKENS["dev-b"]), timeout=30)
     assert_served_well(fleet, response)
-    still = fleet.post("dev-b", v2_fetch(f"want {fleet.tips['dev-b']}", "no-progress", "done"))
+    still = fleet.post("dev-b", v2_request(f"want {fleet.tips['dev-b']}", "no-progress", "done"))
     assert still.status_code == 200 and fleet.tips["dev-b"] in assert_nothing_foreign(
         fleet, "dev-b", still)
 

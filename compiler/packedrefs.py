@@ -60,10 +60,12 @@ class LooseRefsError(PackedRefsError):
         super().__init__(f"{len(names)} ref(s) are loose files, not packed: {shown}")
 
 
-def move_refs(git_dir: str | os.PathLike[str], updates: Mapping[str, tuple[str | None, str]],
+def move_refs(git_dir: str | os.PathLike[str],
+              updates: Mapping[str, tuple[str | None, str | None]],
               *, timeout: float = LOCK_TIMEOUT) -> None:
-    """Point each ref name at its new object id if it still points at its old one (None: the
-    ref must not exist yet), all or nothing: one atomic rename of ``packed-refs``.
+    """Point each ref name at its new object id if it still points at its old one (old
+    None: the ref must not exist yet; new None: delete the ref), all or nothing: one atomic
+    rename of ``packed-refs``.
 
     The new file reaches the disk before it replaces the old one, so a crash leaves the old
     refs or the new ones, never an empty file, and a caller recording the move afterwards
@@ -85,16 +87,19 @@ def move_refs(git_dir: str | os.PathLike[str], updates: Mapping[str, tuple[str |
             if found != old:
                 raise RefMovedError(f"{name} is at {found or 'nothing'}, expected "
                                     f"{old or 'nothing'}")
-            entries[name.encode()] = f"{new} {name}\n".encode()
+            if new is None:
+                entries.pop(name.encode(), None)
+            else:
+                entries[name.encode()] = f"{new} {name}\n".encode()
         os.write(lock_fd, _render(traits, entries))
         os.fsync(lock_fd)
         os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
 
 
-def _check_update(name: str, old: str | None, new: str) -> None:
+def _check_update(name: str, old: str | None, new: str | None) -> None:
     if not name.startswith("refs/") or any(c in name for c in " \n\0"):
         raise PackedRefsError(f"not a ref name this module writes: {name!r}")
-    for oid in (new,) if old is None else (old, new):
+    for oid in (o for o in (old, new) if o is not None):
         if not isinstance(oid, str) or not _OID_RE.fullmatch(oid.encode()):
             raise PackedRefsError(f"{name}: not a full object id: {oid!r}")
 

@@ -226,9 +226,12 @@ class Api:
                                "capabilities", margo_type="gateway-not-found")
 
         def write(conn: Connection) -> records.CapabilityWrite:
-            return records.store_capabilities(
+            result = records.store_capabilities(
                 conn, client_id=client.client_id, device_id=device_id, document=doc,
                 digest=data_digest(doc), shape=str(caps.shape))
+            if result.created and self.coordinator is not None:
+                self.coordinator.registered(conn, client.client_id, device_id)
+            return result
 
         try:
             result = await self.db.write(write)
@@ -248,7 +251,9 @@ class Api:
         its branch with its whole history, so that the id, once registered again (by
         anyone), starts from nothing. Another client's device is answered like an unknown
         one (404): no way to learn which ids others use. The branch goes first: if it
-        cannot (the compile lock stays taken), nothing is forgotten and the caller retries."""
+        cannot (the compile lock stays taken), nothing is forgotten and the caller retries.
+        With replicas the branch's deletion is published with the rows instead
+        (`_delete_published`)."""
         client, _ = await self.scoped(request)
         device_id = request.path_params["deviceId"]
         family = [d for d in await self._devices(client)
@@ -256,17 +261,42 @@ class Api:
         if not family:
             raise ProblemError(404, f"no device {device_id!r} for this client",
                                margo_type="device-not-found")
-        if self.coordinator is None:  # replicas: the served repository is a copy
-            try:
-                await run_in_threadpool(self.desired.forget_devices, family)
-            except GitStoreError as exc:
-                raise ProblemError(503, f"device {device_id!r} was not deleted: its branch "
-                                   f"could not be deleted now ({exc})", retry_after=5) from None
-        removed = await self.db.write(
-            lambda conn: records.forget_device(conn, client.client_id, device_id))
+        if self.coordinator is not None:
+            return await self._delete_published(client, device_id)
+        try:
+            await run_in_threadpool(self.desired.forget_devices, family)
+        except GitStoreError as exc:
+            raise ProblemError(503, f"device {device_id!r} was not deleted: its branch "
+                               f"could not be deleted now ({exc})", retry_after=5) from None
+        try:
+            removed = await self.db.write(
+                lambda conn: records.forget_device(conn, client.client_id, device_id))
+        finally:
+            self.devices.changed(client.client_id)
         if not removed:
             raise ProblemError(404, f"no device {device_id!r} for this client",
                                margo_type="device-not-found")
+        self.desired.bump()
+        self.compiles.trigger()
+        return Response(status_code=204)
+
+    async def _delete_published(self, client: Client, device_id: str) -> Response:
+        """Replicas: the served repository is a copy of what is published, so the device's
+        rows go together with a publication of its branches as deleted, in one
+        transaction (`Coordinator.forget_device`); every replica drops them when it syncs
+        (this one before it answers), and the compiling one forgets the devices before it
+        compiles again."""
+        coordinator = self.coordinator
+        assert coordinator is not None
+        try:
+            removed = await self.db.write(
+                lambda conn: coordinator.forget_device(conn, client.client_id, device_id))
+        finally:
+            self.devices.changed(client.client_id)
+        if not removed:
+            raise ProblemError(404, f"no device {device_id!r} for this client",
+                               margo_type="device-not-found")
+        await self._caught_up()
         self.desired.bump()
         self.compiles.trigger()
         return Response(status_code=204)

@@ -17,8 +17,16 @@ operations.md has the whole design):
   generation it says it served always agree.
 
 The compiler's own state (`compiler.state`) is a cache per replica: valid only while this
-replica was the last to publish (a sidecar records the generation it compiled), else
-dropped, which costs one full compile that commits nothing.
+replica was the last to publish (a sidecar records the generation it compiled and the lease
+epoch it held), else dropped, which costs one full compile that commits nothing.
+
+**Deleting a device** (`publish_deletion`) is a publication of its own: the replica that
+answers the DELETE writes the branch's ref as deleted (a `git_refs` row without a target)
+under the next generation, in the same transaction as the device's rows, so every replica
+removes the branch when it syncs, a repair or a replica built from scratch never brings it
+back, and the compiling replica drops the branch and what its state remembers of the device
+before it compiles again (`prepare`), or before it publishes a compile that raced the
+deletion (`publish`), so a re-registered id starts from an empty history everywhere.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from compiler.gitstore import REPOSITORY_NAME, device_ref
+from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
+from compiler.state import CompilerState
+from wfm import records
 from wfm.db import DatabaseUnavailable
 from wfm.pgdb import PgConnection, PostgresDatabase
 from wfm.replication import (
@@ -45,7 +55,7 @@ from wfm.replication import (
     read_snapshot,
 )
 
-__all__ = ["Coordinator", "LeaseLost", "SourceUpdate"]
+__all__ = ["Coordinator", "LeaseLost", "SourceUpdate", "deletion_generation", "publish_deletion"]
 
 log = logging.getLogger("margo.wfm.replicas")
 
@@ -56,6 +66,8 @@ SOURCE_KEY = 0x736F75726365
 REPO = "devices"
 #: Seconds between two repairs of the served repository (`request_repair`).
 REPAIR_EVERY = 5.0
+#: How often a compile's publication starts over after devices were deleted meanwhile.
+_PUBLISH_ATTEMPTS = 5
 _STATE_FILE = "compiler-state.sqlite"
 _STATE_GENERATION = "compiler-state.generation"
 _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
@@ -63,6 +75,40 @@ _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
 
 class LeaseLost(RuntimeError):
     """Another replica took the compile lease: this one's compile is not published."""
+
+
+class _DeletedMeanwhile(RuntimeError):
+    """Devices were deleted (`publish_deletion`) after the compile's `prepare`: the work
+    repository must drop their branches before anything of this compile is published."""
+
+
+def publish_deletion(conn: Any, device_ids: list[str]) -> int:
+    """Publish that these devices' branches are deleted, under the next generation, in the
+    caller's transaction (the one that deletes the devices' rows): every replica removes
+    the refs when it syncs to it, and no later sync, repair or compaction restores them
+    (a ref row without a target is what every replica applies as "no such branch"). The
+    generation it published."""
+    row = conn.execute("SELECT generation FROM fleet_state WHERE id = 1 FOR UPDATE").fetchone()
+    generation = int(row[0]) + 1
+    refs: dict[str, str | None] = {}
+    for device_id in device_ids:
+        with contextlib.suppress(ValueError):  # an id that cannot have a branch has none
+            refs[device_ref(device_id)] = None
+    publish_rows(conn, REPO, generation, b"", refs, compact=False)
+    conn.execute("UPDATE fleet_state SET generation = ? WHERE id = 1", (generation,))
+    return generation
+
+
+def deletion_generation(conn: Any, device_id: str) -> int | None:
+    """The generation that published the device's branch as deleted (None: it was not, or
+    a later compile gave the id a branch again)."""
+    try:
+        name = device_ref(device_id)
+    except ValueError:
+        return None
+    row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
+                       "target IS NULL", (REPO, name)).fetchone()
+    return None if row is None else int(row[0])
 
 
 class Coordinator:
@@ -221,6 +267,32 @@ class Coordinator:
             self.on_synced()
         return moved
 
+    # --- deleting a device (any replica) -----------------------------------------------
+
+    @staticmethod
+    def forget_device(conn: Any, client_id: str, device_id: str) -> bool:
+        """`records.forget_device` and the publication of the deleted devices' branches
+        (`publish_deletion`), in the caller's transaction: a deletion the database holds is
+        one every replica applies. False (nothing changed) when the client has no such
+        device."""
+        family = [d for d in records.client_devices(conn, client_id)
+                  if d == device_id or d.startswith(device_id + "/")]
+        if not family:
+            return False
+        publish_deletion(conn, family)
+        return records.forget_device(conn, client_id, device_id)
+
+    @staticmethod
+    def registered(conn: Any, client_id: str, device_id: str) -> None:
+        """A device was just registered (the caller's transaction): if its id was deleted
+        before, no replica that has not synced the deletion may give this client a new
+        manifest (it would still hold the previous owner's branch), which the manifest
+        versions' generation guard (`records.advance_manifest_version`) enforces."""
+        generation = deletion_generation(conn, device_id)
+        if generation is not None:
+            conn.execute("UPDATE clients SET manifest_generation = ? WHERE client_id = ? AND "
+                         "manifest_generation < ?", (generation, client_id, generation))
+
     # --- compiling (the holder) --------------------------------------------------------
 
     def prepare(self) -> Path | None:
@@ -231,15 +303,40 @@ class Coordinator:
         if not self.holding:
             return None
         self.sync_source()
+        self._catch_up_working()
+        self._before = self.working.refs()
+        return self.compile_dir
+
+    def _catch_up_working(self, *, compiled: bool = False) -> None:
+        """Bring the work repository to the newest generation, and keep the compiler's
+        state only if it belongs to that generation. Generations published since this
+        replica's last one while it kept the lease without a break (the same epoch: nobody
+        else could publish a compile) are deletions (`publish_deletion`): the state is kept,
+        without what it remembered of the deleted devices. `compiled`: the state is the
+        one a compile just left in the work repository (deletions raced its publication)."""
         since = self.working.generation
         snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
                                                         dialect=self.db.dialect))
         self.working.apply(snapshot)
-        if _state_generation(self.compile_dir) != snapshot.generation:
+        deleted = sorted(i for i in (device_id_from_ref(n) for n, t in snapshot.refs.items()
+                                     if t is None) if i is not None)
+        mark = _state_mark(self.compile_dir)
+        state = self.compile_dir / _STATE_FILE
+        valid = compiled or (mark is not None and (
+            mark[0] == snapshot.generation
+            or (mark[0] == since and self.epoch is not None and mark[1] == self.epoch)))
+        if not valid or not state.exists():
             with contextlib.suppress(FileNotFoundError):
-                (self.compile_dir / _STATE_FILE).unlink()
-        self._before = self.working.refs()
-        return self.compile_dir
+                state.unlink()
+            return
+        if deleted:
+            kept = CompilerState(state)
+            try:
+                kept.forget(deleted)
+            finally:
+                kept.close()
+        if not compiled and mark != (snapshot.generation, self.epoch):
+            _write_state_generation(self.compile_dir, snapshot.generation, self.epoch)
 
     def publish(self) -> Published | None:
         """After a compile: publish what moved under the next generation (None: nothing
@@ -247,9 +344,22 @@ class Coordinator:
         epoch = self.epoch
         if epoch is None:
             raise LeaseLost(f"{self.name} no longer holds the compile lease")
-        published = self._publish(self.working, self._before, epoch=epoch)
-        if published is not None:
-            _write_state_generation(self.compile_dir, published.generation)
+        for _ in range(_PUBLISH_ATTEMPTS):
+            try:
+                published = self._publish(self.working, self._before, epoch=epoch)
+                break
+            except _DeletedMeanwhile:
+                # What this compile wrote for a device deleted meanwhile is dropped with its
+                # branch (a compile asked for by the deletion follows); the rest is
+                # published on top of the deletion.
+                self._catch_up_working(compiled=True)
+                after = self.working.refs()
+                self._before = {n: t for n, t in self._before.items() if n in after}
+        else:
+            raise RuntimeError("devices kept being deleted while the compile was published; "
+                               "compiling again")
+        # The state is what this compile left, in the work repository as published now.
+        _write_state_generation(self.compile_dir, self.working.generation, epoch)
         self._before = self.working.refs()
         self.sync()
         return published
@@ -276,6 +386,9 @@ class Coordinator:
                                "FOR UPDATE").fetchone()
             if epoch is not None and int(row[1]) != epoch:
                 raise LeaseLost(f"the compile lease moved to epoch {row[1]}")
+            if epoch is not None and int(row[0]) != replica.generation:
+                # The lease never left this replica, so only deletions were published.
+                raise _DeletedMeanwhile(f"generation {row[0]} was published meanwhile")
             generation = int(row[0]) + 1
             publish_rows(conn, replica.repo, generation, pack, after if compact else moved,
                          compact=compact)
@@ -338,14 +451,17 @@ class SourceUpdate:
                 conn.close()  # ends the session: the advisory lock goes with it
 
 
-def _state_generation(directory: Path) -> int | None:
+def _state_mark(directory: Path) -> tuple[int, int | None] | None:
+    """(the generation the compiler's state belongs to, the lease epoch it was written
+    under; None when an older server wrote only the generation), or None: no sidecar."""
     try:
-        return int((directory / _STATE_GENERATION).read_text().strip())
-    except (OSError, ValueError):
+        words = (directory / _STATE_GENERATION).read_text().split()
+        return int(words[0]), (int(words[1]) if len(words) > 1 else None)
+    except (OSError, ValueError, IndexError):
         return None
 
 
-def _write_state_generation(directory: Path, generation: int) -> None:
+def _write_state_generation(directory: Path, generation: int, epoch: int | None) -> None:
     tmp = directory / f"{_STATE_GENERATION}.tmp"
-    tmp.write_text(f"{generation}\n")
+    tmp.write_text(f"{generation}\n" if epoch is None else f"{generation} {epoch}\n")
     os.replace(tmp, directory / _STATE_GENERATION)

@@ -166,12 +166,16 @@ class RepoReplica:
 
     def move_to(self, snapshot: Snapshot) -> bool:
         """The refs and generation of a snapshot whose objects are here (`add_objects`): the
-        one visible step, a single rewrite of the refs. False when it was there already."""
+        one visible step, a single rewrite of the refs (deleted ones removed). False when it
+        was there already."""
         if snapshot.generation <= self.generation and not snapshot.packs:
             return False
         current = self.refs()
+        # A None target is a ref deleted on purpose (a device its client deleted,
+        # `wfm.coordination.publish_deletion`): it goes in the same rewrite, and a ref that
+        # is not here is left absent.
         updates = {name: (current.get(name), target) for name, target in snapshot.refs.items()
-                   if target is not None and current.get(name) != target}
+                   if current.get(name) != target}
         if updates:
             try:
                 move_refs(self.path, updates)

@@ -164,3 +164,16 @@ def test_the_refs_are_what_git_update_ref_gives(tmp_path_factory: pytest.TempPat
         git(theirs, "update-ref", "--stdin", input=script.encode())
         current.update({name: ids[i] for name, i in moves.items()})
         assert refs(ours) == refs(theirs) == current
+
+
+def test_a_ref_is_deleted_in_the_same_rewrite_only_where_it_was_expected(repo: Path) -> None:
+    """new None deletes (a device branch deleted on purpose, `wfm.replication`): with the
+    other moves, all or nothing, and only if the ref is still where the caller read it."""
+    a, b, c = commits(repo, 3)
+    move_refs(repo, {"refs/heads/devices/x": (None, a), "refs/heads/devices/y": (None, b)})
+    with pytest.raises(RefMovedError):
+        move_refs(repo, {"refs/heads/devices/x": (b, None), "refs/heads/devices/y": (b, c)})
+    assert refs(repo) == {"refs/heads/devices/x": a, "refs/heads/devices/y": b}
+    move_refs(repo, {"refs/heads/devices/x": (a, None), "refs/heads/devices/y": (b, c)})
+    assert refs(repo) == {"refs/heads/devices/y": c}
+    assert git(repo, "pack-refs", "--all") == "" and refs(repo) == {"refs/heads/devices/y": c}

@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # the server's modules load only when it runs: `margo --help`
 
 CLIENT_CERT_MODES = ("required", "optional", "none")  # wfm.tls.CLIENT_CERT_MODES
 ONBOARDING_MODES = ("open", "closed")  # wfm.identity.ONBOARDING_MODES
+#: Connections served at once by default: a fleet of 10,000 devices polling every 15 s on
+#: keep-alive connections (closed after 5 s idle) holds about 3,500.
+DEFAULT_MAX_CONNECTIONS = 8192
 
 
 def register(commands: Any) -> None:
@@ -60,6 +63,11 @@ def register(commands: Any) -> None:
                        help="a connection must send a request's headers within SECONDS "
                             "(of connecting, or of the request's first byte), else it is "
                             "closed (default 30)")
+    serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       metavar="N",
+                       help="connections served at once (idle keep-alive ones count); a "
+                            "request on one more is answered 503 and its connection closed "
+                            f"(default {DEFAULT_MAX_CONNECTIONS}; keep it below ulimit -n)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--new-database", action="store_true",
                        help="start on a new, empty <data>/wfm.sqlite although <data> was used "
@@ -144,8 +152,13 @@ def run_serve(args: argparse.Namespace) -> int:
     protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
     if protocol is not None:
         transport["http"] = protocol
+    if args.max_connections < 1:
+        raise SystemExit("margo serve: --max-connections must be at least 1")
+    # uvicorn answers 503 to a request once connections (this one included) or requests
+    # in flight reach its limit: one more than ours lets exactly N connections be served.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                proxy_headers=False, server_header=False, **transport)
+                proxy_headers=False, server_header=False,
+                limit_concurrency=args.max_connections + 1, **transport)
     return 0
 
 

@@ -16,16 +16,18 @@ problem:
 - duplicate object keys: RFC 8259 leaves their meaning to the parser, so a signature or
   HMAC checked over the bytes could vouch for a value other than the one we would keep;
 - text that is not UTF-8 (RFC 8259 §8.1; a leading byte order mark is ignored, as the RFC
-  allows), and nesting too deep for the decoder.
-
-Lone surrogate escapes (`"\\ud800"`) are accepted as Python's parser does; serializers here
-escape them (`ensure_ascii`), so they do not break responses.
+  allows), and nesting too deep for the decoder;
+- lone surrogate escapes (`"\\ud800"`, a `\\udc00` without its high half): Python's parser
+  takes them, but the string is no Unicode text (RFC 8259 §8.2, RFC 7493 §2.1) and cannot
+  be encoded as UTF-8, so the first digest, database row or response holding it failed
+  with a 500. A pair (`"\\ud83d\\ude00"`) is one character and accepted.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 __all__ = ["MAX_INTEGER_DIGITS", "JsonRefused", "loads"]
@@ -83,6 +85,46 @@ _DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite
                             parse_int=_bounded_int, object_pairs_hook=_unique_pairs)
 
 
+#: One escape of a JSON string: `\uXXXX` (its code unit in group 1) or `\` and one
+#: character. Matched left to right, an escaped backslash is consumed whole: `\\ud800`
+#: is a backslash and five letters, not an escape.
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(text: str) -> tuple[int, int] | None:
+    """The offset and code unit of the first surrogate that is not half of a pair."""
+    raw = _SURROGATE.search(text)  # only a str handed in can hold one unescaped
+    if raw is not None:
+        return raw.start(), ord(raw.group())
+    if "\\u" not in text:
+        return None
+    high: tuple[int, int] | None = None  # a high surrogate waiting for its low half
+    end = -1
+    for match in _ESCAPE.finditer(text):
+        unit = int(match.group(1), 16) if match.group(1) else -1
+        if high is not None:
+            if match.start() == end and 0xDC00 <= unit <= 0xDFFF:
+                high = None
+                continue
+            return high
+        if 0xD800 <= unit <= 0xDBFF:
+            high, end = (match.start(), unit), match.end()
+        elif 0xDC00 <= unit <= 0xDFFF:
+            return match.start(), unit
+    return high
+
+
+def _refuse_lone_surrogates(text: str) -> None:
+    found = _lone_surrogate(text)
+    if found is not None:
+        at, unit = found
+        line = text.count("\n", 0, at) + 1
+        column = at - text.rfind("\n", 0, at)
+        raise JsonRefused(f"a lone surrogate \\u{unit:04x} at line {line} column {column}: "
+                          "strings must be Unicode text", "a lone surrogate in a string")
+
+
 def loads(data: bytes | bytearray | str) -> Any:
     """Parse one RFC 8259 JSON text strictly (see the module docstring), or raise
     :class:`JsonRefused` with a message fit to show the sender."""
@@ -97,6 +139,7 @@ def loads(data: bytes | bytearray | str) -> Any:
                               f"{exc.start}") from None
     else:
         text = data
+    _refuse_lone_surrogates(text)
     try:
         return _DECODER.decode(text)
     except JsonRefused:

@@ -18,6 +18,7 @@ import base64
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -236,11 +237,14 @@ class Api:
         try:
             result = await self.db.write(write)
         except PermissionError:
+            # Ids are unique across the fleet: registering a taken one can only fail.
             raise ProblemError(403, f"device {device_id!r} belongs to another client",
                                margo_type="not-authorized") from None
-        finally:
-            self.devices.changed(client.client_id)
+        except BaseException:
+            self.devices.changed(client.client_id)  # it may have committed before failing
+            raise
         if result.created:
+            self.devices.changed(client.client_id)
             self.desired.bump()
         if result.changed:
             self.compiles.trigger()
@@ -268,14 +272,8 @@ class Api:
         except GitStoreError as exc:
             raise ProblemError(503, f"device {device_id!r} was not deleted: its branch "
                                f"could not be deleted now ({exc})", retry_after=5) from None
-        try:
-            removed = await self.db.write(
-                lambda conn: records.forget_device(conn, client.client_id, device_id))
-        finally:
-            self.devices.changed(client.client_id)
-        if not removed:
-            raise ProblemError(404, f"no device {device_id!r} for this client",
-                               margo_type="device-not-found")
+        await self._forget(client, device_id,
+                           lambda conn: records.forget_device(conn, client.client_id, device_id))
         self.desired.bump()
         self.compiles.trigger()
         return Response(status_code=204)
@@ -288,18 +286,26 @@ class Api:
         compiles again."""
         coordinator = self.coordinator
         assert coordinator is not None
+        await self._forget(
+            client, device_id,
+            lambda conn: coordinator.forget_device(conn, client.client_id, device_id))
+        await self._caught_up()
+        self.desired.bump()
+        self.compiles.trigger()
+        return Response(status_code=204)
+
+    async def _forget(self, client: Client, device_id: str,
+                      forget: Callable[[Connection], bool]) -> None:
+        """Run a deletion's write. Afterwards the client's devices are read again (even if
+        the write failed: it may have committed first); a device that another request
+        forgot in the meantime is 404."""
         try:
-            removed = await self.db.write(
-                lambda conn: coordinator.forget_device(conn, client.client_id, device_id))
+            removed = await self.db.write(forget)
         finally:
             self.devices.changed(client.client_id)
         if not removed:
             raise ProblemError(404, f"no device {device_id!r} for this client",
                                margo_type="device-not-found")
-        await self._caught_up()
-        self.desired.bump()
-        self.compiles.trigger()
-        return Response(status_code=204)
 
     # --- desired state -----------------------------------------------------------------
 

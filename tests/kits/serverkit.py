@@ -13,9 +13,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,7 @@ from jsonschema import Draft202012Validator
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
+from compiler.gitstore import REPOSITORY_NAME
 from kits.balancer import balancing
 from kits.pgkit import database_for
 from kits.processkit import free_port, stop, wait_until_ready
@@ -95,6 +97,33 @@ def running_replicas(data: Path, *extra: str, count: int = REPLICAS) -> Iterator
             log_dir=data.parent)) for i in range(count)]
         balancer = stack.enter_context(balancing(bases))
         yield balancer.url
+
+
+@contextmanager
+def two_replicas(folder: Path, clients: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Two servers on one PostgreSQL database, each reached directly (no balancer), on a
+    copy of the example fleet (`<folder>/fleet`), with `clients` added. Yields `bases`,
+    `tokens` (per client), `data`, `url` (the database), `args` (what another replica is
+    started with), `log_dir`, `source` and `repos` (each replica's device repository)."""
+    source = folder / "fleet"
+    shutil.copytree(ROOT / "examples" / "fleet", source)
+    data = folder / "data"
+    with use_store("replicas"):
+        tokens = {name: add_client(data, name) for name in clients}
+        url = database_for(data)
+        args = ("--source", str(source), "--database", url)
+        with _one_server(data / "replica-0", *args, log_dir=folder) as first, \
+                _one_server(data / "replica-1", *args, log_dir=folder) as second:
+            yield {"bases": [first, second], "tokens": tokens, "data": data, "url": url,
+                   "args": args, "log_dir": folder, "source": source,
+                   "repos": [data / f"replica-{i}" / "repos" / REPOSITORY_NAME
+                             for i in (0, 1)]}
+
+
+def replica_client(replicas: dict[str, Any], name: str, replica: int) -> httpx.Client:
+    """An HTTP client of `two_replicas` for client `name`, talking to one replica."""
+    return httpx.Client(base_url=replicas["bases"][replica], timeout=10,
+                        headers={"Authorization": f"Bearer {replicas['tokens'][name]}"})
 
 
 @contextmanager

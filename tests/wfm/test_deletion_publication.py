@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +18,9 @@ from compiler.state import CompilerState
 from tools.polling import poll_until
 from wfm.db import open_database
 from wfm.pgdb import PostgresDatabase
+
+if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
+    from wfm.coordination import Coordinator
 
 
 @pytest.fixture
@@ -69,19 +73,26 @@ def published(db: PostgresDatabase, device_id: str) -> str | None:
                                        (device_ref(device_id),)).fetchone()[0])
 
 
+def first_generation(coordinator: Coordinator) -> tuple[Path, str, str]:
+    """The holder's first publication, with branches `gone` and `kept` (and its compiler
+    state): its work folder and the two tips."""
+    work = coordinator.prepare()
+    assert work is not None
+    repo = work / REPOSITORY_NAME
+    gone, kept = commit(repo, "gone", "secret of the first owner"), commit(repo, "kept", "k")
+    assert coordinator.publish() is not None
+    CompilerState(work / "compiler-state.sqlite").close()
+    return work, gone, kept
+
+
 def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch(
         holder: tuple[PostgresDatabase, object]) -> None:
     from wfm.coordination import Coordinator, publish_deletion
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)
-    work = coordinator.prepare()
-    assert work is not None
+    work, old, kept = first_generation(coordinator)
     repo = work / REPOSITORY_NAME
-    old, kept = commit(repo, "gone", "secret of the first owner"), commit(repo, "kept", "k")
-    assert coordinator.publish() is not None
-    state = CompilerState(work / "compiler-state.sqlite")
-    state.close()
 
     # The next compile has read the old state; the device is deleted before it publishes.
     coordinator.prepare()
@@ -119,13 +130,8 @@ def test_an_idle_holder_drops_the_branch_and_forgets_the_device_before_it_compil
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)
-    work = coordinator.prepare()
-    assert work is not None
+    work, _, kept = first_generation(coordinator)
     repo = work / REPOSITORY_NAME
-    commit(repo, "gone", "secret")
-    kept = commit(repo, "kept", "k")
-    assert coordinator.publish() is not None
-    CompilerState(work / "compiler-state.sqlite").close()
 
     generation = db.write_sync(lambda conn: publish_deletion(conn, ["gone"]))
     poll_until("the served copy to drop the branch",

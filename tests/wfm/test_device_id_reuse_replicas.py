@@ -8,16 +8,14 @@ Other devices' branches are untouched."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from kits.pgkit import database_for
-from kits.serverkit import ROOT, _one_server, add_client, use_store
+from kits.serverkit import _one_server, two_replicas
+from kits.serverkit import replica_client as client
 from test_device_id_reuse import box, manifest_with, report
 from test_lost_state import drop_ref
 
@@ -30,23 +28,8 @@ _GIT_ENV = {"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonex
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
-    data = tmp_path / "data"
-    with use_store("replicas"):
-        tokens = {name: add_client(data, name) for name in ("alice", "bob")}
-        url = database_for(data)
-        args = ("--source", str(tmp_path / "fleet"), "--database", url)
-        with _one_server(data / "replica-0", *args, log_dir=tmp_path) as first, \
-                _one_server(data / "replica-1", *args, log_dir=tmp_path) as second:
-            yield {"bases": [first, second], "tokens": tokens, "data": data, "url": url,
-                   "args": args, "log_dir": tmp_path,
-                   "repos": [data / f"replica-{i}" / "repos" / REPOSITORY_NAME
-                             for i in (0, 1)]}
-
-
-def client(replicas: dict[str, Any], name: str, replica: int) -> httpx.Client:
-    return httpx.Client(base_url=replicas["bases"][replica], timeout=10,
-                        headers={"Authorization": f"Bearer {replicas['tokens'][name]}"})
+    with two_replicas(tmp_path, ("alice", "bob")) as started:
+        yield started
 
 
 def git(*args: str, cwd: Path | None = None, check: bool = True

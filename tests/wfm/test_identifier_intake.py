@@ -12,7 +12,6 @@ of the same issue (``adoptedManifestVersion: "²"``, non-ASCII credentials) are 
 from __future__ import annotations
 
 import base64
-import json
 import shutil
 import subprocess
 import urllib.parse
@@ -24,6 +23,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kits.capskit import cluster_manifest, example_capabilities
 from kits.serverkit import ROOT, add_client, check_response, running_server
 
 from compiler.gitstore import DEVICE_ID_PATTERN, device_ref
@@ -36,34 +36,11 @@ from wfm.db import open_database
 from wfm.identity import Identity, IdentitySettings
 from wfm.problems import ProblemError
 
-CAPS = ROOT / "examples" / "capabilities"
 OPERATOR = "operator-secret"
 LONG = "a" * 1005
 TILDES = "~" * 340
 BAD_IDS = [LONG, TILDES]
 
-
-def caps(name: str, device_id: str | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((CAPS / f"{name}.json").read_text())
-    if device_id is not None:
-        doc["properties"]["id"] = device_id
-    return doc
-
-
-def cluster_manifest(cluster_id: str) -> dict[str, Any]:
-    """A ClusterCapabilitiesManifest (the cluster proposal's body) for `cluster_id`."""
-    return {
-        "apiVersion": "cluster.margo.org/v1alpha1", "kind": "ClusterCapabilitiesManifest",
-        "metadata": {"id": cluster_id, "name": "a cluster", "kubernetesVersion": "1.31.2",
-                     "platform": "rke2"},
-        "apiSurface": {"apiGroups": [{"name": "", "versions": ["v1"]}]},
-        "resources": {"allocatable": {"cpu": "8", "memory": "16Gi"}, "nodeCount": 1,
-                      "nodes": [{"name": "n1", "roles": ["worker"], "controlPlane": False,
-                                 "ready": True, "schedulable": True, "architecture": "amd64",
-                                 "allocatable": {"cpu": 4, "memory": "8Gi"},
-                                 "available": {"cpu": 4, "memory": "8Gi"}, "gpus": []}]},
-        "capabilities": {"supportedDeploymentTypes": ["helm"], "otelCollector": True},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +86,7 @@ def q(device_id: str) -> str:
 @pytest.mark.parametrize("bad", BAD_IDS, ids=["1005-chars", "340-tildes"])
 def test_overlong_ids_are_refused_at_every_capability_route(server: dict[str, Any],
                                                             bad: str) -> None:
-    body = caps("k8s-single-amd64", bad)
+    body = example_capabilities("k8s-single-amd64", bad)
     rc2 = "/api/v1/clients/site-a"
     with device_client(server) as http:
         assert_problem(http.put(f"/api/v1/capabilities/{q(bad)}", json=body), 422, "deviceId")
@@ -134,9 +111,9 @@ def test_ids_within_the_bounds_are_still_accepted(server: dict[str, Any]) -> Non
     with device_client(server) as http:
         for device_id in accepted:
             response = http.put(f"/api/v1/capabilities/{q(device_id)}",
-                                json=caps("compose-box-amd64", device_id))
+                                json=example_capabilities("compose-box-amd64", device_id))
             assert response.status_code in (200, 201), response.text
-        child = caps("compose-box-amd64", "northstarida.xtapro.k8s.edge/child-1")
+        child = example_capabilities("compose-box-amd64", "northstarida.xtapro.k8s.edge/child-1")
         assert http.put("/api/v1/capabilities/northstarida.xtapro.k8s.edge/child-1",
                         json=child).status_code == 201
     listed = fleet_devices(server["base"])
@@ -149,7 +126,7 @@ def test_label_keys_and_values_are_bounded(server: dict[str, Any]) -> None:
                               ({"x" * 400: "x"}, "$.labels['" + "x" * 77 + "...']"),
                               ({"example.com/site": "v" * 2000}, "$.labels['example.com/site']"),
                               ({"example.com/site": "a\nb"}, "$.labels['example.com/site']")):
-            body = {**caps("k8s-single-amd64"), "labels": labels}
+            body = {**example_capabilities("k8s-single-amd64"), "labels": labels}
             assert_problem(http.put("/api/v1/capabilities/k8s-single-amd64", json=body), 422,
                            field)
 
@@ -157,7 +134,7 @@ def test_label_keys_and_values_are_bounded(server: dict[str, Any]) -> None:
 def test_status_reports_bound_their_ids_and_versions(server: dict[str, Any]) -> None:
     with device_client(server) as http:
         assert http.put("/api/v1/capabilities/k8s-single-amd64",
-                        json=caps("k8s-single-amd64")).status_code in (200, 201)
+                        json=example_capabilities("k8s-single-amd64")).status_code in (200, 201)
 
         def manifest() -> dict[str, Any]:
             return dict(http.get("/api/v1/deployments").json())
@@ -222,7 +199,7 @@ IDS = st.one_of(
 @given(device_id=IDS)
 def test_any_device_id_is_accepted_as_a_usable_branch_name_or_refused(
         server: dict[str, Any], device_id: str) -> None:
-    body = caps("compose-box-arm64", device_id)
+    body = example_capabilities("compose-box-arm64", device_id)
     if device_id in (".", ".."):
         return  # a dot segment: clients remove it from the path (RFC 3986 5.2.4)
     path = "/api/v1/capabilities/" + urllib.parse.quote(device_id, safe="", errors="replace")
@@ -261,7 +238,7 @@ def test_ids_already_in_the_database_no_longer_stop_the_fleet(tmp_path: Path) ->
     db = open_database(data / "wfm.sqlite")
     try:
         for bad in BAD_IDS:
-            doc = caps("k8s-single-amd64", bad)
+            doc = example_capabilities("k8s-single-amd64", bad)
             db.write_sync(lambda conn, bad=bad, doc=doc: records.store_capabilities(
                 conn, client_id="site-a", device_id=bad, document=doc,
                 digest=data_digest(doc), shape="rc.3"))
@@ -274,7 +251,7 @@ def test_ids_already_in_the_database_no_longer_stop_the_fleet(tmp_path: Path) ->
             httpx.Client(base_url=base, timeout=30,
                          headers={"Authorization": f"Bearer {token}"}) as http:
         assert http.put("/api/v1/capabilities/k8s-single-amd64",
-                        json=caps("k8s-single-amd64")).status_code == 201
+                        json=example_capabilities("k8s-single-amd64")).status_code == 201
 
         def good_device_deployments() -> list[str]:
             detail = httpx.get(f"{base}/api/fleet/devices/k8s-single-amd64",

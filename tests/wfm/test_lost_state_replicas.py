@@ -5,42 +5,24 @@ the published state again, and then served as before. No empty manifest is ever 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from kits.pgkit import database_for
-from kits.serverkit import ROOT, _one_server, use_store
+from kits.serverkit import replica_client as client
+from kits.serverkit import two_replicas
 from test_lost_state import box, drop_ref, manifest_with_deployments
 
-from compiler.gitstore import REPOSITORY_NAME, device_ref
+from compiler.gitstore import device_ref
 from tools.polling import poll_until
 
 
 @pytest.fixture
 def replicas(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    from kits.serverkit import add_client
-
-    shutil.copytree(ROOT / "examples" / "fleet", tmp_path / "fleet")
-    data = tmp_path / "data"
-    with use_store("replicas"):
-        tokens = {name: add_client(data, name) for name in ("lost", "other")}
-        url = database_for(data)
-        with _one_server(data / "replica-0", "--source", str(tmp_path / "fleet"),
-                         "--database", url, log_dir=tmp_path) as first, \
-                _one_server(data / "replica-1", "--source", str(tmp_path / "fleet"),
-                            "--database", url, log_dir=tmp_path) as second:
-            yield {"bases": [first, second], "tokens": tokens, "source": tmp_path / "fleet",
-                   "repo": data / "replica-0" / "repos" / REPOSITORY_NAME}
-
-
-def client(replicas: dict[str, Any], name: str, replica: int) -> httpx.Client:
-    return httpx.Client(base_url=replicas["bases"][replica], timeout=10,
-                        headers={"Authorization": f"Bearer {replicas['tokens'][name]}"})
+    with two_replicas(tmp_path, ("lost", "other")) as started:
+        yield {**started, "repo": started["repos"][0]}
 
 
 def test_a_replica_that_lost_a_branch_applies_the_published_state_again(

@@ -44,15 +44,16 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
+from kits.capskit import cluster_manifest
+from kits.capskit import example_capabilities as caps
 from kits.pkikit import make_self_signed
-from kits.serverkit import ROOT, add_client, assert_matches_openapi, running_server
+from kits.serverkit import add_client, assert_matches_openapi, running_server
 from test_fleet_api import fleet_repository
 
 from margo import jsonstrict
 from tools.polling import poll_until
 from wfm.api import MAX_BODY
 
-CAPS = ROOT / "examples" / "capabilities"
 SECRET = "s3cret"
 STATUS_DEVICE = "k8s-cluster-gpu"  # site-a's: its deployment takes the status reports
 CAPS_DEVICE = "k8s-single-amd64"  # the onboarded client's: its reports are mutated
@@ -68,26 +69,6 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is No
                     database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-
-def caps(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((CAPS / f"{name}.json").read_text())
-    return doc
-
-
-def cluster_manifest(cluster_id: str) -> dict[str, Any]:
-    """A ClusterCapabilitiesManifest (the cluster proposal's capabilities body)."""
-    return {
-        "apiVersion": "cluster.margo.org/v1alpha1", "kind": "ClusterCapabilitiesManifest",
-        "metadata": {"id": cluster_id, "name": "a cluster", "kubernetesVersion": "1.31.2",
-                     "platform": "rke2"},
-        "apiSurface": {"apiGroups": [{"name": "", "versions": ["v1"]}]},
-        "resources": {"allocatable": {"cpu": "8", "memory": "16Gi"}, "nodeCount": 1,
-                      "nodes": [{"name": "n1", "roles": ["worker"], "controlPlane": False,
-                                 "ready": True, "schedulable": True, "architecture": "amd64",
-                                 "allocatable": {"cpu": 4, "memory": "8Gi"},
-                                 "available": {"cpu": 4, "memory": "8Gi"}, "gpus": []}]},
-        "capabilities": {"supportedDeploymentTypes": ["helm"], "otelCollector": True},
-    }
 
 
 def self_signed_certificate() -> str:

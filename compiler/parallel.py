@@ -74,21 +74,39 @@ def _run_keyed(names: list[str]) -> dict[str, Any]:
     return _INHERITED["keyed"](names)
 
 
+#: The signals that end a worker (the pool's terminate sends SIGTERM).
+_ENDING = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 def _worker_signals() -> None:
     """A forked worker takes the default action on SIGTERM and SIGINT. It would otherwise
     inherit the parent's Python handlers (the fleet server's web server installs ones that
     only set a flag), and the pool's terminate, which sends SIGTERM to an idle worker
     waiting on the task queue, would never end it: the compile then hung forever joining
-    the pool."""
+    the pool. Workers are forked with both blocked (`_pool`), so one that arrived before
+    this ran is still pending, and ends the worker when they are unblocked here."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ENDING)
 
 
 @contextmanager
 def _pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
     """A fork pool whose workers end on the pool's SIGTERM; closed and joined (each worker
-    exits by itself) when the block ends normally, terminated when it raises."""
-    pool = multiprocessing.get_context("fork").Pool(processes, initializer=_worker_signals)
+    exits by itself) when the block ends normally, terminated when it raises.
+
+    The pool is made with SIGTERM and SIGINT blocked in this thread (a thread's mask is its
+    own: the process still takes them): its workers, and those its maintenance thread forks
+    later, start with them blocked until `_worker_signals` has set the default action. A
+    terminate that came first (a consumer that stops at its first result) used to reach a
+    worker still holding the parent's flag-only handler: the worker lived on, blocked on
+    the task queue, and kept the parent's pipes open for ever."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
+    try:
+        pool = multiprocessing.get_context("fork").Pool(processes,
+                                                        initializer=_worker_signals)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     try:
         yield pool
     except BaseException:

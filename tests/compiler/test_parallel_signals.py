@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # uvicorn's kind
     with forked_state(work=lambda i: i * i, pack=lambda r: r,
                       keyed=lambda names: {n: len(n) for n in names}):
-        for _ in range(5):
+        for _ in range(20):
             assert list(map_in_chunks(200, workers=3, share=False, unpack=lambda r: r)) == \\
                 [i * i for i in range(200)]
             assert split_in_two(["a", "bb", "ccc"]) == {"a": 1, "bb": 2, "ccc": 3}

@@ -116,7 +116,7 @@ class Api:
         return client
 
     async def _token_caller(self, request: Request) -> Client | None:
-        header = request.headers.get("authorization", "")
+        header = _header(request, b"authorization") or ""
         scheme, _, value = header.partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             return await self._by_token(value.strip())
@@ -365,7 +365,7 @@ class Api:
 
     async def get_manifest(self, request: Request) -> Response:
         client, prefix = await self.scoped(request)
-        if not _accepts(request.headers.get("accept"), MANIFEST_MEDIA_TYPE):
+        if not _accepts(_header(request, b"accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
                                margo_type="server-cannot-generate-response")
         self.polls.seen(client.client_id)
@@ -377,7 +377,7 @@ class Api:
         else:
             body, etag = await self._fresh_manifest(client, prefix)
         headers = {"ETag": etag, "Cache-Control": "private"}
-        if _etag_matches(request.headers.get("if-none-match"), etag):
+        if _etag_matches(_header(request, b"if-none-match"), etag):
             return Response(status_code=304, headers=headers)
         return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
 
@@ -638,6 +638,16 @@ def _cluster_document(device_id: str, manifest: dict[str, Any]) -> dict[str, Any
         raise semantic_error(exc.problems) from None
 
 
+def _header(request: Request, name: bytes) -> str | None:
+    """One request header (`name` lowercase, as ASGI servers give names), read straight
+    from the scope: the per-request calls skip building Starlette's `Headers`."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            value_text: str = value.decode("latin-1")
+            return value_text
+    return None
+
+
 def _generation(request: Request) -> str:
     path = request.scope["path"]  # (not `request.url`: building it costs more than the rest)
     if path.startswith("/device/"):
@@ -686,12 +696,12 @@ def _immutable(request: Request, data: bytes, media_type: str, digest: str) -> R
 def routes(api: Api) -> list[Route]:
     rc2 = "/api/v1/clients/{clientId}"
     return [
-        # rc.3
+        # rc.3; the routes every device calls all the time first (routing tries each in turn)
+        Route("/api/v1/deployments", api.get_manifest, methods=["GET"]),
+        Route("/api/v1/deployments/{deploymentId}/status", api.post_status, methods=["POST"]),
         Route("/api/v1/capabilities/{deviceId:path}", api.put_capabilities, methods=["PUT"]),
         Route("/api/v1/capabilities/{deviceId:path}", api.delete_capabilities,
               methods=["DELETE"]),
-        Route("/api/v1/deployments", api.get_manifest, methods=["GET"]),
-        Route("/api/v1/deployments/{deploymentId}/status", api.post_status, methods=["POST"]),
         Route("/api/v1/deployments/{deploymentId}/{digest}", api.get_deployment,
               methods=["GET"]),
         Route("/api/v1/bundles/{digest}", api.get_bundle, methods=["GET"]),

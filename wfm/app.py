@@ -218,9 +218,9 @@ def create_app(config: ServerConfig) -> Starlette:
                 lock.release()
 
     return Starlette(
-        routes=[Route("/healthz", _livez, methods=["GET"]),
+        routes=[*routes(api), Route("/healthz", _livez, methods=["GET"]),
                 Route("/livez", _livez, methods=["GET"]),
-                Route("/readyz", _readyz, methods=["GET"]), *routes(api), *fleet.routes(),
+                Route("/readyz", _readyz, methods=["GET"]), *fleet.routes(),
                 *dashboard_routes(fleet),
                 *([Mount("/git/source.git", app=source_app(
                     config.hosted_source, config.admin_token, lambda: api.compiles.trigger(),

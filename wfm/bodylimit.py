@@ -62,9 +62,6 @@ class BodyLimit:
     max_bytes: int
     timeout: float = DEFAULT_BODY_TIMEOUT
 
-    def matches(self, path: str) -> bool:
-        return path.startswith(self.prefix)
-
 
 class BodyRefused(ProblemError):
     """413 or 408 for a body over its limit or not complete in time; the connection is
@@ -84,7 +81,10 @@ class BodyLimitMiddleware:
         self.app, self.rules = app, tuple(rules)
 
     def rule_for(self, path: str) -> BodyLimit:
-        return next(rule for rule in self.rules if rule.matches(path))
+        for rule in self.rules:  # (asked per request: a plain loop, no generator)
+            if path.startswith(rule.prefix):
+                return rule
+        return self.rules[-1]
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive,
                        send: Send) -> None:

@@ -68,6 +68,8 @@ DECISION_TTL = 2.0
 MAX_SIGNED_BODY = 1024 * 1024
 CLIENT_CERT_HEADERS = (b"client-cert", b"client-cert-chain")
 SIGNED_SCOPE_KEY = "margo.signature"
+#: Any of these makes a request a signed one (RFC 9421, with its RFC 9530 digest).
+_SIGNATURE_HEADERS = frozenset({b"signature-input", b"signature", b"content-digest"})
 ONBOARDING_MODES = ("open", "closed")
 
 Asgi = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
@@ -296,12 +298,15 @@ class SignatureMiddleware:
             return
         peer = scope["client"][0] if scope.get("client") else None
         raw: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
-        if not self.identity.is_trusted_proxy(peer):
-            kept = [(k, v) for k, v in raw if k.lower() not in CLIENT_CERT_HEADERS]
-            if len(kept) != len(raw):
-                scope = {**scope, "headers": kept}
-        names = {k.lower() for k, _ in scope["headers"]}
-        if not names & {b"signature-input", b"signature", b"content-digest"}:
+        signed = forwarded = False
+        for name, _ in raw:  # one pass: this runs on every request
+            lowered = name.lower()
+            signed = signed or lowered in _SIGNATURE_HEADERS
+            forwarded = forwarded or lowered in CLIENT_CERT_HEADERS
+        if forwarded and not self.identity.is_trusted_proxy(peer):
+            scope = {**scope, "headers": [(k, v) for k, v in raw
+                                          if k.lower() not in CLIENT_CERT_HEADERS]}
+        if not signed:
             await self.app(scope, receive, send)
             return
         body, receive = await _buffer(receive)

@@ -44,8 +44,12 @@ lint: venv
 	$(BIN)/lint-imports
 	$(BIN)/python -m margo.schemas --check
 
+# One pytest worker per core (TEST_WORKERS=0 runs in this process); the tests of the control
+# plane and of the Docker engine stay on one worker each (tests/conftest.py).
+TEST_WORKERS ?= auto
+
 test: lint kube
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 schemas: venv
 	$(BIN)/python -m margo.schemas

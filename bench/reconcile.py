@@ -91,11 +91,15 @@ services:
 """
 
 
-def device_home(workdir: Path, server: FleetServer, device_id: str, source: str) -> Path:
+def device_home(workdir: Path, server: FleetServer, device_id: str, source: str,
+                deployments: int) -> Path:
     home = workdir / device_id
     home.mkdir()
     (home / "token").write_text(server.token)
     doc = capabilities("k8s-single-amd64", device_id)
+    # Room for every deployment: each asks for half a core, and the server places on a
+    # device no more than its capacity holds (the example's 8 cores take 16).
+    doc["properties"]["cpus"] = [{"cores": max(8, deployments), "architecture": "amd64"}]
     (home / "caps.json").write_text(json.dumps(doc))
     server.put_capabilities(doc)
     (home / "device.yaml").write_text(yaml.safe_dump({
@@ -130,7 +134,7 @@ def main() -> None:
             publish_example_charts(registry)
             fleet = write_fleet(work / "fleet", registry=registry, intents={})
             with fleet_server(work, fleet=fleet) as server:
-                configs = {source: device_home(work, server, f"bench-{source}", source)
+                configs = {source: device_home(work, server, f"bench-{source}", source, n)
                            for source in ("margo-rest", "git")}
                 for source in configs:
                     for index in range(n):

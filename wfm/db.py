@@ -104,12 +104,6 @@ class _Awaited:
     def done(self) -> bool:
         return self.future.done()
 
-    def set_result(self, value: Any) -> None:
-        _settle_on_loops([(self, value, None)])
-
-    def set_exception(self, exc: BaseException) -> None:
-        _settle_on_loops([(self, None, exc)])
-
 
 Waiter = Future[Any] | _Awaited
 Work = tuple[Callable[[Any], Any], Waiter]
@@ -353,13 +347,15 @@ class Database:
 
     def _fail_queued(self, reason: str) -> None:
         """Fail what is still queued when the writer ends (written after `close`)."""
+        failed: list[tuple[Waiter, Any, BaseException | None]] = []
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return
+                break
             if not isinstance(item, _Stop) and item[1].set_running_or_notify_cancel():
-                item[1].set_exception(DatabaseUnavailable(reason))
+                failed.append((item[1], None, DatabaseUnavailable(reason)))
+        _settle_on_loops(failed)
 
     def _run_batch(self, conn: Any, batch: list[Work]) -> None:
         """One transaction, each write in its own savepoint; the futures resolve after the

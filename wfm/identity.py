@@ -297,7 +297,7 @@ class SignatureMiddleware:
             await self.app(scope, receive, send)
             return
         peer = scope["client"][0] if scope.get("client") else None
-        raw: list[tuple[bytes, bytes]] = list(scope.get("headers") or [])
+        raw: list[tuple[bytes, bytes]] = scope.get("headers") or []  # read, never changed
         signed = forwarded = False
         for name, _ in raw:  # one pass: this runs on every request
             lowered = name.lower()

@@ -216,7 +216,9 @@ def test_a_failing_canary_rolls_back_and_the_rest_never_sees_the_bad_version(
     assert rollout_view(base)["status"] == "rolled back"
 
 
-PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "2s"}
+# The soak must outlast starting the CLI for `pause` on a busy machine (it once took over
+# 2 s under the full suite, and the next wave had opened before the pause arrived).
+PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "8s"}
 
 
 @pytest.mark.parametrize("fleet_server", [PAUSABLE], indirect=True)
@@ -225,10 +227,11 @@ def test_pause_holds_the_next_wave_and_resume_lets_it_open(
     fleet, base, devices = fleet_server
     set_greeting(fleet, "greeting-v2", base)
     until("the canary to move", devices, base, lambda v: v["waves"][0]["moved"] == 1)
+    moved = time.monotonic()
     paused = rollout_cli(base, "pause", "web")
     assert paused.returncode == 0, paused.stderr
     assert paused.stdout.startswith("web: paused")
-    deadline = time.monotonic() + 4  # twice the soak
+    deadline = moved + 8 + 3  # past the soak: only the pause holds the next wave now
     while time.monotonic() < deadline:
         devices.step()
         time.sleep(0.2)

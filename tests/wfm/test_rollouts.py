@@ -218,7 +218,9 @@ def test_a_failing_canary_rolls_back_and_the_rest_never_sees_the_bad_version(
 
 # The soak must outlast starting the CLI for `pause` on a busy machine (it once took over
 # 2 s under the full suite, and the next wave had opened before the pause arrived).
-PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}], "soak": "8s"}
+PAUSABLE_SOAK = 8
+PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}],
+            "soak": f"{PAUSABLE_SOAK}s"}
 
 
 @pytest.mark.parametrize("fleet_server", [PAUSABLE], indirect=True)
@@ -231,7 +233,7 @@ def test_pause_holds_the_next_wave_and_resume_lets_it_open(
     paused = rollout_cli(base, "pause", "web")
     assert paused.returncode == 0, paused.stderr
     assert paused.stdout.startswith("web: paused")
-    deadline = moved + 8 + 3  # past the soak: only the pause holds the next wave now
+    deadline = moved + PAUSABLE_SOAK + 3  # past the soak: only the pause holds the next wave now
     while time.monotonic() < deadline:
         devices.step()
         time.sleep(0.2)

@@ -49,8 +49,9 @@ from margo.models import DeploymentStatus, DeviceCapabilities
 from margo.validation import validate_value
 from wfm import records
 from wfm.clientdevices import ClientDevices
-from wfm.clients import Client, ClientRegistry, parse_basic
+from wfm.clients import Client, ClientRegistry, parse_basic, same_secret
 from wfm.compiles import CompileService
+from wfm.credentialcache import CredentialCache
 from wfm.db import Connection, Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, DesiredState, manifest_body
 from wfm.identity import Identity, IdentitySettings
@@ -66,7 +67,6 @@ __all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 IMMUTABLE = "private, max-age=31536000, immutable"
 MAX_BODY = 1024 * 1024
-CREDENTIAL_TTL = 2.0
 #: The largest manifestVersion a status may say it adopted (SQL integers are signed 64-bit).
 MAX_MANIFEST_VERSION = 2**63 - 1
 
@@ -92,7 +92,9 @@ class Api:
         self.identity.open(clients)
         # Polls dominate the traffic: per client, the manifest served at a generation.
         self._manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
-        self._credentials: dict[str, tuple[float, Client | None]] = {}
+        self._credentials = CredentialCache(
+            lambda: db.offload(clients.credentials_epoch),
+            lambda token: db.offload(clients.token_lookup, token))
         self.devices = ClientDevices(db, sole_writer=coordinator is None)
         self.polls = PollClock(db)
         self._rollouts_checked, self._rollouts_moving = -1e9, False
@@ -119,24 +121,15 @@ class Api:
         header = _header(request, b"authorization") or ""
         scheme, _, value = header.partition(" ")
         if scheme.lower() == "bearer" and value.strip():
-            return await self._by_token(value.strip())
+            return await self._credentials.client(value.strip())
         if scheme.lower() == "basic":
             pair = parse_basic(header)
-            return await self.db.offload(self.clients.by_basic, *pair) if pair else None
+            if pair is None:
+                return None
+            client = await self._credentials.client(pair[1])
+            return client if client is not None and same_secret(pair[0],
+                                                                client.client_id) else None
         return None
-
-    async def _by_token(self, token: str) -> Client | None:
-        """Token lookups, remembered for a second or two: a retired client or a revoked
-        token is refused within `CREDENTIAL_TTL` seconds."""
-        now = time.monotonic()
-        cached = self._credentials.get(token)
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        client = await self.db.offload(self.clients.by_token, token)
-        if len(self._credentials) > 100_000:
-            self._credentials.clear()
-        self._credentials[token] = (now + CREDENTIAL_TTL, client)
-        return client
 
     async def may_fetch(self, request: Request, device_id: str) -> bool:
         """Git hosting: the caller (HTTP basic `<clientId>:<token>`, or a bearer token) may

@@ -22,7 +22,8 @@ from typing import Any
 
 from wfm.db import Connection, Database
 
-__all__ = ["Client", "ClientKey", "ClientRegistry", "same_secret", "token_hash"]
+__all__ = ["Client", "ClientKey", "ClientRegistry", "TokenLookup", "bump_credentials_epoch",
+           "read_credentials_epoch", "same_secret", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
 
@@ -43,6 +44,34 @@ def token_hash(token: str) -> str:
 class Client:
     client_id: str
     retired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLookup:
+    """What a token proves: its client (None: nothing), and until when (wall-clock seconds,
+    for an access token; None for a client token, which lasts until replaced)."""
+
+    client: Client | None
+    expires_at: float | None = None
+
+
+def bump_credentials_epoch(conn: Connection) -> None:
+    """In the transaction of every write that can change what a token proves (a client
+    retired or accepted again, its token replaced): servers forget the lookups they
+    remember when it moves (`wfm.credentialcache`)."""
+    conn.execute("UPDATE fleet_state SET credentials_epoch = credentials_epoch + 1 "
+                 "WHERE id = 1")
+
+
+def _was_retired(conn: Connection, client_id: str) -> bool:
+    row = conn.execute("SELECT retired FROM clients WHERE client_id = ?",
+                       (client_id,)).fetchone()
+    return row is not None and bool(row[0])
+
+
+def read_credentials_epoch(conn: Connection) -> int:
+    row = conn.execute("SELECT credentials_epoch FROM fleet_state WHERE id = 1").fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +110,8 @@ class ClientRegistry:
         now = time.time()
 
         def write(conn: Connection) -> None:
+            if _was_retired(conn, client_id):
+                bump_credentials_epoch(conn)
             conn.execute("INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
                          "ON CONFLICT (client_id) DO UPDATE SET retired = 0", (client_id, now))
             conn.execute(
@@ -141,6 +172,9 @@ class ClientRegistry:
         token = secrets.token_urlsafe(32)
 
         def write(conn: Connection) -> None:
+            if conn.execute("SELECT 1 FROM clients WHERE client_id = ?",
+                            (client_id,)).fetchone() is not None:
+                bump_credentials_epoch(conn)  # its old token stops, or it is accepted again
             conn.execute(
                 "INSERT INTO clients (client_id, token_hash, certificate, created_at) "
                 "VALUES (?, ?, ?, ?) ON CONFLICT (client_id) DO UPDATE SET "
@@ -152,8 +186,10 @@ class ClientRegistry:
 
     def retire(self, client_id: str) -> bool:
         def write(conn: Connection) -> int:
-            return conn.execute("UPDATE clients SET retired = 1 WHERE client_id = ?",
-                                (client_id,)).rowcount
+            retired = conn.execute("UPDATE clients SET retired = 1 WHERE client_id = ?",
+                                   (client_id,)).rowcount
+            bump_credentials_epoch(conn)
+            return retired
 
         return bool(self._db.write_sync(write))
 
@@ -161,20 +197,30 @@ class ClientRegistry:
         return None if row is None else Client(row[0], bool(row[1]))
 
     def by_token(self, token: str) -> Client | None:
+        return self.token_lookup(token).client
+
+    def token_lookup(self, token: str) -> TokenLookup:
+        """What `token` proves: a client token (until replaced) or an access token (until
+        it expires)."""
         digest = token_hash(token)
 
-        def read(conn: Connection) -> Client | None:
+        def read(conn: Connection) -> TokenLookup:
             row = conn.execute("SELECT client_id, retired FROM clients WHERE token_hash = ?",
                                (digest,)).fetchone()
             if row is not None:
-                return self._client(row)
+                return TokenLookup(self._client(row))
             row = conn.execute(
-                "SELECT c.client_id, c.retired FROM access_tokens t JOIN clients c "
-                "ON c.client_id = t.client_id WHERE t.token_hash = ? AND t.expires_at > ?",
-                (digest, time.time())).fetchone()
-            return self._client(row)
+                "SELECT c.client_id, c.retired, t.expires_at FROM access_tokens t JOIN "
+                "clients c ON c.client_id = t.client_id WHERE t.token_hash = ? AND "
+                "t.expires_at > ?", (digest, time.time())).fetchone()
+            if row is None:
+                return TokenLookup(None)
+            return TokenLookup(Client(row[0], bool(row[1])), float(row[2]))
 
         return self._db.read(read)
+
+    def credentials_epoch(self) -> int:
+        return self._db.read(read_credentials_epoch)
 
     def by_basic(self, client_id: str, token: str) -> Client | None:
         client = self.by_token(token)

@@ -149,6 +149,12 @@ _STATUS_RETENTION = [_both(s) for s in (
     "DROP INDEX IF EXISTS status_reports_by_deployment",
 )]
 
+_CREDENTIALS_EPOCH = [_both(s) for s in (
+    # +1 by every write that can make a cached credential wrong (a client retired, a token
+    # replaced): servers keep token lookups until it moves (`wfm.credentialcache`).
+    "ALTER TABLE fleet_state ADD COLUMN credentials_epoch {int} NOT NULL DEFAULT 0",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -167,6 +173,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "status history retention: a count per deployment, an index to trim by",
               tuple(s for s, _ in _STATUS_RETENTION),
               tuple(p for _, p in _STATUS_RETENTION)),
+    Migration(9, "the credentials epoch, for servers' credential caches",
+              tuple(s for s, _ in _CREDENTIALS_EPOCH),
+              tuple(p for _, p in _CREDENTIALS_EPOCH)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

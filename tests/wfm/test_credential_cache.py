@@ -1,0 +1,133 @@
+"""Remembered token lookups (`wfm.credentialcache`): a running server keeps answering from
+what it remembers, and still refuses a retired client or a replaced token within about a
+second of the write that changed it, whichever process made that write (here `margo
+clients`, beside the running server)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from kits.serverkit import add_client, margo, running_server
+
+from tools.polling import poll_until
+from wfm import credentialcache
+from wfm.clients import ClientRegistry, TokenLookup, token_hash
+from wfm.credentialcache import CredentialCache
+from wfm.db import SqliteDatabase
+
+
+def _status(base: str, token: str) -> int:
+    return httpx.get(f"{base}/api/v1/deployments", timeout=10,
+                     headers={"Authorization": f"Bearer {token}"}).status_code
+
+
+def test_a_retired_client_and_a_replaced_token_are_refused_within_seconds(
+        tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    tokens = {name: add_client(data, name) for name in ("edge-1", "edge-2")}
+    with running_server(data) as base:
+        assert _status(base, tokens["edge-1"]) == 200 and _status(base, tokens["edge-2"]) == 200
+        margo("clients", "retire", "edge-1", "--data", str(data))
+        retired_at = time.monotonic()
+        poll_until("the retired client refused", lambda: _status(base, tokens["edge-1"]) == 403,
+                   timeout=10, interval=0.05)
+        refused_after = time.monotonic() - retired_at
+        assert _status(base, tokens["edge-2"]) == 200  # the others' lookups still stand
+
+        old = tokens["edge-2"]
+        tokens["edge-2"] = add_client(data, "edge-2")  # a new token replaces the old one
+        poll_until("the replaced token refused", lambda: _status(base, old) == 401,
+                   timeout=10, interval=0.05)
+        assert _status(base, tokens["edge-2"]) == 200
+        tokens["edge-1"] = add_client(data, "edge-1")  # accepted again, with a new token
+        assert _status(base, tokens["edge-1"]) == 200
+    # The bound is one epoch check (1 s) plus this machine's request latency, with room
+    # for a busy test machine: the old two-second time-to-live would also pass, but a cache
+    # that never noticed the write would not.
+    assert refused_after < 8
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> ClientRegistry:
+    return ClientRegistry(SqliteDatabase(tmp_path / "wfm.sqlite"))
+
+
+def _cache(registry: ClientRegistry) -> CredentialCache:
+    async def epoch() -> int:
+        return registry.credentials_epoch()
+
+    async def lookup(token: str) -> TokenLookup:
+        return registry.token_lookup(token)
+
+    return CredentialCache(epoch, lookup)
+
+
+def test_a_lookup_that_straddles_a_retirement_is_not_kept(
+        registry: ClientRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row is read before the retirement commits and the epoch is read after it, while
+    the lookup is still out: that lookup must not be remembered under the new epoch."""
+    monkeypatch.setattr(credentialcache, "EPOCH_CHECK_SECONDS", 0.0)
+    _, token = registry.add("edge-1")
+    _, other = registry.add("edge-2")
+    cache = CredentialCache(lambda: _epoch(registry), lambda t: _straddling(t))
+
+    async def _straddling(t: str) -> TokenLookup:
+        found = registry.token_lookup(t)
+        if t == token and not found.client.retired:  # type: ignore[union-attr]
+            registry.retire("edge-1")
+            await cache.client(other)  # another request reads the moved epoch meanwhile
+        return found
+
+    async def run() -> tuple[bool, bool]:
+        first = await cache.client(token)  # in flight across the retirement: answered as read
+        second = await cache.client(token)
+        assert first is not None and second is not None
+        return first.retired, second.retired
+
+    assert asyncio.run(run()) == (False, True)
+
+
+async def _epoch(registry: ClientRegistry) -> int:
+    return registry.credentials_epoch()
+
+
+def test_an_access_token_is_forgotten_when_it_expires(registry: ClientRegistry,
+                                                      tmp_path: Path) -> None:
+    registry.add("edge-1")
+    db = SqliteDatabase(tmp_path / "wfm.sqlite")
+    db.write_sync(lambda conn: conn.execute("INSERT INTO access_tokens VALUES (?, ?, ?)",
+                                            (token_hash("short-lived"), "edge-1",
+                                             time.time() + 1.0)))
+    cache = _cache(registry)
+
+    async def run() -> tuple[bool, bool]:
+        before = await cache.client("short-lived")
+        await asyncio.sleep(1.3)
+        return before is not None, await cache.client("short-lived") is None
+
+    assert asyncio.run(run()) == (True, True)
+
+
+def test_writes_that_change_no_credential_leave_the_epoch_alone(
+        registry: ClientRegistry) -> None:
+    """A fleet onboarding new clients all day must not make every server forget every
+    lookup: only writes that change what an existing token proves move the epoch."""
+    start = registry.credentials_epoch()
+    registry.add("edge-1")
+    registry.add("edge-2")
+    registry.ensure("edge-3")
+    assert registry.credentials_epoch() == start
+    registry.add("edge-1")
+    assert registry.credentials_epoch() == start + 1
+    registry.retire("edge-2")
+    assert registry.credentials_epoch() == start + 2
+    registry.register_identity("edge-2", spiffe_id="spiffe://x/edge-2", certificate="-",
+                               not_after=0.0, source="issued")
+    assert registry.credentials_epoch() == start + 3
+    registry.register_identity("edge-3", spiffe_id="spiffe://x/edge-3", certificate="-",
+                               not_after=0.0, source="issued")
+    assert registry.credentials_epoch() == start + 3  # edge-3 was never retired

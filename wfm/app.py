@@ -37,6 +37,7 @@ from wfm.db import Database, DatabaseUnavailable, open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.freshness import STALE_POLLS
+from wfm.gcpolicy import tune_for_serving
 from wfm.githttp import MAX_REQUEST_BYTES, git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
@@ -196,6 +197,7 @@ def create_app(config: ServerConfig) -> Starlette:
             coordinator.on_synced = desired.bump
             coordinator.start()
         app.state.api = api
+        tune_for_serving()  # few collections, none over what start-up built (wfm.gcpolicy)
         watcher = None
         if config.watch_source and config.source.path is not None:
             watcher = SourceWatcher(config.source.path, compiles.trigger)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from compiler.compilation import CompileReport, compile_fleet
-from compiler.gcpause import release_frozen
+from compiler.gcpause import freeze_survivors, release_frozen
 from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
@@ -196,7 +196,8 @@ class CompileService:
             return compile_fleet(source, snapshot, store, state, rollouts=plans)
         finally:
             state.close()
-            release_frozen()  # what the compile froze, back to the collector (see gcpause)
+            release_frozen()  # what the compile froze, back to the collector (see gcpause),
+            freeze_survivors()  # then what survives it is out of request-time collections
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

@@ -148,6 +148,12 @@ class Api:
         await self._caught_up()
         return True
 
+    def lost_branch(self, device_id: str) -> str | None:
+        """Git hosting, for a device without a branch in the served repository: why that is
+        lost state, as the REST manifest would say it (None: no desired state yet)."""
+        lost = self.desired.missing_branch(device_id)
+        return None if lost is None else lost.detail
+
     async def scoped(self, request: Request) -> tuple[Client, str]:
         """The caller and the URL prefix its manifest URLs use (rc.2 paths carry the id)."""
         client = await self.authenticate(request)

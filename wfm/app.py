@@ -228,7 +228,8 @@ def create_app(config: ServerConfig) -> Starlette:
                     config.hosted_source, config.admin_token, lambda: api.compiles.trigger(),
                     replicas=lambda: api.coordinator))]
                   if config.host_source else []),
-                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch))],
+                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch,
+                                          lost=api.lost_branch))],
         lifespan=lifespan,
         # Body limits first: nothing below (signature checks buffer bodies) sees more.
         middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config)),

@@ -240,10 +240,9 @@ class DesiredState:
         except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
             raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
         if tree is None:
-            recorded = self._recorded(device_id)
-            if recorded is not None:
-                raise self._lost(device_id, f"its branch is missing from the repository "
-                                 f"(the last compile left it at {recorded})")
+            lost = self.missing_branch(device_id)
+            if lost is not None:
+                raise lost
             tree = {}  # not compiled yet: no desired state, rightly empty
         else:
             self._reported_lost.discard(device_id)
@@ -264,6 +263,18 @@ class DesiredState:
             if document is not None:
                 out.append(ServedDeployment(document, device_id))
         return out
+
+    def missing_branch(self, device_id: str) -> StateLost | None:
+        """For a device without a branch in the served repository: the lost-state error
+        when a compile (or, on a replica, a publication this replica has synced) gave it
+        one, reported like every lost branch; None when it has none yet. Git hosting
+        (`wfm.githttp`) asks this too, so both transports tell lost state apart from no
+        state the same way, on one server and on replicas."""
+        recorded = self._recorded(device_id)
+        if recorded is None:
+            return None
+        return self._lost(device_id, f"its branch is missing from the repository (the last "
+                          f"compile left it at {recorded})")
 
     def _lost(self, device_id: str, why: str) -> StateLost:
         """The 503 for a device whose state is lost, logged as an error once (until its

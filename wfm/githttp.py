@@ -91,16 +91,20 @@ from compiler.state import recorded_branch
 
 __all__ = [
     "BACKEND_GONE",
+    "LOST_RETRY_AFTER",
     "MAX_REQUEST_BYTES",
     "PROCESS_TIMEOUT",
     "REALM",
     "Authorize",
+    "Lost",
     "git_app",
     "write_to_backend",
 ]
 
 #: A hook deciding whether the request may read device ``device_id``'s state.
 Authorize = Callable[[Request, str], Awaitable[bool] | bool]
+#: For a device without a branch: why that is lost state (503), or None (no state yet: 404).
+Lost = Callable[[str], str | None]
 
 #: Seconds one Git exchange may take before its processes are killed.
 PROCESS_TIMEOUT = 300.0
@@ -108,6 +112,8 @@ PROCESS_TIMEOUT = 300.0
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: The Basic-auth realm announced with 401 answers.
 REALM = "margo-gitops"
+#: Retry-After of the 503 for a lost branch (as the REST manifest's, `wfm.desired`).
+LOST_RETRY_AFTER = 60
 #: What writing to a Git backend that has exited raises: BrokenPipeError or
 #: ConnectionResetError with asyncio's own loop, RuntimeError ("the handler is closed")
 #: with uvloop, which the server runs on.
@@ -151,13 +157,19 @@ _log = logging.getLogger(__name__)
 
 
 def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
-            git: str = "git") -> ASGIApp:
+            git: str = "git", lost: Lost | None = None) -> ASGIApp:
     """The ASGI app serving every device's branch of `repository` (mount it at ``/git``).
 
     `repository` is the shared bare repository (``<repos>/fleet-state.git``); `git` is the
-    program run as ``<git> http-backend``.
+    program run as ``<git> http-backend``. `lost(device_id)`, asked for a device without a
+    branch here, says why that is lost state (answered 503) or None for a device without
+    desired state yet (404); the fleet server passes what its REST manifests use
+    (`wfm.desired.DesiredState.missing_branch`: on a replica, what was published), and by
+    default the compiler's state next to the repository is asked.
     """
-    server = _GitServer(Path(repository).absolute(), authorize, git)
+    repository = Path(repository).absolute()
+    server = _GitServer(repository, authorize, git,
+                        lost or (lambda device_id: _recorded_loss(repository, device_id)))
     return Router(routes=[
         Route(f"{_DEVICE}/info/refs", _Endpoint(server.info_refs)),
         Route(f"{_DEVICE}/{_UPLOAD_PACK}", _Endpoint(server.upload_pack)),
@@ -185,8 +197,8 @@ class _Endpoint:
 class _GitServer:
     """The two endpoints; everything they need to start one `_BackendExchange`."""
 
-    def __init__(self, repository: Path, authorize: Authorize, git: str) -> None:
-        self.repository, self.authorize, self.git = repository, authorize, git
+    def __init__(self, repository: Path, authorize: Authorize, git: str, lost: Lost) -> None:
+        self.repository, self.authorize, self.git, self.lost = repository, authorize, git, lost
 
     async def info_refs(self, request: Request) -> Response:
         """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
@@ -217,14 +229,9 @@ class _GitServer:
         if tip is None:
             # A branch the compiler made and the repository lost is lost state, never an
             # empty repository (`wfm.desired.StateLost` has why).
-            recorded = await asyncio.to_thread(recorded_branch, self.repository.parent,
-                                               device_id)
-            if recorded is not None:
-                _log.error("device %r: its branch is missing or unreadable in %s (the last "
-                           "compile left it at %s)", device_id, self.repository, recorded)
-                return _problem(503, f"the desired state of device {device_id!r} is not "
-                                "available: its branch is missing from the server's "
-                                "repository, which needs repair", headers={"Retry-After": "60"})
+            why = await asyncio.to_thread(self.lost, device_id)
+            if why is not None:
+                return _problem(503, why, headers={"Retry-After": str(LOST_RETRY_AFTER)})
             return _problem(404, f"device {device_id!r} has no desired state yet")
         protocol = _protocol_version(request.headers.get("git-protocol", ""))
         encoding = request.headers.get("content-encoding")
@@ -247,6 +254,18 @@ async def _call_authorize(authorize: Authorize, request: Request, device_id: str
     if inspect.isawaitable(verdict):
         verdict = await verdict
     return verdict is True
+
+
+def _recorded_loss(repository: Path, device_id: str) -> str | None:
+    """`lost` without a fleet server around: what the compiler's state next to the
+    repository says the branch should be (`compiler.state.recorded_branch`)."""
+    recorded = recorded_branch(repository.parent, device_id)
+    if recorded is None:
+        return None
+    _log.error("device %r: its branch is missing or unreadable in %s (the last compile left "
+               "it at %s)", device_id, repository, recorded)
+    return (f"the desired state of device {device_id!r} is not available: its branch is "
+            "missing from the server's repository, which needs repair")
 
 
 def _branch_tip(repository: Path, ref: str) -> str | None:

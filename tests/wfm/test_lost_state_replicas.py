@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kits.serverkit import replica_client as client
 from kits.serverkit import two_replicas
-from test_lost_state import box, drop_ref, manifest_with_deployments
+from test_lost_state import box, drop_ref, info_refs, manifest_with_deployments
 
 from compiler.gitstore import device_ref
 from tools.polling import poll_until
@@ -38,6 +38,12 @@ def test_a_replica_that_lost_a_branch_applies_the_published_state_again(
         replicas["source"].rename(replicas["source"].with_name("fleet-away"))
         ref = device_ref("box-lost")
         drop_ref(replicas["repo"], ref)
+        # Git on that replica tells lost state apart from no state as REST does (a 404
+        # would read "nothing to deploy"), by what was published, and asks for the repair.
+        at_lost = {"base": replicas["bases"][0], "tokens": replicas["tokens"]}
+        refs = info_refs(at_lost, "lost", "box-lost")
+        assert refs.status_code == 503, refs.text
+        assert "missing" in refs.json()["detail"] and refs.headers["retry-after"]
         # A new device moves this replica's generation: its manifests are computed again.
         assert other.put("/api/v1/capabilities/box-other", json=box("box-other", "c")
                          ).status_code == 201
@@ -56,3 +62,4 @@ def test_a_replica_that_lost_a_branch_applies_the_published_state_again(
         restored = subprocess.run(["git", "-C", str(replicas["repo"]), "rev-parse",
                                    "--verify", "-q", ref], capture_output=True, text=True)
         assert restored.returncode == 0, "the ref is back in the replica's served copy"
+        assert info_refs(at_lost, "lost", "box-lost").status_code == 200

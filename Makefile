@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv test lint schemas demo bench cluster kube clean
+.PHONY: all venv test fuzz lint schemas demo bench cluster kube clean
 
 all: test
 
@@ -50,6 +50,12 @@ TEST_WORKERS ?= auto
 
 test: lint kube
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+# The property tests that drive a real server, at their deep example counts (tests/kits/fuzzing.py);
+# `make test` runs them at quick counts.
+fuzz: venv
+	MARGO_FUZZ=deep $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider \
+		tests/wfm/test_githttp_isolation.py tests/wfm/test_request_body_properties.py
 
 schemas: venv
 	$(BIN)/python -m margo.schemas

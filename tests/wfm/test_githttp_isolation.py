@@ -19,6 +19,7 @@ import pygit2
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kits.fuzzing import examples
 from kits.githttpkit import UPLOAD_PACK_REQUEST, basic_authorizer, git_env, pkt, serving, v2_request
 from starlette.applications import Starlette
 from starlette.routing import Mount
@@ -573,7 +574,8 @@ def pool(fleet: Fleet) -> Pool:
     return Pool.of(fleet)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40, 300), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_upload_pack_requests(fleet: Fleet, pool: Pool, data: st.DataObject) -> None:
     """Random request bodies, plain or gzip-encoded (or claiming to be): never a 5xx, no
@@ -598,7 +600,7 @@ def test_fuzzed_upload_pack_requests(fleet: Fleet, pool: Pool, data: st.DataObje
         fleet, "dev-b", still)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(20, 150), deadline=None)
 @given(data=st.data())
 def test_foreign_ids_are_answered_like_missing_ones(fleet: Fleet, pool: Pool,
                                                     data: st.DataObject) -> None:
@@ -622,7 +624,7 @@ def test_foreign_ids_are_answered_like_missing_ones(fleet: Fleet, pool: Pool,
     assert answers[0] == answers[1]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(30, 150), deadline=None)
 @given(query=st.lists(st.tuples(st.sampled_from(["service", "service", "Service", "x", ""]),
                                 st.one_of(st.sampled_from(["git-upload-pack",
                                                            "git-receive-pack", "",

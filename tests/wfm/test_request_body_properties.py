@@ -46,6 +46,7 @@ from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 from kits.capskit import cluster_manifest
 from kits.capskit import example_capabilities as caps
+from kits.fuzzing import examples
 from kits.pkikit import make_self_signed
 from kits.serverkit import add_client, assert_matches_openapi, running_server
 from test_fleet_api import fleet_repository
@@ -60,9 +61,10 @@ CAPS_DEVICE = "k8s-single-amd64"  # the onboarded client's: its reports are muta
 LEGACY_DEVICE = "legacy-box-oct2024"
 CLUSTER_DEVICE = "cluster-fuzz"
 PROBLEM = "application/problem+json"
-#: Examples per endpoint; `MARGO_TEST_BODY_EXAMPLES=300` for a deeper run (still the same
-#: examples each time; `MARGO_TEST_BODY_SEED=<n>` for other ones).
-EXAMPLES = int(os.environ.get("MARGO_TEST_BODY_EXAMPLES", "15"))
+#: Examples per endpoint: 15, 150 in a deep run (`make fuzz`, tests/kits/fuzzing.py), or
+#: `MARGO_TEST_BODY_EXAMPLES=<n>` (still the same examples each time;
+#: `MARGO_TEST_BODY_SEED=<n>` for other ones).
+EXAMPLES = int(os.environ.get("MARGO_TEST_BODY_EXAMPLES", examples(15, 150)))
 SEED = os.environ.get("MARGO_TEST_BODY_SEED")
 
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=SEED is None,

@@ -7,7 +7,9 @@ device, and prints requests per second and p50/p99 latency for: capability repor
 manifest polls answered 304, durable status reports (over `--concurrency` shared
 connections, and again with every device on a connection of its own, offered at `--rate`
 reports per second in total: two reports per device), and Git no-change fetches; plus the
-bytes one no-change poll costs on each transport. The load generator is a minimal
+bytes one no-change poll costs on each transport. The server is started with
+`--max-connections` above `--devices` (`--devices 10000` needs an open-files limit of about
+10,100 in each process). The load generator is a minimal
 keep-alive HTTP/1.1 client on asyncio (so it costs the shared 2 cores less than a
 general-purpose client would).
 """
@@ -112,13 +114,19 @@ async def run_load(port: int, jobs: list[tuple[str, str, dict[str, str], bytes]]
     return latencies, time.perf_counter() - start
 
 
+#: The server closes a keep-alive connection idle this long (uvicorn's default, 5 s): a
+#: device whose next request comes later opens a new connection (its cost is in the latency).
+IDLE_CLOSE = 4.5
+
+
 async def open_loop(port: int, jobs: list[list[tuple[str, str, dict[str, str], bytes]]],
                     rate: float, expect: set[int]) -> tuple[list[float], float]:
     """Each device on a connection of its own (as real devices are), its requests sent
     one after another, the k-th request of the whole load due at k / `rate` seconds
     whether or not earlier ones were answered (open loop: a server that falls behind
     shows it as latency, not as a lower offered rate). Latency counts from when a request
-    was due."""
+    was due. With many devices a device's reports are more than the server's keep-alive
+    timeout apart; it then reconnects first, as a real device's HTTP client does."""
     connections = [await Connection.open(port) for _ in jobs]
     latencies: list[float] = []
     start = time.perf_counter() + 0.2
@@ -129,11 +137,16 @@ async def open_loop(port: int, jobs: list[list[tuple[str, str, dict[str, str], b
         due[d].append(when)
 
     async def device(d: int) -> None:
+        answered = time.perf_counter()
         for (method, path, headers, body), when in zip(jobs[d], sorted(due[d]), strict=True):
             delay = start + when - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if time.perf_counter() - answered >= IDLE_CLOSE:  # as an HTTP client's pool does
+                connections[d].close()
+                connections[d] = await Connection.open(port)
             status, _, payload, _ = await connections[d].request(method, path, headers, body)
+            answered = time.perf_counter()
             latencies.append(time.perf_counter() - (start + when))
             if status not in expect:
                 raise RuntimeError(f"{method} {path}: {status} {payload[:200]!r}")
@@ -258,7 +271,10 @@ def main() -> None:
         registry = ClientRegistry(db)
         tokens = [registry.add(f"device-{i:04d}")[1] for i in range(args.devices)]
         db.close()
-        with running_server(data, "--source", str(root / "fleet")) as base:
+        # One connection per device in the open-loop phase, besides the shared ones.
+        connections = max(8192, args.devices + args.concurrency + 16)
+        with running_server(data, "--source", str(root / "fleet"),
+                            "--max-connections", str(connections)) as base:
             port = int(base.rsplit(":", 1)[1])
             asyncio.run(scenario(port, tokens, args))
             try:

@@ -88,10 +88,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import device_ref
 from compiler.state import recorded_branch
+from wfm.desired import STATE_LOST_RETRY
 
 __all__ = [
     "BACKEND_GONE",
-    "LOST_RETRY_AFTER",
     "MAX_REQUEST_BYTES",
     "PROCESS_TIMEOUT",
     "REALM",
@@ -112,8 +112,6 @@ PROCESS_TIMEOUT = 300.0
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 #: The Basic-auth realm announced with 401 answers.
 REALM = "margo-gitops"
-#: Retry-After of the 503 for a lost branch (as the REST manifest's, `wfm.desired`).
-LOST_RETRY_AFTER = 60
 #: What writing to a Git backend that has exited raises: BrokenPipeError or
 #: ConnectionResetError with asyncio's own loop, RuntimeError ("the handler is closed")
 #: with uvloop, which the server runs on.
@@ -231,7 +229,7 @@ class _GitServer:
             # empty repository (`wfm.desired.StateLost` has why).
             why = await asyncio.to_thread(self.lost, device_id)
             if why is not None:
-                return _problem(503, why, headers={"Retry-After": str(LOST_RETRY_AFTER)})
+                return _problem(503, why, headers={"Retry-After": str(STATE_LOST_RETRY)})
             return _problem(404, f"device {device_id!r} has no desired state yet")
         protocol = _protocol_version(request.headers.get("git-protocol", ""))
         encoding = request.headers.get("content-encoding")

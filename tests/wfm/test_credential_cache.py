@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -58,14 +59,16 @@ def registry(tmp_path: Path) -> ClientRegistry:
     return ClientRegistry(SqliteDatabase(tmp_path / "wfm.sqlite"))
 
 
-def _cache(registry: ClientRegistry) -> CredentialCache:
+def _cache(registry: ClientRegistry,
+           lookup: Callable[[str], Awaitable[TokenLookup]] | None = None) -> CredentialCache:
+    """A cache over `registry`'s queries (`lookup` instead of its token lookup)."""
     async def epoch() -> int:
         return registry.credentials_epoch()
 
-    async def lookup(token: str) -> TokenLookup:
+    async def token_lookup(token: str) -> TokenLookup:
         return registry.token_lookup(token)
 
-    return CredentialCache(epoch, lookup)
+    return CredentialCache(epoch, lookup or token_lookup)
 
 
 def test_a_lookup_that_straddles_a_retirement_is_not_kept(
@@ -75,14 +78,15 @@ def test_a_lookup_that_straddles_a_retirement_is_not_kept(
     monkeypatch.setattr(credentialcache, "EPOCH_CHECK_SECONDS", 0.0)
     _, token = registry.add("edge-1")
     _, other = registry.add("edge-2")
-    cache = CredentialCache(lambda: _epoch(registry), lambda t: _straddling(t))
 
-    async def _straddling(t: str) -> TokenLookup:
+    async def straddling(t: str) -> TokenLookup:
         found = registry.token_lookup(t)
         if t == token and not found.client.retired:  # type: ignore[union-attr]
             registry.retire("edge-1")
             await cache.client(other)  # another request reads the moved epoch meanwhile
         return found
+
+    cache = _cache(registry, straddling)
 
     async def run() -> tuple[bool, bool]:
         first = await cache.client(token)  # in flight across the retirement: answered as read
@@ -91,10 +95,6 @@ def test_a_lookup_that_straddles_a_retirement_is_not_kept(
         return first.retired, second.retired
 
     assert asyncio.run(run()) == (False, True)
-
-
-async def _epoch(registry: ClientRegistry) -> int:
-    return registry.credentials_epoch()
 
 
 def test_an_access_token_is_forgotten_when_it_expires(registry: ClientRegistry,

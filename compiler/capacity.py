@@ -46,10 +46,11 @@ class DeviceCapacity:
         own scheduled pods were not counted (None: the device's own view will do)."""
         if self._body is None or not self._requests:
             return None
-        mine = self._requests.get(deployment_id(intent_name, self.device.id))
+        deployment = deployment_id(intent_name, self.device.id)
+        mine = self._requests.get(deployment)
         if not mine:
             return None
-        return with_workload_released(self.device.matching, self._body, mine)
+        return with_workload_released(self.device.matching, self._body, mine, deployment)
 
     def _unreflected(self, intent_name: str, demand: Demand) -> Demand:
         if not self._requests:

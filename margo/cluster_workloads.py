@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from margo.cluster import exact_binary, is_gpu_resource, placement_properties
+from margo.cluster import EXTENSION_KEY, exact_binary, is_gpu_resource, placement_properties
 from margo.constraints import Usage
 from margo.quantity import parse_quantity
 
@@ -75,32 +75,74 @@ def usage_of(requests: NodeRequests | None) -> Usage:
     return Usage(cores, memory, storage, gpus)
 
 
-def _add(available: dict[str, Any], requested: Mapping[str, Any]) -> None:
+def _shifted(amounts: dict[str, Any], requested: Mapping[str, Any], sign: int) -> None:
+    """`amounts` plus (sign 1) or minus (sign -1) `requested`, in the node resource shape;
+    never below zero."""
     for key, value in requested.items():
-        total = _amount(available.get(key, 0)) + _amount(value)
+        total = max(Decimal(0), _amount(amounts.get(key, 0)) + sign * _amount(value))
         if key == "cpu":
-            available[key] = int(total) if total == total.to_integral_value() else float(total)
+            amounts[key] = int(total) if total == total.to_integral_value() else float(total)
         elif key in ("memory", "ephemeralStorage"):
-            available[key] = exact_binary(total)
+            amounts[key] = exact_binary(total)
         else:
-            available[key] = int(total)
+            amounts[key] = int(total)
+
+
+def _release_node(node: dict[str, Any], mine: Mapping[str, Any] | None,
+                  deployment: str | None) -> None:
+    """One node as if the deployment's pods were not scheduled there: their requests back in
+    `available`, out of `requested`, and its entry gone from `workloads`."""
+    if mine:
+        if isinstance(node.get("available"), dict):
+            _shifted(node["available"], mine, 1)
+        if isinstance(node.get("requested"), dict):
+            _shifted(node["requested"], mine, -1)
+    workloads = node.get("workloads")
+    if deployment is not None and isinstance(workloads, list):
+        node["workloads"] = [w for w in workloads if not (
+            isinstance(w, Mapping) and w.get("deployment") == deployment)]
+
+
+def _released_resources(resources: Mapping[str, Any], requests: NodeRequests,
+                        deployment: str | None) -> dict[str, Any]:
+    """The `resources` section with the deployment's pods released from every node, and
+    from the per-GPU list (`gpus[].allocatedTo`)."""
+    out = copy.deepcopy(dict(resources))
+    nodes = out.get("nodes")
+    for node in nodes if isinstance(nodes, list) else ():
+        if isinstance(node, dict):
+            _release_node(node, requests.get(str(node.get("name"))), deployment)
+    gpus = out.get("gpus")
+    for gpu in gpus if isinstance(gpus, list) and deployment is not None else ():
+        if isinstance(gpu, dict) and gpu.get("allocatedTo") == deployment:
+            del gpu["allocatedTo"]
+    return out
 
 
 def with_workload_released(view: Mapping[str, Any], body: Mapping[str, Any],
-                           requests: NodeRequests) -> dict[str, Any]:
+                           requests: NodeRequests,
+                           deployment: str | None = None) -> dict[str, Any]:
     """The matching view as if one deployment's scheduled pods were not there: its requests
-    given back to the nodes that hold them, and the placement properties derived again.
+    given back to the nodes that hold them (`available` up, `requested` down, its
+    `workloads` entries and GPU holds gone when `deployment`, its id, is given), and
+    everything derived from the nodes worked out again: the placement properties (`cpus`,
+    `memory`, `storage`, GPU `peripherals`), the view's `resources` section, and the cluster
+    body under `x-margo-gitops-extensions.cluster` that cluster clauses and node-level
+    requirements read (`margo.constraints.pointers.cluster_of`).
 
     Why: a deployment that is running is checked again on every compile, against a report
     from which its own pods are already subtracted; it must see what it had before it ran,
-    or it would make itself ineligible (and be removed, and come back: a flapping fleet)."""
-    released = copy.deepcopy(dict(body))
-    for node in released.get("resources", {}).get("nodes", []):
-        mine = requests.get(str(node.get("name")))
-        if mine and isinstance(node.get("available"), dict):
-            _add(node["available"], mine)
+    in every clause, or it would make itself ineligible (and be removed, and come back: a
+    flapping fleet)."""
+    released = dict(body)
+    resources = body.get("resources")
+    if isinstance(resources, Mapping):
+        released["resources"] = _released_resources(resources, requests, deployment)
     out = dict(view)
     out.update(placement_properties(released))
     if "resources" in released and "resources" in out:
         out["resources"] = released["resources"]
+    extension = out.get(EXTENSION_KEY)
+    if isinstance(extension, Mapping):
+        out[EXTENSION_KEY] = {**extension, "cluster": released}
     return out

@@ -13,10 +13,17 @@ execute one action each and never decide again:
 | `deployed`, other package | `upgrade` |
 | `deployed`, other values | `reconfigure` |
 | `deployed`, same | `unchanged` |
+| `deployed`, same, drifted, policy `repair` | `repair`: apply the same component again |
+| `deployed`, same, drifted, policy `warn` | `unchanged` (the runner reports `DRIFTED`) |
 | `failed` | `upgrade` (apply again) |
 | `pending-install` (a first install that crashed) | `reinstall`: clear it, install |
 | `pending-upgrade` (a later operation that crashed) | `recover`: roll back, upgrade |
 | `unmanaged`, with the name one of our components needs | `skip`: never touched |
+
+Drift (`InstalledRelease.drift`: what the driver saw no longer matches what it applied) comes
+with the device's policy on the release (`InstalledRelease.repair`), so the plan stays a
+function of its inputs. A changed package or changed values win over drift: the upgrade or
+reconfigure applies everything anew, which repairs it too.
 
 Order of execution:
 1. deployments no longer desired are removed first (freeing resources for what follows),
@@ -51,6 +58,10 @@ class Action(StrEnum):
     UNCHANGED = "unchanged"
     #: The name is taken by something that is not ours: nothing is done (a failure).
     SKIP = "skip"
+    #: Found deployed as desired but drifted, and the policy is `repair`: apply the same
+    #: desired component again (render: rewrite its files; Compose: `up`; Helm: upgrade
+    #: onto the same chart and values).
+    REPAIR = "repair"
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,8 @@ def _compare(component: DesiredComponent, installed: InstalledRelease) -> tuple[
         return Action.UPGRADE, f"package changed (now {component.repository}:{component.revision})"
     if installed.values_digest != short_digest(component.values_digest):
         return Action.RECONFIGURE, "parameter values changed"
+    if installed.drift and installed.repair:
+        return Action.REPAIR, f"drifted: {installed.drift}"
     return Action.UNCHANGED, "up to date"
 
 

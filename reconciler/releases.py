@@ -6,6 +6,11 @@ Compose project labels, the render driver's ledger) and describe each as an
 labels are ours; the others are reported `UNMANAGED`, so the planner never installs one of
 our components over them and never removes them.
 
+Drift: what a driver applied is not always what is there now (a file edited, a container
+stopped, an object deleted by hand). A driver that sees it names it in `InstalledRelease.drift`
+(`with_drift`), and the device's drift policy (`DRIFT_POLICIES`, per driver default in
+`DEFAULT_DRIFT`) says whether the planner repairs it (`repair`) or it is only reported.
+
 Label values follow the Kubernetes label rules (at most 63 characters of
 `[A-Za-z0-9._-]`), because Helm stores release labels on its Secret records: digests are
 therefore stored as their first 40 hex digits (160 bits), plenty to notice a change.
@@ -13,16 +18,18 @@ therefore stored as their first 40 hex digits (160 bits), plenty to notice a cha
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["LABEL_COMPONENT", "LABEL_DEPLOYMENT", "LABEL_DESIRED", "LABEL_MANAGED_BY",
-           "LABEL_SPEC", "LABEL_VALUES", "MANAGER", "MAX_RELEASE_NAME", "InstalledRelease",
-           "ReleaseState", "ownership_labels", "release_from_labels", "release_name",
-           "short_digest", "unmanaged_release"]
+__all__ = ["DEFAULT_DRIFT", "DRIFT_POLICIES", "LABEL_COMPONENT", "LABEL_DEPLOYMENT",
+           "LABEL_DESIRED", "LABEL_MANAGED_BY", "LABEL_SPEC", "LABEL_VALUES", "MANAGER",
+           "MAX_RELEASE_NAME", "InstalledRelease", "ReleaseState", "ownership_labels",
+           "release_from_labels", "release_name", "short_digest", "unmanaged_release",
+           "with_drift"]
 
 LABEL_MANAGED_BY = "margo-gitops.dev/managed-by"
 LABEL_DEPLOYMENT = "margo-gitops.dev/deployment"
@@ -32,6 +39,16 @@ LABEL_SPEC = "margo-gitops.dev/spec-digest"
 LABEL_VALUES = "margo-gitops.dev/values-digest"
 MANAGER = "margo-gitops"
 MAX_RELEASE_NAME = 53  # Helm's limit (release names become label values with suffixes)
+
+#: What a driver does about drift: `off`, not checked; `warn`, reported (the component is
+#: `failed` with code `DRIFTED`, nothing is touched); `repair`, the planner applies the
+#: component again (`Action.REPAIR`) and the report says what was repaired.
+DRIFT_POLICIES = ("off", "warn", "repair")
+#: Each driver's policy when the configuration names none (docs/device.md, "Drift"): the
+#: render and Compose drivers own what they wrote and rewriting it is idempotent, so they
+#: heal as a GitOps agent would; a cluster is shared with people and controllers, and Helm
+#: keeps a revision per repair, so the Helm driver only reports.
+DEFAULT_DRIFT = {"helm": "warn", "render": "repair", "compose": "repair"}
 
 _UNSAFE = re.compile(r"[^a-z0-9-]+")
 
@@ -71,10 +88,10 @@ class ReleaseState(StrEnum):
     """What a driver found, in the few words the planner decides on (the engine's own
     status word stays in `InstalledRelease.detail`, for people)."""
 
-    #: Running as recorded.
+    #: Running as recorded (it may still have drifted: `InstalledRelease.drift`).
     DEPLOYED = "deployed"
-    #: The last operation failed, or the workload is not running as it should (a container
-    #: exited, a missing service, objects to repair).
+    #: The last operation failed, or the workload is not healthy (a container crashing or
+    #: failing its health check, an interrupted Compose `up`).
     FAILED = "failed"
     #: A first install that did not finish (the client crashed): nothing to go back to.
     PENDING_INSTALL = "pending-install"
@@ -100,9 +117,13 @@ class InstalledRelease:
     state: ReleaseState
     detail: str = ""  # the engine's status word, for messages ("deployed", "failed", ...)
     chart_version: str = ""
-    #: Objects of the release that are gone from the engine (deleted out of band), for
-    #: people; empty when nothing is missing or drift is not checked.
+    #: What no longer matches what the driver applied (objects deleted, files edited,
+    #: containers stopped out of band), one short sentence for people; empty when nothing
+    #: drifted or drift is not checked.
     drift: str = ""
+    #: The drift is to be repaired (the device's drift policy is `repair`): the planner
+    #: applies the component again instead of reporting it `DRIFTED`.
+    repair: bool = False
 
     @property
     def healthy(self) -> bool:
@@ -111,6 +132,18 @@ class InstalledRelease:
     @property
     def managed(self) -> bool:
         return self.state is not ReleaseState.UNMANAGED
+
+
+def with_drift(release: InstalledRelease, drift: str, policy: str) -> InstalledRelease:
+    """`release` as found drifted (`drift`, one sentence), marked for repair when `policy`
+    is `repair`. Drivers call this instead of changing the release's state: drift is not a
+    failed operation, and the planner alone decides what follows from it."""
+    if policy not in DRIFT_POLICIES:
+        raise ValueError(f"drift policy must be one of {', '.join(DRIFT_POLICIES)}, "
+                         f"not {policy!r}")
+    if not drift or policy == "off":
+        return release
+    return dataclasses.replace(release, drift=drift, repair=policy == "repair")
 
 
 def unmanaged_release(release_name: str, namespace: str, detail: str = "") -> InstalledRelease:

@@ -15,6 +15,8 @@ What one step does, exactly as the planner chose it (the driver never decides ag
   `install`, as Helm users do;
 - `recover` (a crashed later operation): `rollback` to the previous revision, then
   `upgrade`;
+- `repair` (deployed as desired, but objects went missing and the drift policy is
+  `repair`): `helm upgrade` onto the same chart and values, which creates them again;
 - `remove`: `helm uninstall`;
 - `skip` (the name is taken by a release that is not ours): refused, `INSTALL_FAILED`.
 The driver assumes it is the only writer of its releases (the spec gives a device a single
@@ -23,10 +25,10 @@ WFM client), so a pending release it meets is a crashed operation, not a live on
 Drift (`drift`): Helm's record says what it applied, not what is there now. With drift
 detection on (`warn`, the default, or `repair`), `installed()` checks that every object of
 each deployed release's manifest still exists (`reconciler.kubernetes.objects`). Missing
-objects are named in `InstalledRelease.drift`. With `warn` the release still counts as
-healthy, and the runner reports the component `failed` with code `DRIFTED` until someone
-puts the objects back. With `repair` the release counts as unhealthy, so the planner
-upgrades it onto the same chart and values, which creates the missing objects again.
+objects are named in `InstalledRelease.drift` (`reconciler.releases.with_drift`); the
+release stays `deployed`. With `warn` the runner reports the component `failed` with code
+`DRIFTED` until someone puts the objects back. With `repair` the release is marked for
+repair and the planner plans `repair`: an upgrade onto the same chart and values.
 
 A failed install or upgrade (a timeout, an object the API server refuses) leaves Helm's
 record `failed`. Kubernetes keeps the previous ReplicaSets serving while a new rollout
@@ -47,7 +49,6 @@ errors): only a new desired state can fix that.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -67,10 +68,13 @@ from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError,
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step
 from reconciler.releases import (
+    DEFAULT_DRIFT,
+    DRIFT_POLICIES,
     InstalledRelease,
     ReleaseState,
     ownership_labels,
     release_from_labels,
+    with_drift,
 )
 
 __all__ = ["DRIFT_MODES", "HelmDriver"]
@@ -81,8 +85,9 @@ log = logging.getLogger("margo.device.helm")
 _STATES = {"deployed": ReleaseState.DEPLOYED, "pending-install": ReleaseState.PENDING_INSTALL,
            "pending-upgrade": ReleaseState.PENDING_UPGRADE,
            "pending-rollback": ReleaseState.PENDING_UPGRADE}
-#: `off`: trust Helm's records; `warn`: report missing objects; `repair`: re-apply them.
-DRIFT_MODES = ("off", "warn", "repair")
+#: `off`: trust Helm's records; `warn`: report missing objects; `repair`: re-apply them
+#: (`reconciler.releases.DRIFT_POLICIES`, the same for every driver).
+DRIFT_MODES = DRIFT_POLICIES
 
 # Helm errors a retry cannot fix: the chart refuses the values, or does not render.
 _PERMANENT = (helm.HelmValuesError, helm.HelmRenderError, helm.HelmChartInvalidError,
@@ -128,7 +133,7 @@ class HelmDriver:
 
     def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
                  kube_context: str | None = None, storage_driver: str = "secret",
-                 drift: str = "warn", rollback_on_failure: bool = False) -> None:
+                 drift: str = DEFAULT_DRIFT["helm"], rollback_on_failure: bool = False) -> None:
         if drift not in DRIFT_MODES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_MODES)}, not {drift!r}")
         self.charts = charts
@@ -174,7 +179,7 @@ class HelmDriver:
         if action is Action.SKIP:
             raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
         if action not in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE, Action.REINSTALL,
-                          Action.RECOVER):
+                          Action.RECOVER, Action.REPAIR):
             raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {action!r}",
                              retryable=False)
         component = step.desired
@@ -264,11 +269,7 @@ class HelmDriver:
                              f"{release.release_name} for drift: {exc}") from exc
         if not gone:
             return release
-        drift = f"missing from the cluster: {', '.join(gone)}"
-        if self.drift == "repair":
-            return dataclasses.replace(release, drift=drift, state=ReleaseState.FAILED,
-                                       detail=f"drifted ({drift})")
-        return dataclasses.replace(release, drift=drift)
+        return with_drift(release, f"missing from the cluster: {', '.join(gone)}", self.drift)
 
     # --- steps -----------------------------------------------------------------------------
 

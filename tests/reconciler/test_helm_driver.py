@@ -392,9 +392,13 @@ def test_drift_is_reported_by_default_and_repaired_when_asked(
     repairing = HelmDriver(charts, kubeconfig=device_kubeconfig, drift="repair")
     try:
         [drifted] = repairing.installed()
-        assert (drifted.healthy, drifted.detail) == (
-            False, f"drifted (missing from the cluster: Deployment edge/{RELEASE})")
-        assert actions(converge(repairing, desired)) == ["upgrade:greeter"]
+        assert (drifted.healthy, drifted.repair, drifted.drift) == (
+            True, True, f"missing from the cluster: Deployment edge/{RELEASE}")
+        assert actions(converge(repairing, desired)) == ["repair:greeter"]
+        history = repairing.config("edge").history(RELEASE)  # an upgrade onto the same chart
+        assert [(h["revision"], h["status"]) for h in history] == [(1, "superseded"),
+                                                                     (2, "deployed")]
+        assert repairing.installed()[0].chart_version == "2.0.0"
         assert kube.admin.get("Deployment", RELEASE, "edge")["status"][
             "availableReplicas"] == 1
         assert repairing.installed()[0].drift == ""

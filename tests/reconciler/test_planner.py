@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from reconciler.releases import (
     release_name,
     short_digest,
     unmanaged_release,
+    with_drift,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -231,3 +233,30 @@ def test_plans_are_deterministic() -> None:
     first = plan([a, b], installed_from(a, skip=("frontend",)))
     second = plan([b, a], list(reversed(installed_from(a, skip=("frontend",)))))
     assert first == second
+
+
+def test_drift_is_repaired_only_when_the_policy_says_so() -> None:
+    desired = two()
+    database, frontend = installed_from(desired)
+    found = "edited: database/templates/configmap.yaml"
+    warned = replace(database, drift=found)
+    assert actions(plan([desired], [warned, frontend])) == [
+        ("unchanged", "database"), ("unchanged", "frontend")]
+    repairing = with_drift(database, found, "repair")
+    the_plan = plan([desired], [repairing, frontend])
+    assert actions(the_plan) == [("repair", "database"), ("unchanged", "frontend")]
+    step = the_plan.changes[0]
+    assert (step.reason, step.installed, step.desired) == (
+        f"drifted: {found}", repairing, desired.components[0])
+    assert with_drift(database, found, "warn") == warned
+    assert with_drift(database, found, "off") == database
+    with pytest.raises(ValueError, match="off, warn, repair"):
+        with_drift(database, found, "fix")
+
+
+def test_a_changed_package_or_values_wins_over_drift() -> None:
+    old = two()
+    drifted = [with_drift(r, "missing: Deployment shop/x", "repair") for r in installed_from(old)]
+    assert actions(plan([two(**{"revision: 1.0.0": "revision: 1.1.0",
+                                "value: Hi": "value: Hey"})], drifted)) == [
+        ("upgrade", "database"), ("reconfigure", "frontend")]

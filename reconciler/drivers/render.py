@@ -11,7 +11,9 @@ give identical files.
 The driver's record of what it installed is a ledger, `<output_dir>/.ledger.json`, playing
 the part of Helm's release records:
 - per release (key `<namespace>/<release>`): namespace, ownership labels, chart name and
-  version, a revision counter and a status;
+  version, a revision counter, a status, whether that render was an install, and the
+  `sha256:` digest of every file written (`files`; ledgers written before digests were
+  recorded lack it and are still read: their files are only checked once rewritten);
 - a release is written as `pending-install` / `pending-upgrade` *before* rendering and as
   `deployed` after the new directory is in place, so a crash in between is visible as an
   unhealthy release and the planner applies it again; a render failure leaves `failed`;
@@ -23,6 +25,15 @@ Directories are replaced by rendering into a temporary sibling, then renaming: t
 directory is always either the complete old render or the complete new one (or briefly
 absent, while the ledger still says pending).
 
+Drift: with the drift policy `warn` or `repair` (`drift`, the device's `driftDetection`;
+default `repair`), `installed()` compares each deployed release's directory with the
+ledger: a file edited, deleted or added, or the whole directory gone, is named in
+`InstalledRelease.drift`. `repair` (planned by the planner as `Action.REPAIR`) renders the
+same chart and values at the same revision again and replaces the directory, so the files
+are exactly what was written before (a chart using random or time functions gives new
+bytes, which the ledger then records). `off` trusts the ledger; only a missing directory
+is noticed, as an unhealthy release.
+
 Given an `OciClient`, the driver also "renders" Compose components: the package is pulled
 and verified like the Compose driver does, checked for safety, and its files written to the
 release directory with the parameters as `.env` - the project exactly as `docker compose`
@@ -32,7 +43,10 @@ would be given it. Simulated Compose devices use this; so can a hand-over to ano
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
+import os
 import re
 import shutil
 import threading
@@ -51,10 +65,13 @@ from reconciler.drivers.compose import env_file_text
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, Step
 from reconciler.releases import (
+    DEFAULT_DRIFT,
+    DRIFT_POLICIES,
     InstalledRelease,
     ReleaseState,
     ownership_labels,
     release_from_labels,
+    with_drift,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +89,8 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 _STATES = {"deployed": ReleaseState.DEPLOYED, "pending-install": ReleaseState.PENDING_INSTALL,
            "pending-upgrade": ReleaseState.PENDING_UPGRADE}
 _RELEASE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,51}[a-z0-9])?\Z")
+#: How many file names a drift sentence lists per kind of change.
+_NAMED = 3
 
 
 def _check_names(step: Step) -> None:
@@ -110,6 +129,59 @@ def _compose_files(package: Mapping[str, bytes], values: Mapping[str, Any]) -> d
     return dict(sorted(files.items()))
 
 
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _file_digests(files: Mapping[str, bytes]) -> dict[str, str]:
+    """What the ledger records of a render: each file's digest, by its relative path."""
+    return {name: _digest(data) for name, data in sorted(files.items())}
+
+
+def _on_disk(directory: Path) -> dict[str, str]:
+    """Every file under `directory` by relative path, with its digest. Anything that is not
+    a regular file (a link, a fifo) or cannot be read gets a marker no digest equals, so it
+    counts as changed; links are never followed."""
+    found: dict[str, str] = {}
+    for root, dirs, names in os.walk(directory):
+        base = Path(root)
+        for name in [*names, *(d for d in dirs if (base / d).is_symlink())]:
+            path = base / name
+            relative = path.relative_to(directory).as_posix()
+            if path.is_symlink() or not path.is_file():
+                found[relative] = "not a regular file"
+                continue
+            try:
+                found[relative] = _digest(path.read_bytes())
+            except OSError as exc:
+                found[relative] = f"unreadable ({exc.strerror or exc})"
+    return found
+
+
+def _names(paths: list[str]) -> str:
+    shown = ", ".join(paths[:_NAMED])
+    return shown + (f" and {len(paths) - _NAMED} more" if len(paths) > _NAMED else "")
+
+
+def _files_drift(recorded: Mapping[str, str], found: Mapping[str, str]) -> str:
+    """One sentence naming the files that differ from what the driver wrote ("" if none)."""
+    changes = (("edited", sorted(p for p in recorded if p in found and found[p] != recorded[p])),
+               ("deleted", sorted(set(recorded) - set(found))),
+               ("added", sorted(set(found) - set(recorded))))
+    parts = [f"{what} {_names(paths)}" for what, paths in changes if paths]
+    return f"rendered files changed: {'; '.join(parts)}" if parts else ""
+
+
+def _valid_entry(entry: Any) -> bool:
+    """A ledger entry the driver can use: an object whose `files`, when present, maps
+    relative paths to digests (entries of older ledgers have no `files`)."""
+    if not isinstance(entry, dict):
+        return False
+    files = entry.get("files", {})
+    return isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in files.items())
+
+
 class RenderDriver:
     """Renders Helm components into `output_dir` (see the module docstring).
 
@@ -119,8 +191,11 @@ class RenderDriver:
     name = "render"
 
     def __init__(self, output_dir: Path, charts: ChartCache, *,
-                 oci: OciClient | None = None) -> None:
+                 oci: OciClient | None = None, drift: str = DEFAULT_DRIFT["render"]) -> None:
+        if drift not in DRIFT_POLICIES:
+            raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.output_dir = Path(output_dir)
+        self.drift = drift
         self.charts = charts
         self.oci = oci
         self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
@@ -130,25 +205,21 @@ class RenderDriver:
     # --- Driver protocol -----------------------------------------------------------------
 
     def installed(self) -> list[InstalledRelease]:
-        """Our releases from the ledger; a ledger entry whose directory vanished is unhealthy
-        (so it is rendered again). Raises `ApplyError("ENGINE_UNAVAILABLE")` for a corrupt
-        ledger."""
+        """Our releases from the ledger, each deployed one checked against its directory
+        (`_checked`). Raises `ApplyError("ENGINE_UNAVAILABLE")` for a corrupt ledger."""
         with self._lock:
             releases = self._read_ledger()
-        out: list[InstalledRelease] = []
-        for key in sorted(releases):
-            entry = releases[key]
-            namespace, _, name = key.partition("/")
-            status = str(entry.get("status", ""))
-            state = _STATES.get(status, ReleaseState.FAILED)
-            if state is ReleaseState.DEPLOYED and not self._release_dir(namespace, name).is_dir():
-                state, status = ReleaseState.FAILED, "deployed (output directory missing)"
-            release = release_from_labels(
-                entry.get("labels") or {}, release_name=name, namespace=namespace,
-                state=state, detail=status,
-                chart_version=str((entry.get("chart") or {}).get("version", "")))
-            if release.managed:
-                out.append(release)
+            out: list[InstalledRelease] = []
+            for key in sorted(releases):
+                entry = releases[key]
+                namespace, _, name = key.partition("/")
+                status = str(entry.get("status", ""))
+                release = release_from_labels(
+                    entry.get("labels") or {}, release_name=name, namespace=namespace,
+                    state=_STATES.get(status, ReleaseState.FAILED), detail=status,
+                    chart_version=str((entry.get("chart") or {}).get("version", "")))
+                if release.managed:
+                    out.append(self._checked(release, entry) if release.healthy else release)
         return out
 
     def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
@@ -162,6 +233,8 @@ class RenderDriver:
             elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE,
                                  Action.REINSTALL, Action.RECOVER):
                 self._render(step, deployment)
+            elif step.action is Action.REPAIR:
+                self._repair(step, deployment)
             elif step.action is not Action.UNCHANGED:
                 raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                                  retryable=False)
@@ -172,24 +245,8 @@ class RenderDriver:
     # --- actions ---------------------------------------------------------------------------
 
     def _render(self, step: Step, deployment: DesiredDeployment | None) -> None:
-        component = step.desired
-        if component is None or deployment is None:
-            raise ApplyError(ErrorCode.INVALID_STEP,
-                             f"{step.action} of {step.release_name} needs the "
-                             "desired component and its deployment", retryable=False)
-        compose = deployment.profile_type == "compose"
-        if compose:
-            if self.oci is None:
-                raise ApplyError(ErrorCode.UNSUPPORTED_TYPE, "this render driver has no OCI client "
-                                 "for Compose packages", retryable=False)
-            package = validate_package(self.oci.fetch_artifact(component.repository,
-                                                               component.revision))
-            source = {"name": package.top_directory, "version": component.revision,
-                      "digest": package.digest}
-        else:
-            chart = self.charts.load(self.charts.fetch(component.repository,
-                                                       component.revision))
-            source = {"name": chart.name, "version": chart.version}
+        component, deployment = self._desired(step, deployment)
+        source, loaded = self._fetch(component, deployment)
         releases = self._read_ledger()
         key = f"{step.namespace}/{step.release_name}"
         previous = releases.get(key)
@@ -205,22 +262,72 @@ class RenderDriver:
         releases[key] = entry
         self._write_ledger(releases)
         try:
-            if compose:
-                files = _compose_files(package.files, component.values)
-            else:
-                rendered = chart.render(dict(component.values), name=step.release_name,
-                                        namespace=step.namespace, revision=revision,
-                                        is_install=first, is_upgrade=not first)
-                files = _manifest_files(rendered)
-        except (helm.HelmError, ApplyError, ValueError) as exc:
+            files = self._files(step, component, loaded, revision=revision, first=first)
+        except ApplyError:
             entry["status"] = "failed"
             self._write_ledger(releases)
-            if isinstance(exc, ApplyError):
-                raise
-            raise ApplyError(ErrorCode.RENDER_FAILED, str(exc), retryable=False) from exc
+            raise
         self._replace_dir(step.namespace, step.release_name, files)
-        entry["status"] = "deployed"
+        entry.update(status="deployed", install=first, files=_file_digests(files))
         self._write_ledger(releases)
+
+    def _repair(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Write a drifted release's files again: the same chart and values rendered at the
+        same revision, as an install or upgrade as the ledger recorded, so the bytes are
+        those written before. The ledger stays `deployed` throughout (the directory is
+        replaced atomically); a failure leaves it and the drifted files as they were."""
+        component, deployment = self._desired(step, deployment)
+        source, loaded = self._fetch(component, deployment)
+        releases = self._read_ledger()
+        entry = releases.get(f"{step.namespace}/{step.release_name}")
+        if entry is None or entry.get("status") != "deployed" or entry.get("chart") != source:
+            self._render(step, deployment)  # not what the plan saw: apply it afresh
+            return
+        revision = int(entry.get("revision", 1))
+        first = bool(entry.get("install", revision == 1))
+        files = self._files(step, component, loaded, revision=revision, first=first)
+        self._replace_dir(step.namespace, step.release_name, files)
+        entry.update(install=first, files=_file_digests(files))
+        self._write_ledger(releases)
+
+    @staticmethod
+    def _desired(step: Step, deployment: DesiredDeployment | None,
+                 ) -> tuple[DesiredComponent, DesiredDeployment]:
+        if step.desired is None or deployment is None:
+            raise ApplyError(ErrorCode.INVALID_STEP,
+                             f"{step.action} of {step.release_name} needs the "
+                             "desired component and its deployment", retryable=False)
+        return step.desired, deployment
+
+    def _fetch(self, component: DesiredComponent,
+               deployment: DesiredDeployment) -> tuple[dict[str, str], Any]:
+        """Pull and check the chart (or Compose package) before anything is written: the
+        ledger's description of it and the loaded chart or package."""
+        if deployment.profile_type != "compose":
+            chart = self.charts.load(self.charts.fetch(component.repository,
+                                                       component.revision))
+            return {"name": chart.name, "version": chart.version}, chart
+        if self.oci is None:
+            raise ApplyError(ErrorCode.UNSUPPORTED_TYPE, "this render driver has no OCI client "
+                             "for Compose packages", retryable=False)
+        package = validate_package(self.oci.fetch_artifact(component.repository,
+                                                           component.revision))
+        return {"name": package.top_directory, "version": component.revision,
+                "digest": package.digest}, package
+
+    @staticmethod
+    def _files(step: Step, component: DesiredComponent, loaded: Any, *, revision: int,
+               first: bool) -> dict[str, bytes]:
+        """The release's files; `RENDER_FAILED` (not retryable) when the chart refuses the
+        values or does not render."""
+        try:
+            if isinstance(loaded, helm.Chart):
+                return _manifest_files(loaded.render(
+                    dict(component.values), name=step.release_name, namespace=step.namespace,
+                    revision=revision, is_install=first, is_upgrade=not first))
+            return _compose_files(loaded.files, component.values)
+        except (helm.HelmError, ValueError) as exc:
+            raise ApplyError(ErrorCode.RENDER_FAILED, str(exc), retryable=False) from exc
 
     def _remove(self, step: Step) -> None:
         releases = self._read_ledger()
@@ -243,6 +350,26 @@ class RenderDriver:
                                 desired_digest=deployment.digest,
                                 spec_digest=component.spec_digest,
                                 values_digest=component.values_digest)
+
+    # --- drift -----------------------------------------------------------------------------
+
+    def _checked(self, release: InstalledRelease, entry: Mapping[str, Any]) -> InstalledRelease:
+        """A deployed release as its directory shows it. With drift checks off, only a
+        vanished directory is noticed (unhealthy: rendered again); otherwise any file that
+        differs from what the ledger recorded is drift, named for people."""
+        directory = self._release_dir(release.namespace, release.release_name)
+        if self.drift == "off":
+            if directory.is_dir():
+                return release
+            return dataclasses.replace(release, state=ReleaseState.FAILED,
+                                       detail="deployed (output directory missing)")
+        if not directory.is_dir():
+            drift = f"the rendered directory {release.namespace}/{release.release_name} " \
+                    "is missing"
+        else:
+            recorded = entry.get("files")
+            drift = "" if recorded is None else _files_drift(recorded, _on_disk(directory))
+        return with_drift(release, drift, self.drift)
 
     # --- files -----------------------------------------------------------------------------
 
@@ -287,7 +414,7 @@ class RenderDriver:
             document = json.loads(data)
             releases = document["releases"]
             if document.get("format") != _LEDGER_FORMAT or not isinstance(releases, dict) or \
-                    not all(isinstance(v, dict) and "/" in k for k, v in releases.items()):
+                    not all(_valid_entry(v) and "/" in k for k, v in releases.items()):
                 raise ValueError("unexpected structure")
         except (ValueError, TypeError, KeyError) as exc:
             raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE,

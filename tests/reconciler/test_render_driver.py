@@ -33,6 +33,11 @@ def repository(registry: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     publish_chart(registry, write_chart(src, version="1.0.0", deployment=True),
                   repo_path="render")
     publish_chart(registry, write_chart(src, version="2.0.0"), repo_path="render")
+    # 4.0.0 writes what Helm tells a template about the render (repairs must not change it).
+    release = write_chart(src, version="4.0.0")
+    (release / "templates" / "release.yaml").write_text(
+        "revision: {{ .Release.Revision }}\ninstall: {{ .Release.IsInstall }}\n")
+    publish_chart(registry, release, repo_path="render")
     return publish_chart(registry, write_chart(src, version="3.0.0", broken=True),
                          repo_path="render")
 
@@ -150,22 +155,32 @@ def test_a_crash_mid_render_is_unhealthy_and_applied_again(driver: RenderDriver,
     assert ledger(driver)[f"edge/{RELEASE}"]["revision"] == 2
 
 
-def test_a_vanished_output_directory_is_rendered_again(driver: RenderDriver,
-                                                       repository: str) -> None:
+@pytest.mark.parametrize(("policy", "action"), [("repair", "repair:greeter"),
+                                                 ("off", "upgrade:greeter")])
+def test_a_vanished_output_directory_is_rendered_again(tmp_path: Path, charts: ChartCache,
+                                                       repository: str, policy: str,
+                                                       action: str) -> None:
+    driver = RenderDriver(tmp_path / "out", charts, drift=policy)
     desired = greeter(repository, "2.0.0")
     converge(driver, [desired])
     before = release_files(driver)
     for file in sorted((driver.output_dir / "edge").rglob("*"), reverse=True):
         file.unlink() if file.is_file() else file.rmdir()
     [installed] = driver.installed()
-    assert not installed.healthy
-    assert installed.detail == "deployed (output directory missing)"
-    assert actions(converge(driver, [desired])) == ["upgrade:greeter"]
+    if policy == "off":  # drift unchecked: the ledger's release is unhealthy, as before
+        assert (installed.healthy, installed.detail) == (False,
+                                                         "deployed (output directory missing)")
+    else:
+        assert (installed.healthy, installed.repair, installed.drift) == (
+            True, True, f"the rendered directory edge/{RELEASE} is missing")
+    assert actions(converge(driver, [desired])) == [action]
     assert release_files(driver) == before
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[]", b'{"format": 1}',
                                      b'{"format": 1, "releases": {"no-slash": {}}}',
+                                     b'{"format": 1, "releases": {"a/b": {"files": []}}}',
+                                     b'{"format": 1, "releases": {"a/b": {"files": {"x": 1}}}}',
                                      b'{"format": 99, "releases": {}}'])
 def test_a_corrupt_ledger_is_an_error_not_an_empty_device(driver: RenderDriver,
                                                           repository: str,
@@ -255,3 +270,80 @@ def test_names_that_would_escape_the_output_directory_are_refused(driver: Render
         with pytest.raises(ApplyError) as caught:
             driver.apply(step, None)
         assert caught.value.code == "INVALID_STEP"
+
+
+def tamper(driver: RenderDriver) -> None:
+    """What a person with a shell does to a release's directory: one file edited, one
+    deleted, one added."""
+    directory = driver.output_dir / "edge" / RELEASE / "greeter" / "templates"
+    configmap = directory / "configmap.yaml"
+    configmap.write_text(configmap.read_text().replace("Hello", "Hacked"))
+    (directory / "deployment.yaml").unlink()
+    (directory / "extra.yaml").write_text("kind: Secret\n")
+
+
+DRIFT = ("rendered files changed: edited greeter/templates/configmap.yaml; deleted "
+         "greeter/templates/deployment.yaml; added greeter/templates/extra.yaml")
+
+
+def test_edited_deleted_and_added_files_are_drift_repaired_byte_for_byte(
+        driver: RenderDriver, repository: str) -> None:
+    desired = greeter(repository, "1.0.0", greeting="Hello")
+    converge(driver, [desired])
+    before, entry = release_files(driver), ledger(driver)[f"edge/{RELEASE}"]
+    assert sorted(entry["files"]) == sorted(before)  # the ledger records what it wrote
+    assert driver.installed()[0].drift == ""
+    tamper(driver)
+    [drifted] = driver.installed()
+    assert (drifted.healthy, drifted.repair, drifted.drift) == (True, True, DRIFT)
+    the_plan = converge(driver, [desired])
+    assert [(s.action, s.reason) for s in the_plan.changes] == [
+        (Action.REPAIR, f"drifted: {DRIFT}")]
+    assert release_files(driver) == before
+    assert ledger(driver)[f"edge/{RELEASE}"] == entry  # same revision, same digests
+    assert driver.installed()[0].drift == ""
+    assert actions(converge(driver, [desired])) == []
+
+
+def test_a_repair_renders_the_same_revision_as_the_same_kind_of_operation(
+        driver: RenderDriver, repository: str) -> None:
+    converge(driver, [greeter(repository, "4.0.0", greeting="Hello")])
+    desired = greeter(repository, "4.0.0", greeting="Servus")
+    converge(driver, [desired])
+    written = driver.output_dir / "edge" / RELEASE / "greeter" / "templates" / "release.yaml"
+    assert written.read_text() == "revision: 2\ninstall: false\n"
+    written.unlink()
+    assert actions(converge(driver, [desired])) == ["repair:greeter"]
+    assert written.read_text() == "revision: 2\ninstall: false\n"
+    assert ledger(driver)[f"edge/{RELEASE}"]["revision"] == 2
+
+
+def test_with_warn_drift_is_reported_and_nothing_is_rewritten(
+        tmp_path: Path, charts: ChartCache, repository: str) -> None:
+    driver = RenderDriver(tmp_path / "out", charts, drift="warn")
+    desired = greeter(repository, "1.0.0")
+    converge(driver, [desired])
+    tamper(driver)
+    tampered = release_files(driver)
+    [drifted] = driver.installed()
+    assert (drifted.healthy, drifted.repair, drifted.drift) == (True, False, DRIFT)
+    assert actions(converge(driver, [desired])) == []
+    assert release_files(driver) == tampered
+
+
+def test_a_ledger_from_before_digests_is_read_and_gets_them_on_the_next_render(
+        driver: RenderDriver, repository: str) -> None:
+    converge(driver, [greeter(repository, "2.0.0")])
+    path = driver.output_dir / LEDGER_NAME
+    document = json.loads(path.read_text())
+    for entry in document["releases"].values():
+        del entry["files"], entry["install"]
+    path.write_text(json.dumps(document))
+    (driver.output_dir / "edge" / RELEASE / "greeter" / "templates" / "extra.yaml").write_text(
+        "kind: Secret\n")
+    [installed] = driver.installed()
+    assert (installed.healthy, installed.drift) == (True, "")  # nothing recorded to compare
+    desired = greeter(repository, "2.0.0", greeting="Servus")
+    assert actions(converge(driver, [desired])) == ["reconfigure:greeter"]
+    assert sorted(ledger(driver)[f"edge/{RELEASE}"]["files"]) == [
+        "greeter/templates/configmap.yaml"]

@@ -19,8 +19,21 @@ Install, upgrade and reconfigure:
    .env>] --env-file margo.env pull --policy missing --quiet`: images not yet on the engine
    are pulled first, so a registry that refuses us is `PULL_FAILED` naming the registry,
    and an offline device with its images still reconfigures;
-5. the same `... up -d --remove-orphans [--wait --wait-timeout <s>]`, then delete package
+5. stop the project's paused containers (`up` refuses to start a paused one, and an
+   unpaused one keeps the failing health state it got while frozen), then the
+   same `... up -d --remove-orphans [--wait --wait-timeout <s>]`; `repair` (drift under the
+   `repair` policy) is exactly this too: `up` starts what was stopped, recreates what was
+   removed or changed;
+6. write what was applied (`compose_drift`: labels, config-hashes, which services keep
+   running; deleted before `up`, so only a successful one leaves it), then delete package
    directories of earlier revisions.
+
+Drift (`drift`, the device's `driftDetection`, default `repair`): with `warn` or `repair`,
+`installed()` judges each project against what was applied (`compose_drift`): containers
+stopped, paused, removed or recreated from another configuration out of band are named in
+`InstalledRelease.drift`. With `off`, every project is judged by its containers' health
+alone, as it was before drift checks existed (an exited or missing container is a failure,
+applied again).
 
 Registry credentials (`reconciler.registry_credentials`) reach the engine through a
 per-call `DOCKER_CONFIG`: a fresh 0700 folder with a 0600 `config.json`, removed as soon
@@ -65,6 +78,14 @@ from margo.component_values import env_string
 from margo.files import write_atomically
 from reconciler.compose_package import COMPOSE_FILE, restore_extracted, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.drivers.compose_drift import (
+    APPLIED_FILE,
+    Applied,
+    applied_record,
+    read_applied,
+    releases_with_drift,
+    write_applied,
+)
 from reconciler.drivers.compose_engine import (
     LABEL_PROJECT,
     LABEL_SERVICES,
@@ -83,7 +104,14 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Step
 from reconciler.registry_credentials import RegistryCredential, private_docker_config
-from reconciler.releases import LABEL_MANAGED_BY, MANAGER, InstalledRelease, ownership_labels
+from reconciler.releases import (
+    DEFAULT_DRIFT,
+    DRIFT_POLICIES,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    InstalledRelease,
+    ownership_labels,
+)
 
 __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container",
            "ProjectFiles", "compose_commands", "container_healthy", "detect_compose_command",
@@ -98,13 +126,27 @@ _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PACKAGE_DIR = re.compile(r"[0-9a-f]{64}")
 _PARTIAL_DIR = re.compile(r"\.[0-9a-f]{64}\.partial-[0-9a-f]+")
 _FAILURE_CODES = {Action.INSTALL: ErrorCode.INSTALL_FAILED,
+                  Action.REINSTALL: ErrorCode.INSTALL_FAILED,
                   Action.UPGRADE: ErrorCode.UPGRADE_FAILED,
                   Action.RECONFIGURE: ErrorCode.UPGRADE_FAILED,
+                  Action.RECOVER: ErrorCode.UPGRADE_FAILED,
+                  Action.REPAIR: ErrorCode.UPGRADE_FAILED,
                   Action.REMOVE: ErrorCode.UNINSTALL_FAILED}
 _LOG_LINES = 20
 
 
 # --------------------------------------------------------------------------- files
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A step's project, ready for `up`: its files, the images the package names (for
+    messages), and what the record of a successful `up` needs."""
+
+    files: ProjectFiles
+    images: list[str]
+    labels: dict[str, str]
+    compose: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -225,8 +267,12 @@ class ComposeDriver:
                  compose: str = "auto", docker_host: str | None = None,
                  credentials: Sequence[RegistryCredential] = (),
                  env: Mapping[str, str] | None = None, grace_seconds: float = 30.0,
-                 command_timeout: float = 120.0) -> None:
+                 command_timeout: float = 120.0, drift: str = DEFAULT_DRIFT["compose"]) -> None:
+        if drift not in DRIFT_POLICIES:
+            raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.work_dir = Path(work_dir)
+        self.drift = drift
+        self._unreadable: set[Path] = set()  # records already warned about
         self._oci = oci
         self._docker = docker
         self._choice = compose
@@ -250,10 +296,32 @@ class ComposeDriver:
         result = self._docker_run(["ps", "-a", "--no-trunc", "--filter", f"label={LABEL_PROJECT}",
                                    "--format", PS_FORMAT], unavailable="docker ps failed")
         try:
-            return releases_from_ps(parse_ps_output(result.stdout))
+            containers = parse_ps_output(result.stdout)
         except ValueError as exc:
             raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE,
                              f"cannot read docker ps output: {exc}") from exc
+        if self.drift == "off":
+            return releases_from_ps(containers)
+        return releases_with_drift(containers, self._records(), self.drift)
+
+    def _records(self) -> dict[str, Applied]:
+        """What was applied to each project (`compose_drift`). An unreadable record is said
+        once in the log and left out: that project is judged by its containers' health
+        until its next successful `up` writes the record again."""
+        records: dict[str, Applied] = {}
+        for path in sorted(self.work_dir.glob(f"*/{APPLIED_FILE}")):
+            try:
+                record = read_applied(path)
+            except (OSError, ValueError) as exc:
+                if path not in self._unreadable:
+                    self._unreadable.add(path)
+                    log.warning("ignoring %s: %s; the project's drift is not checked until "
+                                "its next successful apply", path, exc)
+                continue
+            self._unreadable.discard(path)
+            if record is not None:
+                records[path.parent.name] = record
+        return records
 
     def containers(self, project: str) -> list[Container]:
         """Every container of one of our projects, as the engine lists it."""
@@ -278,16 +346,41 @@ class ComposeDriver:
             raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
         if deployment is None or step.desired is None:
             raise ValueError(f"{step.action} of {step.release_name} needs its deployment")
-        files, images = self._prepare(step, deployment, step.desired)
+        prepared = self._prepare(step, deployment, step.desired)
+        files = prepared.files
         pull, up = compose_commands(step, compose=self._compose_command(), files=files)
-        self._pull(pull, step, images)
+        self._pull(pull, step, prepared.images)
+        (files.project_dir / APPLIED_FILE).unlink(missing_ok=True)  # only a good `up` writes it
+        self._stop_paused(step)
         self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace)
+        self._record(step, prepared)
         self._prune(files)
 
+    def _stop_paused(self, step: Step) -> None:
+        """Stop the project's paused containers, so that `up` starts them afresh: it refuses
+        to start a paused container, and one merely unpaused keeps the health state it got
+        while frozen (unhealthy), which `up --wait` takes for a failure."""
+        paused = [c.id for c in self.containers(step.release_name) if c.state == "paused"]
+        if paused:
+            self._docker_run(["stop", *paused], unavailable=f"{step.action} of "
+                             f"{step.release_name}: stopping its paused containers failed")
+
+    def _record(self, step: Step, prepared: _Prepared) -> None:
+        """Write what this successful `up` left (`compose_drift`). If the engine cannot be
+        read just now, the step still succeeded: the project's drift is then not checked
+        until its next apply."""
+        try:
+            containers = self.containers(step.release_name)
+        except ApplyError as exc:
+            log.warning("%s: cannot record what was applied (%s); its drift is not checked "
+                        "until its next apply", step.release_name, exc.message)
+            return
+        write_applied(prepared.files.project_dir / APPLIED_FILE,
+                      applied_record(containers, prepared.labels, prepared.compose))
+
     def _prepare(self, step: Step, deployment: DesiredDeployment,
-                 component: DesiredComponent) -> tuple[ProjectFiles, list[str]]:
-        """Pull, verify, validate, extract (once per archive) and write our two files; the
-        files and the images the package names (for messages)."""
+                 component: DesiredComponent) -> _Prepared:
+        """Pull, verify, validate, extract (once per archive) and write our two files."""
         artifact = self._oci.pull(component.repository, component.revision)
         package = validate_package(artifact.data)
         files = project_files(self.work_dir, step.release_name, package.digest,
@@ -313,7 +406,7 @@ class ComposeDriver:
         images = sorted({str(service.get("image")) for service in
                          package.compose["services"].values()
                          if isinstance(service, dict) and service.get("image")})
-        return files, images
+        return _Prepared(files, images, labels, package.compose)
 
     def _remove(self, step: Step) -> None:
         for argv in compose_commands(step, compose=self._compose_command()):

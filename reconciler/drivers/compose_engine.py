@@ -15,7 +15,9 @@ and every service the package declares has a container (our services label lists
 so a container removed out of band is noticed). Anything else (exited non-zero, dead,
 restarting, paused, created, a missing service, containers that disagree about the
 ownership labels after an interrupted upgrade) makes it unhealthy, and the planner
-applies it again.
+applies it again. With a record of what the driver applied (`compose_drift`), containers
+stopped, paused, removed or recreated out of band are drift instead (`project_release`'s
+`judged`), and only the rest is judged by health.
 """
 
 from __future__ import annotations
@@ -45,17 +47,20 @@ from reconciler.releases import (
     release_from_labels,
 )
 
-__all__ = ["LABEL_PROJECT", "LABEL_SERVICE", "LABEL_SERVICES", "PLUGIN_DIRS", "PS_FORMAT",
-           "Container", "container_healthy", "describe", "detect_compose_command",
-           "parse_ps_output", "plugin_path", "releases_from_ps", "run_cli", "tail"]
+__all__ = ["LABEL_CONFIG_HASH", "LABEL_PROJECT", "LABEL_SERVICE", "LABEL_SERVICES",
+           "PLUGIN_DIRS", "PS_FORMAT", "Container", "by_project", "container_healthy",
+           "describe", "detect_compose_command", "ownership_of", "parse_ps_output",
+           "plugin_path", "project_release", "releases_from_ps", "run_cli", "tail"]
 
 LABEL_PROJECT = "com.docker.compose.project"
 LABEL_SERVICE = "com.docker.compose.service"
+#: Compose's digest of the service configuration a container was created from.
+LABEL_CONFIG_HASH = "com.docker.compose.config-hash"
 #: Ours, on every container of a project: the package's services, sorted, comma-joined.
 LABEL_SERVICES = "margo-gitops.dev/services"
 _OWNERSHIP = (LABEL_MANAGED_BY, LABEL_DEPLOYMENT, LABEL_COMPONENT, LABEL_DESIRED, LABEL_SPEC,
               LABEL_VALUES)
-_READ_LABELS = (*_OWNERSHIP, LABEL_PROJECT, LABEL_SERVICE, LABEL_SERVICES)
+_READ_LABELS = (*_OWNERSHIP, LABEL_PROJECT, LABEL_SERVICE, LABEL_SERVICES, LABEL_CONFIG_HASH)
 #: `docker ps --format`: one JSON object per container, labels read one by one.
 PS_FORMAT = ('{"id":{{json .ID}},"names":{{json .Names}},"state":{{json .State}},'
              '"status":{{json .Status}},"labels":{'
@@ -204,11 +209,22 @@ def _missing_services(containers: list[Container]) -> list[str]:
     return sorted(declared - present)
 
 
-def _project_release(project: str, containers: list[Container]) -> InstalledRelease:
+def ownership_of(container: Container) -> dict[str, str]:
+    """The ownership labels a container carries ("" for a missing one)."""
+    return {label: container.labels.get(label, "") for label in _OWNERSHIP}
+
+
+def project_release(project: str, containers: list[Container], *,
+                    judged: tuple[str, set[str]] | None = None) -> InstalledRelease:
+    """One project's release from its containers. `judged` is the drift already found
+    against the driver's record (a sentence, and the ids of the containers it names): those
+    containers and missing services are drift, not failures. A project with failures is
+    `failed` whatever drifted (applying it again repairs both)."""
     ordered = sorted(containers, key=lambda c: c.name)
-    ownership = {tuple(c.labels.get(label, "") for label in _OWNERSHIP) for c in ordered}
-    failing = [c for c in ordered if not container_healthy(c)]
-    missing = _missing_services(ordered)
+    drift, drifted = judged if judged is not None else ("", set())
+    ownership = {tuple(ownership_of(c).values()) for c in ordered}
+    failing = [c for c in ordered if c.id not in drifted and not container_healthy(c)]
+    missing = _missing_services(ordered) if judged is None else []
     if len(ownership) > 1:
         state, detail = ReleaseState.FAILED, "containers carry different ownership labels"
     elif failing or missing:
@@ -217,17 +233,22 @@ def _project_release(project: str, containers: list[Container]) -> InstalledRele
                            + [f"service {s} has no container" for s in missing])
     else:
         state = ReleaseState.DEPLOYED
-        detail = f"running ({len(ordered)} container{'s' if len(ordered) != 1 else ''})"
+        detail = drift or f"running ({len(ordered)} container{'s' if len(ordered) != 1 else ''})"
     found = [release_from_labels(c.labels, release_name=project, namespace="", state=state,
                                  detail=detail) for c in ordered]
     return next((r for r in found if r.managed), found[0])
 
 
+def by_project(containers: Iterable[Container]) -> dict[str, list[Container]]:
+    """Containers grouped by their Compose project, projects sorted by name."""
+    grouped: dict[str, list[Container]] = defaultdict(list)
+    for container in containers:
+        if LABEL_PROJECT in container.labels:
+            grouped[container.labels[LABEL_PROJECT]].append(container)
+    return dict(sorted(grouped.items()))
+
+
 def releases_from_ps(containers: Iterable[Container]) -> list[InstalledRelease]:
     """One release per Compose project: ours (its containers carry our labels) or
     `UNMANAGED` (a project someone else started, which is never touched)."""
-    by_project: dict[str, list[Container]] = defaultdict(list)
-    for container in containers:
-        if LABEL_PROJECT in container.labels:
-            by_project[container.labels[LABEL_PROJECT]].append(container)
-    return [_project_release(p, cs) for p, cs in sorted(by_project.items())]
+    return [project_release(p, cs) for p, cs in by_project(containers).items()]

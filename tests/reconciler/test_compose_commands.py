@@ -25,7 +25,15 @@ from reconciler.drivers.compose import (
     project_files,
     releases_from_ps,
 )
-from reconciler.drivers.compose_engine import LABEL_SERVICES
+from reconciler.drivers.compose_drift import (
+    applied_record,
+    one_shot_services,
+    project_drift,
+    read_applied,
+    releases_with_drift,
+    write_applied,
+)
+from reconciler.drivers.compose_engine import LABEL_CONFIG_HASH, LABEL_SERVICES
 from reconciler.planner import Action, Step
 from reconciler.releases import (
     LABEL_COMPONENT,
@@ -191,3 +199,66 @@ def test_project_files_layout() -> None:
         override_file=Path("/w/p/margo-override.yaml"), env_file=Path("/w/p/margo.env"))
     assert Container("i", "n", "running", "Up", {}).exit_code is None
     assert Container("i", "n", "exited", "Exited (2) 1 second ago", {}).exit_code == 2
+
+
+def container(service: str, state: str = "running", status: str = "Up (healthy)", *,
+              digest: str = "h1") -> Container:
+    return Container(f"id-{service}", f"p1-{service}-1", state, status, {
+        **OURS, "com.docker.compose.service": service, LABEL_CONFIG_HASH: digest})
+
+
+COMPOSE = {"services": {
+    "web": {"image": "w"}, "worker": {"image": "w", "restart": "unless-stopped"},
+    "plain": {"image": "w"}, "job": {"image": "w"},
+    "app": {"image": "w", "depends_on": {"job": {"condition": "service_completed_successfully"},
+                                         "web": {"condition": "service_started"}}}}}
+
+
+def test_the_record_of_an_up_says_which_services_keep_running(tmp_path: Path) -> None:
+    assert one_shot_services(COMPOSE) == {"job"}
+    up = [container("web"), container("worker", status="Up 2 seconds"),
+          container("plain", status="Up 2 seconds"), container("app", status="Up (healthy)"),
+          container("job", "exited", "Exited (0) 1 second ago", digest="h2")]
+    applied = applied_record(up, OURS, COMPOSE)
+    assert applied.keeps_running == {"web", "worker", "app"}  # health-checked or restarted
+    assert applied.hashes == {"app": "h1", "job": "h2", "plain": "h1", "web": "h1",
+                              "worker": "h1"}
+    write_applied(tmp_path / "r.json", applied)
+    assert read_applied(tmp_path / "r.json") == applied
+    assert read_applied(tmp_path / "none.json") is None
+    (tmp_path / "bad.json").write_text('{"format": 1, "labels": {}, "services": {"x": 1}}')
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        read_applied(tmp_path / "bad.json")
+
+
+#: A project as its `up` left it: web health-checked, plain without a health check, a job.
+AFTER_UP = {"web": container("web"), "plain": container("plain", status="Up 2 seconds"),
+            "job": container("job", "exited", "Exited (0) 1 second ago", digest="h2")}
+
+
+@pytest.mark.parametrize(("found", "drift"), [
+    (container("web", "exited", "Exited (0) 1 second ago"),
+     "p1-web-1 was stopped (exited with code 0)"),
+    (container("plain", "exited", "Exited (143) 1 second ago"),
+     "p1-plain-1 was stopped (exited with code 143)"),
+    (container("web", "paused", "Up (Paused)"), "p1-web-1 was paused"),
+    (container("web", digest="other"), "p1-web-1 was recreated from another configuration"),
+    (container("plain", "exited", "Exited (0) 1 second ago"), ""),  # its work is done
+    (container("plain", "exited", "Exited (3) 1 second ago"), ""),  # crashed: a failure
+])
+def test_what_counts_as_drift(found: Container, drift: str) -> None:
+    applied = applied_record(AFTER_UP.values(), OURS, COMPOSE)
+    now = [*(c for c in AFTER_UP.values() if c.name != found.name), found]
+    sentence, drifted = project_drift(now, applied)
+    assert (sentence, drifted) == (drift, {found.id} if drift else set())
+    [release] = releases_with_drift(now, {"p1": applied}, "repair")
+    assert (release.drift, release.repair) == (drift, bool(drift))
+    assert release.healthy is (found.exit_code != 3)
+
+
+def test_a_recorded_project_without_containers_is_listed_as_drifted() -> None:
+    applied = applied_record([container("web")], OURS, COMPOSE)
+    [release] = releases_with_drift([], {"p1": applied}, "warn")
+    assert (release.release_name, release.component, release.healthy) == ("p1", "c1", True)
+    assert (release.drift, release.repair) == ("every container of the project is gone", False)
+    assert releases_with_drift([], {"p1": applied.__class__({}, {}, frozenset())}, "warn") == []

@@ -4,8 +4,9 @@ engine from the real registry, packages pulled by our OCI client from the same r
 
 What is asserted is what the engine did: containers created with our labels and the
 parameters in their environment, replaced on an upgrade, health checks waited for, a
-crash's own log lines in the error, containers killed or removed out of band noticed and
-replaced, foreign projects untouched, and registry credentials used without a trace.
+crash's own log lines in the error, containers killed, stopped, paused, removed or
+recreated out of band found as drift and repaired (or only reported), foreign projects
+untouched, and registry credentials used without a trace.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kits.registrykit import running_registry
 
 from reconciler.desired import DesiredDeployment
 from reconciler.drivers.compose import ENV_FILE, OVERRIDE_FILE, ComposeDriver, project_files
+from reconciler.drivers.compose_drift import APPLIED_FILE
 from reconciler.drivers.compose_engine import LABEL_SERVICES, detect_compose_command
 from reconciler.errors import ApplyError
 from reconciler.oci import OciClient
@@ -157,7 +159,7 @@ def test_install_reconfigure_upgrade_and_remove(engine: DockerEngine, test_image
                        "http://127.0.0.1:8080/") == "web 2.0\n"
     new_digest = oci.pull(repository, "1.1.0").layer.digest
     assert sorted(p.name for p in (work / PROJECT).iterdir()) == sorted(
-        [new_digest.partition(":")[2], ENV_FILE, OVERRIDE_FILE])
+        [new_digest.partition(":")[2], ENV_FILE, OVERRIDE_FILE, APPLIED_FILE])
 
     # Remove: the deployment is no longer desired.
     assert actions(converge(driver)) == ["remove"]
@@ -221,27 +223,114 @@ def test_without_wait_a_crashing_container_shows_up_as_unhealthy(
     assert release.healthy is False
 
 
-@pytest.mark.parametrize("how", ["kill", "rm"])
-def test_a_container_stopped_or_removed_out_of_band_is_noticed_and_replaced(
-        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
-        repository: str, how: str) -> None:
+OUT_OF_BAND = {  # what a person does to a container, and the drift it is found as
+    "kill": (("kill",), "worker", "{name} was stopped (exited with code 137)"),
+    "stop": (("stop", "-t", "5"), "web", "{name} was stopped (exited with code 0)"),
+    "pause": (("pause",), "web", "{name} was paused"),
+    "rm": (("rm", "-f"), "worker", "service worker has no container"),
+}
+
+
+def two_services(oci: OciClient, repository: str, test_images: ImageSet) -> DesiredDeployment:
+    """A web service (health-checked: it keeps running) and a quiet worker, installed."""
     compose_package(oci, repository, "1.0.0", {
         "web": web_service(test_images.web_1),
         "worker": {"image": test_images.web_1, "command": worker_command()}})
-    converge(driver, deployment(repository))
-    victim = containers(engine)["worker"]
-    if how == "kill":
-        engine.run("kill", victim)
-        expected = f"{victim} exited with code 137"
-    else:
-        engine.run("rm", "-f", victim)
-        expected = "service worker has no container"
+    return deployment(repository)
+
+
+@pytest.mark.parametrize("how", sorted(OUT_OF_BAND))
+def test_containers_stopped_paused_or_removed_out_of_band_are_drift_and_repaired(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
+        repository: str, how: str) -> None:
+    desired = two_services(oci, repository, test_images)
+    converge(driver, desired)
+    command, service, sentence = OUT_OF_BAND[how]
+    victim = containers(engine)[service]
+    engine.run(*command, victim)
+    expected = sentence.format(name=victim)
     [release] = driver.installed()
-    assert (release.healthy, release.detail) == (False, expected)
-    the_plan = converge(driver, deployment(repository))
-    assert [s.reason for s in the_plan.changes] == [f"the installed release is {expected}"]
+    assert (release.healthy, release.repair, release.drift) == (True, True, expected)
+    the_plan = converge(driver, desired)
+    assert [(s.action, s.reason) for s in the_plan.changes] == [
+        (Action.REPAIR, f"drifted: {expected}")]
+    running = containers(engine)
+    assert sorted(running) == ["web", "worker"]
+    assert {inspect(engine, name)["State"]["Status"] for name in running.values()} == {
+        "running"}
+    assert driver.installed()[0].drift == ""
+
+
+def test_a_project_whose_containers_are_all_gone_is_repaired_not_reinstalled(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
+        repository: str) -> None:
+    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
+    converge(driver, deployment(repository))
+    engine.run("rm", "-f", containers(engine)["web"])
+    [release] = driver.installed()
+    assert (release.component, release.repair, release.drift) == (
+        "hello-world", True, "every container of the project is gone")
+    assert actions(converge(driver, deployment(repository))) == ["repair"]
+    assert inspect(engine, containers(engine)["web"])["State"]["Health"]["Status"] == "healthy"
+
+
+def test_a_container_recreated_from_another_configuration_is_drift_and_repaired(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
+        repository: str, tmp_path: Path) -> None:
+    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
+    converge(driver, deployment(repository, greeting="Hello"))
+    files = project_files(tmp_path / "work", PROJECT, oci.pull(repository, "1.0.0").layer.digest)
+    edited = tmp_path / "by-hand.env"
+    edited.write_text("GREETING=Hacked\n")
+    engine.compose_run(PROJECT, "--env-file", str(edited), "up", "-d",
+                       files=[files.compose_file, files.override_file])
+    web = containers(engine)["web"]
+    assert environment(engine, web)["GREETING"] == "Hacked"
+    [release] = driver.installed()
+    assert release.drift == f"{web} was recreated from another configuration"
+    assert actions(converge(driver, deployment(repository, greeting="Hello"))) == ["repair"]
+    assert environment(engine, containers(engine)["web"])["GREETING"] == "Hello"
+    assert driver.installed()[0].drift == ""
+
+
+def test_with_warn_drift_is_reported_and_nothing_is_touched(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, repository: str,
+        tmp_path: Path) -> None:
+    driver = make_driver(engine, oci, tmp_path / "work", drift="warn")
+    desired = two_services(oci, repository, test_images)
+    converge(driver, desired)
+    victim = containers(engine)["worker"]
+    engine.run("kill", victim)
+    [release] = driver.installed()
+    assert (release.healthy, release.repair, release.drift) == (
+        True, False, f"{victim} was stopped (exited with code 137)")
+    assert actions(converge(driver, desired)) == ["unchanged"]
+    assert inspect(engine, victim)["State"]["Status"] == "exited"
+
+
+@pytest.mark.parametrize("record", ["off", "unreadable"])
+def test_unchecked_a_stopped_container_is_a_failure_applied_again(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, repository: str,
+        tmp_path: Path, record: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With `off`, or without a readable record of what was applied, a project is judged
+    by its containers' health, as before drift checks existed."""
+    driver = make_driver(engine, oci, tmp_path / "work", drift="off" if record == "off"
+                         else "repair")
+    desired = two_services(oci, repository, test_images)
+    converge(driver, desired)
+    damaged = tmp_path / "work" / PROJECT / APPLIED_FILE
+    if record == "unreadable":
+        damaged.write_text("{not json")
+    victim = containers(engine)["worker"]
+    engine.run("kill", victim)
+    with caplog.at_level("WARNING", logger="margo.device"):
+        [release] = driver.installed()
+    assert (release.healthy, release.detail, release.drift) == (
+        False, f"{victim} exited with code 137", "")
+    if record == "unreadable":
+        assert str(damaged) in caplog.text
+    assert actions(converge(driver, desired)) == ["upgrade"]
     assert inspect(engine, containers(engine)["worker"])["State"]["Status"] == "running"
-    assert driver.installed()[0].healthy
 
 
 def test_a_project_the_engine_refuses_reports_composes_message(
@@ -374,7 +463,7 @@ def test_leftovers_of_interrupted_steps_are_cleaned_up(engine: DockerEngine,
     (project_dir / "notes.txt").write_text("someone's notes stay")
     converge(driver, deployment(repository))
     assert sorted(p.name for p in project_dir.iterdir()) == sorted(
-        [digest_hex, ENV_FILE, OVERRIDE_FILE, "notes.txt"])
+        [digest_hex, ENV_FILE, OVERRIDE_FILE, APPLIED_FILE, "notes.txt"])
     assert (project_dir / digest_hex / "compose.yaml").is_file()
 
 

@@ -31,6 +31,7 @@ from reconciler.config import DeviceConfig, IdentityConfig
 from reconciler.datadir import exclusive
 from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
+from reconciler.releases import DEFAULT_DRIFT
 from reconciler.runner import Reconciler, StatusTarget
 from reconciler.sources import Source
 from reconciler.state import DeviceState
@@ -149,6 +150,7 @@ def _source_is_the_server(config: DeviceConfig) -> bool:
 def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
     """Drivers are imported on demand: a Compose device never loads the Helm engine. What a
     driver borrows (OCI client, chart cache) is closed by `stack` after the driver."""
+    drift = config.drift_detection or DEFAULT_DRIFT[config.driver]
     if config.driver == "compose":
         from reconciler.drivers.compose import ComposeDriver
         from reconciler.oci import OciClient
@@ -156,7 +158,7 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         oci = stack.enter_context(OciClient(credentials=as_pairs(config.registry_credentials)))
         return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker,
                              compose=config.compose, docker_host=config.docker_host,
-                             credentials=config.registry_credentials)
+                             credentials=config.registry_credentials, drift=drift)
     from reconciler.charts import ChartCache
     charts = stack.enter_context(ChartCache(config.data_dir / "charts",
                                             credentials=config.registry_credentials))
@@ -165,10 +167,10 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         from reconciler.oci import OciClient
         from reconciler.registry_credentials import as_pairs
         oci = OciClient(credentials=as_pairs(config.registry_credentials))
-        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci))
+        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift)
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
-                      storage_driver=config.storage_driver, drift=config.drift_detection,
+                      storage_driver=config.storage_driver, drift=drift,
                       rollback_on_failure=config.rollback_on_failure)
 
 

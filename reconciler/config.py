@@ -25,6 +25,7 @@ from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
 from reconciler.registry_credentials import REGISTRY_HOST, RegistryCredential, secret_file_problem
+from reconciler.releases import DEFAULT_DRIFT, DRIFT_POLICIES
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
 
 __all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema", "load_config",
@@ -71,7 +72,7 @@ def config_schema() -> dict[str, Any]:
             "kubeconfig": _TEXT,
             "kubeContext": _TEXT,
             "storageDriver": {"enum": ["secret", "configmap", "memory"]},
-            "driftDetection": {"enum": ["off", "warn", "repair"]},
+            "driftDetection": {"enum": list(DRIFT_POLICIES)},
             "rollbackOnFailure": {"type": "boolean"},
             "docker": _TEXT,
             "compose": _TEXT,
@@ -170,7 +171,8 @@ class DeviceConfig:
     capabilities_file: Path | None
     host_facts: dict[str, Any] | None
     kubernetes: dict[str, Any] | None = None  # KubernetesProvider keyword arguments
-    drift_detection: str = "warn"  # Helm driver: off | warn | repair
+    #: off | warn | repair, for every driver; "" = the driver's default (DEFAULT_DRIFT).
+    drift_detection: str = ""
     rollback_on_failure: bool = False  # Helm driver: roll a failed upgrade back at once
     #: Compose driver: "plugin" (the docker CLI's compose plugin) or a standalone binary.
     compose: str = "auto"
@@ -358,7 +360,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if len(caps) > 1:
         found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
                              found=", ".join(sorted(caps))))
-    for key in ("driftDetection", "rollbackOnFailure", "storageDriver"):
+    for key in ("rollbackOnFailure", "storageDriver"):
         if key in driver and driver["type"] != "helm":
             found.append(Problem(("driver", key), "only the helm driver takes this setting",
                                  found=driver["type"]))
@@ -392,7 +394,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         host_facts=caps.get("host"), kubernetes=_kubernetes(caps.get("kubernetes"), base,
                                                             driver),
         schedule=schedule, identity=_identity(doc.get("identity"), base),
-        drift_detection=driver.get("driftDetection", "warn"),
+        drift_detection=driver.get("driftDetection", DEFAULT_DRIFT[driver["type"]]),
         rollback_on_failure=bool(driver.get("rollbackOnFailure", False)),
         compose=compose, docker_host=driver.get("dockerHost"),
         registry_credentials=credentials,

@@ -105,6 +105,22 @@ def test_git_config_defaults(tmp_path: Path) -> None:
     assert config.git_url == "http://127.0.0.1:8080/git/devices/edge-01.git"
 
 
+@pytest.mark.parametrize(("driver", "default"), [("render", "repair"), ("compose", "repair"),
+                                                 ("helm", "warn")])
+def test_every_driver_takes_the_drift_policy_with_its_own_default(
+        tmp_path: Path, driver: str, default: str) -> None:
+    text = GOOD.replace("{type: render}", f"{{type: {driver}}}")
+    assert load_config(write(tmp_path, text)).drift_detection == default
+    for policy in ("off", "warn", "repair"):
+        chosen = text.replace(f"{{type: {driver}}}",
+                              f"{{type: {driver}, driftDetection: {policy}}}")
+        assert load_config(write(tmp_path, chosen)).drift_detection == policy
+    with pytest.raises(DocumentError) as caught:
+        load_config(write(tmp_path, text.replace(f"{{type: {driver}}}",
+                                                 f"{{type: {driver}, driftDetection: fix}}")))
+    assert any("$.driver.driftDetection" in p.format() for p in caught.value.problems)
+
+
 @pytest.mark.parametrize(("change", "where"), [
     (("{type: render}", "{type: podman}"), "$.driver.type"),
     (("interval: 45s", "interval: soon"), "$.schedule.interval"),

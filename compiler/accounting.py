@@ -158,6 +158,29 @@ class Ledger:
             if gpu is not None:
                 gpu.holder = name
 
+    def release(self, name: str) -> list[tuple[Any, int, Any]]:
+        """Give back everything `name` holds (a placed deployment whose change is checked
+        as the device would be without it); returns what it held, for `restore`."""
+        held: list[tuple[Any, int, Any]] = []
+        for holder in (*self.cpus, self.memory, self.storage):
+            held += [(holder, i, entry) for i, entry in enumerate(holder.taken)
+                     if entry[0] == name]
+            holder.taken = [entry for entry in holder.taken if entry[0] != name]
+        for i, peripheral in enumerate(self.peripherals):
+            if peripheral.holder == name:
+                peripheral.holder = None
+                held.append((peripheral, i, name))
+        return held
+
+    @staticmethod
+    def restore(held: list[tuple[Any, int, Any]]) -> None:
+        """Take back exactly what `release` gave back, where it was."""
+        for holder, index, entry in held:
+            if isinstance(holder, _Peripheral):
+                holder.holder = entry
+            else:
+                holder.taken.insert(index, entry)
+
     # ---- checking
 
     def shortfalls(self, demand: Demand) -> list[Failure]:

@@ -3,7 +3,9 @@
 The rule itself is documented in `compiler.accounting` and docs/intents.md; this module joins
 it to intents, profiles and the device's report: which of a cluster's scheduled pods are a
 placed deployment's (so they are not counted twice), what a placement held before asks of
-the device it already runs on, and whether a new placement fits in what is left.
+the device it already runs on (read from the file it runs when that is not what its intent
+renders now: `compiler.holding`), whether a new placement fits in what is left, and whether
+a change that raises what a placed deployment takes still fits (`upgrade`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from compiler.snapshot import Device
 from compiler.source import AppVersion
 from margo.cluster import EXTENSION_KEY, cluster_body
 from margo.cluster_workloads import usage_of, with_workload_released, workload_requests
-from margo.constraints import Demand, Failure, demand_of
+from margo.constraints import CompiledConstraints, Demand, Failure, demand_of
 from margo.models import DeploymentProfile
 
 __all__ = ["DeviceCapacity", "is_cluster"]
@@ -40,12 +42,19 @@ class DeviceCapacity:
         self._requests = None if body is None else workload_requests(body)
         self.ledger = Ledger(device.matching, cluster=body is not None,
                              attributed=body is None or self._requests is not None)
+        self._own: dict[str, Mapping[str, Any] | None] = {}
 
     def own_view(self, intent_name: str) -> Mapping[str, Any] | None:
         """What a placed deployment of `intent_name` is matched against: the report as if its
         own scheduled pods were not counted (None: the device's own view will do)."""
         if self._body is None or not self._requests:
             return None
+        if intent_name not in self._own:
+            self._own[intent_name] = self._released(intent_name)
+        return self._own[intent_name]
+
+    def _released(self, intent_name: str) -> Mapping[str, Any] | None:
+        assert self._body is not None and self._requests is not None
         deployment = deployment_id(intent_name, self.device.id)
         mine = self._requests.get(deployment)
         if not mine:
@@ -60,11 +69,8 @@ class DeviceCapacity:
 
     def hold(self, intent: Intent, app: AppVersion, profile: DeploymentProfile) -> None:
         """A placement the device's tree holds takes its share (unless it overcommits)."""
-        if intent.overcommit:
-            return
-        view = self.own_view(intent.name) or self.device.matching
-        demand = self.constraints.demand(intent, app, profile, view, self.device.labels)
-        self.hold_demand(intent.name, demand)
+        if not intent.overcommit:
+            self.hold_demand(intent.name, self.demand_now(intent, app, profile))
 
     def hold_frozen(self, name: str, app: AppVersion, profile: DeploymentProfile) -> None:
         """A placement of an intent that cannot be read now (its file kept as it is): its
@@ -72,6 +78,35 @@ class DeviceCapacity:
         view = self.own_view(name) or self.device.matching
         self.hold_demand(name, demand_of(self.constraints.get(app, profile), view,
                                          self.device.labels))
+
+    def demand_now(self, intent: Intent, app: AppVersion, profile: DeploymentProfile) -> Demand:
+        """What a placed deployment of `intent` with `profile` takes, seen as the device would
+        be without its own pods (that decides which GPU rule applies)."""
+        view = self.own_view(intent.name) or self.device.matching
+        return self.constraints.demand(intent, app, profile, view, self.device.labels)
+
+    def file_demand(self, name: str, intent: Intent | None,
+                    compiled: CompiledConstraints) -> Demand:
+        """What a file on the device takes, from the constraints it carries
+        (`compiler.holding.StoredFiles`), with the intent's own extra constraints."""
+        view = self.own_view(name) or self.device.matching
+        demand = demand_of(compiled, view, self.device.labels)
+        if intent is not None and intent.constraints is not None:
+            demand = demand.combined(demand_of(intent.constraints, view, self.device.labels))
+        return demand
+
+    def upgrade(self, name: str, demand: Demand) -> tuple[Failure, ...]:
+        """A change of placed deployment `name` that raises what it takes to `demand`: checked
+        as the device would be without what `name` holds now. It fits (nothing returned, and
+        it takes `demand`), or it keeps what it holds and the shortfalls say why."""
+        held = self.ledger.release(name)
+        short = self.ledger.shortfalls(self._unreflected(name, demand)) if not demand.empty \
+            else []
+        if short:
+            self.ledger.restore(held)
+            return tuple(short)
+        self.hold_demand(name, demand)
+        return ()
 
     def hold_demand(self, name: str, demand: Demand) -> None:
         if not demand.empty:

@@ -9,8 +9,9 @@ so a no-op recompile of 10,000 devices only hashes their capability documents.
 Failure containment, so that nothing already committed is lost:
 * a broken intent file, or an intent whose application is broken or missing, is *frozen*:
   every device keeps that intent's current file as it is;
-* a device whose rendering fails (bad parameter value, failing expression, immutable
-  change) keeps its whole previous tree, and its problems are reported;
+* an intent whose rendering fails on a device (bad parameter value, failing expression,
+  immutable change) keeps its file there (or gets none), and its problems are reported;
+  the device's other intents are placed, updated and removed as usual;
 * a broken capability document leaves its device untouched; devices absent from the
   snapshot are left untouched too (absence is not evidence of anything);
 * a device whose id can name no branch (`compiler.gitstore.branch_problem`) is an error of
@@ -40,8 +41,11 @@ from compiler.gitstore import (
     device_ref,
     tree_id_of,
 )
+from compiler.holding import StoredFiles, decide_in_order, take_back_upgrades
 from compiler.intents import Intent
 from compiler.messages import Change, commit_message, warm_up
+from compiler.outcome import NO_TREE as _NO_TREE
+from compiler.outcome import DeviceOutcome as _DeviceOutcome
 from compiler.parallel import (
     PARALLEL_TARGETING,
     forked_state,
@@ -189,6 +193,7 @@ class _Context:
     targets: TargetIndex
     store: DeviceStore  # device branches are read from it while compiling
     renders: RenderCache = field(default_factory=RenderCache)
+    stored: StoredFiles = field(default_factory=StoredFiles)  # what files on devices take
     #: Every intent a device's tree may hold a file of, sorted (worked out once, not per
     #: device); a tree's other files are of deleted intents.
     names: list[str] = field(init=False)
@@ -272,32 +277,6 @@ def _add_reason(ctx: _Context, name: str, previous: PlacementRecord | None) -> s
     if name not in ctx.previous_intents:
         return "intent added"
     return "device now targeted"
-
-
-@dataclass
-class _DeviceOutcome:
-    files: dict[str, bytes]  # rendered now
-    placements: list[PlacementRecord]
-    changes: list[Change]
-    problems: list[Problem]
-    notes: list[str]
-    grace_until: float | None = None
-    kept: dict[str, str] = field(default_factory=dict)  # left as stored: name -> blob id
-    ids: dict[str, str] = field(default_factory=dict)  # the whole new tree: name -> blob id
-    #: (intent, blob id of the file before) for each file a rollout moves to its new revision.
-    moves: list[tuple[str, str]] = field(default_factory=list)
-
-    def keep(self, fname: str, current: StoredTree) -> None:
-        """Keep a stored file as it is, by its blob id (its content is never read)."""
-        self.kept[fname] = self.ids[fname] = current.ids[fname]
-
-    def add(self, fname: str, data: bytes, oid: str) -> None:
-        self.files[fname] = data
-        self.ids[fname] = oid
-
-
-#: The tree of a device without a branch.
-_NO_TREE = StoredTree(None, "", {})
 
 
 def _keep_steady(ctx: _Context, previous: dict[str, PlacementRecord], current: StoredTree,
@@ -392,9 +371,17 @@ def _compile_device(ctx: _Context, device: Device, current: StoredTree,
         else:
             _place_ineligible(ctx, out, intent, app, device, current, previous.get(name),
                               view=own)
-    if new:
-        _place_new(ctx, out, new, capacity or DeviceCapacity(device, ctx.constraints),
-                   current, previous, caps_changed)
+    made = [capacity] if capacity is not None else []
+
+    def accounting() -> DeviceCapacity:  # made only when something needs it
+        if not made:
+            made.append(DeviceCapacity(device, ctx.constraints))
+        return made[0]
+
+    upgrades = take_back_upgrades(ctx, out, current, accounting) if out.changes else []
+    if new or upgrades:
+        decide_in_order(ctx, out, accounting(), current, new, upgrades, lambda i, a, p: (
+            _place_eligible(ctx, out, i, a, p, device, current, previous, caps_changed)))
     return out
 
 
@@ -409,51 +396,6 @@ def _shares_may_change(ctx: _Context, previous: dict[str, PlacementRecord],
     changed, as_before = ctx.changed, ctx.placed_as_before
     return any(record.deployed and name in changed and name not in as_before
                for name, record in previous.items())
-
-
-def _hold_placed(ctx: _Context, out: _DeviceOutcome, capacity: DeviceCapacity) -> None:
-    """Every placement the new tree holds so far takes its share of the device."""
-    placed = [r for r in out.placements if r.deployed and r.profile is not None]
-    usable = ctx.intents.usable
-    for record in sorted(placed, key=lambda r: (-_priority(ctx, r.intent), r.intent)):
-        entry = usable.get(record.intent)
-        if entry is not None:
-            intent, app = entry
-            profile = ctx.profile(app, record.profile)
-            if profile is not None:
-                capacity.hold(intent, app, profile)
-            continue
-        before = ctx.previous_intents.get(record.intent)  # a frozen intent, kept as it is
-        app = None if before is None else ctx.source.application(before.app_id,
-                                                                 before.app_version)
-        profile = None if app is None else ctx.profile(app, record.profile)
-        if app is not None and profile is not None:
-            capacity.hold_frozen(record.intent, app, profile)
-
-
-def _priority(ctx: _Context, name: str) -> int:
-    entry = ctx.intents.usable.get(name)
-    return 0 if entry is None else entry[0].priority
-
-
-def _place_new(ctx: _Context, out: _DeviceOutcome,
-               new: list[tuple[Intent, AppVersion, Placement]], capacity: DeviceCapacity,
-               current: StoredTree, previous: dict[str, PlacementRecord],
-               caps_changed: bool) -> None:
-    """Decide the new placements in order (highest priority, then name), each in what the
-    placements before it leave; one that does not fit waits, and says why in numbers."""
-    _hold_placed(ctx, out, capacity)
-    device_id = capacity.device.id
-    for intent, app, placement in sorted(new, key=lambda e: (-e[0].priority, e[0].name)):
-        placement, short = capacity.admit(intent, app, placement)
-        if short:
-            out.placements.append(PlacementRecord(device_id, intent.name, False, False, None,
-                                                  None, True))
-            out.notes.append(f"{intent.name}: waits for capacity: "
-                             + "; ".join(f.message for f in short))
-            continue
-        _place_eligible(ctx, out, intent, app, placement, capacity.device, current,
-                        previous, caps_changed)
 
 
 def _place_as_before(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: AppVersion,
@@ -494,7 +436,7 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
         rendered = render(intent, app, placement.profile, device, previous=old,
                           cache=ctx.renders)
     except RenderError as exc:
-        out.problems.extend(exc.problems)
+        _keep_after_error(out, intent, current, previous, exc)
         return
     out.placements.append(PlacementRecord(device.id, intent.name, True, True, None,
                                           placement.profile.id))
@@ -518,6 +460,21 @@ def _place_eligible(ctx: _Context, out: _DeviceOutcome, intent: Intent, app: App
                                   _change_reasons(ctx, intent.name, caps_changed)))
 
 
+def _keep_after_error(out: _DeviceOutcome, intent: Intent, current: StoredTree,
+                      previous: dict[str, PlacementRecord], error: RenderError) -> None:
+    """One intent's error is that intent's alone: it keeps the file it has on the device
+    (or gets none), which still takes its share, and its problems are reported."""
+    fname = file_name(intent.name)
+    out.problems.extend(error.problems)
+    if fname in current.ids:
+        out.keep(fname, current)
+        out.stale.add(intent.name)
+    if intent.name in previous:
+        out.placements.append(previous[intent.name])
+    out.notes.append(f"{intent.name}: {'keeps its file' if fname in current.ids else 'not placed'}"
+                     ": it cannot be rendered for this device (see the errors)")
+
+
 def _gated(ctx: _Context, out: _DeviceOutcome, intent: Intent, device: Device,
            gate: tuple[RolloutPlan, dict[str, int]], current: StoredTree, stored: str,
            oid: str) -> bool:
@@ -530,11 +487,13 @@ def _gated(ctx: _Context, out: _DeviceOutcome, intent: Intent, device: Device,
         base = plan.base.get(device.id)
         if base is not None and base != stored:
             out.kept[fname] = out.ids[fname] = base
+            out.stale.add(intent.name)
             out.changes.append(Change(fname, intent.name, "rollback", (
                 f"rollout of revision {plan.revision[:12]} rolled back: {plan.reason}",)))
             return True
         if stored != oid:  # never moved: it keeps the revision it has
             out.keep(fname, current)
+            out.stale.add(intent.name)
             return True
         return False
     if stored == oid:
@@ -542,6 +501,7 @@ def _gated(ctx: _Context, out: _DeviceOutcome, intent: Intent, device: Device,
     wave = waves.get(device.id)
     if not plan.is_open(wave, device.id):
         out.keep(fname, current)
+        out.stale.add(intent.name)
         assert intent.rollout is not None
         where = ("in no wave" if wave is None else
                  f"in wave {intent.rollout.waves[wave].name}")
@@ -700,8 +660,6 @@ def _compile_one(ctx: _Context, job: _Job) -> _Work:
              and record.caps_digest == device.digest and record.tree == stored.tree)
     caps_changed = record is not None and record.caps_digest != device.digest
     outcome = _compile_device(ctx, device, current, job.previous, caps_changed, reuse=reuse)
-    if outcome.problems:
-        return _Work(outcome, None, None, len(current.ids), tip)
     if stored is not None and not stored.foreign and stored.ids == outcome.ids and not lost:
         return _Work(outcome, None, stored.tree, len(current.ids), tip, ids=outcome.ids)
     trailers = {"Fleet-Source": ctx.source.revision, "Capabilities-Digest": device.digest,
@@ -827,12 +785,14 @@ def _commits(jobs: list[_Job], works: Iterable[_Work], report: CompileReport,
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
                               notes=outcome.notes, grace_until=outcome.grace_until)
         report.results.append(result)
-        if outcome.problems or work.tree is None or work.ids is None:
+        report.errors.extend((device_id, p) for p in outcome.problems)
+        if work.tree is None or work.ids is None:  # the device as a whole failed
             result.status, result.changes = "error", []
-            report.errors.extend((device_id, p) for p in outcome.problems)
             report.deployments += work.stored_files
             outcomes.forget.append(device_id)
             continue
+        if outcome.problems:  # compiled in full next time, so they are reported again
+            outcomes.forget.append(device_id)
         report.deployments += len(work.ids)
         for name, base in outcome.moves:
             report.rollout_moves.setdefault(name, {})[device_id] = base

@@ -4,26 +4,30 @@ Every failing clause is listed with the required and the actual value, for targe
 (device list, selectors) and for each deployment profile that was tried (deployment
 type, capacity, eligibility rules, the intent's extra constraints); parameter problems
 are shown too, since they keep a device on its previous state. Capacity accounting is
-applied as the compiler applies it (`compiler.capacity`): the intents the device's tree
-holds take their share first, then the others in placement order, and one that does not fit
-in what is left is "waiting for capacity", with the numbers.
+applied as the compiler applies it (`compiler.capacity`, `compiler.holding`): the intents
+the device's tree holds take their share first, then new placements and upgrades in
+placement order; a new placement that does not fit in what is left is "waiting for
+capacity", and, when the device's files are given, a change of a placed deployment that
+raises what it takes and does not fit is "held for capacity", both with the numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from compiler.capacity import DeviceCapacity, is_cluster
 from compiler.compilation import resolve_intents
+from compiler.holding import StoredFiles, grows
 from compiler.intents import Intent
 from compiler.placement import Attempt, Placement, ProfileConstraints, place
-from compiler.render import RenderError, render
+from compiler.render import RenderCache, RenderError, render
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
+from compiler.specdiff import classify
 from compiler.state import PlacementRecord
-from margo.constraints import Failure
+from margo.constraints import Demand, Failure
 from margo.errors import Problem
 
 __all__ = ["IntentExplanation", "explain_device"]
@@ -32,8 +36,8 @@ __all__ = ["IntentExplanation", "explain_device"]
 @dataclass
 class IntentExplanation:
     intent: str
-    #: eligible | not targeted | not eligible | waiting for capacity | grace period | error |
-    #: frozen
+    #: eligible | not targeted | not eligible | waiting for capacity | held for capacity |
+    #: grace period | error | frozen
     status: str
     application: str | None = None
     profile: str | None = None
@@ -45,6 +49,9 @@ class IntentExplanation:
     capacity: list[Failure] = field(default_factory=list)
     #: What the placement is counted as taking that the device's report does not show yet.
     assigned: dict[str, Any] | None = None
+    #: Held for capacity: the version the device keeps running ("" when the source no
+    #: longer has it); `capacity` says why the change does not fit.
+    held_at: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +64,7 @@ class IntentExplanation:
             "note": self.note,
             "capacity": [f.to_json() for f in self.capacity],
             "assigned": self.assigned,
+            "heldAt": self.held_at,
         }
 
     def lines(self) -> list[str]:
@@ -70,7 +78,10 @@ class IntentExplanation:
         for attempt in self.attempts:
             out += [f"  - profile {attempt.profile_id}: {f.message}" for f in attempt.failures]
         out += [f"  - {p.format()}" for p in self.problems]
-        out += [f"  - waits for capacity: {f.message}" for f in self.capacity]
+        if self.held_at is not None:
+            out += [f"  - {held_reason(self.held_at, f.message)}" for f in self.capacity]
+        else:
+            out += [f"  - waits for capacity: {f.message}" for f in self.capacity]
         if self.assigned:
             taken = ", ".join(f"{v} {k}" if k != "cpu" else f"{v} cores"
                               for k, v in self.assigned.items())
@@ -80,15 +91,34 @@ class IntentExplanation:
         return out
 
 
+def held_reason(held_at: str, message: str) -> str:
+    """`held at 1.0.0: the new version needs 1.5 cores; ...` (one capacity failure)."""
+    return f"held at {held_at or 'the version it runs'}: the new version {message}"
+
+
+#: A placed intent's share, taken in placement order: (priority, name, take it).
+_Share = tuple[int, str, Callable[[], None]]
+
+
+@dataclass
+class _Upgrade:
+    """A placed deployment whose file differs from what it renders now and needs more."""
+
+    demand: Demand  # what the new file would take
+    data: bytes  # the file the device runs
+
+
 def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                    intent_name: str | None = None,
                    placements: dict[str, PlacementRecord] | None = None,
-                   placed: Collection[str] | None = None,
+                   placed: Collection[str] | Mapping[str, bytes] | None = None,
                    now: float | None = None) -> list[IntentExplanation]:
     """Explain every intent (or one) for a device; raise KeyError for an unknown device.
 
     `placed` names the intents the device's tree holds (by default those `placements` say
-    are deployed; none without either): accounting gives them their share first."""
+    are deployed; none without either), or maps them to the files it holds: accounting
+    gives them their share first, and with the files a change that raises what a placed
+    deployment takes is decided (and explained as held) as the compiler decides it."""
     device = snapshot.devices[device_id]
     resolved = resolve_intents(source)
     constraints = ProfileConstraints()
@@ -97,11 +127,15 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
         raise KeyError(intent_name)
     if placed is None:
         placed = {n for n, r in (placements or {}).items() if r.deployed}
+    files: Mapping[str, bytes] = placed if isinstance(placed, Mapping) else {}
     capacity = DeviceCapacity(device, constraints)
+    stored = StoredFiles()
     cluster = is_cluster(device)
     out: list[IntentExplanation] = []
     new: list[tuple[Intent, Any, Placement, IntentExplanation]] = []
-    held: list[tuple[Intent, Any, Any, IntentExplanation]] = []
+    upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]] = []
+    shares: list[_Share] = []
+    accounted: list[IntentExplanation] = []  # each says what it is counted as taking
     for name in names:
         if name not in resolved.usable:
             problems = [p for p in [*source.problems, *resolved.problems]
@@ -109,6 +143,8 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
             out.append(IntentExplanation(name, "frozen", problems=problems,
                                          note="the intent cannot be used; devices keep its "
                                               "previous deployments"))
+            if name in files:
+                shares.append(_file_share(capacity, stored, None, name, files[name]))
             continue
         intent, app = resolved.usable[name]
         app_label = f"{app.description.id} {app.description.version}"
@@ -128,24 +164,65 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                 explanation.status = "grace period"
                 explanation.note = (f"still deployed: kept for the grace period of "
                                     f"{intent.grace_seconds}s, {left}s left")
+                if name in files and not intent.overcommit:
+                    shares.append(_file_share(capacity, stored, intent, name, files[name]))
             out.append(explanation)
             continue
-        explanation = IntentExplanation(name, "eligible", app_label, str(placement.profile.id),
+        profile = placement.profile
+        if name in placed:
+            profile = _recorded_profile(app, (placements or {}).get(name)) or profile
+        explanation = IntentExplanation(name, "eligible", app_label, str(profile.id),
                                         attempts=list(placement.attempts))
         try:
-            render(intent, app, placement.profile, device)
+            rendered: bytes | None = render(intent, app, profile, device).data
         except RenderError as exc:
-            explanation.status = "error"
-            explanation.problems = exc.problems
+            explanation.status, explanation.problems, rendered = "error", exc.problems, None
         out.append(explanation)
-        if name in placed:
-            profile = _recorded_profile(app, (placements or {}).get(name)) or placement.profile
-            explanation.profile = str(profile.id)
-            held.append((intent, app, profile, explanation))
-        elif not intent.overcommit:
-            new.append((intent, app, placement, explanation))
-    _account(capacity, held, new)
+        accounted.append(explanation)
+        if name not in placed:
+            if not intent.overcommit:
+                new.append((intent, app, placement, explanation))
+            continue
+        upgrade = None if rendered is None or intent.overcommit else _upgrade(
+            capacity, stored, intent, app, profile, files.get(name), rendered)
+        if upgrade is not None:
+            upgrades.append((intent, app, upgrade, explanation))
+            shares.append(_file_share(capacity, stored, intent, name, upgrade.data))
+        elif rendered is not None or name not in files:
+            shares.append((intent.priority, name, lambda i=intent, a=app, p=profile: (
+                capacity.hold(i, a, p))))
+        else:  # the compiler keeps its file after an error: the file says what it takes
+            shares.append(_file_share(capacity, stored, intent, name, files[name]))
+    _account(capacity, stored, source, shares, upgrades, new)
+    assigned = capacity.ledger.assigned()
+    for explanation in accounted:
+        explanation.assigned = assigned.get(explanation.intent) or None
     return [e for e in out if intent_name is None or e.intent == intent_name]
+
+
+def _upgrade(capacity: DeviceCapacity, stored: StoredFiles, intent: Intent, app: Any,
+             profile: Any, data: bytes | None, rendered: bytes) -> _Upgrade | None:
+    """The upgrade a placed deployment's file makes when it is rendered now, if it raises
+    what the deployment takes (`compiler.holding.take_back_upgrades`)."""
+    if data is None or data == rendered or classify(data, rendered) != "update":
+        return None
+    compiled = stored.constraints(data)
+    if compiled is None:
+        return None
+    new = capacity.demand_now(intent, app, profile)
+    if not grows(capacity.file_demand(intent.name, intent, compiled), new):
+        return None
+    return _Upgrade(new, data)
+
+
+def _file_share(capacity: DeviceCapacity, stored: StoredFiles, intent: Intent | None,
+                name: str, data: bytes) -> _Share:
+    """The share of a file the device keeps as it is: what the file says it takes."""
+    def take() -> None:
+        compiled = stored.constraints(data)
+        if compiled is not None:
+            capacity.hold_demand(name, capacity.file_demand(name, intent, compiled))
+    return (0 if intent is None else intent.priority, name, take)
 
 
 def _recorded_profile(app: Any, record: PlacementRecord | None) -> Any:
@@ -156,21 +233,32 @@ def _recorded_profile(app: Any, record: PlacementRecord | None) -> Any:
     return next((p for p in app.description.profiles if p.id == record.profile), None)
 
 
-def _account(capacity: DeviceCapacity,
-             held: list[tuple[Intent, Any, Any, IntentExplanation]],
+def _account(capacity: DeviceCapacity, stored: StoredFiles, source: FleetSource,
+             shares: list[_Share],
+             upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]],
              new: list[tuple[Intent, Any, Placement, IntentExplanation]]) -> None:
-    """Accounting as the compiler does it: what the tree holds first, then new placements in
-    order; explanations of those that do not fit say so, in numbers."""
-    for intent, app, profile, _ in sorted(held, key=lambda e: (-e[0].priority, e[0].name)):
-        capacity.hold(intent, app, profile)
-    for intent, app, placement, explanation in sorted(
-            new, key=lambda e: (-e[0].priority, e[0].name)):
-        chosen, short = capacity.admit(intent, app, placement)
+    """Accounting as the compiler does it: what the tree holds first, then new placements
+    and upgrades in order; explanations of those that do not fit say so, in numbers."""
+    for _, _, take in sorted(shares, key=lambda s: (-s[0], s[1])):
+        take()
+    pending: list[tuple[Intent, Any, Placement | _Upgrade, IntentExplanation]] = [
+        *new, *upgrades]
+    for intent, app, item, explanation in sorted(pending,
+                                                 key=lambda e: (-e[0].priority, e[0].name)):
+        if isinstance(item, _Upgrade):
+            short = capacity.upgrade(intent.name, item.demand)
+            if short:
+                versions = source.applications.get(app.description.id, {})
+                running = stored.running_version(versions, item.data, RenderCache())
+                explanation.status, explanation.capacity = "held for capacity", list(short)
+                explanation.held_at = running or ""
+                explanation.note = (f"the device keeps running "
+                                    f"{running or 'the version it has'} until "
+                                    f"{app.description.version} fits")
+            continue
+        chosen, short = capacity.admit(intent, app, item)
         if short:
             explanation.status = "waiting for capacity"
             explanation.capacity = list(short)
         elif chosen.profile is not None:
             explanation.profile = str(chosen.profile.id)
-    assigned = capacity.ledger.assigned()
-    for _, _, _, explanation in [*held, *new]:
-        explanation.assigned = assigned.get(explanation.intent) or None

@@ -9,10 +9,10 @@ a running server's `GET /api/fleet/explain`, so the command prints both the same
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from compiler.explain import explain_device
+from compiler.explain import explain_device, held_reason
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 
@@ -21,11 +21,13 @@ __all__ = ["explain_fleet", "fleet_lines"]
 
 def explain_fleet(source: FleetSource, snapshot: Snapshot, *, intent: str | None = None,
                   application: str | None = None,
-                  placed_of: Callable[[str], Collection[str] | None] = lambda device: None,
+                  placed_of: Callable[[str], Collection[str] | Mapping[str, bytes] | None] = (
+                      lambda device: None),
                   now: float | None = None) -> dict[str, Any]:
     """Every device's explanation of the intents matching `intent` or `application`
     (KeyError(intent) for an intent the source does not define). `placed_of(device)`: the
-    intents that device's tree holds (capacity accounting counts them first)."""
+    intents that device's tree holds, or them and their files (capacity accounting counts
+    them first; with the files, an upgrade that does not fit is explained as held)."""
     devices: list[dict[str, Any]] = []
     counts: Counter[str] = Counter()
     names = None if application is None else {
@@ -65,7 +67,9 @@ def _reasons(explanation: dict[str, Any]) -> list[str]:
         reasons += [f"profile {attempt['profile']}: {f['message']}"
                     for f in attempt["failures"]]
     reasons += [_problem(p) for p in explanation["problems"]]
-    reasons += [f"waits for capacity: {f['message']}" for f in explanation["capacity"]]
+    held_at = explanation.get("heldAt")
+    reasons += [held_reason(held_at, f["message"]) if held_at is not None
+                else f"waits for capacity: {f['message']}" for f in explanation["capacity"]]
     if explanation.get("note"):
         reasons.append(explanation["note"])
     return reasons

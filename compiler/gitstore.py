@@ -185,7 +185,11 @@ class StoredTree:
 
     def read(self, name: str) -> bytes:
         """The content of file `name` of this tree (KeyError if it has none)."""
-        oid = self.ids[name]
+        return self.blob(self.ids[name])
+
+    def blob(self, oid: str) -> bytes:
+        """The content of a blob of the store this tree was read from (a file the tree
+        held at another commit, e.g. the one a rollout rolls a device back to)."""
         assert self._store is not None
         return self._store._blob(oid)
 

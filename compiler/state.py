@@ -106,7 +106,8 @@ class PlacementRecord(NamedTuple):
     ineligible_since: float | None
     profile: str | None = None  # the id of the profile deployed (eligible placements)
     #: Eligible, but what the device has left after the WFM's other placements is too little
-    #: (capacity accounting): evaluated again whenever the device is compiled.
+    #: (capacity accounting): evaluated again whenever the device is compiled. With
+    #: `deployed`: a change of the placed deployment is *held* (its file is kept as it is).
     waiting: bool = False
 
 
@@ -241,12 +242,13 @@ class CompilerState:
                                 "WHERE ineligible_since IS NOT NULL")
         return {r[0] for r in rows}
 
-    def waiting(self) -> dict[str, list[str]]:
-        """Device -> the intents that wait for capacity there (as of the last compile)."""
+    def waiting(self, *, held: bool = False) -> dict[str, list[str]]:
+        """Device -> the intents that wait for capacity there (as of the last compile); with
+        `held`, the placed ones whose change is held for capacity instead."""
         out: dict[str, list[str]] = {}
         for device_id, intent in self._db.execute(
-                "SELECT device_id, intent FROM placements WHERE waiting = 1 "
-                "ORDER BY device_id, intent"):
+                "SELECT device_id, intent FROM placements WHERE waiting = 1 AND deployed = ? "
+                "ORDER BY device_id, intent", (int(held),)):
             out.setdefault(device_id, []).append(intent)
         return out
 

@@ -196,14 +196,24 @@ def _recompile(args: argparse.Namespace) -> None:
 
 
 def _still_waiting(args: argparse.Namespace, report: CompileReport) -> dict[str, list[str]]:
-    """Intents that wait for capacity on devices this plan did not compile (nothing there
-    changed): the state remembers them; `margo explain` gives their numbers."""
+    """Per device this plan did not compile (nothing there changed), notes on the intents
+    that wait for capacity or whose change is held for it: the state remembers them;
+    `margo explain` gives their numbers."""
     compiled = {r.device_id for r in report.results}
     state = CompilerState(Path(args.repos) / STATE_FILE)
     try:
-        return {d: names for d, names in state.waiting().items() if d not in compiled}
+        waiting, held = state.waiting(), state.waiting(held=True)
     finally:
         state.close()
+    out: dict[str, list[str]] = {}
+    for found, verb in ((waiting, "wait{s} for capacity"), (held, "{is} held for capacity")):
+        for device_id, names in found.items():
+            if device_id not in compiled:
+                what = verb.format(s="s" if len(names) == 1 else "",
+                                   **{"is": "is" if len(names) == 1 else "are"})
+                out.setdefault(device_id, []).append(
+                    f"{', '.join(names)}: {what} (margo explain --device {device_id} says why)")
+    return dict(sorted(out.items()))
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -213,11 +223,8 @@ def run_plan(args: argparse.Namespace) -> int:
     except (_BadInput, GitStoreError) as exc:
         print(f"margo plan: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    waiting = _still_waiting(args, report)
-    for device_id, names in waiting.items():
-        note = (f"{', '.join(names)}: wait{'s' if len(names) == 1 else ''} for capacity "
-                f"(margo explain --device {device_id} says why)")
-        report.results.append(DeviceResult(device_id, "unchanged", notes=[note]))
+    for device_id, notes in _still_waiting(args, report).items():
+        report.results.append(DeviceResult(device_id, "unchanged", notes=notes))
     changed = [r for r in report.results if r.changes or r.status == "committed" or r.notes]
     if args.json:
         print(json.dumps({
@@ -275,7 +282,9 @@ def run_explain(args: argparse.Namespace) -> int:
         state.close()
     try:
         explanations = explain_device(source, snapshot, args.device, intent_name=args.intent,
-                                      placements=placements, now=time.time())
+                                      placements=placements,
+                                      placed=_placed_files(_branches(args), args.device),
+                                      now=time.time())
     except KeyError as exc:
         what = "device" if exc.args[0] == args.device else "intent"
         print(f"margo explain: no {what} {exc.args[0]!r} in the inputs", file=sys.stderr)
@@ -289,6 +298,23 @@ def run_explain(args: argparse.Namespace) -> int:
             for line in explanation.lines():
                 print(f"  {line}")
     return EXIT_OK
+
+
+def _branches(args: argparse.Namespace) -> DeviceStore | None:
+    """The device branches of `--repos`, if it has any (never created here)."""
+    try:
+        return DeviceStore(args.repos, create=False) if args.repos else None
+    except GitStoreError:
+        return None
+
+
+def _placed_files(store: DeviceStore | None, device_id: str) -> dict[str, bytes] | None:
+    """Intent -> the file the device's branch holds (None without a branch): explain then
+    decides held upgrades as the compiler does."""
+    files = None if store is None else store.read_files(device_id)
+    return None if files is None else {
+        name.removesuffix(".yaml"): data for name, data in files.items()
+        if name.endswith(".yaml")}
 
 
 def _explain_fleet(args: argparse.Namespace) -> int:
@@ -305,19 +331,14 @@ def _explain_fleet(args: argparse.Namespace) -> int:
         except _BadInput as exc:
             print(f"margo explain: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        state = (CompilerState(Path(args.repos) / STATE_FILE)
-                 if args.repos and (Path(args.repos) / STATE_FILE).exists() else None)
+        store = _branches(args)
         try:
             result = explain_fleet(
                 source, snapshot, intent=args.intent, application=args.app, now=time.time(),
-                placed_of=lambda device: None if state is None else {
-                    n for n, r in state.placements_for(device).items() if r.deployed})
+                placed_of=lambda device: _placed_files(store, device))
         except KeyError as exc:
             print(f"margo explain: no intent {exc.args[0]!r} in the source", file=sys.stderr)
             return EXIT_BAD_INPUT
-        finally:
-            if state is not None:
-                state.close()
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:

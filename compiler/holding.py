@@ -1,0 +1,294 @@
+"""One device's capacity round: what the files its new tree holds take, then the decisions
+that need room, one after another (docs/intents.md, "Capacity accounting").
+
+The decisions that need room are new placements and *upgrades*: changes of a placed
+deployment (a new application version, an edited intent) that raise what it takes. Both are
+decided in one deterministic order, highest `priority` first, then by intent name, each in
+what the ones before it left. An upgrade that no longer fits is *held*: the device keeps the
+file it runs (the previous version keeps running, and is counted at what it takes), the
+placement is recorded as held (eligible, deployed and waiting), a note says why in numbers,
+and it is decided again whenever the device's capabilities or its other placements change,
+like a waiting placement. A change that takes the same or less is never held; nor is an
+intent with `overcommit: true`.
+
+What a file the tree keeps takes is read from the file itself when it is not what its intent
+renders now (held, kept by a rollout or after an error, kept for a grace period, or of a
+frozen intent): rc.3 files carry their profile's `deviceConstraints` verbatim. The compiler's
+state is only a cache; the branch is the truth, so a compile from scratch decides exactly as
+an incremental one. Files of the oct-2024 shape carry no constraints: such a file is counted
+at what its intent's profile takes now, and a change of it is never held.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from compiler.capacity import DeviceCapacity
+from compiler.gitstore import StoredTree
+from compiler.intents import Intent
+from compiler.outcome import DeviceOutcome
+from compiler.placement import Placement
+from compiler.render import RenderCache, file_name
+from compiler.source import AppVersion
+from compiler.specdiff import spec_sections
+from compiler.state import PlacementRecord
+from margo.canonical import canonical_yaml
+from margo.constraints import CompiledConstraints, Demand, Failure, compile_constraints
+from margo.emit import deployment_document
+from margo.errors import DocumentError
+from margo.models import ApplicationDeployment, DeploymentProfile
+
+if TYPE_CHECKING:
+    from compiler.compilation import _Context
+
+__all__ = ["StoredFiles", "Upgrade", "decide_in_order", "grows", "held_note",
+           "take_back_upgrades"]
+
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SUFFIX = ".yaml"
+_UNREAD = object()
+_PROFILE = b"deploymentProfile"
+
+#: Places a new placement that fits (`compiler.compilation._place_eligible`, bound).
+Place = Callable[[Intent, AppVersion, Placement], None]
+
+
+class StoredFiles:
+    """The constraints deployment files already on devices carry, compiled once per distinct
+    text per compile (one intent's files on a thousand devices share their profile text)."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[bytes, CompiledConstraints | None] = {}
+        self._texts: dict[tuple[str, str | None], bytes] = {}  # `profile_text`
+
+    def constraints(self, data: bytes) -> CompiledConstraints | None:
+        """The compiled `deviceConstraints` of a file this compiler wrote (empty ones for a
+        profile without any); None when the file does not say (the oct-2024 shape, or a
+        file that does not read as ours)."""
+        if data.startswith(b"apiVersion:"):
+            return None
+        section = spec_sections(data).get(_PROFILE)
+        if section is None:
+            return None
+        found = self._compiled.get(section, _UNREAD)
+        if found is _UNREAD:
+            if len(self._compiled) >= 10_000:
+                self._compiled.clear()
+            found = self._compiled[section] = _compiled(section)
+        return found  # type: ignore[return-value]
+
+    def profile_text(self, app: AppVersion, profile: DeploymentProfile,
+                     renders: RenderCache) -> bytes:
+        """The `deploymentProfile` text an rc.3 file of this application profile holds."""
+        key = (app.digest, profile.id)
+        found = self._texts.get(key)
+        if found is None:
+            deployment = ApplicationDeployment(
+                id="", name="x", namespace="x", application_id=app.description.id,
+                profile=renders.plan(app, profile).profile, parameters={}, device_id="")
+            document = canonical_yaml(deployment_document(deployment))
+            found = self._texts[key] = spec_sections(document).get(_PROFILE, b"")
+        return found
+
+    def running_version(self, versions: Mapping[str, AppVersion], data: bytes,
+                        renders: RenderCache) -> str | None:
+        """The version of the application (among `versions`, the source's) whose profile
+        the file `data` holds, or None when none does (an edited or deleted version)."""
+        section = spec_sections(data).get(_PROFILE)
+        if section is None:
+            return None
+        for version, app in sorted(versions.items()):
+            for profile in app.description.profiles:
+                if self.profile_text(app, profile, renders) == section:
+                    return version
+        return None
+
+
+def _compiled(section: bytes) -> CompiledConstraints | None:
+    try:
+        doc = yaml.load(section, Loader=_LOADER)
+    except yaml.YAMLError:
+        return None
+    profile = doc.get("deploymentProfile") if isinstance(doc, dict) else None
+    if not isinstance(profile, dict):
+        return None
+    constraints = profile.get("deviceConstraints")
+    try:
+        return compile_constraints(constraints if isinstance(constraints, dict) else None)
+    except (DocumentError, ValueError, TypeError):
+        return None
+
+
+def grows(old: Demand, new: Demand) -> bool:
+    """Whether `new` asks for anything `old` did not hold: more cores, memory or storage,
+    cores on fewer architectures, or a GPU claim `old` did not have."""
+    if new.cores > old.cores or new.memory > old.memory or new.storage > old.storage:
+        return True
+    if new.cores and new.architectures is not None and (
+            old.architectures is None or not new.architectures >= old.architectures):
+        return True
+    had = Counter(claim.text for claim in old.gpus)
+    return any(count > had[text] for text, count in
+               Counter(claim.text for claim in new.gpus).items())
+
+
+def held_note(name: str, running: str | None, version: str,
+              short: tuple[Failure, ...]) -> str:
+    """`<intent>: held at 1.0.0: the new version needs 1.5 cores; the device has 2, of which
+    1 is assigned to other`."""
+    what = "the change" if running == version else "the new version"
+    return (f"{name}: held at {running or 'the version it runs'}: {what} "
+            + "; ".join(f.message for f in short))
+
+
+@dataclass
+class Upgrade:
+    """A change of a placed deployment that raises what it takes, taken back out of the new
+    tree until the round decides it: what it would write, and what it takes then."""
+
+    intent: Intent
+    app: AppVersion
+    demand: Demand
+    data: bytes
+    oid: str
+    move: tuple[str, str] | None  # the rollout move it makes, if it moves on
+
+
+def take_back_upgrades(ctx: _Context, out: DeviceOutcome, current: StoredTree,
+                       capacity: Callable[[], DeviceCapacity]) -> list[Upgrade]:
+    """The updates of this compile that raise what a placed deployment takes, each taken
+    back out of the new tree (the device keeps its file meanwhile). `capacity` gives the
+    device's accounting (made only when some update needs it)."""
+    records = {r.intent: r for r in out.placements}
+    upgrades = []
+    for change in out.changes:
+        entry = ctx.intents.usable.get(change.intent)
+        fname = change.file
+        if change.action != "update" or entry is None or entry[0].overcommit \
+                or fname not in out.files or fname not in current.ids:
+            continue
+        intent, app = entry
+        record = records.get(intent.name)
+        profile = None if record is None else ctx.profile(app, record.profile)
+        compiled = ctx.stored.constraints(current.read(fname))
+        if profile is None or compiled is None:
+            continue
+        device = capacity()
+        new = device.demand_now(intent, app, profile)
+        if not grows(device.file_demand(intent.name, intent, compiled), new):
+            continue
+        move = next((m for m in out.moves if m[0] == intent.name), None)
+        if move is not None:
+            out.moves.remove(move)
+        upgrades.append(Upgrade(intent, app, new, out.files.pop(fname), out.ids[fname], move))
+        out.keep(fname, current)
+        out.stale.add(intent.name)
+    return upgrades
+
+
+def _priority(ctx: _Context, name: str) -> int:
+    entry = ctx.intents.usable.get(name)
+    return 0 if entry is None else entry[0].priority
+
+
+def _is_fresh(out: DeviceOutcome, record: PlacementRecord | None) -> bool:
+    """Whether the tree's file of `record` is what its intent renders now."""
+    return (record is not None and record.deployed and not record.waiting
+            and record.ineligible_since is None and record.intent not in out.stale)
+
+
+def hold_tree(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
+              current: StoredTree) -> None:
+    """Every file the new tree holds so far takes its share of the device, in placement
+    order: what its intent takes now when the file is what it renders now, else what the
+    file itself says it takes."""
+    records = {r.intent: r for r in out.placements}
+    names = [f[: -len(_SUFFIX)] for f in out.ids if f.endswith(_SUFFIX)]
+    for name in sorted(names, key=lambda n: (-_priority(ctx, n), n)):
+        entry = ctx.intents.usable.get(name)
+        if entry is not None and entry[0].overcommit:
+            continue
+        record = records.get(name)
+        profile = None if entry is None or record is None else ctx.profile(entry[1],
+                                                                          record.profile)
+        if entry is not None and profile is not None and _is_fresh(out, record):
+            capacity.hold(entry[0], entry[1], profile)
+            continue
+        fname = file_name(name)
+        data = out.files.get(fname)
+        compiled = ctx.stored.constraints(current.blob(out.ids[fname]) if data is None
+                                          else data)
+        if compiled is not None:
+            capacity.hold_demand(name, capacity.file_demand(
+                name, None if entry is None else entry[0], compiled))
+        elif entry is not None and profile is not None:
+            capacity.hold(entry[0], entry[1], profile)
+        else:
+            _hold_as_recorded(ctx, capacity, name, record)
+
+
+def _hold_as_recorded(ctx: _Context, capacity: DeviceCapacity, name: str,
+                      record: PlacementRecord | None) -> None:
+    """A file that does not say what it takes, of an intent that cannot be used now: its
+    application version as the state last recorded it says."""
+    before = ctx.previous_intents.get(name)
+    app = None if before is None else ctx.source.application(before.app_id,
+                                                             before.app_version)
+    profile = None if app is None or record is None else ctx.profile(app, record.profile)
+    if app is not None and profile is not None:
+        capacity.hold_frozen(name, app, profile)
+
+
+def decide_in_order(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
+                    current: StoredTree, new: list[tuple[Intent, AppVersion, Placement]],
+                    upgrades: list[Upgrade], place: Place) -> None:
+    """The round: the tree's files take their shares, then new placements and upgrades
+    are decided one after another (highest priority, then name). A new placement that does
+    not fit waits; an upgrade that does not fit is held; both say why in numbers."""
+    hold_tree(ctx, out, capacity, current)
+    pending: list[tuple[Intent, AppVersion, Placement | Upgrade]] = [
+        *new, *((u.intent, u.app, u) for u in upgrades)]
+    for intent, app, item in sorted(pending, key=lambda e: (-e[0].priority, e[0].name)):
+        if isinstance(item, Upgrade):
+            _decide_upgrade(ctx, out, capacity, current, item)
+        else:
+            _decide_new(out, capacity, intent, app, item, place)
+
+
+def _decide_new(out: DeviceOutcome, capacity: DeviceCapacity, intent: Intent,
+                app: AppVersion, placement: Placement, place: Place) -> None:
+    placement, short = capacity.admit(intent, app, placement)
+    if short:
+        out.placements.append(PlacementRecord(capacity.device.id, intent.name, False, False,
+                                              None, None, True))
+        out.notes.append(f"{intent.name}: waits for capacity: "
+                         + "; ".join(f.message for f in short))
+        return
+    place(intent, app, placement)
+    if file_name(intent.name) not in out.ids:  # it could not be rendered: nothing to hold
+        capacity.ledger.release(intent.name)
+
+
+def _decide_upgrade(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
+                    current: StoredTree, upgrade: Upgrade) -> None:
+    name, fname = upgrade.intent.name, file_name(upgrade.intent.name)
+    short = capacity.upgrade(name, upgrade.demand)
+    if not short:
+        del out.kept[fname]
+        out.add(fname, upgrade.data, upgrade.oid)
+        out.stale.discard(name)
+        if upgrade.move is not None:
+            out.moves.append(upgrade.move)
+        return
+    out.changes = [c for c in out.changes if c.intent != name]
+    out.placements = [r._replace(waiting=True) if r.intent == name else r
+                      for r in out.placements]
+    description = upgrade.app.description
+    running = ctx.stored.running_version(ctx.source.applications.get(description.id, {}),
+                                         current.read(fname), ctx.renders)
+    out.notes.append(held_note(name, running, description.version, short))

@@ -231,10 +231,11 @@ class FleetApi:
         [view] = await run_in_threadpool(self.rollout_views, name)
         return JSONResponse(view)
 
-    def _placed(self, device_id: str) -> set[str]:
-        """The intents the device's branch holds (capacity accounting counts them first)."""
-        return {served.intent for served in self.api.desired.device_deployments(device_id)
-                if served.intent}
+    def _placed(self, device_id: str) -> dict[str, bytes]:
+        """The intents the device's branch holds, with their files (capacity accounting
+        counts them first, and decides from the files whether an upgrade is held)."""
+        return {served.intent: served.data
+                for served in self.api.desired.device_deployments(device_id) if served.intent}
 
     def device_deployments(self, device_id: str,
                            statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

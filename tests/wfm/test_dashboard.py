@@ -386,6 +386,48 @@ def test_an_intent_waiting_for_capacity_is_shown_with_the_numbers(tmp_path: Path
     assert "w-one: eligible" in text(row(page, "intent", "w-one"))
 
 
+def test_an_upgrade_held_for_capacity_is_shown_with_the_numbers(tmp_path: Path) -> None:
+    """Issue 28: x moves to 2.0.0 (1.5 cores), y's upgrade no longer fits and is held."""
+    from kits.fleetkit import Fleet as Source
+    from kits.fleetkit import app, device, intent
+
+    from margo.canonical import canonical_yaml
+
+    def version(number: str, cores: float) -> dict[str, Any]:
+        return app(version=number, revision=number, compose=False, parameters={},
+                   constraints={"capacityRequirements": {"cpu": {"cores": cores}}})
+
+    source = Source(tmp_path / "source")
+    source.apps["com-example-app"] = version("1.0.0", 1)
+    source.intents.update({n: intent(n) for n in ("x", "y")})
+    source.write()
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    with running_server(data, "--source", str(source.source), "--watch-source") as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        response = http.put("/api/v1/capabilities/box", json=device("box", cores=2.5))
+        assert response.status_code in (200, 201), response.text
+
+        def digests() -> dict[str, str]:
+            return {d["intent"]: d["digest"] for d in
+                    http.get("/api/fleet/devices/box").json()["deployments"]}
+        wait_for(lambda: sorted(digests()) == ["x", "y"], "the first compile")
+        before = digests()
+        upgrade = source.source / "apps" / "com-example-app" / "2.0.0" / "margo.yaml"
+        upgrade.parent.mkdir()
+        upgrade.write_bytes(canonical_yaml(version("2.0.0", 1.5)))
+        wait_for(lambda: digests()["x"] != before["x"], "x's upgrade")
+        assert digests()["y"] == before["y"]
+        page = http.get("/devices/box").text
+        explained = http.get("/api/fleet/explain", params={"intent": "y"}).json()
+    held = text(row(page, "intent", "y"))
+    assert "y: held for capacity" in held
+    assert "needs 1.5 cores; the device has 2.5, of which 1.5 are assigned to x" in held
+    assert "the device keeps running 1.0.0 until 2.0.0 fits" in held
+    [entry] = explained["devices"][0]["intents"]
+    assert (entry["status"], entry["heldAt"]) == ("held for capacity", "1.0.0")
+
+
 # --- the pure parts ------------------------------------------------------------------------
 
 def test_device_kind_nodes_and_gpus_from_types_cluster_and_labels() -> None:

@@ -48,6 +48,7 @@ from margo.kinds import Kind, Shape
 from margo.models import DeploymentStatus, DeviceCapabilities
 from margo.validation import validate_value
 from wfm import records
+from wfm.attribution import Attribution, claim_of
 from wfm.clientdevices import ClientDevices
 from wfm.clients import Client, ClientRegistry, parse_basic, same_secret
 from wfm.compiles import CompileService
@@ -97,6 +98,8 @@ class Api:
             lambda token: db.offload(clients.token_lookup, token))
         self.devices = ClientDevices(db, sole_writer=coordinator is None)
         self.polls = PollClock(db)
+        self.attribution = Attribution(db, desired.deployments_at,
+                                       sole_writer=coordinator is None)
         self._rollouts_checked, self._rollouts_moving = -1e9, False
 
     # --- authentication ----------------------------------------------------------------
@@ -145,8 +148,15 @@ class Api:
         owner = await self.db.aread(lambda conn: records.device_owner(conn, device_id))
         if owner != client.client_id:
             return False
+        if request.url.path.endswith("/info/refs"):  # a Git device's poll: it was heard
+            self.polls.seen(client.client_id)
         await self._caught_up()
         return True
+
+    def git_delivered(self, device_id: str, commit: str) -> None:
+        """Git hosting handed the device its branch at `commit`: its reports that name no
+        adopted state are about that commit from now on (`wfm.attribution`)."""
+        self.attribution.handouts.delivered(device_id, commit)
 
     def lost_branch(self, device_id: str) -> str | None:
         """Git hosting, for a device without a branch in the served repository: why that is
@@ -302,6 +312,7 @@ class Api:
             removed = await self.db.write(forget)
         finally:
             self.devices.changed(client.client_id)
+            self.attribution.handouts.forget(device_id)
         if not removed:
             raise ProblemError(404, f"no device {device_id!r} for this client",
                                margo_type="device-not-found")
@@ -474,12 +485,16 @@ class Api:
             raise ProblemError(422, f"deployment {deployment_id} was never assigned to this "
                                "client's devices", margo_type="semantic-error")
         device_id = status.device_id or path_device or owner
+        applied = await self.attribution.applied(
+            client_id=client.client_id, device_id=device_id or owner,
+            deployment_id=deployment_id, claim=claim_of(doc))
 
         def write(conn: Connection) -> records.StatusWrite:
             return records.store_status(
                 conn, client_id=client.client_id, deployment_id=deployment_id,
                 device_id=device_id, state=str(status.state), document=doc,
-                digest=data_digest(doc), adopted=status.adopted_manifest_version)
+                digest=data_digest(doc), adopted=status.adopted_manifest_version,
+                applied=applied)
 
         written = await self.db.write(write)
         if written.changed and await self._rollout_moving():

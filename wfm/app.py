@@ -215,6 +215,7 @@ def create_app(config: ServerConfig) -> Starlette:
             if coordinator is not None:
                 coordinator.stop()
             api.polls.flush()
+            api.attribution.handouts.flush()
             db.close()
             if config.data_lock is None:
                 lock.release()
@@ -229,7 +230,8 @@ def create_app(config: ServerConfig) -> Starlette:
                     replicas=lambda: api.coordinator))]
                   if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch,
-                                          lost=api.lost_branch))],
+                                          lost=api.lost_branch,
+                                          delivered=api.git_delivered))],
         lifespan=lifespan,
         # Body limits first: nothing below (signature checks buffer bodies) sees more.
         middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config)),

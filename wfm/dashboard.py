@@ -501,8 +501,7 @@ class Dashboard:
         await self.fleet.api.catch_up()
         statuses, rows, deployments = self._fleet_now()
         polls = self.fleet.api.db.read(records.client_polls)
-        contents = self.fleet.fleet_contents(statuses)
-        devices = [device_view(row, self.fleet.device_summary(row, statuses, polls, contents))
+        devices = [device_view(row, self.fleet.device_summary(row, statuses, polls))
                    for row in rows]
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for device_id, served in deployments.items():

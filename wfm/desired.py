@@ -34,6 +34,8 @@ __all__ = ["BUNDLE_MEDIA_TYPE", "STATE_LOST_RETRY", "ClientState", "DesiredState
 BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
 #: Seconds a device is told to wait before asking again for a state the server lost.
 STATE_LOST_RETRY = 60
+#: (device, commit) pairs whose contents `DesiredState.deployments_at` keeps.
+_AT_COMMIT_KEPT = 4096
 _LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 log = logging.getLogger("margo.wfm.desired")
 
@@ -223,6 +225,8 @@ class DesiredState:
         self._recent: dict[str, OrderedDict[str, ClientState]] = {}
         self._history = history
         self._reported_lost: set[str] = set()  # devices whose lost state was logged
+        #: (device, commit) -> what the commit held (`deployments_at`), newest used last.
+        self._at_commit: OrderedDict[tuple[str, str], dict[str, str]] = OrderedDict()
 
     @property
     def generation(self) -> int:
@@ -361,6 +365,31 @@ class DesiredState:
                         if document is not None and document.deployment_id == deployment_id:
                             return data
         return None
+
+    def deployments_at(self, device_id: str, commit: str) -> dict[str, str] | None:
+        """What the device's branch held at `commit` (deployment id -> digest), or None when
+        that is not a commit of the device's branch here: a status report that names the
+        commit it applied (`wfm.attribution`) is attributed to those bytes. Only the
+        device's own branch is read, so one device's report can never name another's
+        state. Kept per (device, commit): a commit never changes."""
+        key = (device_id, commit)
+        with self._lock:
+            if key in self._at_commit:
+                self._at_commit.move_to_end(key)
+                return self._at_commit[key]
+        try:
+            files = self._store.read_files(device_id, commit)
+        except (GitStoreError, pygit2.GitError, KeyError, ValueError):
+            files = None
+        if files is None:  # (not kept: a replica may not have synced the commit yet)
+            return None
+        documents = (_Document.read(data) for data in files.values())
+        held = {d.deployment_id: d.digest for d in documents if d is not None}
+        with self._lock:
+            self._at_commit[key] = held
+            while len(self._at_commit) > _AT_COMMIT_KEPT:
+                self._at_commit.popitem(last=False)
+        return held
 
     def recent_states(self, client_id: str) -> list[ClientState]:
         """The client's current and a few previous states (a device may still be fetching

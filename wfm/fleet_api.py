@@ -41,9 +41,11 @@ __all__ = ["FleetApi"]
 
 def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
     rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at, "
-                        "adopted_manifest_version, client_id FROM statuses")
+                        "adopted_manifest_version, client_id, applied_digest, applied_via "
+                        "FROM statuses")
     return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
-                   "reportedAt": r[4], "adopted": r[5], "clientId": r[6]} for r in rows}
+                   "reportedAt": r[4], "adopted": r[5], "clientId": r[6], "applied": r[7],
+                   "appliedVia": r[8]} for r in rows}
 
 
 def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
@@ -88,10 +90,8 @@ class FleetApi:
 
     def device_summary(self, row: records.DeviceRow, statuses: dict[str, dict[str, Any]],
                        polls: dict[str, tuple[float | None, float | None]] | None = None,
-                       contents: dict[str, dict[int, dict[str, str]]] | None = None,
                        ) -> dict[str, Any]:
-        """`polls`: every client's last poll and interval (`records.client_polls`), and
-        `contents`: what the adopted manifest versions held (`fleet_contents`), when the
+        """`polls`: every client's last poll and interval (`records.client_polls`), when the
         caller summarises many devices; read here otherwise."""
         deployments = self.api.desired.device_deployments(row.device_id)
         states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
@@ -101,29 +101,20 @@ class FleetApi:
                 "vendor": properties.get("vendor"), "reportedAt": row.reported_at,
                 "deployments": len(deployments), "states": dict(sorted(states.items())),
                 "labels": row.document.get("labels", {}),
-                "freshness": self._freshness(row, deployments, statuses, polls,
-                                             contents).to_json(),
+                "freshness": self._freshness(row, deployments, statuses, polls).to_json(),
                 "errors": _errors(deployments, statuses)}
 
     def _freshness(self, row: records.DeviceRow, deployments: list[Any],
                    statuses: dict[str, dict[str, Any]],
-                   polls: dict[str, tuple[float | None, float | None]] | None,
-                   fleet_contents: dict[str, dict[int, dict[str, str]]] | None) -> Freshness:
+                   polls: dict[str, tuple[float | None, float | None]] | None) -> Freshness:
         if polls is None:
             polls = self.api.db.read(records.client_polls)
         held = {d.deployment_id: d.digest for d in deployments}
         mine = {i: statuses[i] for i in held if i in statuses}
-        versions = {int(s["adopted"]) for s in mine.values() if s.get("adopted") is not None}
-        if fleet_contents is not None:
-            known = fleet_contents.get(row.client_id, {})
-            contents = {v: known[v] for v in versions if v in known}
-        else:
-            contents = self.api.db.read(lambda c: records.manifest_contents(
-                c, row.client_id, versions)) if versions else {}
         last_poll, interval = polls.get(row.client_id, (None, None))
         heard = [t for t in (row.reported_at, last_poll,
                              *(s.get("reportedAt") for s in mine.values())) if t is not None]
-        return device_freshness(deployments=held, statuses=mine, contents=contents,
+        return device_freshness(deployments=held, statuses=mine,
                                 last_seen=max(heard) if heard else None,
                                 poll_interval=interval, now=time.time(),
                                 stale_polls=self.stale_polls)
@@ -131,20 +122,12 @@ class FleetApi:
     def device_rows(self) -> list[records.DeviceRow]:
         return self.api.db.read(records.device_rows)
 
-    def fleet_contents(self, statuses: dict[str, dict[str, Any]],
-                       ) -> dict[str, dict[int, dict[str, str]]]:
-        """What each client's adopted manifest versions held, for every status at once."""
-        wanted = [(s["clientId"], int(s["adopted"])) for s in statuses.values()
-                  if s.get("adopted") is not None and s.get("clientId")]
-        return self.api.db.read(lambda c: records.manifest_contents_of(c, wanted))
-
     async def devices(self, request: Request) -> Response:
         self._authorize(request)
         await self.api.catch_up()
         statuses = self.statuses()
         polls = self.api.db.read(records.client_polls)
-        contents = self.fleet_contents(statuses)
-        return JSONResponse({"devices": [self.device_summary(r, statuses, polls, contents)
+        return JSONResponse({"devices": [self.device_summary(r, statuses, polls)
                                          for r in self.device_rows()]})
 
     def eligibility(self, device_ids: Iterable[str]) -> dict[str, list[dict[str, Any]] | str]:
@@ -239,7 +222,9 @@ class FleetApi:
 
     def device_deployments(self, device_id: str,
                            statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-        """What the device's branch holds, each with its last reported status."""
+        """What the device's branch holds, each with its last reported status and which
+        bytes that status is about (`applied`: their digest, how that was known, and
+        whether they are the bytes the branch holds now: `wfm.attribution`)."""
         deployments = []
         for served in self.api.desired.device_deployments(device_id):
             status = statuses.get(served.deployment_id)
@@ -249,7 +234,10 @@ class FleetApi:
                 "state": status["state"] if status else "pending",
                 "components": status["document"].get("components", []) if status else [],
                 "error": status["document"].get("status", {}).get("error") if status else None,
-                "reportedAt": status["reportedAt"] if status else None})
+                "reportedAt": status["reportedAt"] if status else None,
+                "applied": None if status is None else {
+                    "digest": status["applied"], "via": status["appliedVia"],
+                    "current": status["applied"] == served.digest}})
         return deployments
 
     def history(self, device_id: str) -> list[dict[str, Any]]:

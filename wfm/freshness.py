@@ -3,14 +3,14 @@
 `current`: every deployment the device's branch holds has an `installed` status for the
 deployment's current bytes; `pending`: not yet; `failed-on-current`: one of them reported
 `failed` for its current bytes; `stale`: nothing heard from the device (capability report,
-manifest poll, status) for `STALE_POLLS` of its observed polling interval (or `STALE_AFTER`
-seconds while its interval is unknown), whatever its statuses say.
+manifest poll, Git fetch, status) for `STALE_POLLS` of its observed polling interval (or
+`STALE_AFTER` seconds while its interval is unknown), whatever its statuses say.
 
-A status belongs to the current bytes when the manifestVersion it says it adopted held the
-deployment with the digest the branch holds now (`manifest_history`). A status adopted from
-an older version counts only if that deployment did not change since. A deployment that was
-only reconfigured therefore waits for a new report: an `installed` from before the change
-says nothing about the new values.
+A status belongs to the current bytes when the bytes it is about (`applied`: the digest of
+the deployment's document the device had adopted when it reported, `wfm.attribution`) are
+the bytes the branch holds now, whatever the device's generation or source. A deployment
+that was only reconfigured therefore waits for a new report: an `installed` from before
+the change says nothing about the new values.
 """
 
 from __future__ import annotations
@@ -43,12 +43,10 @@ class Freshness:
 
 
 def device_freshness(*, deployments: dict[str, str], statuses: dict[str, dict[str, Any]],
-                     contents: dict[int, dict[str, str]], last_seen: float | None,
-                     poll_interval: float | None, now: float,
+                     last_seen: float | None, poll_interval: float | None, now: float,
                      stale_polls: float = STALE_POLLS) -> Freshness:
     """`deployments`: what the branch holds now (id -> digest); `statuses`: the stored
-    status per deployment id (`state`, `adopted`: the manifestVersion it names);
-    `contents`: what those manifestVersions held (`records.manifest_contents`)."""
+    status per deployment id (`state`, `applied`: the digest the report is about)."""
     stale_after = (STALE_AFTER if poll_interval is None
                    else max(MIN_STALE, stale_polls * poll_interval))
     def result(state: str) -> Freshness:
@@ -58,7 +56,7 @@ def device_freshness(*, deployments: dict[str, str], statuses: dict[str, dict[st
         return result("stale")
     current = {deployment_id: status["state"] for deployment_id, status in statuses.items()
                if deployment_id in deployments
-               and status_for_current(deployments[deployment_id], status, contents, deployment_id)}
+               and status_for_current(deployments[deployment_id], status)}
     if any(state == "failed" for state in current.values()):
         return result("failed-on-current")
     if all(current.get(deployment_id) == "installed" for deployment_id in deployments):
@@ -66,12 +64,7 @@ def device_freshness(*, deployments: dict[str, str], statuses: dict[str, dict[st
     return result("pending")
 
 
-def status_for_current(digest: str, status: dict[str, Any],
-                       contents: dict[int, dict[str, str]], deployment_id: str) -> bool:
-    """Whether a stored status (`adopted`: the manifestVersion it names) is about the
-    deployment's bytes `digest`."""
-    adopted = status.get("adopted")
-    if adopted is None:
-        return False
-    held = contents.get(int(adopted))
-    return held is not None and held.get(deployment_id) == digest
+def status_for_current(digest: str, status: dict[str, Any]) -> bool:
+    """Whether a stored status (`applied`: the digest of the document it is about) is about
+    the deployment's bytes `digest`."""
+    return status.get("applied") == digest

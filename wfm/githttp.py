@@ -96,6 +96,7 @@ __all__ = [
     "PROCESS_TIMEOUT",
     "REALM",
     "Authorize",
+    "Delivered",
     "Lost",
     "git_app",
     "write_to_backend",
@@ -105,6 +106,9 @@ __all__ = [
 Authorize = Callable[[Request, str], Awaitable[bool] | bool]
 #: For a device without a branch: why that is lost state (503), or None (no state yet: 404).
 Lost = Callable[[str], str | None]
+#: Told (device id, commit) after an upload-pack exchange that sent the device its branch's
+#: tip completed: what the device was last handed out (`wfm.attribution`).
+Delivered = Callable[[str, str], None]
 
 #: Seconds one Git exchange may take before its processes are killed.
 PROCESS_TIMEOUT = 300.0
@@ -155,7 +159,8 @@ _log = logging.getLogger(__name__)
 
 
 def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
-            git: str = "git", lost: Lost | None = None) -> ASGIApp:
+            git: str = "git", lost: Lost | None = None,
+            delivered: Delivered | None = None) -> ASGIApp:
     """The ASGI app serving every device's branch of `repository` (mount it at ``/git``).
 
     `repository` is the shared bare repository (``<repos>/fleet-state.git``); `git` is the
@@ -163,11 +168,15 @@ def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
     branch here, says why that is lost state (answered 503) or None for a device without
     desired state yet (404); the fleet server passes what its REST manifests use
     (`wfm.desired.DesiredState.missing_branch`: on a replica, what was published), and by
-    default the compiler's state next to the repository is asked.
+    default the compiler's state next to the repository is asked. `delivered(device_id,
+    commit)` is told whenever an upload-pack exchange that wanted the branch's tip ended
+    with Git's whole answer sent: the server attributes the device's later status reports
+    to that commit when they do not name one themselves.
     """
     repository = Path(repository).absolute()
     server = _GitServer(repository, authorize, git,
-                        lost or (lambda device_id: _recorded_loss(repository, device_id)))
+                        lost or (lambda device_id: _recorded_loss(repository, device_id)),
+                        delivered)
     return Router(routes=[
         Route(f"{_DEVICE}/info/refs", _Endpoint(server.info_refs)),
         Route(f"{_DEVICE}/{_UPLOAD_PACK}", _Endpoint(server.upload_pack)),
@@ -195,8 +204,10 @@ class _Endpoint:
 class _GitServer:
     """The two endpoints; everything they need to start one `_BackendExchange`."""
 
-    def __init__(self, repository: Path, authorize: Authorize, git: str, lost: Lost) -> None:
+    def __init__(self, repository: Path, authorize: Authorize, git: str, lost: Lost,
+                 delivered: Delivered | None) -> None:
         self.repository, self.authorize, self.git, self.lost = repository, authorize, git, lost
+        self.delivered = delivered
 
     async def info_refs(self, request: Request) -> Response:
         """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
@@ -243,7 +254,8 @@ class _GitServer:
             content_type=request.headers.get("content-type"),
             content_length=request.headers.get("content-length"),
             # (upload-pack is given the gate's plain rewrite instead: `_cgi_environment`)
-            content_encoding="gzip" if gzipped else None, gate=gate))
+            content_encoding="gzip" if gzipped else None, gate=gate),
+            delivered=self.delivered if gate is not None else None)
 
 
 async def _call_authorize(authorize: Authorize, request: Request, device_id: str) -> bool:
@@ -413,6 +425,8 @@ class _Gate:
         self.branch = _Branch(repository, tip)
         self._inflater = _Inflater(gzipped)
         self._lines = _PktLines()
+        #: The request wants the branch's tip: the exchange hands the device its newest state.
+        self.wants_tip = False
 
     async def check(self, chunk: bytes, *, last: bool) -> bytes:
         """The part of the request completed by `chunk` that Git may see (decompressed);
@@ -431,6 +445,7 @@ class _Gate:
             if line.claims is not None:
                 claimed.add(line.claims)
             kept.append((packet, line))
+        self.wants_tip = self.wants_tip or self.branch.tip in wants
         if not wants and not claimed:
             return b"".join(packet for packet, _ in kept)
         foreign, own = await asyncio.to_thread(self.branch.sort, wants, claimed)
@@ -567,9 +582,9 @@ class _BackendExchange(Response):
     noticed while Git is still working.
     """
 
-    def __init__(self, cgi: _CgiRequest) -> None:
+    def __init__(self, cgi: _CgiRequest, delivered: Delivered | None = None) -> None:
         super().__init__(status_code=200)
-        self.cgi = cgi
+        self.cgi, self.delivered = cgi, delivered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -590,7 +605,8 @@ class _BackendExchange(Response):
                 return
             try:
                 async with asyncio.timeout(PROCESS_TIMEOUT):
-                    await _exchange(self.cgi, process, scope, receive, tracking_send)
+                    sent = await _exchange(self.cgi, process, scope, receive, tracking_send)
+                self._tell_delivered(sent, process)
             except TimeoutError:
                 _log.warning("git %s for device %r killed after %.0f s", self.cgi.service,
                              self.cgi.device_id, PROCESS_TIMEOUT)
@@ -601,6 +617,21 @@ class _BackendExchange(Response):
                           self.cgi.service)
             finally:
                 await _reap(process)
+
+
+    def _tell_delivered(self, sent: bool, process: asyncio.subprocess.Process) -> None:
+        """After Git's whole answer went out and Git succeeded: tell who wants to know that
+        the device was handed its branch's tip (a hook that fails is logged, never the
+        device's problem)."""
+        gate = self.cgi.gate
+        if not (sent and process.returncode == 0 and self.delivered is not None
+                and gate is not None and gate.wants_tip):
+            return
+        try:
+            self.delivered(self.cgi.device_id, gate.branch.tip)
+        except Exception:  # a defect in the hook: the exchange itself went well
+            _log.exception("recording what device %r was handed out failed",
+                           self.cgi.device_id)
 
 
 def _make_view(root: Path, repository: Path, ref: str) -> Path:
@@ -649,8 +680,9 @@ async def _spawn(cgi: _CgiRequest, view_root: Path) -> asyncio.subprocess.Proces
 
 
 async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope: Scope,
-                    receive: Receive, send: Send) -> None:
-    """Feed the body, relay Git's CGI answer; a refused request is answered by us."""
+                    receive: Receive, send: Send) -> bool:
+    """Feed the body, relay Git's CGI answer; a refused request is answered by us. Whether
+    Git's whole answer was sent and Git has exited."""
     assert process.stdin and process.stdout and process.stderr
     stderr = asyncio.create_task(_collect_stderr(process.stderr))
     feeder = asyncio.create_task(_feed(receive, process.stdin, cgi))
@@ -669,10 +701,12 @@ async def _exchange(cgi: _CgiRequest, process: asyncio.subprocess.Process, scope
             _log.warning("git %s for device %r not run: %s", cgi.service, cgi.device_id,
                          refusal)
             await _problem(refusal.status, str(refusal))(scope, receive, send)
-            return
+            return False
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if await _pump(process.stdout, receive, send):
             await process.wait()
+            return status == 200
+        return False
     finally:
         feeder.cancel()
         head.cancel()

@@ -12,13 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from margo.digests import data_digest
 from wfm.db import Connection
 
 __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
-           "STATUS_HISTORY_BYTES", "CapabilityWrite", "DeviceRow", "StatusWrite",
-           "advance_manifest_version", "client_devices", "client_polls", "device_documents",
-           "device_owner", "device_row", "device_rows", "device_time", "forget_device",
-           "manifest_contents", "manifest_contents_of", "manifest_version", "record_polls",
+           "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceRow",
+           "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
+           "device_documents", "device_owner", "device_row", "device_rows", "device_time",
+           "forget_device", "git_handout", "manifest_contents", "manifest_contents_of",
+           "manifest_version", "record_git_handouts", "record_polls", "report_meaning",
            "status_device", "status_history", "store_capabilities", "store_status",
            "trim_capability_history", "trim_status_history"]
 
@@ -153,6 +155,23 @@ def record_polls(conn: Connection, polls: dict[str, tuple[float, float | None]])
                      "poll_interval) WHERE client_id = ?", (when, interval, client_id))
 
 
+def record_git_handouts(conn: Connection, handouts: dict[str, tuple[str, float]]) -> None:
+    """Store which commit each device was last handed over Git (device -> (commit, when)),
+    a batch at a time (`wfm.attribution.Handouts`)."""
+    for device_id, (commit, when) in handouts.items():
+        conn.execute("INSERT INTO git_handouts (device_id, commit_id, handed_at) "
+                     "VALUES (?, ?, ?) ON CONFLICT (device_id) DO UPDATE SET "
+                     "commit_id = excluded.commit_id, handed_at = excluded.handed_at",
+                     (device_id, commit, when))
+
+
+def git_handout(conn: Connection, device_id: str) -> str | None:
+    """The commit the device was last handed over Git, if it ever fetched one."""
+    row = conn.execute("SELECT commit_id FROM git_handouts WHERE device_id = ?",
+                       (device_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def status_device(conn: Connection, deployment_id: str,
                   client_id: str) -> str | None:
     """The device a deployment's stored status was reported for ("" when the report named
@@ -238,6 +257,7 @@ def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
         conn.execute("DELETE FROM statuses WHERE client_id = ? AND deployment_id = ?", pair)
     for pair in family:
         conn.execute("DELETE FROM devices WHERE client_id = ? AND device_id = ?", pair)
+        conn.execute("DELETE FROM git_handouts WHERE device_id = ?", (pair[1],))
     return bool(family)
 
 
@@ -261,28 +281,64 @@ _STATUS_TRIM_EVERY = 20
 STATUS_HISTORY_BYTES = 16 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """Which bytes of its deployment a status report is about (`wfm.attribution`): the
+    digest of the document the device had adopted (None: not known, or the adopted state
+    did not hold the deployment), and how that was known, for people."""
+
+    digest: str | None
+    via: str
+
+
+#: A status whose adopted state is not known at all.
+UNKNOWN = Applied(None, "unknown")
+
+
+def report_meaning(document: dict[str, Any], applied: Applied) -> str:
+    """What a report says: its states and errors and the bytes they are about, without
+    when the device observed them or which manifestVersion named those bytes. Two reports
+    that mean the same are one entry of history (a device re-asserting its state)."""
+    return data_digest({"status": document.get("status"),
+                        "components": document.get("components"),
+                        "deviceId": document.get("deviceId"), "applied": applied.digest})
+
+
 def store_status(conn: Connection, *, client_id: str, deployment_id: str,
                  device_id: str | None, state: str, document: dict[str, Any], digest: str,
-                 adopted: int | None, history: int = STATUS_HISTORY) -> StatusWrite:
-    """Idempotent: the same report twice changes nothing and adds no history. A changed
+                 adopted: int | None, applied: Applied = UNKNOWN,
+                 history: int = STATUS_HISTORY) -> StatusWrite:
+    """Idempotent: the same report twice changes nothing and adds no history, and a report
+    that says what the stored one says (`report_meaning`: the same states about the same
+    bytes; a device re-asserting its state) only refreshes the stored one. A changed
     report is appended to the deployment's history, which keeps the last `history` of them
     (trimmed every `_STATUS_TRIM_EVERY` reports, by the count kept on the status row)."""
-    existing = conn.execute("SELECT digest, history_count FROM statuses WHERE "
+    existing = conn.execute("SELECT digest, history_count, meaning FROM statuses WHERE "
                             "deployment_id = ? AND client_id = ?",
                             (deployment_id, client_id)).fetchone()
     if existing is not None and existing[0] == digest:
         return StatusWrite(created=False, changed=False)
     now = time.time()
+    meaning = report_meaning(document, applied)
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if existing is not None and existing[2] == meaning:
+        conn.execute("UPDATE statuses SET document = ?, digest = ?, "
+                     "adopted_manifest_version = ?, applied_via = ?, reported_at = ? "
+                     "WHERE deployment_id = ? AND client_id = ?",
+                     (text, digest, adopted, applied.via, now, deployment_id, client_id))
+        return StatusWrite(created=False, changed=False)
     conn.execute(
         "INSERT INTO statuses (deployment_id, client_id, device_id, state, document, digest, "
-        "adopted_manifest_version, reported_at, history_count) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 1) "
+        "adopted_manifest_version, applied_digest, applied_via, meaning, reported_at, "
+        "history_count) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1) "
         "ON CONFLICT (deployment_id) DO UPDATE SET device_id = excluded.device_id, "
         "state = excluded.state, document = excluded.document, digest = excluded.digest, "
         "adopted_manifest_version = excluded.adopted_manifest_version, "
+        "applied_digest = excluded.applied_digest, applied_via = excluded.applied_via, "
+        "meaning = excluded.meaning, "
         "reported_at = excluded.reported_at, history_count = statuses.history_count + 1",
-        (deployment_id, client_id, device_id, state, text, digest, adopted, now))
+        (deployment_id, client_id, device_id, state, text, digest, adopted, applied.digest,
+         applied.via, meaning, now))
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
                  "document, reported_at, device_time) VALUES (?, ?, ?, ?, ?, ?, ?)",
                  (deployment_id, client_id, device_id, state,

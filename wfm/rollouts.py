@@ -8,9 +8,9 @@ finished. State per intent lives in the database (`rollouts`), so any replica ca
 and the compiling one moves it on:
 
 * devices of the open waves that reported `installed` for the deployment's current bytes
-  (`wfm.freshness`: the manifestVersion a status adopted held that digest) count as
-  installed; `failed` for those bytes counts as failed; a device still pending when its
-  wave has been open for `waveDeadline` counts as stale;
+  (`wfm.attribution`: the status is about that digest, whatever the device's generation
+  or source) count as installed; `failed` for those bytes counts as failed; a device
+  still pending when its wave has been open for `waveDeadline` counts as stale;
 * failed plus stale beyond `maxFailed` → `rolled back`: every moved device gets its file
   from before back (the compiler commits that, saying why), and the rollout stays so until
   the intent changes again;
@@ -231,14 +231,14 @@ class RolloutController:
         state["openedAt"][str(open_wave + 1)] = now
         self._evaluate(state, spec, now)  # an empty wave settles at once
 
-    def _statuses(self) -> dict[str, tuple[str, int | None]]:
-        """Every stored status (state, adopted manifestVersion) by deployment id, read once
+    def _statuses(self) -> dict[str, tuple[str, str | None]]:
+        """Every stored status (state, the digest it is about) by deployment id, read once
         per evaluation rather than once per device."""
         return self._db.read(lambda c: {r[0]: (r[1], r[2]) for r in c.execute(
-            "SELECT deployment_id, state, adopted_manifest_version FROM statuses")})
+            "SELECT deployment_id, state, applied_digest FROM statuses")})
 
     def _verdict(self, device: str, state: dict[str, Any], now: float, deadline: float,
-                 wave: int, statuses: dict[str, tuple[str, int | None]], *,
+                 wave: int, statuses: dict[str, tuple[str, str | None]], *,
                  capped: bool) -> str:
         """installed | failed | stale | pending, or waiting: a device of the open wave of a
         capped rollout not let through yet. `capped`: the rollout has a `maxUnavailable`."""
@@ -256,12 +256,8 @@ class RolloutController:
             return "installed"  # nothing of the intent there (no longer targeted): no wait
         status = statuses.get(served.deployment_id)
         if status is not None and status[0] in ("installed", "failed") and \
-                status[1] is not None:
-            contents = self._db.read(lambda c: records.manifest_contents(
-                c, served.client_id, {int(status[1])}))
-            report = {"state": status[0], "adopted": status[1]}
-            if status_for_current(served.digest, report, contents, served.deployment_id):
-                return status[0]
+                status_for_current(served.digest, {"applied": status[1]}):
+            return status[0]
         opened = _started_at(state, device, wave, now)
         return "stale" if now - opened > deadline else "pending"
 

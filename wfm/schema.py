@@ -155,6 +155,31 @@ _CREDENTIALS_EPOCH = [_both(s) for s in (
     "ALTER TABLE fleet_state ADD COLUMN credentials_epoch {int} NOT NULL DEFAULT 0",
 )]
 
+_ATTRIBUTION = [_both(s) for s in (
+    # Which bytes of its deployment each status is about (`wfm.attribution`): the digest
+    # of the document the device had adopted when it reported, and how that was known (the
+    # manifestVersion or commit the report named, or what the device was handed out).
+    "ALTER TABLE statuses ADD COLUMN applied_digest TEXT",
+    "ALTER TABLE statuses ADD COLUMN applied_via TEXT",
+    # What a report says, without when it was observed or which version named its bytes:
+    # a report that says nothing new (a device re-asserting its state) adds no history.
+    "ALTER TABLE statuses ADD COLUMN meaning TEXT",
+    # The commit each device was last handed over Git (`wfm.githttp` delivered hook).
+    """CREATE TABLE IF NOT EXISTS git_handouts (
+        device_id TEXT PRIMARY KEY, commit_id TEXT NOT NULL, handed_at {real} NOT NULL)""",
+)]
+# Statuses stored before: attributed by the manifestVersion they named, where remembered.
+_ATTRIBUTE_STORED = (
+    "UPDATE statuses SET applied_via = 'manifestVersion ' || adopted_manifest_version, "
+    "applied_digest = (SELECT json_extract(h.deployments, '$.\"' || statuses.deployment_id "
+    "|| '\"') FROM manifest_history h WHERE h.client_id = statuses.client_id AND h.version "
+    "= statuses.adopted_manifest_version) WHERE adopted_manifest_version IS NOT NULL",
+    "UPDATE statuses SET applied_via = 'manifestVersion ' || adopted_manifest_version, "
+    "applied_digest = (SELECT h.deployments::jsonb ->> statuses.deployment_id FROM "
+    "manifest_history h WHERE h.client_id = statuses.client_id AND h.version = "
+    "statuses.adopted_manifest_version) WHERE adopted_manifest_version IS NOT NULL",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -176,6 +201,9 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(9, "the credentials epoch, for servers' credential caches",
               tuple(s for s, _ in _CREDENTIALS_EPOCH),
               tuple(p for _, p in _CREDENTIALS_EPOCH)),
+    Migration(10, "status attribution: the bytes each status is about; Git handouts",
+              (*(s for s, _ in _ATTRIBUTION), _ATTRIBUTE_STORED[0]),
+              (*(p for _, p in _ATTRIBUTION), _ATTRIBUTE_STORED[1])),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

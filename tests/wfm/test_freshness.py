@@ -14,44 +14,46 @@ from wfm.lastseen import PollClock
 
 NOW = 1_900_000_000.0
 HELD = {"d1": "sha256:new", "d2": "sha256:same"}
-CONTENTS = {4: {"d1": "sha256:old", "d2": "sha256:same"},
-            5: {"d1": "sha256:new", "d2": "sha256:same"}}
 
 
 def freshness(statuses: dict[str, dict[str, object]], *, last_seen: float | None = NOW - 5,
               interval: float | None = 30.0) -> str:
-    return device_freshness(deployments=HELD, statuses=statuses, contents=CONTENTS,
-                            last_seen=last_seen, poll_interval=interval, now=NOW).state
+    return device_freshness(deployments=HELD, statuses=statuses, last_seen=last_seen,
+                            poll_interval=interval, now=NOW).state
 
 
 def test_installed_for_the_current_bytes_is_current() -> None:
-    assert freshness({"d1": {"state": "installed", "adopted": 5},
-                      "d2": {"state": "installed", "adopted": 4}}) == "current"
+    assert freshness({"d1": {"state": "installed", "applied": "sha256:new"},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}) == "current"
 
 
 def test_installed_for_an_older_digest_is_pending() -> None:
-    """d1 changed between version 4 and 5: its `installed` from 4 says nothing about 5;
-    d2 did not change, so its report from 4 still counts."""
-    assert freshness({"d1": {"state": "installed", "adopted": 4},
-                      "d2": {"state": "installed", "adopted": 4}}) == "pending"
-    assert freshness({"d2": {"state": "installed", "adopted": 4}}) == "pending"
+    """d1 changed: its `installed` for the old bytes says nothing about the new ones; d2
+    did not change, so its report still counts."""
+    assert freshness({"d1": {"state": "installed", "applied": "sha256:old"},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}) == "pending"
+    assert freshness({"d2": {"state": "installed", "applied": "sha256:same"}}) == "pending"
 
 
 def test_failed_for_the_current_bytes_is_failed_on_current_but_an_old_failure_is_not() -> None:
-    assert freshness({"d1": {"state": "failed", "adopted": 5},
-                      "d2": {"state": "installed", "adopted": 5}}) == "failed-on-current"
-    assert freshness({"d1": {"state": "failed", "adopted": 4},
-                      "d2": {"state": "installed", "adopted": 5}}) == "pending"
+    assert freshness({"d1": {"state": "failed", "applied": "sha256:new"},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}
+                     ) == "failed-on-current"
+    assert freshness({"d1": {"state": "failed", "applied": "sha256:old"},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}) == "pending"
 
 
-def test_an_unremembered_version_does_not_count() -> None:
-    assert freshness({"d1": {"state": "installed", "adopted": 2},
-                      "d2": {"state": "installed", "adopted": 5}}) == "pending"
+def test_a_status_about_unknown_bytes_does_not_count() -> None:
+    """No adopted state known (a claim the server could not resolve): not current."""
+    assert freshness({"d1": {"state": "installed", "applied": None},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}) == "pending"
+    assert freshness({"d1": {"state": "installed"},
+                      "d2": {"state": "installed", "applied": "sha256:same"}}) == "pending"
 
 
 def test_silence_makes_a_device_stale_whatever_its_statuses_say() -> None:
-    current = {"d1": {"state": "installed", "adopted": 5},
-               "d2": {"state": "installed", "adopted": 5}}
+    current = {"d1": {"state": "installed", "applied": "sha256:new"},
+               "d2": {"state": "installed", "applied": "sha256:same"}}
     assert freshness(current, last_seen=NOW - 3 * 30 + 1, interval=30.0) == "current"
     assert freshness(current, last_seen=NOW - 3 * 30 - 1, interval=30.0) == "stale"
     assert freshness(current, last_seen=NOW - MIN_STALE + 1, interval=1.0) == "current"
@@ -61,7 +63,7 @@ def test_silence_makes_a_device_stale_whatever_its_statuses_say() -> None:
 
 
 def test_no_deployments_and_heard_from_is_current() -> None:
-    assert device_freshness(deployments={}, statuses={}, contents={}, last_seen=NOW,
+    assert device_freshness(deployments={}, statuses={}, last_seen=NOW,
                             poll_interval=None, now=NOW).state == "current"
 
 

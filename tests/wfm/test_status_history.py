@@ -60,7 +60,7 @@ def test_the_history_stores_both_times_and_a_garbage_device_time_as_null(
     client_id, _ = ClientRegistry(store).add("plant-a")
     documents = [report("installing", **stamped(WHEN)),
                  report("installed", **stamped("not a time")),
-                 report("installed")]
+                 report("failed")]
     before = time.time()
     for index, document in enumerate(documents):
         written = store.write_sync(lambda c, d=document, i=index: records.store_status(
@@ -70,9 +70,9 @@ def test_the_history_stores_both_times_and_a_garbage_device_time_as_null(
     rows = store.read(lambda c: [tuple(r) for r in c.execute(
         "SELECT state, device_time FROM status_reports WHERE deployment_id = ? ORDER BY id",
         ("d-1",))])
-    assert rows == [("installing", WHEN_EPOCH), ("installed", None), ("installed", None)]
+    assert rows == [("installing", WHEN_EPOCH), ("installed", None), ("failed", None)]
     history = store.read(lambda c: records.status_history(c, ["d-1", "d-none"], limit=2))
-    assert [h["state"] for h in history["d-1"]] == ["installed", "installed"]  # newest first
+    assert [h["state"] for h in history["d-1"]] == ["failed", "installed"]  # newest first
     assert [h["deviceTime"] for h in history["d-1"]] == [None, None]
     assert all(before <= h["reportedAt"] <= time.time() for h in history["d-1"])
     assert history["d-none"] == []
@@ -137,13 +137,14 @@ def test_the_read_api_shows_each_report_with_both_times(tmp_path: Path) -> None:
 
         send("installing", **stamped(WHEN))
         send("installed", **stamped("soon-ish"))
-        send("installed")
-        send("installed")  # the same report again: no history
+        send("installed")  # says what the last one said (a re-assertion): no history
+        send("failed")
+        send("failed")  # the same report again: no history
         view = httpx.get(f"{base}/api/fleet/devices/box", timeout=10).json()
     [shown] = view["deployments"]
     history = shown["statusHistory"]
     assert [(h["state"], h["deviceTime"]) for h in history] == [
-        ("installed", None), ("installed", None), ("installing", WHEN_EPOCH)]
+        ("failed", None), ("installed", None), ("installing", WHEN_EPOCH)]
     received = [h["reportedAt"] for h in history]
     assert received == sorted(received, reverse=True) and all(
         isinstance(t, float) for t in received)

@@ -37,6 +37,8 @@ def register(commands: Any) -> None:
     verbs = clients.add_subparsers(dest="verb", metavar="VERB", required=True)
     add = verbs.add_parser("add", help="register a client with a development token")
     add.add_argument("client_id", metavar="CLIENT_ID")
+    add.add_argument("--reactivate", action="store_true",
+                     help="accept a retired client again (with a new token)")
     _data(add)
     add.add_argument("--json", action="store_true")
     add.set_defaults(run=run_clients_add)
@@ -135,9 +137,14 @@ def _check_client_id(verb: str, client_id: str) -> None:
 
 
 def run_clients_add(args: argparse.Namespace) -> int:
+    from wfm.clients import ClientRetired
+
     _check_client_id("add", args.client_id)
     with _Registry(args) as clients:
-        client_id, token = clients.add(args.client_id)
+        try:
+            client_id, token = clients.add(args.client_id, reactivate=args.reactivate)
+        except ClientRetired as exc:
+            return _fail(f"clients add: {exc}")
     if args.json:
         print(json.dumps({"clientId": client_id, "token": token}))
     else:

@@ -22,8 +22,8 @@ from typing import Any
 
 from wfm.db import Connection, Database
 
-__all__ = ["Client", "ClientKey", "ClientRegistry", "TokenLookup", "bump_credentials_epoch",
-           "read_credentials_epoch", "same_secret", "token_hash"]
+__all__ = ["Client", "ClientKey", "ClientRegistry", "ClientRetired", "TokenLookup",
+           "bump_credentials_epoch", "read_credentials_epoch", "same_secret", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
 
@@ -81,6 +81,15 @@ class ClientKey:
     client: Client
     key_id: str
     public_key: str
+
+
+class ClientRetired(Exception):
+    """`ClientRegistry.add` of a retired client without `reactivate`."""
+
+    def __init__(self, client_id: str) -> None:
+        super().__init__(f"client {client_id!r} is retired; accepting it again gives it a new "
+                         "token and undoes the retirement (margo clients add --reactivate)")
+        self.client_id = client_id
 
 
 class ClientRegistry:
@@ -166,14 +175,20 @@ class ClientRegistry:
         return self._db.read(read)
 
     def add(self, client_id: str | None = None, *, certificate: str | None = None,
-            ) -> tuple[str, str]:
-        """Register a client; return (client id, token). An existing id gets a new token."""
+            reactivate: bool = False) -> tuple[str, str]:
+        """Register a client; return (client id, token). An existing id gets a new token.
+        A retired client is accepted again only with `reactivate` (`ClientRetired`
+        otherwise): retiring is how an operator cuts a device off, and registering the id
+        again must not silently undo it."""
         client_id = client_id or str(uuid.uuid4())
         token = secrets.token_urlsafe(32)
 
         def write(conn: Connection) -> None:
-            if conn.execute("SELECT 1 FROM clients WHERE client_id = ?",
-                            (client_id,)).fetchone() is not None:
+            row = conn.execute("SELECT retired FROM clients WHERE client_id = ?",
+                               (client_id,)).fetchone()
+            if row is not None and row[0] and not reactivate:
+                raise ClientRetired(client_id)
+            if row is not None:
                 bump_credentials_epoch(conn)  # its old token stops, or it is accepted again
             conn.execute(
                 "INSERT INTO clients (client_id, token_hash, certificate, created_at) "

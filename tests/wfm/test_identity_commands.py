@@ -151,6 +151,12 @@ def test_add_list_and_retire(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert lines["dev-2"].startswith("retired")
     rows = listing(capsys, data)
     assert rows["dev-1"]["token"] and rows["dev-2"]["retired"]
+    # adding a retired client again does not silently undo the retirement (issue 29, 5)
+    code, out, err = run(capsys, "clients", "add", "dev-2", "--data", str(data))
+    assert code == 2 and "client 'dev-2' is retired" in err and "--reactivate" in err
+    assert listing(capsys, data)["dev-2"]["retired"]
+    code, out, _ = run(capsys, "clients", "add", "dev-2", "--reactivate", "--data", str(data))
+    assert code == 0 and not listing(capsys, data)["dev-2"]["retired"]
     # an id the server would refuse where it enters is refused here too, nothing written
     for bad in ("a" * 129, "..", "dev 3", "dév"):
         code, _, err = run(capsys, "clients", "add", bad, "--data", str(data))

@@ -26,6 +26,7 @@ ONBOARDING_MODES = ("open", "closed")  # wfm.identity.ONBOARDING_MODES
 #: Connections served at once by default: a fleet of 10,000 devices polling every 15 s on
 #: keep-alive connections (closed after 5 s idle) holds about 3,500.
 DEFAULT_MAX_CONNECTIONS = 8192
+DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000  # wfm.api.DEFAULT_MAX_DEVICES_PER_CLIENT
 
 
 def register(commands: Any) -> None:
@@ -56,6 +57,10 @@ def register(commands: Any) -> None:
                        help="a device that has not been heard from for N of its polling "
                             "intervals is stale (default 3; 15 minutes until its interval "
                             "is known)")
+    serve.add_argument("--max-devices-per-client", type=int,
+                       default=DEFAULT_MAX_DEVICES_PER_CLIENT, metavar="N",
+                       help="the most devices one client may register (default "
+                            f"{DEFAULT_MAX_DEVICES_PER_CLIENT:,}); a new one beyond is 403")
     serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="a request body must arrive within SECONDS of its headers, "
                             "else 408 (default 30; Git requests at least 300)")
@@ -122,6 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_devices_per_client < 1:
+        raise SystemExit("margo serve: --max-devices-per-client must be at least 1")
     source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref)
     data = Path(args.data).resolve()
     try:
@@ -144,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
         webhook_secret=_secret(args.webhook_secret_file),
         admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
         database_url=_database(args.database), stale_polls=args.stale_polls,
+        max_devices_per_client=args.max_devices_per_client,
         body_timeout=args.body_timeout))
     transport: dict[str, Any] = {}
     if contexts is not None:

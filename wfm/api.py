@@ -63,11 +63,14 @@ from wfm.signatures import OnboardingError, onboarding_key
 if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
     from wfm.coordination import Coordinator
 
-__all__ = ["MANIFEST_MEDIA_TYPE", "Api", "routes"]
+__all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "MANIFEST_MEDIA_TYPE", "Api", "routes"]
 
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 IMMUTABLE = "private, max-age=31536000, immutable"
 MAX_BODY = 1024 * 1024
+#: The most devices one client may hold unless `margo serve --max-devices-per-client` says
+#: otherwise: far above a site's gateway, far below what fills a disk with histories.
+DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000
 #: The largest manifestVersion a status may say it adopted (SQL integers are signed 64-bit).
 MAX_MANIFEST_VERSION = 2**63 - 1
 
@@ -80,6 +83,9 @@ class Api:
     desired: DesiredState
     compiles: CompileService
     ca_certificate: str | None = None  # PEM, served to rc.2 onboarding
+    #: The most devices one client may hold (None: no limit); `margo serve
+    #: --max-devices-per-client`.
+    max_devices: int | None = None
     identity: Identity
     coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.coordination)
 
@@ -238,7 +244,8 @@ class Api:
         def write(conn: Connection) -> records.CapabilityWrite:
             result = records.store_capabilities(
                 conn, client_id=client.client_id, device_id=device_id, document=doc,
-                digest=data_digest(doc), shape=str(caps.shape))
+                digest=data_digest(doc), shape=str(caps.shape),
+                max_devices=self.max_devices)
             if result.created and self.coordinator is not None:
                 self.coordinator.registered(conn, client.client_id, device_id)
             return result
@@ -248,6 +255,11 @@ class Api:
         except PermissionError:
             # Ids are unique across the fleet: registering a taken one can only fail.
             raise ProblemError(403, f"device {device_id!r} belongs to another client",
+                               margo_type="not-authorized") from None
+        except records.DeviceLimitReached as limit:
+            raise ProblemError(403, f"client {client.client_id!r} holds {limit.limit} "
+                               "devices, the most one client may (margo serve "
+                               "--max-devices-per-client); delete one first",
                                margo_type="not-authorized") from None
         except BaseException:
             self.devices.changed(client.client_id)  # it may have committed before failing

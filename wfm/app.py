@@ -26,7 +26,7 @@ from starlette.routing import Mount, Route
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
-from wfm.api import MAX_BODY, Api, routes
+from wfm.api import DEFAULT_MAX_DEVICES_PER_CLIENT, MAX_BODY, Api, routes
 from wfm.authority import ensure_ca, ensure_shared_ca
 from wfm.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
 from wfm.clients import ClientRegistry
@@ -68,6 +68,8 @@ class ServerConfig:
     debounce: float = 0.3
     #: Polling intervals of silence after which a device is `stale` (wfm.freshness).
     stale_polls: float = STALE_POLLS
+    #: The most devices one client may register (None: no limit).
+    max_devices_per_client: int | None = DEFAULT_MAX_DEVICES_PER_CLIENT
     #: A `postgresql://` URL: the shared store of several replicas; None: `<data>/wfm.sqlite`.
     database_url: str | None = None
     identity: IdentitySettings = field(default_factory=IdentitySettings)
@@ -165,6 +167,7 @@ async def _readyz(request: Request) -> Response:
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
+    api.max_devices = config.max_devices_per_client
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
                      remote=config.remote, webhook_secret=config.webhook_secret,

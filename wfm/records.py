@@ -16,7 +16,8 @@ from margo.digests import data_digest
 from wfm.db import Connection
 
 __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
-           "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceRow",
+           "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",
+           "DeviceRow",
            "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
            "device_documents", "device_owner", "device_row", "device_rows", "device_time",
            "forget_device", "git_handout", "manifest_contents", "manifest_contents_of",
@@ -193,14 +194,30 @@ def device_documents(conn: Connection) -> dict[str, Any]:
                                                          "FROM devices")}
 
 
+class DeviceLimitReached(Exception):
+    """A client holding `limit` devices reported a new one (`store_capabilities`)."""
+
+    def __init__(self, client_id: str, limit: int) -> None:
+        super().__init__(client_id, limit)
+        self.client_id, self.limit = client_id, limit
+
+
 def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
-                       document: dict[str, Any], digest: str, shape: str) -> CapabilityWrite:
-    """Upsert the current document; append to history only when its content changed."""
+                       document: dict[str, Any], digest: str, shape: str,
+                       max_devices: int | None = None) -> CapabilityWrite:
+    """Upsert the current document; append to history only when its content changed.
+    `max_devices`: the most devices one client may hold; a new device beyond it raises
+    `DeviceLimitReached` (every device costs its history and a branch, so one client's
+    credentials must not be able to fill the server)."""
     now = time.time()
     existing = conn.execute("SELECT client_id, digest FROM devices WHERE device_id = ?",
                             (device_id,)).fetchone()
     if existing is not None and existing[0] != client_id:
         raise PermissionError(device_id)
+    if existing is None and max_devices is not None and conn.execute(
+            "SELECT COUNT(*) FROM devices WHERE client_id = ?",
+            (client_id,)).fetchone()[0] >= max_devices:
+        raise DeviceLimitReached(client_id, max_devices)
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     conn.execute(
         "INSERT INTO devices (device_id, client_id, document, digest, shape, reported_at, "
@@ -240,10 +257,11 @@ def trim_capability_history(conn: Connection, device_id: str,
 
 def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
     """Remove a device (and its children, ``<id>/...``, matched exactly: in LIKE, an
-    id's ``_`` matches any character) of this client, with the statuses it reported,
-    current and history: a device id belongs to one client, and whoever registers it next
-    must neither see nor be credited with the previous owner's reports. The capability
-    reports stay (attributed to this client, never served)."""
+    id's ``_`` matches any character) of this client, with everything it reported: its
+    statuses, current and history, and its capability history. A device id belongs to one
+    client, and whoever registers it next must neither see nor be credited with the
+    previous owner's reports; and a deleted device never changes again, so history kept
+    for it would never be trimmed (register, fill and delete ids: memory held for good)."""
     family = [(client_id, str(r[0])) for r in conn.execute(
         "SELECT device_id FROM devices WHERE client_id = ? AND (device_id = ? OR "
         "substr(device_id, 1, ?) = ?)",
@@ -257,6 +275,8 @@ def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
         conn.execute("DELETE FROM statuses WHERE client_id = ? AND deployment_id = ?", pair)
     for pair in family:
         conn.execute("DELETE FROM devices WHERE client_id = ? AND device_id = ?", pair)
+        conn.execute("DELETE FROM capability_reports WHERE client_id = ? AND device_id = ?",
+                     pair)
         conn.execute("DELETE FROM git_handouts WHERE device_id = ?", (pair[1],))
     return bool(family)
 

@@ -115,6 +115,7 @@ def config_schema() -> dict[str, Any]:
         }),
         "schedule": _closed({
             "interval": {"type": "string", "pattern": DURATION},
+            "resync": {"type": "string", "pattern": DURATION},
             "pollingWindows": {"type": "array", "items": _TEXT},
             "downtime": {"type": "array", "items": _TEXT},
             "timezone": _TEXT,
@@ -216,8 +217,9 @@ def _schedule(raw: dict[str, Any], problems: list[Problem]) -> Schedule:
     interval = parse_duration(raw.get("interval", "30s"))
     if interval <= 0:
         problems.append(Problem(("schedule", "interval"), "the polling interval must be > 0"))
+    resync = parse_duration(raw.get("resync", "10m"))
     return Schedule(interval=interval or 30.0, polling=tuple(polling),
-                    downtime=tuple(downtime), timezone=timezone)
+                    downtime=tuple(downtime), timezone=timezone, resync=resync)
 
 
 def _kubernetes(raw: dict[str, Any] | None, base: Path,
@@ -346,8 +348,9 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     api = server.get("api", Shape.OCT_2024.value if source["type"] == "git" else Shape.RC3.value)
     if source["type"] == "git" and api != Shape.OCT_2024:
         found.append(Problem(("server", "api"), "a device with the git source reports status "
-                             "through the Oct-2024 API: rc.3 and rc.2 status reports carry the "
-                             "adopted manifestVersion, which only the margo-rest source has",
+                             "through the Oct-2024 API: an rc.3 report must name the "
+                             "manifestVersion it adopted, which only the margo-rest source "
+                             "has, and an rc.2 identity has no token for the Git hosting",
                              expected=Shape.OCT_2024.value, found=api))
     if source["type"] == "margo-rest" and api == Shape.OCT_2024:
         found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "

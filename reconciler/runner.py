@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from margo.digests import digest_of
 from margo.errors import DocumentError
@@ -43,6 +44,8 @@ log = logging.getLogger("margo.device")
 # (doubling from the first, capped): a registry outage must not turn into a report storm.
 RETRY_FIRST_SECONDS = 10.0
 RETRY_CAP_SECONDS = 600.0
+#: The device state's key for when every deployment's state was last re-asserted.
+_REASSERTED = "reports.reasserted-at"
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class Reconciler:
         self.schedule = schedule or Schedule()
         self._clock = clock
         self._parsed: dict[str, DesiredDeployment] = {}
+        #: Deployment id -> the digest of its adopted document, this cycle: what each
+        #: status report is about (`DeviceState.record(about=)`).
+        self._digests: dict[str, str] = {}
         self._retries: dict[tuple[str, str], _Retry] = {}
         self.stopping = threading.Event()
 
@@ -164,20 +170,50 @@ class Reconciler:
     # --- status ---------------------------------------------------------------------------
 
     def _report(self, deployment_id: str, name: str,
-                changes: dict[str, tuple[str, dict[str, str] | None]]) -> None:
-        """Record component transitions and journal the deployment's full status."""
-        adopted = self.state.adopted().manifest_version
+                changes: dict[str, tuple[str, dict[str, str] | None]], *,
+                force: bool = False, extensions: Mapping[str, Any] | None = None) -> None:
+        """Record component transitions and journal the deployment's full status, naming
+        what the device had adopted (manifestVersion, or the commit of its Git branch) and
+        about which bytes of the deployment it is (`DeviceState.record(about=)`)."""
+        source, version, manifest_version = self.state.adopted_marker()
+        commit = version if source == "git" else None
         target = self.target
 
         def body(components: list[tuple[str, str, dict[str, str] | None]]) -> tuple[str, dict]:
             return (status_path(target.generation, deployment_id=deployment_id,
                                 device_id=target.device_id, client_id=target.client_id),
                     status_body(target.generation, deployment_id=deployment_id,
-                                device_id=target.device_id, adopted_version=adopted,
-                                components=components, deployment_name=name,
-                                observed_at=observed_now()))
+                                device_id=target.device_id, adopted_version=manifest_version,
+                                adopted_commit=commit, components=components,
+                                deployment_name=name, observed_at=observed_now(),
+                                extensions=extensions))
 
-        self.state.record(deployment_id, changes, body)
+        self.state.record(deployment_id, changes, body, about=self._digests.get(deployment_id),
+                          force=force)
+
+    def _settle(self, dplan: DeploymentPlan) -> None:
+        """After a desired deployment's steps: if its adopted bytes are not the ones its last
+        report was about (new bytes that needed no step: a changed capacity requirement, a
+        rollout moving it back to bytes it runs), report its state for them."""
+        deployment = dplan.deployment
+        if deployment is not None and self.state.component_states(dplan.deployment_id):
+            self._report(dplan.deployment_id, deployment.name, {})
+
+    def _reassert(self, desired: list[DesiredDeployment]) -> None:
+        """Every `schedule.resync` seconds, and only with an empty journal (queued reports
+        say it already), journal the true state of every desired deployment again: the
+        server keeps no history for a report that says nothing new, but a report that was
+        lost, or a state somebody forged, does not stand past the next re-assertion."""
+        every = self.schedule.resync
+        if every <= 0 or self.state.journal_size():
+            return
+        now = time.time()
+        last = self.state.get(_REASSERTED)
+        if last is None or not 0 <= now - float(last) < every:
+            if last is not None:
+                for deployment in desired:
+                    self._report(deployment.deployment_id, deployment.name, {}, force=True)
+            self.state.set(_REASSERTED, repr(now))
 
     # --- apply ----------------------------------------------------------------------------
 
@@ -226,10 +262,12 @@ class Reconciler:
                 current = recorded.get(step.component)
                 drift = step.installed.drift if step.installed is not None else ""
                 if drift:
-                    # Detected, not repaired (the driver's drift mode is `warn`): the
-                    # workload is not what was deployed, so it is not reported installed.
+                    # Detected, not repaired (the drift policy is `warn`): the workload is
+                    # not what was deployed, so it is not reported installed.
                     error = {"code": ErrorCode.DRIFTED, "message": drift}
                     if current is None or current.state != State.FAILED or current.error != error:
+                        log.warning("%s/%s drifted, not repaired (driftDetection: warn): %s",
+                                    step.deployment_id, step.component, drift)
                         self._report(step.deployment_id, name,
                                      {step.component: (State.FAILED, error)})
                     result.failures.append(f"{step.deployment_id}/{step.component}: "
@@ -254,6 +292,11 @@ class Reconciler:
                                        f"{ErrorCode.INSTALL_FAILED}: {step.reason}")
                 return
             removing = step.action is Action.REMOVE
+            drift = step.installed.drift if step.action is Action.REPAIR and step.installed \
+                else ""
+            if drift:
+                log.warning("%s/%s drifted, repairing: %s", step.deployment_id, step.component,
+                            drift)
             self._report(step.deployment_id, name,
                          {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
             try:
@@ -274,7 +317,12 @@ class Reconciler:
             if removing and deployment is not None and step.component in {
                     c.name for c in deployment.components}:
                 done = State.INSTALLING  # removed only to be re-installed (namespace move)
-            self._report(step.deployment_id, name, {step.component: (done, None)})
+            # The report that says it is installed again also says what was repaired.
+            repaired = {"repaired": {step.component: drift}} if drift else None
+            self._report(step.deployment_id, name, {step.component: (done, None)},
+                         extensions=repaired)
+            if drift:
+                log.warning("%s/%s repaired: %s", step.deployment_id, step.component, drift)
             result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
         if deployment is None and dplan.deployment_id:
             self.state.forget(dplan.deployment_id)
@@ -323,13 +371,17 @@ class Reconciler:
             self._finish_delivery(result)
             return result
         the_plan = plan(desired, installed, component_order=self.state.component_orders())
+        self._digests = {d.deployment_id: d.digest for d in desired}
         for dplan in the_plan.deployments:
             if self.stopping.is_set():
                 break
             self._apply_deployment(dplan, result)
+            self._settle(dplan)
         self._finish_vanished({d.deployment_id for d in desired},
                               {r.deployment_id for r in installed})
         result.converged = not result.failures and not self.stopping.is_set()
+        if not self.stopping.is_set():
+            self._reassert(desired)
         self._finish_delivery(result)
         return result
 

@@ -126,6 +126,9 @@ class Schedule:
     polling: tuple[RecurringWindow, ...] = ()
     downtime: tuple[Window, ...] = ()
     timezone: str = "UTC"
+    #: Seconds between re-assertions of every deployment's true state (0: never), so a
+    #: status report that was lost, or one somebody forged, does not stand for long.
+    resync: float = 600.0
 
     def _local(self, when: datetime) -> datetime:
         return when.astimezone(ZoneInfo(self.timezone))

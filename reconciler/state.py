@@ -5,7 +5,9 @@ What it holds, and why each part must be durable:
   every document), so a restart re-applies exactly what was adopted, never rolls the
   manifestVersion back, and never fetches unchanged documents again;
 - per component, the last state reported (and its error), so a status is sent only when
-  something really changed;
+  something really changed; per deployment, which bytes of it (the document's digest) the
+  last report was about, so that adopting new bytes is reported even when it changes no
+  component's state (the server must learn the device runs them);
 - per deployment, the component order it was installed in, so a deployment that vanished from
   the desired state is removed in reverse order;
 - the outgoing journal of status reports (an outbox): a report is appended in the same
@@ -52,7 +54,7 @@ __all__ = ["SCHEMA_VERSION", "BodyFactory", "ComponentRecord", "ComponentReport"
            "DamagedDocumentsError", "DeadLetter", "DeviceState", "ErrorInfo", "JournalEntry",
            "StateError"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _APPLICATION_ID = 0x4D47_4F53  # "MGOS": marks the file as ours (PRAGMA application_id)
 #: The kv key of the history rewrite an operator accepted and the device then adopted
 #: (`Adopted.history_rewrite_accepted`): an override is used once, never again.
@@ -88,7 +90,14 @@ CREATE TABLE dead_letters (
     dead_at REAL NOT NULL
 );
 CREATE TABLE kv (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE reported (deployment_id TEXT PRIMARY KEY, about TEXT NOT NULL);
 """
+
+#: What each schema version adds to the one before (applied in order when a file of an
+#: older client is opened; a newer file is refused).
+_MIGRATIONS = {
+    2: "CREATE TABLE IF NOT EXISTS reported (deployment_id TEXT PRIMARY KEY, about TEXT NOT NULL)",
+}
 
 #: A component error: `{"code": ..., "message": ...}` or `(code, message)`; None for none.
 ErrorInfo = Mapping[str, Any] | Sequence[str] | None
@@ -286,6 +295,16 @@ class DeviceState:
         if application != _APPLICATION_ID:
             raise StateError(f"{self.path}: this SQLite file is not a margo-gitops device "
                              "state (application_id differs)")
+        if version < SCHEMA_VERSION:
+            self._migrate(version)
+
+    def _migrate(self, version: int) -> None:
+        """Bring a file an older client wrote up to `SCHEMA_VERSION`, in one transaction
+        (a crash leaves the old version, which is migrated again on the next start)."""
+        with self._transaction() as conn:
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                conn.execute(_MIGRATIONS[step])
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _unreadable(self, exc: Exception) -> StateError:
         return StateError(f"{self.path}: the device state is unreadable ({exc}); {_WHAT_TO_DO}")
@@ -375,6 +394,13 @@ class DeviceState:
         return Adopted(version=row[0], manifest_version=row[1], etag=row[2], documents=documents,
                        damaged=tuple(damaged), history_rewrite_accepted=rewrite)
 
+    def adopted_marker(self) -> tuple[str | None, str | None, int | None]:
+        """(source, version, manifestVersion) of the adopted state, without its documents:
+        what every status report names (`Reconciler._report`), read without verifying
+        every document's digest each time."""
+        rows = self._read("SELECT source, version, manifest_version FROM adopted")
+        return (rows[0][0], rows[0][1], rows[0][2]) if rows else (None, None, None)
+
     def adopted_source(self) -> str | None:
         """Which source ("git", "margo-rest") the adopted state came from, if any."""
         rows = self._read("SELECT source FROM adopted")
@@ -431,6 +457,7 @@ class DeviceState:
             conn.execute("DELETE FROM components WHERE deployment_id = ?", (deployment_id,))
             conn.execute("DELETE FROM component_orders WHERE deployment_id = ?",
                          (deployment_id,))
+            conn.execute("DELETE FROM reported WHERE deployment_id = ?", (deployment_id,))
 
     def set_component_order(self, deployment_id: str, names: Sequence[str]) -> None:
         with self._transaction() as conn:
@@ -446,7 +473,8 @@ class DeviceState:
 
     def record(self, deployment_id: str, component_states: Mapping[str, StateUpdate],
                body_factory: BodyFactory, *, path: str | None = None, method: str = "POST",
-               keep: Collection[str] | None = None) -> bool:
+               keep: Collection[str] | None = None, about: str | None = None,
+               force: bool = False) -> bool:
         """Store new component states and, when they change anything, append the report.
 
         `component_states` updates some or all components with `(state, error)`; with `keep`,
@@ -457,7 +485,13 @@ class DeviceState:
         `(name, state, error-dict-or-None)` in install order (ready for
         `statuses.status_body`) and returns the body (a dict, sent as compact JSON, or exact
         bytes) or `(path, body)`; the new states and the journal entry are then committed in
-        ONE transaction. Returns whether it appended."""
+        ONE transaction. Returns whether it appended.
+
+        `about`: the digest of the deployment's document the report is about. A report is
+        also appended when the states are unchanged but the last report was about other
+        bytes (new bytes adopted with nothing to apply must still be reported, or the server
+        never learns the device runs them), and with `force` (a periodic re-assertion of
+        the true state, so that a lost or forged report does not stand)."""
         with self._transaction() as conn:
             before = self._states_in(conn, deployment_id)
             now = self._clock()
@@ -471,8 +505,15 @@ class DeviceState:
                         state, code, message):
                     continue
                 merged[name] = ComponentRecord(str(state), code, message, now)
-            if merged == before:
-                return False
+            reported = conn.execute("SELECT about FROM reported WHERE deployment_id = ?",
+                                    (deployment_id,)).fetchone()
+            moved = about is not None and (reported is None or reported[0] != about)
+            if merged == before and (not merged or not (moved or force)):
+                return False  # (nothing recorded yet has nothing to re-assert either)
+            if about is not None:
+                conn.execute("INSERT INTO reported (deployment_id, about) VALUES (?, ?) "
+                             "ON CONFLICT (deployment_id) DO UPDATE SET about = excluded.about",
+                             (deployment_id, about))
             row = conn.execute("SELECT names FROM component_orders WHERE deployment_id = ?",
                                (deployment_id,)).fetchone()
             made = body_factory(_ordered(merged, json.loads(row[0]) if row else []))

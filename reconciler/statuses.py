@@ -28,8 +28,8 @@ from urllib.parse import quote
 from margo.kinds import GENERATIONS, Shape
 from margo.models import DeploymentState
 
-__all__ = ["GENERATIONS", "OBSERVED_AT", "observed_now", "overall_state", "status_body",
-           "status_path"]
+__all__ = ["ADOPTED_COMMIT", "ADOPTED_VERSION", "EXTENSION", "GENERATIONS", "OBSERVED_AT",
+           "observed_now", "overall_state", "status_body", "status_path"]
 
 STATUS_API_VERSION = "deployment.margo.org/v1alpha1"
 STATUS_KIND = "DeploymentStatusManifest"
@@ -71,20 +71,30 @@ def _error(error: Mapping[str, Any] | Sequence[str], source: str) -> dict[str, s
 
 def status_body(generation: str, *, deployment_id: str, device_id: str | None,
                 adopted_version: int | None, components: Sequence[ComponentReport],
-                deployment_name: str, observed_at: str | None = None) -> dict[str, Any]:
+                deployment_name: str, observed_at: str | None = None,
+                adopted_commit: str | None = None,
+                extensions: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The DeploymentStatusManifest for one deployment, shaped for `generation`.
 
     `components` lists every component of the deployment once, in the deployment's order.
     The overall error is the first component error whose state is the overall state (for a
     failed deployment: the first failed component's code and message), with the deployment's
     name as its source. rc.3 requires `adopted_version` (the manifestVersion the device had
-    adopted when this state arose); the older generations have no such field.
+    adopted when this state arose).
 
-    `observed_at` (RFC 3339, with an offset): when the device saw this state, sent to rc.3
-    servers in `x-margo-gitops-extensions.observedAt` (the spec has no field for it, and
-    servers must ignore extensions they do not know). A report may wait in the journal for
-    days while the device is offline; with this the server's history shows when the state
-    arose, next to when it arrived. Older generations get the body they always had."""
+    What the spec has no field for travels in our extension object,
+    `x-margo-gitops-extensions`, in every generation: the spec lets any document carry
+    `x-<name>-extensions` objects and obliges servers and clients to ignore (and never fail
+    on) those they do not know.
+    - `observedAt` (`observed_at`, RFC 3339 with an offset): when the device saw this state.
+      A report may wait in the journal for days while the device is offline; with this the
+      server's history shows when the state arose, next to when it arrived.
+    - What the device had adopted when the state arose, so that the server can tell which
+      bytes the report is about (docs/server.md, "What a device has adopted"):
+      `adoptedManifestVersion` for rc.2 (rc.3 has a field of its own; Oct-2024 devices have
+      no manifest), and `adoptedCommit` (`adopted_commit`) for a device that follows its
+      Git branch.
+    - `extensions`: further keys (what a drift repair restored, say)."""
     _check_generation(generation)
     overall = overall_state([state for _, state, _ in components])
     if generation == Shape.RC3 and adopted_version is None:
@@ -110,9 +120,33 @@ def status_body(generation: str, *, deployment_id: str, device_id: str | None,
             entry["error"] = _error(error, name)
         entries.append(entry)
     body["components"] = entries
-    if observed_at is not None and generation == Shape.RC3:
-        body[OBSERVED_AT[0]] = {OBSERVED_AT[1]: observed_at}
+    extension = _extension(generation, observed_at=observed_at, adopted_version=adopted_version,
+                           adopted_commit=adopted_commit, extensions=extensions)
+    if extension:
+        body[EXTENSION] = extension
     return body
+
+
+def _extension(generation: str, *, observed_at: str | None, adopted_version: int | None,
+               adopted_commit: str | None,
+               extensions: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The keys of our extension object a report carries (see `status_body`)."""
+    extension: dict[str, Any] = {}
+    if observed_at is not None:
+        extension[OBSERVED_AT[1]] = observed_at
+    if adopted_version is not None and generation == Shape.RC2:
+        extension[ADOPTED_VERSION] = adopted_version
+    if adopted_commit is not None:
+        extension[ADOPTED_COMMIT] = adopted_commit
+    extension.update(extensions or {})
+    return extension
+
+
+#: Our extension object in status reports, and the keys that say what the device had
+#: adopted (the server reads them at the same place: `wfm.attribution`).
+EXTENSION = "x-margo-gitops-extensions"
+ADOPTED_VERSION = "adoptedManifestVersion"
+ADOPTED_COMMIT = "adoptedCommit"
 
 
 #: Where a status report carries the device's time of the state it reports (the server

@@ -72,10 +72,10 @@ class Device:
 
 def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest",
                url: str | None = None, app: str = HELLO, greeting: str = "Hello",
-               with_intent: bool = True) -> Device:
+               with_intent: bool = True, resync: str | None = None) -> Device:
     """A device directory (config, token, capabilities) and, unless `with_intent` is
     false, an intent targeting it; waits until the server compiled the device's
-    deployment."""
+    deployment. `resync`: the device's `schedule.resync` (default: the client's)."""
     home = server.data_dir.parent / device_id
     home.mkdir()
     (home / "token").write_text(server.token)
@@ -89,7 +89,7 @@ def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest
         "driver": {"type": "render", "outputDir": "rendered"},
         "dataDir": "data",
         "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": "1s"},
+        "schedule": {"interval": "1s", **({"resync": resync} if resync else {})},
     }))
     server.put_capabilities(doc)
     if with_intent:

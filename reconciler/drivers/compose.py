@@ -335,8 +335,9 @@ class ComposeDriver:
 
     def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
         """Carry out one planned step: `remove` is `down`; every other change (install,
-        upgrade, reconfigure, and `reinstall`/`recover`, which Compose needs no special
-        handling for: `up` converges whatever is there) is pull, then `up`."""
+        upgrade, reconfigure, `repair` of drift, and `reinstall`/`recover`, which Compose
+        needs no special handling for: `up` converges whatever is there) is pull, then
+        `up`."""
         if step.action is Action.UNCHANGED:
             return
         if step.action is Action.REMOVE:

@@ -4,10 +4,10 @@ images from the real registry.
 
 The operator deploys, moves to a new revision (a new image tag), reconfigures a parameter
 (the container's environment), ships a revision whose start-up fails (its own log lines
-arrive in the status), goes back, and deletes. Out of band, a container is killed and
-another removed; the next cycle notices and repairs. The device client is SIGKILLed in the
-middle of `up`; after its restart it converges with one project, as the engine's labels
-show.
+arrive in the status), goes back, and deletes. Out of band, the container is killed, stopped
+and removed; each time the next cycle repairs it and the status report says so. The device
+client is SIGKILLed in the middle of `up`; after its restart it converges with one project,
+as the engine's labels show.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from kits.registrykit import running_registry
 from reconciler.oci import OciClient
 
 ROOT = Path(__file__).resolve().parents[2]
+EXTENSION = "x-margo-gitops-extensions"
 DEVICE = "compose-box"
 APP = "com-example-web"
 
@@ -150,6 +152,16 @@ class Box:
         return details["Config"]["Image"] == image and (
             details["State"].get("Health") or {}).get("Status") == "healthy"
 
+    def reports(self) -> list[dict[str, Any]]:
+        """The status reports the server stored for the deployment, in arrival order."""
+        found = self.status()
+        if found is None:
+            return []
+        with sqlite3.connect(self.server.data_dir / "wfm.sqlite") as conn:
+            rows = conn.execute("SELECT document FROM status_reports WHERE deployment_id = ? "
+                                "ORDER BY id", (found["deploymentId"],)).fetchall()
+        return [json.loads(row[0]) for row in rows]
+
     def containers(self) -> dict[str, str]:
         """Service → container, from the engine's labels (every project of ours)."""
         listed = self.engine.text(
@@ -228,18 +240,26 @@ def test_deploy_update_reconfigure_fail_repair_and_delete(box: Box, test_images:
         "web 2.0\n"
 
     # Reconfigure: the parameter reaches the container's environment.
+    _, served = box.server.manifest()
     box.server.set_parameter("web", "greeting", "Moin")
-    box.wait("reconfigured", lambda: environment(box.engine, box.containers()["web"]).get(
-        "GREETING") == "Moin" and box.status()["state"] == "installed")
+    version = box.server.wait_for_change(served)["manifestVersion"]
+    box.wait("reconfigured", lambda: any(r["adoptedManifestVersion"] >= version and
+                                         r["status"]["state"] == "installed"
+                                         for r in box.reports()))
+    assert environment(box.engine, box.containers()["web"])["GREETING"] == "Moin"
 
-    # Out of band: killed, then removed; each time the next cycles bring it back.
-    box.engine.run("kill", box.containers()["web"])
-    box.wait("the killed container replaced", lambda: inspect(
-        box.engine, box.containers()["web"])["State"]["Status"] == "running"
-        and box.status()["state"] == "installed")
-    box.engine.run("rm", "-f", box.containers()["web"])
-    box.wait("the removed container replaced", lambda: "web" in box.containers()
-             and box.status()["state"] == "installed")
+    # Out of band: killed, stopped, removed. Each time the next cycle repairs it, and the
+    # report that says it is installed again says what was repaired.
+    for command, drift in ((("kill",), "{} was stopped (exited with code 137)"),
+                           (("stop", "-t", "5"), "{} was stopped (exited with code 0)"),
+                           (("rm", "-f"), "every container of the project is gone")):
+        victim, seen = box.containers()["web"], len(box.reports())
+        box.engine.run(*command, victim)
+        report = box.wait(f"repaired after {command[0]}", lambda seen=seen: next(
+            (r for r in box.reports()[seen:] if "repaired" in r.get(EXTENSION, {})), None))
+        assert report[EXTENSION]["repaired"] == {"web": drift.format(victim)}
+        assert report["status"]["state"] == "installed"
+        assert box.running(test_images.web_2)
 
     # A revision whose start-up fails: reported failed with the container's own words.
     box.release("1.2.0")

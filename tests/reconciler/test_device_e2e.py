@@ -306,3 +306,59 @@ def test_nothing_is_contacted_during_downtime(world: World) -> None:
     assert not (device.data / "git").exists()
     assert history(world, deployment_id(world, device)) == []
     assert ledger(device) == {}
+
+
+def reports(world: World, deployment: str) -> list[dict[str, Any]]:
+    """The status reports the server stored for a deployment, in arrival order."""
+    with sqlite3.connect(world.server.data_dir / "wfm.sqlite") as conn:
+        rows = conn.execute("SELECT document FROM status_reports WHERE deployment_id = ? "
+                            "ORDER BY id", (deployment,)).fetchall()
+    return [json.loads(row[0]) for row in rows]
+
+
+def test_rendered_files_changed_by_hand_are_repaired_and_the_report_says_so(
+        world: World) -> None:
+    device = new_device(world.server, "drift-repair")
+    assert steps(once(device)) == [("install", "ok")]
+    deployment = deployment_id(world, device)
+    [configmap] = device.output.glob("*/*/*/templates/configmap.yaml")
+    [other] = [p for p in configmap.parent.iterdir() if p != configmap]
+    original = configmap.read_bytes(), other.read_bytes()
+    configmap.write_text(configmap.read_text().replace("Hello", "Hacked"))
+    other.unlink()
+
+    repaired = once(device)
+    assert steps(repaired) == [("repair", "ok")] and repaired["converged"]
+    assert (configmap.read_bytes(), other.read_bytes()) == original
+    relative = configmap.relative_to(configmap.parents[2]).as_posix()
+    drift = (f"rendered files changed: edited {relative}; deleted "
+             f"{other.relative_to(configmap.parents[2]).as_posix()}")
+    assert "drifted, repairing" in repaired["stderr"] and drift in repaired["stderr"]
+    assert history(world, deployment)[-2:] == ["installing", "installed"]
+    last = reports(world, deployment)[-1]
+    assert last["status"]["state"] == "installed"
+    assert last["x-margo-gitops-extensions"]["repaired"] == {"hello-world": drift}
+    assert all("repaired" not in r.get("x-margo-gitops-extensions", {})
+               for r in reports(world, deployment)[:-1])
+    assert steps(once(device)) == []
+
+
+def test_with_warn_a_changed_rendered_file_is_reported_drifted_and_left(world: World) -> None:
+    device = new_device(world.server, "drift-warn")
+    config = yaml.safe_load(device.config.read_text())
+    config["driver"]["driftDetection"] = "warn"
+    device.config.write_text(yaml.safe_dump(config))
+    assert steps(once(device)) == [("install", "ok")]
+    [configmap] = device.output.glob("*/*/*/templates/configmap.yaml")
+    configmap.write_text(configmap.read_text().replace("Hello", "Hacked"))
+    edited = configmap.read_bytes()
+
+    warned = once(device, expect=1)
+    assert warned["steps"] == [] and not warned["converged"]
+    assert any("DRIFTED" in failure for failure in warned["failures"]), warned["failures"]
+    assert configmap.read_bytes() == edited
+    status = world.server.statuses(deployment_id(world, device))
+    assert status["state"] == "failed"
+    [component] = status["components"]
+    assert component["error"]["code"] == "DRIFTED"
+    assert component["error"]["message"].startswith("rendered files changed: edited ")

@@ -30,6 +30,7 @@ from reconciler.releases import (
     release_from_labels,
     release_name,
     unmanaged_release,
+    with_drift,
 )
 from reconciler.runner import RETRY_FIRST_SECONDS, Reconciler, StatusTarget
 from reconciler.sources import Adopted
@@ -226,6 +227,28 @@ def test_drift_is_reported_once_and_cleared_when_it_goes(world: World) -> None:
     world.driver.releases["web"] = release
     assert world.runner.cycle().converged
     assert world.states("web")[-1] == "installed"
+
+
+def test_drift_to_repair_is_applied_again_and_the_report_says_what_was_repaired(
+        world: World, caplog: pytest.LogCaptureFixture) -> None:
+    world.source.publish(deployment("db", "web"))
+    world.runner.cycle()
+    found = "edited: web/templates/configmap.yaml"
+    world.driver.releases["web"] = with_drift(world.driver.releases["web"], found, "repair")
+    with caplog.at_level("WARNING", logger="margo.device"):
+        result = world.runner.cycle()
+    assert result.converged
+    assert result.steps == [("repair", DEPLOYMENT_ID, "web", "ok")]
+    assert world.driver.applied[-1] == ("repair", "web")
+    assert world.states("web") == ["pending", "installing", "installed", "installing",
+                                   "installed"]
+    reports = [json.loads(e.body) for e in world.state.pending(1000)]
+    assert reports[-1]["x-margo-gitops-extensions"]["repaired"] == {"web": found}
+    assert [r["x-margo-gitops-extensions"].get("repaired") for r in reports[:-1]] == \
+        [None] * (len(reports) - 1)  # only the report that says it is installed again
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("web" in m and found in m and "repaired" in m for m in logged), logged
+    assert world.runner.cycle().steps == []  # repaired: nothing more to do
 
 
 @pytest.mark.parametrize(("state", "action"), [

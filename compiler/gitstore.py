@@ -52,6 +52,7 @@ from typing import IO, ClassVar
 import pygit2
 
 from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs
+from compiler.stalelocks import recover_stale_locks
 from margo.errors import short_repr
 from margo.identifiers import branch_component, device_id_problem
 
@@ -597,6 +598,10 @@ class DeviceStore:
         compare-and-swap would then reject one of them after all its work, so contention is
         reported up front instead: GitStoreError after `timeout` seconds (default: at once).
         Not re-entrant: a second `lock` while holding one fails like any other contender.
+
+        Holding it, Git's lock files that a killed writer left in the repository are
+        removed first (`compiler.stalelocks`): no writer of ours can be running, and one
+        left by a crash would otherwise make every later compile fail.
         """
         lock_path = self.path / LOCK_FILE_NAME
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -605,6 +610,7 @@ class DeviceStore:
             try:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                recover_stale_locks(self.path)
                 yield
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)

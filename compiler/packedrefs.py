@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from compiler.stalelocks import recover_stale_locks
+
 __all__ = ["LooseRefsError", "PackedRefsError", "RefMovedError", "move_refs"]
 
 PACKED_REFS = "packed-refs"
@@ -125,18 +127,26 @@ def _refuse_loose(git_dir: Path, updates: Mapping[str, object]) -> None:
 @contextlib.contextmanager
 def _locked(path: Path, timeout: float) -> Iterator[int]:
     """Hold ``<path>.lock`` (created exclusively, as Git does) and remove it unless it was
-    renamed over `path`; retries while another process holds it, up to `timeout`."""
+    renamed over `path`; retries while another process holds it, up to `timeout`. A lock
+    its writer left behind when it was killed (`compiler.stalelocks`: open in no process,
+    older than a few seconds) is removed and taken: otherwise one crash would stop every
+    later write for good."""
     lock_path = Path(str(path) + _LOCK_SUFFIX)
     deadline = time.monotonic() + timeout
+    recovered = False
     while True:
         try:
             fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             break
         except FileExistsError:
             if time.monotonic() >= deadline:
+                if not recovered and recover_stale_locks(path.parent, candidates=[lock_path]):
+                    recovered = True
+                    continue
                 raise PackedRefsError(
-                    f"{lock_path} exists: another Git process is writing the refs (if none "
-                    "is, a crashed one left it behind and it can be removed)") from None
+                    f"{lock_path} exists: another Git process is writing the refs (one "
+                    "left by a killed writer is removed once no process holds it open and "
+                    "it is a few seconds old)") from None
             time.sleep(0.01)
         except OSError as exc:
             raise PackedRefsError(f"cannot create {lock_path}: {exc}") from None

@@ -155,13 +155,18 @@ async def _livez(request: Request) -> Response:
 
 
 async def _readyz(request: Request) -> Response:
-    """Readiness (`/readyz`): durable writes can be taken now. 503 problem while the writer
-    is stopped or stuck, or after a write was refused as unavailable until the store takes
-    a write again (a quick probe, in a worker thread: it may wait a moment for a lock)."""
+    """Readiness (`/readyz`): durable writes can be taken now, and the fleet's desired state
+    can be compiled. 503 problem while the writer is stopped or stuck, or after a write was
+    refused as unavailable until the store takes a write again (a quick probe, in a worker
+    thread: it may wait a moment for a lock), and while this server's compiles keep failing
+    (`wfm.compiles.CompileService.unready`)."""
     db = _database(request)
     if db is None:
         return _health(request, "the server is starting")
-    return _health(request, await run_in_threadpool(db.readiness))
+    reason = await run_in_threadpool(db.readiness)
+    if reason is None:
+        reason = request.app.state.api.compiles.unready
+    return _health(request, reason)
 
 
 def create_app(config: ServerConfig) -> Starlette:

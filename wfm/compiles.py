@@ -32,9 +32,32 @@ if TYPE_CHECKING:
     from wfm.coordination import Coordinator
     from wfm.rollouts import RolloutController
 
-__all__ = ["CompileService", "SourceConfig"]
+__all__ = ["CompileFailure", "CompileService", "SourceConfig"]
 
 log = logging.getLogger("margo.wfm.compiles")
+#: Seconds before the first retry of a failed compile; doubled per failure up to the cap.
+RETRY_FIRST = 2.0
+RETRY_CAP = 120.0
+#: Failures in a row after which `/readyz` says the server cannot compile (one failure is
+#: retried within seconds and may well be passing).
+UNREADY_AFTER = 2
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFailure:
+    """Compiles have failed since `since` (wall clock), `attempts` in a row; `error` says
+    what the last one raised."""
+
+    since: float
+    attempts: int
+    error: str
+    retry_in: float
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))
+        return (f"compiling has failed {self.attempts} time(s) in a row since {when}: "
+                f"{self.error}; the previous desired state stays in force, next attempt in "
+                f"{self.retry_in:.0f} s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +84,11 @@ class CompileService:
         self._pending = False
         self._stopping = False
         self._grace_timer: threading.Timer | None = None
+        self._retry_timer: threading.Timer | None = None
         self.last_report: CompileReport | None = None
         self.last_error: str | None = None
+        #: Set while this server's compiles fail (cleared by the next one that works).
+        self.failing: CompileFailure | None = None
         self.compiles = 0
         self._thread = threading.Thread(target=self._loop, name="margo-compiles", daemon=True)
         self._thread.start()
@@ -93,8 +119,9 @@ class CompileService:
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
-            if self._grace_timer is not None:
-                self._grace_timer.cancel()
+            for timer in (self._grace_timer, self._retry_timer):
+                if timer is not None:
+                    timer.cancel()
             self._wake.notify()
         self._thread.join(timeout=60)
 
@@ -111,13 +138,63 @@ class CompileService:
                 self._pending = False
             try:
                 self._compile()
-            except Exception:  # a compile failure must never take the server down
-                log.exception("compile failed")
-                self.last_error = "compile failed; see the server log"
+            except Exception as exc:  # a compile failure must never take the server down
+                self._failed(exc)
+            else:
+                self.failing = None
             finally:
                 with self._wake:
                     self._running = False
                     self._wake.notify_all()
+
+    @property
+    def unready(self) -> str | None:
+        """Why `/readyz` should say this server cannot compile (None: it can, as far as it
+        knows)."""
+        failing = self.failing
+        if failing is None or failing.attempts < UNREADY_AFTER:
+            return None
+        return failing.describe()
+
+    def _failed(self, exc: Exception) -> None:
+        """A compile raised: say so where people look (the source condition every replica
+        shows, `/readyz`), then try again later with a growing delay. A replica gives the
+        compile lease up, so that another one compiles meanwhile instead of the whole fleet
+        waiting on the broken one."""
+        if self._coordinator is not None and self._coordinator.lost_lease(exc):
+            log.warning("compile not published: %s", exc)
+            return
+        before = self.failing
+        attempts = 1 if before is None else before.attempts + 1
+        error = f"{type(exc).__name__}: {str(exc)[:500]}"
+        retry_in = min(RETRY_CAP, RETRY_FIRST * 2 ** (attempts - 1))
+        failure = CompileFailure(before.since if before else time.time(), attempts, error,
+                                 retry_in)
+        if before is None or before.error != error:
+            log.exception("compile failed (attempt %d); retrying in %.0f s", attempts,
+                          retry_in)
+        else:
+            log.error("compile failed again (attempt %d, same error); retrying in %.0f s",
+                      attempts, retry_in)
+        self.failing, self.last_error = failure, failure.describe()
+        try:
+            self._on_condition(SourceCondition.not_compiled("failing", failure.describe()))
+        except Exception:
+            log.exception("recording the failed compile in the source condition failed")
+        if self._coordinator is not None:
+            self._coordinator.give_up_lease(cooldown=retry_in)
+            self.failing = None  # another replica takes over; this one is not the compiler
+        self._schedule_retry(retry_in)
+
+    def _schedule_retry(self, delay: float) -> None:
+        with self._wake:
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+            if self._stopping:
+                return
+            self._retry_timer = threading.Timer(delay, self.trigger)
+            self._retry_timer.daemon = True
+            self._retry_timer.start()
 
     def _load_source(self) -> FleetSource | None:
         if self._source.path is None:

@@ -131,6 +131,9 @@ class Coordinator:
         self.on_synced: Callable[[], None] = lambda: None
         self.on_compile_due: Callable[[], None] = lambda: None
         self._lease: PgConnection | None = None
+        #: The lease is not taken again before this (monotonic clock): after a compile that
+        #: failed here, another replica gets its turn (`give_up_lease`).
+        self._lease_cooldown = 0.0
         self.epoch: int | None = None
         self._requests_seen: int | None = None
         self._before: dict[str, str] = {}
@@ -193,6 +196,8 @@ class Coordinator:
             except Exception as exc:
                 log.warning("%s lost the compile lease: %s", self.name, exc)
                 self._release()
+        if time.monotonic() < self._lease_cooldown:
+            return
         conn = self.db.connect()
         try:
             got = conn.execute("SELECT pg_try_advisory_lock(?)", (LEASE_KEY,)).fetchone()[0]
@@ -210,6 +215,25 @@ class Coordinator:
         self._requests_seen = None  # compile once now: requests may have gone unanswered
         log.info("%s holds the compile lease (epoch %d)", self.name, self.epoch)
         self.on_compile_due()
+
+    def give_up_lease(self, *, cooldown: float) -> None:
+        """After a compile that failed here: release the compile lease and leave it to the
+        other replicas for `cooldown` seconds, asking the next holder to compile. A broken
+        replica (a damaged disk, a lock it cannot take) must not hold the lease and stop
+        the fleet; when every replica fails, they take turns."""
+        if self._lease is None:
+            return
+        log.warning("%s gives up the compile lease for %.0f s after a failed compile",
+                    self.name, cooldown)
+        self._lease_cooldown = time.monotonic() + cooldown
+        self._release()
+        with contextlib.suppress(*_ERRORS):
+            self.request_compile()
+
+    @staticmethod
+    def lost_lease(exc: BaseException) -> bool:
+        """Whether a compile failed only because another replica took the lease."""
+        return isinstance(exc, LeaseLost)
 
     def _release(self) -> None:
         lease, self._lease, self.epoch = self._lease, None, None

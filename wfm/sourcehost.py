@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
+from compiler.stalelocks import recover_stale_locks
 from wfm.clients import parse_basic, same_secret
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.problems import ProblemError, problem_response
@@ -145,6 +146,8 @@ def source_app(repository: Path, admin_token: str | None, on_push: Callable[[], 
                 await run_in_threadpool(turn.begin)
             elif coordinator is not None:
                 await run_in_threadpool(coordinator.sync_source)
+            if pushing:  # a push killed with the server left its lock: not every push after
+                await run_in_threadpool(recover_stale_locks, repository)
             status, headers, payload = await _run_backend(repository, request, rest)
         except ProblemError as exc:
             if turn is not None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from compiler.stalelocks import recover_stale_locks
+
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
 
@@ -42,6 +44,7 @@ class RemoteSource:
         if not self.mirror.exists():
             subprocess.run(["git", "init", "-q", "--bare", str(self.mirror)], check=True,
                            timeout=60, env=git_environment())
+        recover_stale_locks(self.mirror)  # a fetch killed with the server must not stop all
         result = subprocess.run(
             ["git", "--git-dir", str(self.mirror), "fetch", "--quiet", "--no-tags",
              "--prune", "--", self.url, f"+{self.ref}:{self.ref}"],

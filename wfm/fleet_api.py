@@ -34,7 +34,7 @@ from wfm.problems import ProblemError
 from wfm.rollouts import RolloutController, RolloutError, load_rollouts, served_from
 from wfm.sourcecondition import load_condition
 from wfm.sources import RemoteSource, fetch_source
-from wfm.webhooks import WebhookError, verify_push
+from wfm.webhooks import WebhookError, check_headers, verify_push
 
 __all__ = ["FleetApi"]
 
@@ -61,6 +61,16 @@ def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
         found.append({"intent": deployment.intent, "deploymentId": deployment.deployment_id,
                       "code": error.get("code"), "message": error.get("message")})
     return found
+
+
+def _repaired(status: dict[str, Any] | None) -> dict[str, str] | None:
+    """What the device's last report says a drift repair restored (component -> what had
+    drifted: `x-margo-gitops-extensions.repaired`), if it says so."""
+    extension = (status or {}).get("document", {}).get("x-margo-gitops-extensions")
+    repaired = extension.get("repaired") if isinstance(extension, dict) else None
+    if not isinstance(repaired, dict):
+        return None
+    return {str(k)[:256]: str(v)[:1024] for k, v in list(repaired.items())[:100]}
 
 
 class FleetApi:
@@ -237,7 +247,8 @@ class FleetApi:
                 "reportedAt": status["reportedAt"] if status else None,
                 "applied": None if status is None else {
                     "digest": status["applied"], "via": status["appliedVia"],
-                    "current": status["applied"] == served.digest}})
+                    "current": status["applied"] == served.digest},
+                "repaired": _repaired(status)})
         return deployments
 
     def history(self, device_id: str) -> list[dict[str, Any]]:
@@ -297,9 +308,10 @@ class FleetApi:
     async def git_hook(self, request: Request) -> Response:
         if self.remote is None or not self.webhook_secret:
             raise ProblemError(404, "this server has no webhook-triggered fleet source")
-        body = await request.body()
         try:
-            event = verify_push(body, request.headers, self.webhook_secret)
+            # Refused unread when the headers already tell (wfm.webhooks.check_headers).
+            check_headers(request.headers, self.webhook_secret)
+            event = verify_push(await request.body(), request.headers, self.webhook_secret)
         except WebhookError as exc:
             raise ProblemError(exc.status, str(exc)) from None
         if event is None:

@@ -340,6 +340,7 @@ def test_rendered_files_changed_by_hand_are_repaired_and_the_report_says_so(
     assert last["x-margo-gitops-extensions"]["repaired"] == {"hello-world": drift}
     assert all("repaired" not in r.get("x-margo-gitops-extensions", {})
                for r in reports(world, deployment)[:-1])
+    assert world.server.statuses(deployment)["repaired"] == {"hello-world": drift}  # read API
     assert steps(once(device)) == []
 
 

@@ -18,9 +18,11 @@ The rule (docs/intents.md, "Capacity accounting"), decided per device on every c
 * an intent with `overcommit: true` is placed without accounting and its deployments are not
   counted against others (capacity shared by design).
 
-`cpus` entries are placement units and are never summed: a demand takes its cores from the
-first entry (in report order, of an accepted architecture) with enough left, memory and
-storage from the device's totals, and one matching GPU peripheral per GPU claim.
+`cpus` entries are placement units and are never summed: each deployment's cores are
+counted on one entry (of an accepted architecture), packed so that no entry holds more than
+it reports whenever that is possible (`compiler.packing`); memory and storage come from the
+device's totals, and each GPU claim takes one matching GPU peripheral (a matching of every
+claim, whenever one exists).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from compiler.packing import CoreDemand, fits, match_claims, pack_cores
 from margo.cluster import exact_binary
 from margo.constraints import ARCHITECTURE_ALIASES, Demand, Failure, GpuClaim
 from margo.quantity import format_quantity, parse_quantity
@@ -122,6 +125,11 @@ class Ledger:
         peripherals = view.get("peripherals")
         self.peripherals = [_Peripheral(p) for p in
                             (peripherals if isinstance(peripherals, list | tuple) else ())]
+        #: What placed deployments take of cores and GPUs, in the order taken; where they
+        #: are counted (`_Cpu.taken`, `_Peripheral.holder`) is worked out by `_count`.
+        self._cores: list[tuple[str, Decimal, frozenset[str] | None]] = []
+        self._claims: list[tuple[str, GpuClaim]] = []
+        self._counted = True
 
     # ---- taking
 
@@ -129,63 +137,68 @@ class Ledger:
         accepted = demand.architectures
         return [c for c in self.cpus if accepted is None or c.architecture in accepted]
 
-    def _cpu_for(self, demand: Demand) -> _Cpu | None:
-        usable = self._usable(demand)
-        for cpu in usable:
-            if cpu.left >= demand.cores:
-                return cpu
-        return max(usable, key=lambda c: c.left, default=None)  # the first of the largest
+    def _entries(self) -> list[tuple[Decimal, str | None]]:
+        return [(cpu.cores, cpu.architecture) for cpu in self.cpus]
 
-    def _gpu_for(self, claim: GpuClaim) -> _Peripheral | None:
+    def _core_demands(self) -> list[CoreDemand]:
+        return [(cores, accepted) for _, cores, accepted in self._cores]
+
+    def _count(self) -> None:
+        """Where the placed deployments' cores and GPUs are counted (`compiler.packing`):
+        packed and matched so that nothing is counted over what the device reports
+        whenever the placements fit at all."""
+        if self._counted:
+            return
+        for cpu in self.cpus:
+            cpu.taken = []
+        for (name, _, _), parts in zip(self._cores, pack_cores(self._entries(),
+                                                                self._core_demands()),
+                                       strict=True):
+            for index, amount in parts:
+                self.cpus[index].taken.append((name, amount))
         for peripheral in self.peripherals:
-            if peripheral.holder is None and claim.matches(peripheral.value):
-                return peripheral
-        return None
+            peripheral.holder = None
+        matched = match_claims([p.value for p in self.peripherals],
+                               [claim.matches for _, claim in self._claims])
+        for (name, _), index in zip(self._claims, matched, strict=True):
+            if index is not None:
+                self.peripherals[index].holder = name
+        self._counted = True
 
     def take(self, name: str, demand: Demand) -> None:
-        """Record that `name` holds `demand` (first fit; when nothing fits, as a placement
-        kept from before may, the largest entry is used up and amounts stop at zero)."""
+        """Record that `name` holds `demand` (counted where it fits: see `_count`; when
+        nothing fits, as a placement kept from before may, amounts stop at zero)."""
         if demand.cores:
-            cpu = self._cpu_for(demand)
-            if cpu is not None:
-                cpu.taken.append((name, demand.cores))
+            self._cores.append((name, demand.cores, demand.architectures))
         if demand.memory:
             self.memory.taken.append((name, demand.memory))
         if demand.storage:
             self.storage.taken.append((name, demand.storage))
-        for claim in demand.gpus:
-            gpu = self._gpu_for(claim)
-            if gpu is not None:
-                gpu.holder = name
+        self._claims += [(name, claim) for claim in demand.gpus]
+        self._counted = False
 
-    def release(self, name: str) -> list[tuple[Any, int, Any]]:
+    def release(self, name: str) -> list[tuple[list[Any], int, Any]]:
         """Give back everything `name` holds (a placed deployment whose change is checked
         as the device would be without it); returns what it held, for `restore`."""
-        held: list[tuple[Any, int, Any]] = []
-        for holder in (*self.cpus, self.memory, self.storage):
-            held += [(holder, i, entry) for i, entry in enumerate(holder.taken)
-                     if entry[0] == name]
-            holder.taken = [entry for entry in holder.taken if entry[0] != name]
-        for i, peripheral in enumerate(self.peripherals):
-            if peripheral.holder == name:
-                peripheral.holder = None
-                held.append((peripheral, i, name))
+        held: list[tuple[list[Any], int, Any]] = []
+        for taken in (self._cores, self._claims, self.memory.taken, self.storage.taken):
+            held += [(taken, i, entry) for i, entry in enumerate(taken) if entry[0] == name]
+            taken[:] = [entry for entry in taken if entry[0] != name]
+        self._counted = False
         return held
 
-    @staticmethod
-    def restore(held: list[tuple[Any, int, Any]]) -> None:
+    def restore(self, held: list[tuple[list[Any], int, Any]]) -> None:
         """Take back exactly what `release` gave back, where it was."""
-        for holder, index, entry in held:
-            if isinstance(holder, _Peripheral):
-                holder.holder = entry
-            else:
-                holder.taken.insert(index, entry)
+        for taken, index, entry in held:
+            taken.insert(index, entry)
+        self._counted = False
 
     # ---- checking
 
     def shortfalls(self, demand: Demand) -> list[Failure]:
         """Why `demand` does not fit in what is left, in numbers (empty: it fits). The
         claims are checked together: two GPUs need two free matching ones."""
+        self._count()
         failures: list[Failure] = []
         if demand.cores:
             failures += self._cpu_shortfall(demand)
@@ -210,6 +223,9 @@ class Ledger:
         usable = self._usable(demand)
         if not usable or any(c.left >= demand.cores for c in usable):
             return []  # no entry at all is matching's business, not accounting's
+        if fits(self._entries(), [*self._core_demands(),
+                                  (demand.cores, demand.architectures)]):
+            return []  # room, once the placed ones are counted on other entries
         # The entries that could hold the demand if nothing were assigned say most.
         best = max([c for c in usable if c.cores >= demand.cores] or usable,
                    key=lambda c: c.left)
@@ -239,12 +255,12 @@ class Ledger:
             "assigned": {n: exact_binary(a) for n, a in total.taken}}, None, message)
 
     def _gpu_shortfall(self, claims: tuple[GpuClaim, ...]) -> list[Failure]:
-        free = [p for p in self.peripherals if p.holder is None]
+        matched = match_claims([p.value for p in self.peripherals],
+                               [c.matches for _, c in self._claims] + [c.matches
+                                                                       for c in claims])
         failures = []
-        for claim in claims:
-            found = next((p for p in free if claim.matches(p.value)), None)
+        for claim, found in zip(claims, matched[len(self._claims):], strict=True):
             if found is not None:
-                free.remove(found)
                 continue
             matching = [p for p in self.peripherals if claim.matches(p.value)]
             if not matching:
@@ -264,6 +280,7 @@ class Ledger:
     def remaining_view(self, view: Mapping[str, Any]) -> dict[str, Any]:
         """`view` with `cpus`, `memory`, `storage` and `peripherals` as what is left: for
         matching a profile against the device's remaining capacity (exact amounts)."""
+        self._count()
         out = dict(view)
         cpus = view.get("cpus")
         if isinstance(cpus, list | tuple):
@@ -283,10 +300,10 @@ class Ledger:
     def assigned(self) -> dict[str, dict[str, Any]]:
         """Per placed deployment (intent name), what it takes that the report does not
         show: for explanations and the dashboard."""
+        self._count()
         out: dict[str, dict[str, Any]] = {}
-        for cpu in self.cpus:
-            for name, amount in cpu.taken:
-                out.setdefault(name, {})["cpu"] = _number(amount)
+        for name, amount, _ in self._cores:
+            out.setdefault(name, {})["cpu"] = _number(amount)
         for total, what in ((self.memory, "memory"), (self.storage, "storage")):
             for name, amount in total.taken:
                 out.setdefault(name, {})[what] = format_quantity(amount)

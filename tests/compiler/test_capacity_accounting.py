@@ -316,3 +316,60 @@ def test_bad_accounting_fields_are_located_problems(tmp_path: Path, flag: str) -
         (True, ("spec", flag))]
     assert placed(fleet, "box") == []
     shutil.rmtree(fleet.repos)
+
+
+# --- where placed deployments are counted: packed, not first fit in name order ----------
+
+
+def _apps_needing(fleet: Fleet, **needs: dict[str, Any]) -> None:
+    for name, constraints in needs.items():
+        fleet.apps[f"com-example-{name}"] = app(f"com-example-{name}", compose=False,
+                                                constraints=constraints, parameters=HELM_ONLY)
+
+
+def test_cores_are_packed_onto_entries_whatever_the_order_placements_came_in(
+        tmp_path: Path) -> None:
+    """Entries of 2 and 1 cores: b (2) was placed first, then a (1). Counted first fit by
+    name, a took the 2-core entry, b overflowed it, and c (1) was let onto the entry a
+    really holds: 4 cores on 3."""
+    fleet = Fleet(tmp_path / "fleet")
+    _apps_needing(fleet, **{n: {"capacityRequirements": {"cpu": {"cores": c}}}
+                            for n, c in (("a", 1), ("b", 2), ("c", 1))})
+    box = device("box")
+    box["properties"]["cpus"] = [{"cores": 2, "architecture": "amd64"},
+                                 {"cores": 1, "architecture": "amd64"}]
+    fleet.devices["box"] = box
+    for step, name in enumerate(("b", "a", "c")):
+        fleet.intents[name] = intent(name, f"com-example-{name}")
+        report = fleet.compile(now=1_000 + step)
+    assert placed(fleet, "box") == ["a", "b"]
+    assert notes(report, "box") == [
+        "c: waits for capacity: needs 1 core on one CPU entry (entries are never summed); "
+        "the device has 2 on its best entry, of which 2 are assigned to b"]
+
+
+def test_gpu_claims_are_matched_whatever_the_order_placements_came_in(
+        tmp_path: Path) -> None:
+    """An NVIDIA GPU and an AMD one: b (NVIDIA only) was placed first, then a (any GPU).
+    Counted first free by name, a took the NVIDIA GPU, b got none, and c (any GPU) was let
+    onto the AMD GPU a really holds."""
+    def gpu(*vendors: str) -> dict[str, Any]:
+        items = [{"key": "/type", "operator": "In", "values": ["gpu"]}]
+        if vendors:
+            items.append({"key": "/manufacturer", "operator": "In", "values": list(vendors)})
+        return {"eligibilityRules": [{"propertySelector": {"matchExpressions": [
+            {"key": "/peripherals", "operator": "ContainsAll",
+             "itemSelector": {"matchExpressions": items}}]}}]}
+
+    fleet = Fleet(tmp_path / "fleet")
+    _apps_needing(fleet, a=gpu(), b=gpu("NVIDIA"), c=gpu())
+    box = device("box")
+    box["properties"]["peripherals"] = [{"type": "gpu", "manufacturer": "NVIDIA"},
+                                        {"type": "gpu", "manufacturer": "AMD"}]
+    fleet.devices["box"] = box
+    for step, name in enumerate(("b", "a", "c")):
+        fleet.intents[name] = intent(name, f"com-example-{name}")
+        report = fleet.compile(now=1_000 + step)
+    assert placed(fleet, "box") == ["a", "b"]
+    assert notes(report, "box") == ["c: waits for capacity: needs a GPU; the device has 2 "
+                                    "matching GPUs, assigned to b, a"]

@@ -108,6 +108,43 @@ class _Upgrade:
     data: bytes  # the file the device runs
 
 
+@dataclass
+class _Round:
+    """One device's accounting as `explain_device` gathers it: the shares of what its tree
+    holds, then the new placements and upgrades to decide in order."""
+
+    capacity: DeviceCapacity
+    files: Mapping[str, bytes]
+    stored: StoredFiles = field(default_factory=StoredFiles)
+    shares: list[_Share] = field(default_factory=list)
+    upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]] = field(
+        default_factory=list)
+    new: list[tuple[Intent, Any, Placement, IntentExplanation]] = field(default_factory=list)
+    accounted: list[IntentExplanation] = field(default_factory=list)  # say what they take
+
+    def keep_file(self, intent: Intent | None, name: str) -> None:
+        """A file the compiler keeps as it is (frozen intent, grace period, error)."""
+        if name in self.files and not (intent is not None and intent.overcommit):
+            self.shares.append(_file_share(self.capacity, self.stored, intent, name,
+                                           self.files[name]))
+
+    def placed(self, intent: Intent, app: Any, profile: Any, rendered: bytes | None,
+               explanation: IntentExplanation) -> None:
+        """A placed deployment: its file as rendered now, an upgrade, or a kept file."""
+        name = intent.name
+        upgrade = None if rendered is None or intent.overcommit else _upgrade(
+            self.capacity, self.stored, intent, app, profile, self.files.get(name), rendered)
+        if upgrade is not None:
+            self.upgrades.append((intent, app, upgrade, explanation))
+            self.shares.append(_file_share(self.capacity, self.stored, intent, name,
+                                           upgrade.data))
+        elif rendered is not None or name not in self.files:
+            self.shares.append((intent.priority, name, lambda: self.capacity.hold(
+                intent, app, profile)))
+        else:  # the compiler keeps its file after an error: the file says what it takes
+            self.keep_file(intent, name)
+
+
 def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                    intent_name: str | None = None,
                    placements: dict[str, PlacementRecord] | None = None,
@@ -127,24 +164,15 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
         raise KeyError(intent_name)
     if placed is None:
         placed = {n for n, r in (placements or {}).items() if r.deployed}
-    files: Mapping[str, bytes] = placed if isinstance(placed, Mapping) else {}
+    records = placements or {}
     capacity = DeviceCapacity(device, constraints)
-    stored = StoredFiles()
+    round_ = _Round(capacity, placed if isinstance(placed, Mapping) else {})
     cluster = is_cluster(device)
     out: list[IntentExplanation] = []
-    new: list[tuple[Intent, Any, Placement, IntentExplanation]] = []
-    upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]] = []
-    shares: list[_Share] = []
-    accounted: list[IntentExplanation] = []  # each says what it is counted as taking
     for name in names:
         if name not in resolved.usable:
-            problems = [p for p in [*source.problems, *resolved.problems]
-                        if p.file and p.file.endswith(f"/{name}.yaml")]
-            out.append(IntentExplanation(name, "frozen", problems=problems,
-                                         note="the intent cannot be used; devices keep its "
-                                              "previous deployments"))
-            if name in files:
-                shares.append(_file_share(capacity, stored, None, name, files[name]))
+            out.append(_frozen(source, resolved.problems, name))
+            round_.keep_file(None, name)
             continue
         intent, app = resolved.usable[name]
         app_label = f"{app.description.id} {app.description.version}"
@@ -155,22 +183,13 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                                          targeting=list(placement.not_targeted_because)))
             continue
         if placement.profile is None:
-            explanation = IntentExplanation(name, "not eligible", app_label,
-                                            attempts=list(placement.attempts))
-            record = (placements or {}).get(name)
-            if record and record.deployed and record.ineligible_since and intent.grace_seconds:
-                elapsed = (now or 0) - record.ineligible_since
-                left = max(0, int(intent.grace_seconds - elapsed))
-                explanation.status = "grace period"
-                explanation.note = (f"still deployed: kept for the grace period of "
-                                    f"{intent.grace_seconds}s, {left}s left")
-                if name in files and not intent.overcommit:
-                    shares.append(_file_share(capacity, stored, intent, name, files[name]))
-            out.append(explanation)
+            out.append(_ineligible(intent, app_label, placement, records.get(name), now))
+            if out[-1].status == "grace period":
+                round_.keep_file(intent, name)
             continue
         profile = placement.profile
         if name in placed:
-            profile = _recorded_profile(app, (placements or {}).get(name)) or profile
+            profile = _recorded_profile(app, records.get(name)) or profile
         explanation = IntentExplanation(name, "eligible", app_label, str(profile.id),
                                         attempts=list(placement.attempts))
         try:
@@ -178,26 +197,34 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
         except RenderError as exc:
             explanation.status, explanation.problems, rendered = "error", exc.problems, None
         out.append(explanation)
-        accounted.append(explanation)
-        if name not in placed:
-            if not intent.overcommit:
-                new.append((intent, app, placement, explanation))
-            continue
-        upgrade = None if rendered is None or intent.overcommit else _upgrade(
-            capacity, stored, intent, app, profile, files.get(name), rendered)
-        if upgrade is not None:
-            upgrades.append((intent, app, upgrade, explanation))
-            shares.append(_file_share(capacity, stored, intent, name, upgrade.data))
-        elif rendered is not None or name not in files:
-            shares.append((intent.priority, name, lambda i=intent, a=app, p=profile: (
-                capacity.hold(i, a, p))))
-        else:  # the compiler keeps its file after an error: the file says what it takes
-            shares.append(_file_share(capacity, stored, intent, name, files[name]))
-    _account(capacity, stored, source, shares, upgrades, new)
-    assigned = capacity.ledger.assigned()
-    for explanation in accounted:
-        explanation.assigned = assigned.get(explanation.intent) or None
+        round_.accounted.append(explanation)
+        if name in placed:
+            round_.placed(intent, app, profile, rendered, explanation)
+        elif not intent.overcommit:
+            round_.new.append((intent, app, placement, explanation))
+    _account(round_, source)
     return [e for e in out if intent_name is None or e.intent == intent_name]
+
+
+def _frozen(source: FleetSource, problems: list[Problem], name: str) -> IntentExplanation:
+    located = [p for p in [*source.problems, *problems]
+               if p.file and p.file.endswith(f"/{name}.yaml")]
+    return IntentExplanation(name, "frozen", problems=located,
+                             note="the intent cannot be used; devices keep its previous "
+                                  "deployments")
+
+
+def _ineligible(intent: Intent, app_label: str, placement: Placement,
+                record: PlacementRecord | None, now: float | None) -> IntentExplanation:
+    explanation = IntentExplanation(intent.name, "not eligible", app_label,
+                                    attempts=list(placement.attempts))
+    if record and record.deployed and record.ineligible_since and intent.grace_seconds:
+        elapsed = (now or 0) - record.ineligible_since
+        left = max(0, int(intent.grace_seconds - elapsed))
+        explanation.status = "grace period"
+        explanation.note = (f"still deployed: kept for the grace period of "
+                            f"{intent.grace_seconds}s, {left}s left")
+    return explanation
 
 
 def _upgrade(capacity: DeviceCapacity, stored: StoredFiles, intent: Intent, app: Any,
@@ -233,28 +260,20 @@ def _recorded_profile(app: Any, record: PlacementRecord | None) -> Any:
     return next((p for p in app.description.profiles if p.id == record.profile), None)
 
 
-def _account(capacity: DeviceCapacity, stored: StoredFiles, source: FleetSource,
-             shares: list[_Share],
-             upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]],
-             new: list[tuple[Intent, Any, Placement, IntentExplanation]]) -> None:
+def _account(round_: _Round, source: FleetSource) -> None:
     """Accounting as the compiler does it: what the tree holds first, then new placements
     and upgrades in order; explanations of those that do not fit say so, in numbers."""
-    for _, _, take in sorted(shares, key=lambda s: (-s[0], s[1])):
+    capacity = round_.capacity
+    for _, _, take in sorted(round_.shares, key=lambda s: (-s[0], s[1])):
         take()
     pending: list[tuple[Intent, Any, Placement | _Upgrade, IntentExplanation]] = [
-        *new, *upgrades]
+        *round_.new, *round_.upgrades]
     for intent, app, item, explanation in sorted(pending,
                                                  key=lambda e: (-e[0].priority, e[0].name)):
         if isinstance(item, _Upgrade):
             short = capacity.upgrade(intent.name, item.demand)
             if short:
-                versions = source.applications.get(app.description.id, {})
-                running = stored.running_version(versions, item.data, RenderCache())
-                explanation.status, explanation.capacity = "held for capacity", list(short)
-                explanation.held_at = running or ""
-                explanation.note = (f"the device keeps running "
-                                    f"{running or 'the version it has'} until "
-                                    f"{app.description.version} fits")
+                _held(explanation, round_.stored, source, app, item.data, short)
             continue
         chosen, short = capacity.admit(intent, app, item)
         if short:
@@ -262,3 +281,16 @@ def _account(capacity: DeviceCapacity, stored: StoredFiles, source: FleetSource,
             explanation.capacity = list(short)
         elif chosen.profile is not None:
             explanation.profile = str(chosen.profile.id)
+    assigned = capacity.ledger.assigned()
+    for explanation in round_.accounted:
+        explanation.assigned = assigned.get(explanation.intent) or None
+
+
+def _held(explanation: IntentExplanation, stored: StoredFiles, source: FleetSource, app: Any,
+          data: bytes, short: tuple[Failure, ...]) -> None:
+    versions = source.applications.get(app.description.id, {})
+    running = stored.running_version(versions, data, RenderCache())
+    explanation.status, explanation.capacity = "held for capacity", list(short)
+    explanation.held_at = running or ""
+    explanation.note = (f"the device keeps running {running or 'the version it has'} until "
+                        f"{app.description.version} fits")

@@ -253,3 +253,19 @@ def test_assigned_never_exceeds_reported_after_an_upgrade(tmp_path: Path) -> Non
 def margo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
                           capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_a_rollout_does_not_move_a_device_whose_upgrade_is_held(tmp_path: Path) -> None:
+    from compiler.rollout import RolloutPlan
+
+    fleet = fleet_of(tmp_path, "x", "y", cores=2.5,
+                     y={"rollout": {"waves": [{"name": "all"}]}})
+    fleet.devices["roomy"] = {**box(8), "properties": {**box(8)["properties"], "id": "roomy"}}
+    fleet.compile(now=1_000)
+    release(fleet, "2.0.0", 1.5)
+    report = fleet.compile(now=2_000, rollouts={"y": RolloutPlan("r2", "progressing",
+                                                                 open_wave=0)})
+    # The wave is open: roomy moves, box's upgrade of y is held and box is not moved.
+    assert set(report.rollout_moves["y"]) == {"roomy"}
+    assert versions(fleet) == {"x": "2.0.0", "y": "1.0.0"}
+    assert any(n.startswith("y: held at 1.0.0") for n in notes(report))

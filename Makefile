@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv test fuzz lint schemas demo bench cluster kube clean
+.PHONY: all venv test fuzz matrix lint schemas demo bench cluster kube clean
 
 all: test
 
@@ -56,6 +56,13 @@ test: lint kube
 fuzz: venv
 	MARGO_FUZZ=deep $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider \
 		tests/wfm/test_githttp_isolation.py tests/wfm/test_request_body_properties.py
+
+# Every cell of the device matrix (tests/matrix, docs/matrix.md): {rc.3, rc.2, Oct-2024 with
+# Git} x {render, Helm on the control plane, Compose on the Docker engine} x {SQLite, two
+# replicas on PostgreSQL}; `make test` runs the quick subset (kits/matrixkit.py, QUICK).
+matrix: venv kube
+	MARGO_MATRIX=full $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
+		-p no:cacheprovider --durations=0 tests/matrix
 
 schemas: venv
 	$(BIN)/python -m margo.schemas

@@ -6,6 +6,7 @@
 | `stubserver` | a small HTTP(S) server on loopback with a handler of the test's own |
 | `serverkit`, `fleetserver` | `margo serve` with a fleet source, clients and devices |
 | `devicekit` | render-driver devices of a `fleetserver` server, `margo device once` |
+| `matrixkit`, `matrixengines` | the device matrix (docs/matrix.md): cells, parts, devices |
 | `githttpkit` | the Git smart-HTTP app under uvicorn, and Git's wire protocol by hand |
 | `pkikit` | certificates and SPIFFE identities for mutual TLS tests |
 | `registrykit` | Debian's docker-registry on loopback, optionally requiring credentials |

@@ -3,7 +3,10 @@
 Each *request* goes to the next replica (as an L7 balancer over pooled connections does),
 so a device's manifest poll, its YAML fetch and its status report may each reach a
 different replica: the test double of the balancer an operator runs, not of anything the
-product does. Bodies are read whole (the tests' are small), chunked request bodies (Git's
+product does. By default it sends the replica's own address as `Host` (as nginx does unless
+told otherwise); `preserve_host=True` passes the client's `Host` through, which rc.2
+devices need: their RFC 9421 signatures cover `@authority`, which the replica rebuilds from
+`Host`. Bodies are read whole (the tests' are small), chunked request bodies (Git's
 large POSTs) are decoded, responses keep their raw bytes (compression included).
 
 `tcp_balancing` is the L4 kind (TLS passthrough, as for mutual TLS, where the replica must
@@ -51,7 +54,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self._body()
         upstream = self.server.next_upstream()
-        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP
+                   or (k.lower() == "host" and self.server.preserve_host)]
         try:
             with self.server.http.stream(self.command, upstream + self.path, headers=headers,
                                          content=body) as response:
@@ -77,9 +81,10 @@ class _Handler(BaseHTTPRequestHandler):
 class Balancer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, upstreams: Sequence[str]) -> None:
+    def __init__(self, upstreams: Sequence[str], *, preserve_host: bool = False) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstreams = list(upstreams)
+        self.preserve_host = preserve_host
         self._turn = itertools.cycle(range(len(self.upstreams)))
         self._lock = threading.Lock()
         self.http = httpx.Client(timeout=60)
@@ -97,8 +102,8 @@ class Balancer(ThreadingHTTPServer):
 
 
 @contextmanager
-def balancing(upstreams: Sequence[str]) -> Iterator[Balancer]:
-    with _serving(Balancer(upstreams)) as balancer:
+def balancing(upstreams: Sequence[str], *, preserve_host: bool = False) -> Iterator[Balancer]:
+    with _serving(Balancer(upstreams, preserve_host=preserve_host)) as balancer:
         try:
             yield balancer
         finally:

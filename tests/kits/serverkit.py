@@ -88,14 +88,16 @@ def running_server(data: Path, *extra: str) -> Iterator[str]:
 
 
 @contextmanager
-def running_replicas(data: Path, *extra: str, count: int = REPLICAS) -> Iterator[str]:
+def running_replicas(data: Path, *extra: str, count: int = REPLICAS,
+                     preserve_host: bool = False) -> Iterator[str]:
     """`count` servers on the data directory's PostgreSQL database (data in
-    `<data>/replica-<i>`), behind a round-robin balancer; yields the balancer's URL."""
+    `<data>/replica-<i>`), behind a round-robin balancer (passing the client's `Host`
+    through with `preserve_host`: kits.balancer); yields the balancer's URL."""
     with contextlib.ExitStack() as stack:
         bases = [stack.enter_context(_one_server(
             data / f"replica-{i}", *extra, "--database", database_for(data),
             log_dir=data.parent)) for i in range(count)]
-        balancer = stack.enter_context(balancing(bases))
+        balancer = stack.enter_context(balancing(bases, preserve_host=preserve_host))
         yield balancer.url
 
 

@@ -28,6 +28,12 @@ $(STAMP): pyproject.toml
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q docker.io)
 	@dpkg -s busybox-static >/dev/null 2>&1 || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q busybox-static)
+	@# Real Kubernetes nodes (tools/kube/realnode.py): containerd, its shim and runc (with
+	@# docker.io above) and the CNI plugins bridge, host-local, loopback and portmap.
+	@[ -x /usr/bin/containerd ] && [ -x /usr/sbin/runc ] || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q containerd runc)
+	@[ -x /usr/lib/cni/bridge ] || ($(SUDO) apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q containernetworking-plugins)
 	@# PostgreSQL for the fleet server's shared store: the tests start private clusters.
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || ($(SUDO) apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q postgresql)
@@ -67,14 +73,17 @@ matrix: venv kube
 schemas: venv
 	$(BIN)/python -m margo.schemas
 
-# The Kubernetes control plane, built from the pinned Go modules in tools/kube (cached under
+# The Kubernetes control plane and the real nodes' kubelet and kube-proxy, built from the
+# pinned Go modules in tools/kube (cached under
 # ~/.cache/margo-gitops/kube, or $$MARGO_KUBE_CACHE), for the tests and for people.
 kube: venv
 	@$(BIN)/python -m tools.kube.kubebuild >/dev/null
 
-# A real control plane on loopback with simulated nodes; prints its kubeconfigs.
+# A real control plane on loopback with simulated nodes (and REAL_NODES=N real ones, which
+# run containers: docs/kubernetes.md); prints its kubeconfigs.
+REAL_NODES ?= 0
 cluster: kube
-	$(BIN)/python -m tools.kube.cluster
+	$(BIN)/python -m tools.kube.cluster --real-nodes $(REAL_NODES)
 
 demo: venv
 	@PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh

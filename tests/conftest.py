@@ -21,9 +21,11 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SPEC_EXAMPLES = FIXTURES / "spec-examples"
 
 # Tests that need one of these session fixtures run on one worker: each stands for a
-# machine-wide part that is costly to start twice (a Kubernetes control plane), or whose
-# copies would collide (two Docker engines allocate the same bridge subnets).
-_ONE_WORKER = {"control_plane": "kubernetes", "docker_engine": "docker"}
+# machine-wide part that is costly to start twice (a Kubernetes control plane, real
+# Kubernetes nodes), or whose copies would collide (two Docker engines allocate the same
+# bridge subnets).
+_ONE_WORKER = {"control_plane": "kubernetes", "real_nodes": "kubernetes-real",
+               "docker_engine": "docker"}
 
 
 def _private_temp_folder() -> None:

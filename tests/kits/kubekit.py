@@ -1,5 +1,11 @@
 """Test kit: the real Kubernetes control plane (tools/kube) as a test cluster.
 
+Two kinds of node: simulated ones (kwok, `KubeCluster.set_nodes`), and real ones
+(tools/kube/realnode.py: a kubelet, containerd and kube-proxy each, running containers)
+on a control plane of their own (`RealCluster`, the `real_nodes` session fixture), so the
+simulated nodes' tests never see them. A real node's pods can be read (`pod_log`) and
+entered (`pod_exec`) through the API server, as with kubectl.
+
 One control plane runs for the whole session (`control_plane` in conftest.py: etcd,
 kube-apiserver with RBAC, controller manager, scheduler and kwok, built from the pinned
 Go modules); each test gets a `KubeCluster` that sets the simulated nodes it needs,
@@ -13,21 +19,28 @@ or more to delete even an empty one, and a test reusing a terminating namespace 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import helm_python as helm
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from tools.kube.controlplane import ControlPlane
-from tools.kube.kubeadmin import KubeAdmin, NotFound
+from tools.kube.kubeadmin import KubeAdmin, NotFound, tls_context
 from tools.kube.kubenodes import SimNode, apply_nodes
+from tools.kube.nodeimages import Image, serve_http
+from tools.kube.realnode import RealNode, RealNodes
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["DEVICE_RBAC", "GPU_WORKER", "SINGLE_NODE", "THREE_NODES", "ControlPlane",
-           "KubeAdmin", "KubeCluster", "SimNode"]
+__all__ = ["DEVICE_RBAC", "GPU_WORKER", "REAL_NODES", "REAL_TEST_IMAGES", "SINGLE_NODE",
+           "THREE_NODES", "ControlPlane", "KubeAdmin", "KubeCluster", "RealCluster", "RealNode",
+           "RealNodes", "SimNode"]
 
 DEVICE_RBAC = ROOT / "examples" / "kubernetes" / "device-rbac.yaml"
 #: Namespaces that exist in every cluster (and the one the RBAC file creates).
@@ -43,6 +56,20 @@ THREE_NODES = (
 )
 GPU_WORKER = SimNode("gpu-worker", cpu="8", memory="32Gi", zone="zone-b", gpus=1,
                      gpu_product="Tesla-T4")
+#: The real nodes' cluster: two nodes in two zones, untainted (no simulated node shares
+#: their control plane). There is no GPU on these machines: GPU nodes stay simulated.
+REAL_NODES = (RealNode("real-a", zone="zone-a", taints=()),
+              RealNode("real-b", zone="zone-b", taints=()))
+#: The test charts' images on real nodes: `greeter` serves HTTP on 8080 and logs its
+#: version and greeting; `crasher` fails during start-up (two lines, then exit code 3).
+REAL_TEST_IMAGES = (
+    *(Image(f"registry.example.com/greeter:{version}",
+            serve_http(f'"greeter {version} says: ${{GREETING:-nothing}}"'),
+            {"www/index.html": f"greeter {version}\n"}) for version in ("1.0.0", "2.0.0")),
+    Image("registry.example.com/crasher:1.0.0",
+          ("sh", "-c", 'echo "loading configuration"; echo "fatal: DATABASE_URL is not set"'
+                       " >&2; exit 3")),
+)
 
 
 class KubeCluster:
@@ -133,3 +160,47 @@ class KubeCluster:
             self.clean()
         finally:
             self.admin.close()
+
+
+class RealCluster(KubeCluster):
+    """The real nodes' control plane as one test sees it (nodes are started once per
+    session: `set_nodes` does not apply)."""
+
+    def __init__(self, nodes: RealNodes, workdir: Path) -> None:
+        super().__init__(nodes.plane, workdir)
+        self.nodes = nodes
+
+    def set_nodes(self, nodes: Iterable[SimNode]) -> None:
+        raise TypeError("a RealCluster's nodes are real; simulated nodes go on `kube`")
+
+    def pod_log(self, namespace: str, pod: str, *, previous: bool = False) -> str:
+        """The container's output, read through the API server from the kubelet."""
+        params = {"previous": "true"} if previous else {}
+        return self.admin.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}/log",
+                                  params=params).text
+
+    def pod_exec(self, namespace: str, pod: str, command: Sequence[str],
+                 timeout: float = 30.0) -> tuple[int, str, str]:
+        """Run `command` in the pod's container through the API server (exec over
+        WebSocket, `v5.channel.k8s.io`, as kubectl does): exit code, stdout, stderr."""
+        pki = self.plane.pki
+        assert pki is not None
+        admin = pki.clients["admin"]
+        query = urlencode([("command", c) for c in command]
+                          + [("stdout", "true"), ("stderr", "true")])
+        url = (self.plane.server.replace("https://", "wss://")
+               + f"/api/v1/namespaces/{namespace}/pods/{pod}/exec?{query}")
+        streams = {1: b"", 2: b"", 3: b""}
+        with connect(url, ssl=tls_context(pki.ca_cert, admin.cert, admin.key),
+                     subprotocols=["v5.channel.k8s.io"], open_timeout=timeout) as socket, \
+                contextlib.suppress(ConnectionClosed):
+            while True:
+                message = socket.recv(timeout)
+                data = message.encode() if isinstance(message, str) else message
+                if data and data[0] in streams:
+                    streams[data[0]] += data[1:]
+        status = json.loads(streams[3] or b"{}")
+        code = 0 if status.get("status") == "Success" else next(
+            (int(c["message"]) for c in (status.get("details") or {}).get("causes", [])
+             if c.get("reason") == "ExitCode"), 1)
+        return code, streams[1].decode(), streams[2].decode()

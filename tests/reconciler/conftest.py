@@ -1,6 +1,7 @@
 """Session fixtures for the device client's tests: one real OCI registry, one real
-Kubernetes control plane (built from the pinned Go modules on first use) and one real
-Docker engine with locally built test images, for all of them."""
+Kubernetes control plane (built from the pinned Go modules on first use) with simulated
+nodes, a second one with two real nodes (kubelet, containerd, kube-proxy: containers run),
+and one real Docker engine with locally built test images, for all of them."""
 
 from __future__ import annotations
 
@@ -11,8 +12,19 @@ import pytest
 
 # The fleet server's test kit (running `margo serve`, adding clients) is shared with tests/wfm.
 from kits.dockerkit import DockerEngine, ImageSet, build_test_images, running_engine
-from kits.kubekit import DEVICE_RBAC, SINGLE_NODE, ControlPlane, KubeCluster
+from kits.kubekit import (
+    DEVICE_RBAC,
+    REAL_NODES,
+    REAL_TEST_IMAGES,
+    SINGLE_NODE,
+    ControlPlane,
+    KubeCluster,
+    RealCluster,
+    RealNodes,
+)
 from kits.registrykit import running_registry
+
+from tools.kube.realnode import why_unavailable as real_nodes_unavailable
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +67,30 @@ def docker_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerEn
 def test_images(docker_engine: DockerEngine, registry: str) -> ImageSet:
     """busybox-based images, built here and pushed to the session registry."""
     return build_test_images(docker_engine, registry)
+
+
+@pytest.fixture(scope="session")
+def real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNodes]:
+    """A control plane of their own with two real nodes (`REAL_NODES`), the device's RBAC
+    applied. Not skipped where nodes cannot start: `make venv` installs what they need,
+    and the error says what is missing."""
+    reason = real_nodes_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"real Kubernetes nodes cannot start here: {reason}")
+    folder = tmp_path_factory.mktemp("kube-real")
+    with ControlPlane(folder / "plane") as plane:
+        with plane.admin() as admin:
+            admin.apply_file(DEVICE_RBAC)
+        with RealNodes(plane, folder / "nodes", images=REAL_TEST_IMAGES) as nodes:
+            nodes.start(*REAL_NODES)
+            yield nodes
+
+
+@pytest.fixture
+def real_kube(real_nodes: RealNodes, tmp_path: Path) -> Iterator[RealCluster]:
+    """The real nodes' cluster; what the test installed is removed afterwards."""
+    cluster = RealCluster(real_nodes, tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -21,6 +21,8 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,6 +41,11 @@ __all__ = ["ControlPlane", "write_kubeconfig"]
 
 SERVICE_RANGE = "10.0.0.0/24"
 POD_RANGE = "10.244.0.0/16"
+#: The API server's advertised address (the `kubernetes` Service's endpoint). No host
+#: interface has it: each real node serves it on its own loopback and relays to the API
+#: server on the host's (relay.py), so pods reach the API server through the Service.
+API_ADDRESS = "172.31.255.1"
+ROOT = Path(__file__).resolve().parents[2]
 #: kwok manages only nodes carrying this annotation (the node objects tests create do).
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 
@@ -90,6 +97,9 @@ class ControlPlane:
     pki: Pki | None = None
     admin_kubeconfig: Path | None = None
     version: str = field(default_factory=kubernetes_version)
+    #: A short folder of /tmp (Unix socket paths are limited to about 104 bytes) for the
+    #: API server's egress proxy and the real nodes' sockets (`egress_dir`).
+    runtime: Path | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -114,8 +124,11 @@ class ControlPlane:
                                              user=stem)
                       for stem, client in pki.clients.items()}
         self.admin_kubeconfig = kubeconfig["admin"]
+        self.runtime = Path(tempfile.mkdtemp(prefix="margo-kube-", dir="/tmp"))
+        (self.runtime / "nodes").mkdir()
         try:
             self._start_etcd(bin_dir, etcd_port, peer_port)
+            self._start_egress()
             self._start_apiserver(bin_dir, etcd_port, api_port)
             self._start_components(bin_dir, kubeconfig)
         except BaseException:
@@ -136,6 +149,21 @@ class ControlPlane:
                 process.popen.kill()
                 process.popen.wait()
         self.processes.clear()
+        if self.runtime is not None:
+            shutil.rmtree(self.runtime, ignore_errors=True)
+            self.runtime = None
+
+    @property
+    def api_port(self) -> int:
+        return int(self.server.rsplit(":", 1)[1])
+
+    @property
+    def egress_dir(self) -> Path:
+        """Where each running real node puts its CONNECT socket and the addresses it owns
+        (`<node>.sock`, `<node>.json`), for the API server's egress proxy."""
+        if self.runtime is None:
+            raise RuntimeError("the control plane is not started")
+        return self.runtime / "nodes"
 
     def admin(self) -> KubeAdmin:
         pki = self._pki()
@@ -171,11 +199,12 @@ class ControlPlane:
             raise RuntimeError("the control plane is not started")
         return self.pki
 
-    def _spawn(self, name: str, argv: list[str]) -> _Process:
+    def _spawn(self, name: str, argv: list[str],
+               env: dict[str, str] | None = None) -> _Process:
         log = self.folder / "logs" / f"{name}.log"
         with open(log, "ab") as output:
             popen = subprocess.Popen(argv, stdout=output, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=self.folder,
+                                     stdin=subprocess.DEVNULL, cwd=self.folder, env=env,
                                      preexec_fn=die_with_parent)
         process = _Process(name, popen, log)
         self.processes.append(process)
@@ -205,12 +234,29 @@ class ControlPlane:
         self._wait("etcd", lambda: httpx.get(f"{client}/health", timeout=2).json().get(
             "health") == "true")
 
+    def _start_egress(self) -> None:
+        """The HTTP CONNECT proxy the API server sends node and pod traffic through
+        (relay.py): only to real nodes' namespaces, never to the network."""
+        runtime = self.runtime
+        assert runtime is not None
+        socket_path = runtime / "egress.sock"
+        (self.folder / "egress.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "apiserver.k8s.io/v1beta1", "kind": "EgressSelectorConfiguration",
+            "egressSelections": [{"name": "cluster", "connection": {
+                "proxyProtocol": "HTTPConnect",
+                "transport": {"uds": {"udsName": str(socket_path)}}}}]}))
+        self._spawn("egress", [sys.executable, "-m", "tools.kube.relay", "egress",
+                               str(socket_path), str(self.egress_dir)],
+                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self._wait("the egress proxy", socket_path.exists, timeout=30)
+
     def _start_apiserver(self, bin_dir: Path, etcd_port: int, port: int) -> None:
         pki = self._pki()
+        kubelet_client = pki.clients["kubelet-client"]
         self._spawn("kube-apiserver", [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            "--bind-address=127.0.0.1", f"--advertise-address={API_ADDRESS}",
             f"--secure-port={port}", f"--cert-dir={self.folder / 'pki'}",
             f"--tls-cert-file={pki.server_cert}", f"--tls-private-key-file={pki.server_key}",
             f"--client-ca-file={pki.ca_cert}",
@@ -218,7 +264,13 @@ class ControlPlane:
             f"--service-account-signing-key-file={pki.service_account_key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             "--authorization-mode=RBAC", f"--service-cluster-ip-range={SERVICE_RANGE}",
-            "--allow-privileged=true", "--profiling=false", "--v=1"])
+            "--allow-privileged=true", "--profiling=false",
+            # Real nodes: the API server authenticates to kubelets with a client
+            # certificate and reaches them by their InternalIP, through the egress proxy.
+            f"--kubelet-client-certificate={kubelet_client.cert}",
+            f"--kubelet-client-key={kubelet_client.key}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            f"--egress-selector-config-file={self.folder / 'egress.yaml'}", "--v=1"])
         client = pki.clients["admin"]
         context = tls_context(pki.ca_cert, client.cert, client.key)
 

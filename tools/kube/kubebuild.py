@@ -1,4 +1,5 @@
-"""Build the Kubernetes control plane from the official Go modules, once per machine.
+"""Build the Kubernetes control plane (and the kubelet and kube-proxy of real nodes) from
+the official Go modules, once per machine.
 
 No package carries a Kubernetes API server on these machines, but the Go module proxy
 serves `k8s.io/kubernetes` and its staging modules, etcd and kwok. `go.mod` in this folder
@@ -37,6 +38,9 @@ BINARIES = {
     "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
     "kwok": "sigs.k8s.io/kwok/cmd/kwok",
     "etcd": "./cmd/etcd",
+    # Real nodes (realnode.py): the kubelet and kube-proxy of the same release.
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+    "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
 }
 _INPUTS = ("go.mod", "go.sum", "cmd/etcd/main.go")
 #: kwok's own stage definitions (in its module, under kustomize/stage/), concatenated into

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["ClientCert", "Pki", "create_pki"]
+__all__ = ["ClientCert", "Pki", "create_pki", "issue_client_cert"]
 
 _VALID = datetime.timedelta(days=365)
 #: Client identities every control plane gets: file stem → (user, groups).
@@ -32,6 +32,8 @@ COMPONENTS: dict[str, tuple[str, tuple[str, ...]]] = {
     # kwok plays every kubelet: it writes node and pod status, which the Node authorizer
     # would only let each node do for itself.
     "kwok": ("kwok-controller", ("system:masters",)),
+    # The API server's identity towards real kubelets (logs, exec, port-forward).
+    "kubelet-client": ("kube-apiserver-kubelet-client", ()),
 }
 
 
@@ -129,3 +131,19 @@ def create_pki(folder: Path, *, service_ip: str = "10.0.0.1") -> Pki:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo),
             False),
         clients=clients)
+
+
+def issue_client_cert(pki: Pki, folder: Path, stem: str, user: str,
+                      groups: tuple[str, ...] = ()) -> ClientCert:
+    """A client certificate signed by the cluster's CA, written to `folder/<stem>.crt` and
+    `.key`: a real node's kubelet (`system:node:<name>` in `system:nodes`) and kube-proxy
+    (`system:kube-proxy`) each get one when the node starts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _sign(_name(user, groups), key, ca.subject, ca_key, ca=False,
+                 usage=[ExtendedKeyUsageOID.CLIENT_AUTH])
+    return ClientCert(_write(folder / f"{stem}.crt", _pem(cert), False),
+                      _write(folder / f"{stem}.key", _key_pem(key), True))

@@ -54,7 +54,7 @@ from kits.serverkit import add_client, running_replicas, running_server, use_sto
 from reconciler.oci import OciClient
 from tools.polling import poll_until
 
-__all__ = ["CELLS", "DRIVERS", "ISSUE_28_FRESHNESS", "KNOWN_DEFECTS", "PARTS", "QUICK", "ROWS",
+__all__ = ["CELLS", "DRIVERS", "KNOWN_DEFECTS", "PARTS", "QUICK", "ROWS",
            "STORES", "Cell", "Change", "FleetHost", "FreshnessNotReached", "MatrixDevice",
            "MatrixParts", "Row", "Workload", "cell_params", "devices", "new_device",
            "selected_cells"]
@@ -117,16 +117,11 @@ class FreshnessNotReached(AssertionError):
     expect (a device that never installed fails its test as usual)."""
 
 
-#: Checks known to fail in some rows today, as (feature module, row name) -> mark, in this
-#: one place. Delete a line when its fix lands (the marks are strict: a fixed defect fails
-#: the run until its line goes).
-ISSUE_28_FRESHNESS = pytest.mark.xfail(
-    strict=True, raises=FreshnessNotReached,
-    reason="issue 28: reports without adoptedManifestVersion")
-KNOWN_DEFECTS: dict[tuple[str, str], pytest.MarkDecorator] = {
-    ("freshness", "rc2"): ISSUE_28_FRESHNESS,
-    ("freshness", "oct2024"): ISSUE_28_FRESHNESS,
-}
+#: Checks known to fail in some rows today, as (feature module, row name) -> a strict
+#: xfail mark (raising `FreshnessNotReached` or another specific error), in this one place.
+#: Delete a line when its fix lands: a fixed defect fails the run until its line goes.
+#: (The freshness of rc.2 and Oct-2024 devices, issue 28's first defect, was the first.)
+KNOWN_DEFECTS: dict[tuple[str, str], pytest.MarkDecorator] = {}
 
 #: Cells on a machine-wide part run on one pytest-xdist worker, in the groups
 #: tests/conftest.py (`_ONE_WORKER`) gives the tests of that part.

@@ -1,9 +1,8 @@
 """The read API's freshness (docs/server.md, "Freshness") follows the device in every cell:
 `current` once its deployment is installed, and again once a reconfiguration (which leaves
-the old `installed` report about other bytes) is installed.
-
-Known to fail today for rows whose reports carry no adoptedManifestVersion (rc.2, Oct-2024
-with Git): see `KNOWN_DEFECTS` in kits/matrixkit.py."""
+the old `installed` report about other bytes) is installed. rc.2 and Oct-2024 reports carry
+no adoptedManifestVersion field: the server attributes them to what the device adopted
+(wfm.attribution; issue 28's first defect, when they never counted)."""
 
 from __future__ import annotations
 

@@ -261,26 +261,36 @@ def _recorded_profile(app: Any, record: PlacementRecord | None) -> Any:
 
 
 def _account(round_: _Round, source: FleetSource) -> None:
-    """Accounting as the compiler does it: what the tree holds first, then new placements
-    and upgrades in order; explanations of those that do not fit say so, in numbers."""
+    """Accounting as the compiler does it (`compiler.holding.decide_in_order`): what the
+    tree holds first, then new placements and upgrades in order, in passes until one
+    decides nothing more; explanations of those that do not fit say so, in numbers."""
     capacity = round_.capacity
     for _, _, take in sorted(round_.shares, key=lambda s: (-s[0], s[1])):
         take()
-    pending: list[tuple[Intent, Any, Placement | _Upgrade, IntentExplanation]] = [
-        *round_.new, *round_.upgrades]
-    for intent, app, item, explanation in sorted(pending,
-                                                 key=lambda e: (-e[0].priority, e[0].name)):
-        if isinstance(item, _Upgrade):
-            short = capacity.upgrade(intent.name, item.demand)
+    pending: list[tuple[Intent, Any, Placement | _Upgrade, IntentExplanation]] = sorted(
+        [*round_.new, *round_.upgrades], key=lambda e: (-e[0].priority, e[0].name))
+    short_of: dict[str, tuple[Failure, ...]] = {}
+    while pending:
+        left = []
+        for intent, app, item, explanation in pending:
+            if isinstance(item, _Upgrade):
+                short = capacity.upgrade(intent.name, item.demand)
+            else:
+                chosen, short = capacity.admit(intent, app, item)
+                if not short and chosen.profile is not None:
+                    explanation.profile = str(chosen.profile.id)
             if short:
-                _held(explanation, round_.stored, source, app, item.data, short)
-            continue
-        chosen, short = capacity.admit(intent, app, item)
-        if short:
+                short_of[intent.name] = short
+                left.append((intent, app, item, explanation))
+        if len(left) == len(pending):
+            break
+        pending = left
+    for intent, app, item, explanation in pending:
+        if isinstance(item, _Upgrade):
+            _held(explanation, round_.stored, source, app, item.data, short_of[intent.name])
+        else:
             explanation.status = "waiting for capacity"
-            explanation.capacity = list(short)
-        elif chosen.profile is not None:
-            explanation.profile = str(chosen.profile.id)
+            explanation.capacity = list(short_of[intent.name])
     assigned = capacity.ledger.assigned()
     for explanation in round_.accounted:
         explanation.assigned = assigned.get(explanation.intent) or None

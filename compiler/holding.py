@@ -248,43 +248,73 @@ def decide_in_order(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
                     current: StoredTree, new: list[tuple[Intent, AppVersion, Placement]],
                     upgrades: list[Upgrade], place: Place) -> None:
     """The round: the tree's files take their shares, then new placements and upgrades
-    are decided one after another (highest priority, then name). A new placement that does
-    not fit waits; an upgrade that does not fit is held; both say why in numbers."""
+    are decided one after another (highest priority, then name), in passes until a pass
+    decides nothing more: an upgrade that goes through may free what an earlier one in
+    the order needed (more storage, less memory), and the next compile of the same inputs
+    must not find anything left to do. A new placement that does not fit then waits; an
+    upgrade that does not fit is held; both say why in numbers."""
     hold_tree(ctx, out, capacity, current)
-    pending: list[tuple[Intent, AppVersion, Placement | Upgrade]] = [
-        *new, *((u.intent, u.app, u) for u in upgrades)]
-    for intent, app, item in sorted(pending, key=lambda e: (-e[0].priority, e[0].name)):
+    pending: list[tuple[Intent, AppVersion, Placement | Upgrade]] = sorted(
+        [*new, *((u.intent, u.app, u) for u in upgrades)],
+        key=lambda e: (-e[0].priority, e[0].name))
+    short_of: dict[str, tuple[Failure, ...]] = {}
+    while pending:
+        left = []
+        for intent, app, item in pending:
+            short = (_try_upgrade(out, capacity, item) if isinstance(item, Upgrade)
+                     else _try_new(out, capacity, intent, app, item, place))
+            if short:
+                short_of[intent.name] = short
+                left.append((intent, app, item))
+        if len(left) == len(pending):
+            break
+        pending = left
+    for intent, _app, item in pending:
         if isinstance(item, Upgrade):
-            _decide_upgrade(ctx, out, capacity, current, item)
+            _hold(ctx, out, current, item, short_of[intent.name])
         else:
-            _decide_new(out, capacity, intent, app, item, place)
+            _wait(out, capacity.device.id, intent, short_of[intent.name])
 
 
-def _decide_new(out: DeviceOutcome, capacity: DeviceCapacity, intent: Intent,
-                app: AppVersion, placement: Placement, place: Place) -> None:
+def _try_new(out: DeviceOutcome, capacity: DeviceCapacity, intent: Intent, app: AppVersion,
+             placement: Placement, place: Place) -> tuple[Failure, ...]:
+    """Place a new placement if it fits (nothing returned), else say why."""
     placement, short = capacity.admit(intent, app, placement)
     if short:
-        out.placements.append(PlacementRecord(capacity.device.id, intent.name, False, False,
-                                              None, None, True))
-        out.notes.append(f"{intent.name}: waits for capacity: "
-                         + "; ".join(f.message for f in short))
-        return
+        return short
     place(intent, app, placement)
     if file_name(intent.name) not in out.ids:  # it could not be rendered: nothing to hold
         capacity.ledger.release(intent.name)
+    return ()
 
 
-def _decide_upgrade(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
-                    current: StoredTree, upgrade: Upgrade) -> None:
+def _wait(out: DeviceOutcome, device_id: str, intent: Intent,
+          short: tuple[Failure, ...]) -> None:
+    out.placements.append(PlacementRecord(device_id, intent.name, False, False, None, None,
+                                          True))
+    out.notes.append(f"{intent.name}: waits for capacity: "
+                     + "; ".join(f.message for f in short))
+
+
+def _try_upgrade(out: DeviceOutcome, capacity: DeviceCapacity,
+                 upgrade: Upgrade) -> tuple[Failure, ...]:
+    """Put an upgrade back into the tree if it fits (nothing returned), else say why."""
     name, fname = upgrade.intent.name, file_name(upgrade.intent.name)
     short = capacity.upgrade(name, upgrade.demand)
-    if not short:
-        del out.kept[fname]
-        out.add(fname, upgrade.data, upgrade.oid)
-        out.stale.discard(name)
-        if upgrade.move is not None:
-            out.moves.append(upgrade.move)
-        return
+    if short:
+        return short
+    del out.kept[fname]
+    out.add(fname, upgrade.data, upgrade.oid)
+    out.stale.discard(name)
+    if upgrade.move is not None:
+        out.moves.append(upgrade.move)
+    return ()
+
+
+def _hold(ctx: _Context, out: DeviceOutcome, current: StoredTree, upgrade: Upgrade,
+          short: tuple[Failure, ...]) -> None:
+    """The device keeps the file it runs; the record says held, a note says why."""
+    name, fname = upgrade.intent.name, file_name(upgrade.intent.name)
     out.changes = [c for c in out.changes if c.intent != name]
     out.placements = [r._replace(waiting=True) if r.intent == name else r
                       for r in out.placements]

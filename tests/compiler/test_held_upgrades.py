@@ -25,12 +25,15 @@ COMPOSE_ONLY = {"greeting": {"value": "hello", "targets": [{"pointer": "GREETING
                                                              "components": ["web-compose"]}]}}
 
 
-def description(version: str, cores: float, *, memory: str | None = None) -> dict[str, Any]:
-    """A Compose application whose only profile needs `cores` (and `memory`)."""
+def description(version: str, cores: float, *, memory: str | None = None,
+                storage: str | None = None) -> dict[str, Any]:
+    """A Compose application whose only profile needs `cores` (and `memory`, `storage`)."""
     doc = app(APP, version, revision=version, parameters=COMPOSE_ONLY)
     capacity: dict[str, Any] = {"cpu": {"cores": cores}}
     if memory:
         capacity["memory"] = memory
+    if storage:
+        capacity["storage"] = storage
     doc["deploymentProfiles"] = [{**doc["deploymentProfiles"][1],
                                   "deviceConstraints": {"capacityRequirements": capacity}}]
     return doc
@@ -269,3 +272,25 @@ def test_a_rollout_does_not_move_a_device_whose_upgrade_is_held(tmp_path: Path) 
     assert set(report.rollout_moves["y"]) == {"roomy"}
     assert versions(fleet) == {"x": "2.0.0", "y": "1.0.0"}
     assert any(n.startswith("y: held at 1.0.0") for n in notes(report))
+
+
+def test_an_upgrade_that_frees_room_lets_an_earlier_waiting_one_in_at_once(
+        tmp_path: Path) -> None:
+    """Found by the sequence property test: d0's upgrade needs storage instead of memory;
+    a1, decided before it by name, waited for that memory. Both must be settled in one
+    compile, or compiling the same inputs again places a1."""
+    fleet = Fleet(tmp_path / "fleet")
+    fleet.apps[APP] = description("1.0.0", 0.5, memory="1Gi")
+    fleet.apps["com-example-small"] = {**description("1.0.0", 0.5, memory="512Mi"),
+                                       "id": "com-example-small"}
+    fleet.intents["d0"] = intent("d0", APP)
+    fleet.devices["box"] = box(2, memory="1Gi")
+    fleet.compile(now=1_000)
+    fleet.intents["a1"] = intent("a1", "com-example-small")
+    fleet.compile(now=2_000)
+    assert versions(fleet) == {"d0": "1.0.0"}  # a1 waits for memory
+    release(fleet, "2.0.0", 0.5, storage="1Gi")  # storage instead of memory: it grows
+    report = fleet.compile(now=3_000)
+    assert versions(fleet) == {"a1": "1.0.0", "d0": "2.0.0"}
+    assert notes(report) == []
+    assert fleet.compile(now=4_000).commits == 0

@@ -57,11 +57,12 @@ TEST_WORKERS ?= auto
 test: lint kube
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
-# The property tests that drive a real server, at their deep example counts (tests/kits/fuzzing.py);
-# `make test` runs them at quick counts.
+# The costly property tests (a real server; sequences of real compiles), at their deep example
+# counts (tests/kits/fuzzing.py); `make test` runs them at quick counts.
 fuzz: venv
 	MARGO_FUZZ=deep $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider \
-		tests/wfm/test_githttp_isolation.py tests/wfm/test_request_body_properties.py
+		tests/wfm/test_githttp_isolation.py tests/wfm/test_request_body_properties.py \
+		tests/compiler/test_accounting_sequences.py
 
 # Every cell of the device matrix (tests/matrix, docs/matrix.md): {rc.3, rc.2, Oct-2024 with
 # Git} x {render, Helm on the control plane, Compose on the Docker engine} x {SQLite, two

@@ -71,9 +71,9 @@ def test_images(docker_engine: DockerEngine, registry: str) -> ImageSet:
 
 @pytest.fixture(scope="session")
 def real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNodes]:
-    """A control plane of their own with two real nodes (`REAL_NODES`), the device's RBAC
-    applied. Not skipped where nodes cannot start: `make venv` installs what they need,
-    and the error says what is missing."""
+    """A control plane of their own with two real nodes (`REAL_NODES`) and cluster DNS
+    (CoreDNS as a pod), the device's RBAC applied. Not skipped where nodes cannot start:
+    `make venv` installs what they need, and the error says what is missing."""
     reason = real_nodes_unavailable()
     if reason is not None:
         raise RuntimeError(f"real Kubernetes nodes cannot start here: {reason}")
@@ -81,7 +81,8 @@ def real_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNodes]:
     with ControlPlane(folder / "plane") as plane:
         with plane.admin() as admin:
             admin.apply_file(DEVICE_RBAC)
-        with RealNodes(plane, folder / "nodes", images=REAL_TEST_IMAGES) as nodes:
+        with RealNodes(plane, folder / "nodes", images=REAL_TEST_IMAGES,
+                       cluster_dns=True) as nodes:
             nodes.start(*REAL_NODES)
             yield nodes
 

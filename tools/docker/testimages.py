@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from tools.docker.dockerengine import DockerEngine
@@ -24,8 +24,10 @@ BUSYBOX = Path("/bin/busybox")
 APPLETS = ("sh", "httpd", "wget", "sleep", "echo", "cat", "env", "kill", "true", "false")
 
 
-def rootfs_tar(files: Mapping[str, str | bytes], *, busybox: Path = BUSYBOX) -> bytes:
-    """A root file system: busybox, its applets as symlinks, `files` (path → content)."""
+def rootfs_tar(files: Mapping[str, str | bytes], *, busybox: Path = BUSYBOX,
+               executables: Collection[str] = ()) -> bytes:
+    """A root file system: busybox, its applets as symlinks, `files` (path → content;
+    those named in `executables` with mode 0755)."""
     if not busybox.is_file():
         raise RuntimeError(f"{busybox} is missing: install Debian's busybox-static")
     buffer = io.BytesIO()
@@ -50,7 +52,8 @@ def rootfs_tar(files: Mapping[str, str | bytes], *, busybox: Path = BUSYBOX) -> 
         for applet in APPLETS:
             add(f"bin/{applet}", link="busybox")
         for path, content in sorted(files.items()):
-            add(path, content.encode() if isinstance(content, str) else content)
+            add(path, content.encode() if isinstance(content, str) else content,
+                mode=0o755 if path in executables else 0o644)
     return buffer.getvalue()
 
 

@@ -7,9 +7,9 @@ Builds the control plane once (kubebuild.py), starts it (controlplane.py), regis
 control-plane node and the workers with kwok (the last worker has an NVIDIA GPU unless
 `--no-gpu`), starts `--real-nodes` real nodes (realnode.py: kubelet, containerd and
 kube-proxy, containers run; labelled `margo-gitops.dev/real-node=true`, untainted, so the
-scheduler may place any pod there), applies the device client's RBAC
-(examples/kubernetes/device-rbac.yaml), prints the kubeconfigs and keeps running until
-Ctrl-C.
+scheduler may place any pod there) with cluster DNS (clusterdns.py), applies the device
+client's RBAC (examples/kubernetes/device-rbac.yaml), prints the kubeconfigs and keeps
+running until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     plane = ControlPlane(args.dir.resolve())
     plane.start()
-    real = RealNodes(plane, args.dir.resolve() / "nodes")
+    real = RealNodes(plane, args.dir.resolve() / "nodes", cluster_dns=args.real_nodes > 0)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

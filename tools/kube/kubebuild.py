@@ -1,15 +1,17 @@
-"""Build the Kubernetes control plane (and the kubelet and kube-proxy of real nodes) from
-the official Go modules, once per machine.
+"""Build the Kubernetes control plane (and the kubelet, kube-proxy and cluster DNS of real
+nodes) from the official Go modules, once per machine.
 
 No package carries a Kubernetes API server on these machines, but the Go module proxy
 serves `k8s.io/kubernetes` and its staging modules, etcd and kwok. `go.mod` in this folder
 pins them (one Kubernetes release, staging modules at their published versions, kwok
 built against the same client libraries) and lists the upstream `main` packages as tools;
 `cmd/etcd` only calls etcd's own entry point. `go.sum` makes every build fetch the same
-bytes.
+bytes. `dns/` is a second module: CoreDNS (`github.com/coredns/coredns`, pinned there)
+built with CoreDNS's own entry point and a chosen plugin list, the real nodes' cluster DNS.
 
-The binaries are cached by a key over everything that decides them (go.mod, go.sum, the
-etcd main, the Go version, the build flags), in `$MARGO_KUBE_CACHE` or else
+The binaries are cached by a key over everything that decides them (both modules' go.mod
+and go.sum, the etcd and CoreDNS mains, the Go version, the build flags), in
+`$MARGO_KUBE_CACHE` or else
 `${XDG_CACHE_HOME:-~/.cache}/margo-gitops/kube/<kubernetes version>-<key>/`. A first build
 takes minutes on two cores; later ones find the folder and return at once. Builds are
 serialised by a file lock, so parallel test runs build once.
@@ -28,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["BINARIES", "HERE", "binaries", "cache_root", "kubernetes_version"]
+__all__ = ["BINARIES", "DNS_BINARY", "HERE", "binaries", "cache_root", "kubernetes_version"]
 
 HERE = Path(__file__).resolve().parent
 #: Binary name → the Go package it is built from.
@@ -42,7 +44,10 @@ BINARIES = {
     "kubelet": "k8s.io/kubernetes/cmd/kubelet",
     "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
 }
-_INPUTS = ("go.mod", "go.sum", "cmd/etcd/main.go")
+#: Cluster DNS for real nodes: CoreDNS with the plugins a test cluster needs, from a module
+#: of its own (dns/: its client libraries are not the control plane's versions).
+DNS_BINARY = "coredns"
+_INPUTS = ("go.mod", "go.sum", "cmd/etcd/main.go", "dns/go.mod", "dns/go.sum", "dns/main.go")
 #: kwok's own stage definitions (in its module, under kustomize/stage/), concatenated into
 #: `kwok-stages.yaml` next to the binaries: nodes become Ready and keep their leases fresh,
 #: scheduled pods become Running and Ready at once, deleted pods go away, and a pod labelled
@@ -112,7 +117,7 @@ def _write_stages(go: str, env: dict[str, str], folder: Path) -> None:
 
 
 def _complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in (*BINARIES, STAGES_FILE))
+    return all((folder / name).is_file() for name in (*BINARIES, DNS_BINARY, STAGES_FILE))
 
 
 def binaries(*, log=None) -> Path:
@@ -137,6 +142,8 @@ def binaries(*, log=None) -> Path:
         try:
             subprocess.run([go, "build", "-trimpath", "-ldflags", _ldflags(version), "-o",
                             str(work) + "/", *BINARIES.values()], cwd=HERE, env=env, check=True)
+            subprocess.run([go, "build", "-trimpath", "-ldflags", "-s -w", "-o",
+                            str(work / DNS_BINARY), "."], cwd=HERE / "dns", env=env, check=True)
             _write_stages(go, env, work)
             if target.exists():
                 shutil.rmtree(target)

@@ -30,8 +30,10 @@ class Image:
 
     ref: str
     cmd: tuple[str, ...]
-    files: Mapping[str, str] = field(default_factory=dict)
+    files: Mapping[str, str | bytes] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Files of `files` to be executable.
+    executable: tuple[str, ...] = ()
 
 
 def supervised(command: str) -> tuple[str, ...]:
@@ -64,7 +66,7 @@ EXAMPLE_IMAGES = (
 
 def _layer(image: Image) -> bytes:
     files = {"www/index.html": "\n", **image.files}
-    return rootfs_tar(files)
+    return rootfs_tar(files, executables=image.executable)
 
 
 def archive(images: Iterable[Image]) -> bytes:

@@ -184,7 +184,7 @@ def spawn(name: str, argv: list[str], folder: Path) -> subprocess.Popen[bytes]:
 
 
 def wait_for_containerd(spec: dict[str, Any], process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"containerd exited with {process.returncode}")
@@ -193,7 +193,7 @@ def wait_for_containerd(spec: dict[str, Any], process: subprocess.Popen[bytes]) 
                 timeout=10).returncode == 0:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError("containerd did not answer within 30 s")
+            raise RuntimeError("containerd did not answer within 60 s")
         time.sleep(0.05)
 
 

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.kube.clusterdns import DNS_ADDRESS, deploy_cluster_dns, dns_image
 from tools.kube.controlplane import API_ADDRESS, POD_RANGE, ROOT, ControlPlane, write_kubeconfig
 from tools.kube.kubeadmin import KubeAdmin
 from tools.kube.kubebuild import binaries
@@ -132,9 +133,10 @@ class RunningNode:
 
     def check(self) -> None:
         if self.process.poll() is not None:
+            tails = "\n".join(f"--- {component}:\n{self.log_tail(component, 15)}"
+                              for component in ("containerd", "kubelet", "kube-proxy"))
             raise RuntimeError(f"real node {self.name} exited with {self.process.returncode}:"
-                               f"\n{self.log_tail('init')}\n--- kubelet:\n"
-                               f"{self.log_tail('kubelet')}")
+                               f"\n{self.log_tail('init')}\n{tails}")
 
 
 def _memory_cgroup() -> str:
@@ -149,10 +151,12 @@ class RealNodes:
     """Real nodes joined to `plane`, with their files under `folder`."""
 
     def __init__(self, plane: ControlPlane, folder: Path, *, images: Sequence[Image] = (),
-                 cluster_dns: str | None = None) -> None:
+                 cluster_dns: bool = False) -> None:
         self.plane = plane
         self.folder = folder
         self.images = (PAUSE, *EXAMPLE_IMAGES, *images)
+        #: Run CoreDNS (clusterdns.py) once the first nodes are Ready, and give pods its
+        #: address as their name server.
         self.cluster_dns = cluster_dns
         self.nodes: dict[str, RunningNode] = {}
         self._archive: Path | None = None
@@ -176,6 +180,7 @@ class RealNodes:
         bin_dir = binaries()
         if not self.nodes:
             self._cgroup_parents = make_cgroup_root(_memory_cgroup() or "/")
+            _remove_stale_cgroups()
         if self._fabric is None:
             self._start_fabric()
         with self.plane.admin() as admin:
@@ -186,6 +191,8 @@ class RealNodes:
                     admin.until(f"real node {node.name} Ready",
                                 lambda node=node: node.check() or self._ready(admin, node.name),
                                 timeout=timeout)
+                if self.cluster_dns:
+                    deploy_cluster_dns(admin, timeout=timeout)
             except BaseException:
                 for node in started:
                     self.stop(node.name)
@@ -246,11 +253,12 @@ class RealNodes:
                 taken.add(int(json.loads(card.read_text())["index"]))
         return next(i for i in range(1, 250) if i not in taken)
 
-    def _images(self) -> Path:
+    def _images(self, bin_dir: Path) -> Path:
         if self._archive is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._archive = self.folder / "images.tar"
-            self._archive.write_bytes(archive(self.images))
+            images = [*self.images, *([dns_image(bin_dir)] if self.cluster_dns else [])]
+            self._archive.write_bytes(archive(images))
         return self._archive
 
     def _launch(self, spec: RealNode, bin_dir: Path) -> RunningNode:
@@ -295,7 +303,8 @@ class RealNodes:
         write_cni(layout, pod_cidr)
         (folder / "kubelet.yaml").write_text(kubelet_yaml(
             layout, ca=pki.ca_cert, cgroup_root=cgroup_root,
-            taints=[dict(t) for t in spec.taints], cluster_dns=self.cluster_dns))
+            taints=[dict(t) for t in spec.taints],
+            cluster_dns=DNS_ADDRESS if self.cluster_dns else None))
         (folder / "kube-proxy.yaml").write_text(kube_proxy_yaml(
             proxy_kubeconfig, name=spec.name, cluster_cidr=POD_RANGE))
         labels = ",".join(f"{k}={v}" for k, v in spec.node_labels().items())
@@ -306,7 +315,7 @@ class RealNodes:
             "podCIDR": pod_cidr, "fabricFd": self._fabric_fd, "fabricAddress": FABRIC_ADDRESS,
             "fabricPrefix": NODE_NETWORK.prefixlen,
             "hostPorts": host_ports, "connectSocket": str(egress / f"{spec.name}.sock"),
-            "cgroupRoot": cgroup_root, "ctr": _which("ctr"), "images": [str(self._images())],
+            "cgroupRoot": cgroup_root, "ctr": _which("ctr"), "images": [str(self._images(bin_dir))],
             # The kubelet's folder, on disk, at a path short enough for its sockets.
             "binds": {"/var/lib/kubelet": str(layout.kubelet_root)},
             "containerd": [_which("containerd"), "--config", str(folder / "containerd.toml")],
@@ -390,6 +399,17 @@ def _stop_tree(process: subprocess.Popen[bytes], grace: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def _remove_stale_cgroups() -> None:
+    """Cgroups of nodes whose starter was killed before it could remove them (named
+    `margo-node-<its pid>-<node>`, that process gone)."""
+    for mount in cgroup_mounts():
+        parent = mount / (_memory_cgroup() or "/").lstrip("/")
+        for stale in parent.glob("margo-node-*"):
+            pid = stale.name.split("-")[2]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                remove_cgroups([stale])
 
 
 def _remove_cgroups(root: str) -> None:

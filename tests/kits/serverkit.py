@@ -70,8 +70,11 @@ def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=check, timeout=60)
 
 
-def add_client(data: Path, client_id: str) -> str:
-    out = margo("clients", "add", client_id, "--data", str(data), "--json", *store_args(data))
+def add_client(data: Path, client_id: str, *, reactivate: bool = False) -> str:
+    """`margo clients add` (with `--reactivate`: a retired client accepted again); the
+    client's new token."""
+    out = margo("clients", "add", client_id, "--data", str(data), "--json",
+                *(["--reactivate"] if reactivate else []), *store_args(data))
     token: str = json.loads(out.stdout)["token"]
     return token
 

@@ -46,7 +46,7 @@ def test_a_retired_client_and_a_replaced_token_are_refused_within_seconds(
         poll_until("the replaced token refused", lambda: all(
             _status(base, old) == 401 for _ in range(4)), timeout=10, interval=0.05)
         assert all(_status(base, tokens["edge-2"]) == 200 for _ in range(4))
-        tokens["edge-1"] = add_client(data, "edge-1")  # accepted again, with a new token
+        tokens["edge-1"] = add_client(data, "edge-1", reactivate=True)  # a new token
         assert _status(base, tokens["edge-1"]) == 200
     # The bound is one epoch check (1 s) plus this machine's request latency, with room
     # for a busy test machine: the old two-second time-to-live would also pass, but a cache

@@ -378,22 +378,28 @@ class _PktLines:
 class _Inflater:
     """Streaming inverse of the request's Content-Encoding, in bounded pieces.
 
-    Like ``git http-backend`` (``inflateInit2(.., 15 + 32)``) it accepts gzip and zlib
-    headers and ignores anything after the end of the compressed stream.
+    It accepts gzip and zlib headers (``inflateInit2(.., 15 + 32)``) and exactly one
+    compressed stream: ``git http-backend`` stops inflating at the end of the first one and
+    drops the rest, so a body of two gzip members (or anything after the end) reached
+    upload-pack cut short and was answered with an empty 200. Such a body, and one that
+    ends inside the stream, is refused with 400 instead (Git's own client sends one member).
     """
 
     def __init__(self, gzipped: bool) -> None:
         self._inflate = zlib.decompressobj(15 + 32) if gzipped else None
         self.total = 0
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """Decompressed pieces of at most `_CHUNK` bytes; refuses oversized requests."""
+    def feed(self, data: bytes, *, last: bool = False) -> Iterator[bytes]:
+        """Decompressed pieces of at most `_CHUNK` bytes; refuses oversized requests, and
+        (`last`: the body ends with `data`) bodies that are not exactly one stream."""
         for piece in self._pieces(data):
             self.total += len(piece)
             if self.total > MAX_REQUEST_BYTES:
                 raise _Refused(413, f"upload-pack requests are limited to "
                                     f"{MAX_REQUEST_BYTES} bytes")
             yield piece
+        if last and self._inflate is not None and not self._inflate.eof:
+            raise _Refused(400, "the gzip-encoded request ends inside its compressed stream")
 
     def _pieces(self, data: bytes) -> Iterator[bytes]:
         if self._inflate is None:
@@ -406,9 +412,12 @@ class _Inflater:
                 yield piece
                 pending = self._inflate.unconsumed_tail
                 if not pending and len(piece) < _CHUNK:
-                    return
+                    break
         except zlib.error as exc:
             raise _Refused(400, f"the gzip-encoded request is corrupt: {exc}") from None
+        if self._inflate.eof and (self._inflate.unused_data or pending):
+            raise _Refused(400, "the gzip-encoded request has data after the end of its "
+                                "compressed stream (a second gzip member?); Git reads one")
 
 
 class _Gate:
@@ -432,7 +441,7 @@ class _Gate:
         """The part of the request completed by `chunk` that Git may see (decompressed);
         raises `_Refused` for a request Git must not see at all."""
         packets: list[tuple[bytes, bytes | None]] = []
-        for piece in self._inflater.feed(chunk):
+        for piece in self._inflater.feed(chunk, last=last):
             packets.extend(self._lines.feed(piece))
         if last:
             self._lines.finish()

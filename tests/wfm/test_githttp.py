@@ -339,6 +339,35 @@ def test_malformed_v2_requests_are_refused(fleet: Fleet, encoding: str | None, b
     assert_problem(post_upload_pack(fleet, "dev-a", body, headers=headers), status)
 
 
+def split_request(fleet: Fleet) -> tuple[bytes, bytes]:
+    """A legitimate v2 fetch, cut in two where the command's arguments begin."""
+    whole = v2_request(f"want {fleet.tips['dev-a']}", "no-progress", "done")
+    cut = whole.index(b"0001") + 4
+    return whole[:cut], whole[cut:]
+
+
+@pytest.mark.parametrize("case", ["two-members", "garbage-after-the-end", "cut-short"])
+def test_a_gzip_body_that_is_not_exactly_one_stream_is_refused(fleet: Fleet,
+                                                                case: str) -> None:
+    """Git inflates one gzip member and drops the rest, so a request sent as two members
+    reached upload-pack cut short and was answered with an empty 200; a body that ends
+    inside the stream as well: both are 400 problems now (Git's client sends one member)."""
+    first, second = split_request(fleet)
+    if case == "two-members":
+        body = gzip.compress(first) + gzip.compress(second)
+    elif case == "garbage-after-the-end":
+        body = gzip.compress(first + second) + b"0000"
+    else:
+        body = gzip.compress(first + second)[:-6]
+    for chunks in (body, chunked_by(body, 7)):
+        problem = assert_problem(post_upload_pack(fleet, "dev-a", chunks,
+                                                  headers={"Content-Encoding": "gzip"}), 400)
+        assert "gzip" in problem["detail"]
+    whole = gzip.compress(first + second)  # and one member of the same request is served
+    response = post_upload_pack(fleet, "dev-a", whole, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 200 and b"packfile\n" in response.content
+
+
 # --- who may read what -------------------------------------------------------------------
 
 

@@ -37,6 +37,15 @@ receiver that accepts *either* header is only as strong as the weaker one and in
 downgrade (strip the SHA-256 header, attack the SHA-1 one). One algorithm, one header: a request
 carrying only ``X-Hub-Signature`` is rejected with 401 and a message saying why.
 
+Before the body
+---------------
+:func:`check_headers` runs every check the headers allow before the body is read (the server
+calls it before buffering up to 25 MiB, `wfm.fleet_api`): the secret is configured, one
+provider is named, its signature header is present and well formed, and GitLab's token,
+which is sent in a header, matches. What needs the body (GitHub's and Gitea's HMAC) cannot
+be checked before it; such bodies count against the server's webhook budget
+(`wfm.budgets`) while they are read.
+
 Order of checks
 ---------------
 1. An empty secret is a configuration error: :class:`ValueError` (not ``WebhookError``), raised
@@ -64,7 +73,7 @@ from typing import Any
 
 from margo import jsonstrict
 
-__all__ = ["MAX_BODY_BYTES", "PushEvent", "WebhookError", "verify_push"]
+__all__ = ["MAX_BODY_BYTES", "PushEvent", "WebhookError", "check_headers", "verify_push"]
 
 MAX_BODY_BYTES = 25 * 1024 * 1024
 """Largest body accepted (25 MiB); larger ones are rejected with 400 before being hashed."""
@@ -152,6 +161,24 @@ def verify_push(body: bytes, headers: Mapping[str, str], secret: str | bytes) ->
     return _parse_gitlab(data, kind, h.get("x-gitlab-event-uuid"))
 
 
+def check_headers(headers: Mapping[str, str], secret: str | bytes) -> None:
+    """What can be refused before the body is read: raises like :func:`verify_push` would
+    (ValueError for an empty secret, WebhookError 400 for no or two providers, 401 for a
+    missing or malformed signature header or a wrong GitLab token). Passing it is no
+    authentication for GitHub and Gitea: their HMAC covers the body."""
+    key = _secret_bytes(secret)
+    h = _Headers(headers)
+    provider = _detect_provider(h)
+    if provider == "github":
+        _github_signature(h)
+    elif provider == "gitea":
+        for name, signature in _gitea_signatures(h):
+            if not _HEX_SHA256.fullmatch(signature):
+                raise WebhookError(f"{name} is not a hex HMAC-SHA256 (64 hex digits)", 401)
+    else:
+        _verify_gitlab(h, key)
+
+
 # --- headers and provider detection ----------------------------------------------------------
 
 
@@ -222,6 +249,11 @@ def _secret_bytes(secret: str | bytes) -> bytes:
 
 
 def _verify_github(body: bytes, h: _Headers, key: bytes) -> None:
+    _check_hmac(body, key, _github_signature(h), "X-Hub-Signature-256")
+
+
+def _github_signature(h: _Headers) -> str:
+    """The hex digest of X-Hub-Signature-256 (401 when missing or not `sha256=...`)."""
     signature = h.get("x-hub-signature-256")
     if signature is None:
         if "x-hub-signature" in h:
@@ -234,18 +266,23 @@ def _verify_github(body: bytes, h: _Headers, key: bytes) -> None:
     algorithm, sep, hexdigest = signature.partition("=")
     if not sep or algorithm.strip().lower() != "sha256":
         raise WebhookError("X-Hub-Signature-256 must have the form sha256=<64 hex digits>", 401)
-    _check_hmac(body, key, hexdigest.strip(), "X-Hub-Signature-256")
+    return hexdigest.strip()
 
 
 def _verify_gitea(body: bytes, h: _Headers, key: bytes) -> None:
-    present = [(name, h.get(name) or "") for name in _GITEA_SIGNATURES if name in h]
+    for name, signature in _gitea_signatures(h):
+        _check_hmac(body, key, signature, name)
+
+
+def _gitea_signatures(h: _Headers) -> list[tuple[str, str]]:
+    """(header as displayed, value) of every Gitea/Forgejo signature sent (401: none)."""
+    present = [(_display(name), h.get(name) or "") for name in _GITEA_SIGNATURES if name in h]
     if not present:
         raise WebhookError(
             "missing X-Gitea-Signature / X-Forgejo-Signature header (is the hook's secret set?)",
             401,
         )
-    for name, signature in present:
-        _check_hmac(body, key, signature, _display(name))
+    return present
 
 
 def _check_hmac(body: bytes, key: bytes, hexdigest: str, header: str) -> None:

@@ -1017,3 +1017,58 @@ def test_push_event_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         GITHUB_EVENT.ref = "refs/heads/evil"  # type: ignore[misc]
     assert not hasattr(GITHUB_EVENT, "__dict__")  # slots
+
+
+# --- before the body: check_headers ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "message"),
+    [
+        pytest.param({"X-GitHub-Event": "push"}, 401, "missing X-Hub-Signature-256",
+                     id="github-unsigned"),
+        pytest.param({"X-GitHub-Event": "push", "X-Hub-Signature": "sha1=" + "0" * 40}, 401,
+                     "SHA-1", id="github-sha1-only"),
+        pytest.param({"X-GitHub-Event": "push", "X-Hub-Signature-256": "md5=00"}, 401,
+                     "sha256=<64 hex digits>", id="github-malformed"),
+        pytest.param({"X-Gitea-Event": "push"}, 401, "missing X-Gitea-Signature",
+                     id="gitea-unsigned"),
+        pytest.param({"X-Gitea-Event": "push", "X-Gitea-Signature": "zz"}, 401,
+                     "not a hex HMAC-SHA256", id="gitea-malformed"),
+        pytest.param(gitlab_headers(token=WRONG_SECRET), 401, "does not match",
+                     id="gitlab-wrong-token"),
+        pytest.param({"X-Gitlab-Event": "Push Hook"}, 401, "missing X-Gitlab-Token",
+                     id="gitlab-without-token"),
+        pytest.param({}, 400, "unknown webhook provider", id="no-provider"),
+    ],
+)
+def test_what_the_headers_show_is_refused_before_the_body(
+    headers: dict[str, str], status: int, message: str
+) -> None:
+    """The server calls check_headers before it reads (up to 25 MiB of) the body."""
+    with pytest.raises(WebhookError) as caught:
+        webhooks.check_headers(headers, SECRET)
+    assert caught.value.status == status
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(("body", "headers", "expected"), VALID_PUSHES)
+def test_the_headers_of_every_authentic_push_pass(
+    body: bytes, headers: dict[str, str], expected: PushEvent
+) -> None:
+    webhooks.check_headers(headers, SECRET)
+
+
+def test_a_forged_but_well_formed_signature_passes_the_headers_not_the_body() -> None:
+    """GitHub's and Gitea's HMAC covers the body: the headers cannot tell a forgery."""
+    headers = github_headers(GITHUB_BODY, secret=WRONG_SECRET)
+    webhooks.check_headers(headers, SECRET)
+    with pytest.raises(WebhookError) as caught:
+        verify_push(GITHUB_BODY, headers, SECRET)
+    assert caught.value.status == 401
+
+
+def test_an_empty_secret_is_a_configuration_error_before_the_body() -> None:
+    with pytest.raises(ValueError, match="secret is empty") as caught:
+        webhooks.check_headers(GH_HEADERS, "")
+    assert type(caught.value) is ValueError

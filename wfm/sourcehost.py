@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 from starlette.types import ASGIApp
@@ -149,9 +149,11 @@ def source_app(repository: Path, admin_token: str | None, on_push: Callable[[], 
             if pushing:  # a push killed with the server left its lock: not every push after
                 await run_in_threadpool(recover_stale_locks, repository)
             status, headers, payload = await _run_backend(repository, request, rest)
-        except ProblemError as exc:
-            if turn is not None:
+        except (ProblemError, ClientDisconnect) as exc:
+            if turn is not None:  # the replicas' turn at the source ends either way
                 await run_in_threadpool(turn.finish, publish=False)
+            if isinstance(exc, ClientDisconnect):
+                raise  # wfm.app logs it in one line
             return problem_response(exc, instance=request.url.path)
         if turn is not None:
             await run_in_threadpool(turn.finish, publish=rest == "git-receive-pack"

@@ -95,6 +95,7 @@ bench: venv
 	$(BIN)/python bench/serve.py
 	$(BIN)/python bench/reconcile.py
 	$(BIN)/python bench/kube.py
+	$(BIN)/python bench/kube_nodes.py
 	$(BIN)/python bench/fleet.py
 
 clean:

@@ -93,6 +93,7 @@ bench: venv
 	$(BIN)/python bench/validate.py
 	$(BIN)/python bench/compile.py
 	$(BIN)/python bench/serve.py
+	$(BIN)/python bench/bodies.py
 	$(BIN)/python bench/reconcile.py
 	$(BIN)/python bench/kube.py
 	$(BIN)/python bench/kube_nodes.py

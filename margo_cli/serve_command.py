@@ -79,7 +79,35 @@ def register(commands: Any) -> None:
                             "before (its database lost): no clients, manifestVersions start "
                             "over (docs/operations.md, 'Damaged state')")
     _identity_options(serve)
+    _budget_options(serve)
     serve.set_defaults(run=run_serve)
+
+
+#: `margo serve --budget-*` defaults, MiB (wfm.budgets.BudgetSettings).
+BUDGET_DEFAULTS = {"webhook": 64, "anonymous": 16, "device": 128, "push": 128, "git": 128,
+                   "per-address": 32}
+_BUDGET_HELP = {
+    "webhook": "POST /hooks/git bodies (GitHub's largest is 25)",
+    "anonymous": "onboarding, OAuth token and other unauthenticated device API bodies",
+    "device": "authenticated device API bodies (capability and status reports)",
+    "push": "pushes to the hosted source (--host-source)",
+    "git": "device Git requests",
+}
+
+
+def _budget_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "request body budgets", "MiB of request bodies held at once; past a budget a body is "
+        "refused before it is read (503, or 429 for one address, with Retry-After); see "
+        "docs/operations.md")
+    for name, what in _BUDGET_HELP.items():
+        group.add_argument(f"--budget-{name}", type=int, default=BUDGET_DEFAULTS[name],
+                           metavar="MIB", help=f"{what} (default {BUDGET_DEFAULTS[name]})")
+    group.add_argument("--budget-per-address", type=int,
+                       default=BUDGET_DEFAULTS["per-address"], metavar="MIB",
+                       help="bodies from one client address, over all routes; one body alone "
+                            "is always admitted; 0: no limit (behind a proxy every client "
+                            f"has its address) (default {BUDGET_DEFAULTS['per-address']})")
 
 
 def _identity_options(serve: argparse.ArgumentParser) -> None:
@@ -152,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
         database_url=_database(args.database), stale_polls=args.stale_polls,
         max_devices_per_client=args.max_devices_per_client,
-        body_timeout=args.body_timeout))
+        body_timeout=args.body_timeout, budgets=_budgets(args)))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
@@ -265,6 +293,19 @@ def _database(url: str | None) -> str | None:
         raise SystemExit(f"margo serve: --database must be a postgresql:// URL (SQLite is "
                          f"the default, in --data), found {url!r}")
     return url
+
+
+def _budgets(args: argparse.Namespace) -> Any:
+    """The `--budget-*` options as `wfm.budgets.BudgetSettings` (in bytes)."""
+    from wfm.budgets import MIB, BudgetSettings
+
+    try:
+        return BudgetSettings(
+            webhook=args.budget_webhook * MIB, anonymous=args.budget_anonymous * MIB,
+            device=args.budget_device * MIB, push=args.budget_push * MIB,
+            git=args.budget_git * MIB, per_address=args.budget_per_address * MIB)
+    except ValueError as exc:
+        raise SystemExit(f"margo serve: {exc} (--budget-* are MiB)") from None
 
 
 def _secret(path: str | None) -> str | None:

@@ -124,7 +124,7 @@ class Api:
         if client.retired:
             raise ProblemError(403, "the client relationship has been retired",
                                margo_type="not-authorized", title=RETIRED)
-        return client
+        return self.identity.vouch(request, client)  # its body: the device API's budget
 
     async def _token_caller(self, request: Request) -> Client | None:
         header = _header(request, b"authorization") or ""

@@ -29,6 +29,7 @@ from wfm import records
 from wfm.api import DEFAULT_MAX_DEVICES_PER_CLIENT, MAX_BODY, Api, routes
 from wfm.authority import ensure_ca, ensure_shared_ca
 from wfm.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
+from wfm.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimmer
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.dashboard import dashboard_routes
@@ -79,6 +80,9 @@ class ServerConfig:
     #: Seconds a request body may take to arrive after its headers (`wfm.bodylimit`); Git
     #: requests get at least `GIT_BODY_TIMEOUT`, a push being large by nature.
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    #: Bytes of request bodies held at once, per route class and client address
+    #: (`wfm.budgets`).
+    budgets: BudgetSettings = DEFAULT_BUDGETS
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -250,8 +254,10 @@ def create_app(config: ServerConfig) -> Starlette:
                                           lost=api.lost_branch,
                                           delivered=api.git_delivered))],
         lifespan=lifespan,
-        # Body limits first: nothing below (signature checks buffer bodies) sees more.
-        middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config)),
+        # Body limits and budgets first: nothing below (signature checks buffer bodies)
+        # sees more.
+        middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config),
+                               ledger=Ledger(config.budgets, Trimmer())),
                     Middleware(SignatureMiddleware, identity=identity)],
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             DatabaseUnavailable: _unavailable_handler,
@@ -264,13 +270,18 @@ GIT_BODY_TIMEOUT = 300.0
 
 
 def body_limits(config: ServerConfig) -> list[BodyLimit]:
-    """Per path, the largest body and how long it may take to arrive (`wfm.bodylimit`):
-    each route's own limit, enforced before its handler buffers anything."""
-    git = max(config.body_timeout, GIT_BODY_TIMEOUT)
-    return [BodyLimit("/git/source.git/", MAX_PUSH_BYTES, git),
-            BodyLimit("/git/", MAX_REQUEST_BYTES, git),
-            BodyLimit("/hooks/git", MAX_HOOK_BYTES, config.body_timeout),
-            BodyLimit("", MAX_BODY, config.body_timeout)]
+    """Per path, the largest body, how long it may take to arrive (`wfm.bodylimit`) and
+    whose budget it counts against (`wfm.budgets`): each route's own limit, enforced before
+    its handler buffers anything. Onboarding and OAuth tokens read their bodies before
+    anyone is authenticated; the rest of the device API counts as authenticated once a
+    handler vouched for the caller."""
+    git, body = max(config.body_timeout, GIT_BODY_TIMEOUT), config.body_timeout
+    return [BodyLimit("/git/source.git/", MAX_PUSH_BYTES, git, "push"),
+            BodyLimit("/git/", MAX_REQUEST_BYTES, git, "git"),
+            BodyLimit("/hooks/git", MAX_HOOK_BYTES, body, "webhook"),
+            BodyLimit("/api/v1/onboarding", MAX_BODY, body, "anonymous"),
+            BodyLimit("/oauth/token", MAX_BODY, body, "anonymous"),
+            BodyLimit("", MAX_BODY, body, "device")]
 
 
 def _source_kind(config: ServerConfig) -> str:

@@ -16,6 +16,11 @@ connections open for ever. This ASGI middleware sits in front of every route:
   answered without reading, such as a 401) says ``Connection: close``, so uvicorn closes the
   connection instead of waiting for the rest of a body nobody will read.
 
+With a `wfm.budgets.Ledger`, every body is also admitted against the bytes in flight of
+its route class and of its client address when it is first read (`BodyLimit.budget` names
+the class; refusals are 413, 429 or 503 like the ones above), and its charge is given back
+when the request's handling ends.
+
 The limits are per path prefix (`BodyLimit`): the hosted fleet source takes pushes up to
 `wfm.sourcehost.MAX_PUSH_BYTES`, device Git requests up to `wfm.githttp.MAX_REQUEST_BYTES`,
 the push hook what GitHub may send (`wfm.webhooks.MAX_BODY_BYTES`), and everything else the
@@ -39,6 +44,7 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from wfm.budgets import SCOPE_KEY, BudgetRefused, Ledger, Ticket
 from wfm.problems import ProblemError, problem_response
 
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_HEADER_TIMEOUT", "MAX_HEADER_BYTES", "BodyLimit",
@@ -56,11 +62,13 @@ Asgi = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 @dataclass(frozen=True)
 class BodyLimit:
     """The largest body (bytes) and the longest time to receive it (seconds) for the paths
-    starting with `prefix` ("" matches every path)."""
+    starting with `prefix` ("" matches every path), and the route class whose budget its
+    bodies count against (`wfm.budgets.Ticket`)."""
 
     prefix: str
     max_bytes: int
     timeout: float = DEFAULT_BODY_TIMEOUT
+    budget: str = "device"
 
 
 class BodyRefused(ProblemError):
@@ -73,12 +81,13 @@ class BodyRefused(ProblemError):
 
 class BodyLimitMiddleware:
     """Enforce `rules` (first matching prefix wins, the last rule should be the catch-all
-    "") on every HTTP request; see the module docstring."""
+    "") and, with a `ledger`, the body budgets on every HTTP request; see the module
+    docstring."""
 
-    def __init__(self, app: Asgi, *, rules: Sequence[BodyLimit]):
+    def __init__(self, app: Asgi, *, rules: Sequence[BodyLimit], ledger: Ledger | None = None):
         if not rules or rules[-1].prefix != "":
             raise ValueError("the last body limit must be the catch-all prefix ''")
-        self.app, self.rules = app, tuple(rules)
+        self.app, self.rules, self.ledger = app, tuple(rules), ledger
 
     def rule_for(self, path: str) -> BodyLimit:
         for rule in self.rules:  # (asked per request: a plain loop, no generator)
@@ -101,7 +110,12 @@ class BodyLimitMiddleware:
         if not chunked and not declared:
             await self.app(scope, receive, send)  # no body: nothing to guard
             return
-        guard = _Guard(rule, receive)
+        ticket = None
+        if self.ledger is not None:
+            client = scope.get("client")
+            ticket = Ticket(self.ledger, rule.budget, client[0] if client else "")
+            scope = {**scope, SCOPE_KEY: ticket}
+        guard = _Guard(rule, receive, ticket, None if chunked else declared)
 
         async def guarded_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -114,28 +128,38 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, guard.receive, guarded_send)
-        except BodyRefused as refusal:
+        except (BodyRefused, BudgetRefused) as refusal:
             if guard.started:
                 return  # the answer is under way: ending it closes the connection
             await _answer(refusal, scope, send)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
 
 class _Guard:
-    """One request's body: bytes so far, the deadline, whether it is complete."""
+    """One request's body: bytes so far, the deadline, whether it is complete, and its
+    share of the budgets (`ticket`: charged the `declared` length at the first read, else
+    each chunk as it arrives)."""
 
-    def __init__(self, rule: BodyLimit, receive: Receive):
+    def __init__(self, rule: BodyLimit, receive: Receive, ticket: Ticket | None = None,
+                 declared: int | None = None):
         self.rule, self._receive = rule, receive
+        self.ticket, self.declared = ticket, declared
         self.deadline = asyncio.get_running_loop().time() + rule.timeout
         self.size = 0
         self.complete = False
         self.refused = False
         self.started = False
+        self.admitted = ticket is None
 
     async def receive(self) -> Message:
         if self.complete:
             return await self._receive()  # disconnect listeners wait here, unbounded
         if self.refused:
             return {"type": "http.disconnect"}
+        if not self.admitted:
+            self._admit()
         try:
             async with asyncio.timeout_at(self.deadline):  # no task per chunk, unlike wait_for
                 message = await self._receive()
@@ -144,13 +168,34 @@ class _Guard:
             raise BodyRefused(408, f"the request body did not arrive within "
                                    f"{self.rule.timeout:g} seconds") from None
         if message["type"] == "http.request":
-            self.size += len(message.get("body", b""))
+            size = len(message.get("body", b""))
+            self.size += size
             if self.size > self.rule.max_bytes:
                 self.refused = True
                 raise BodyRefused(413, f"request bodies here are limited to "
                                        f"{self.rule.max_bytes} bytes")
+            if self.declared is None and size and self.ticket is not None:
+                self._charge(size)
             self.complete = not message.get("more_body", False)
         return message
+
+    def _admit(self) -> None:
+        """Before the first byte is read: the budgets take the request, or it is refused."""
+        assert self.ticket is not None
+        self.admitted = True
+        try:
+            self.ticket.admit(self.declared)
+        except BudgetRefused:
+            self.refused = True
+            raise
+
+    def _charge(self, size: int) -> None:
+        assert self.ticket is not None
+        try:
+            self.ticket.charge(size)
+        except BudgetRefused:
+            self.refused = True
+            raise
 
 
 def _framing(headers: Sequence[tuple[bytes, bytes]]) -> tuple[int | None, bool]:

@@ -11,8 +11,10 @@ Three proofs, in this order:
    spiffe URI SAN of the form `spiffe://<our td>/margo/wfm/<our wfm id>/client/<client-id>`
    (else 401), and the client id must pass the accepted-client policy (else a 403 problem).
 2. **An RFC 9421 signature** (rc.2) with an onboarded key. `SignatureMiddleware` verifies it
-   before routing, because verification needs the body and the handlers authenticate before
-   reading it; the result travels in the ASGI scope.
+   before routing: first the signature, from the headers alone (it covers `Content-Digest`,
+   not the body), then, only for a good signature, the body against that digest. So a
+   forged request is refused without its body ever being read; the result travels in the
+   ASGI scope.
 3. **A bearer token** (Preview Release 1, and how development runs), only when enabled.
 
 The accepted-client policy (digest section 6a): clients registered by the operator
@@ -49,9 +51,10 @@ from margo.spiffe import (
     svid_spiffe_id,
     verify_svid_chain,
 )
+from wfm import budgets
 from wfm.clients import Client, ClientRegistry
 from wfm.problems import RETIRED, ProblemError, problem_response
-from wfm.signatures import SignatureError, verify_request
+from wfm.signatures import SignatureError, check_content_digest, verify_signature
 from wfm.tls import TrustStore, peer_certificates
 
 __all__ = [
@@ -137,6 +140,14 @@ class Identity:
     @property
     def challenge(self) -> str:
         return "Bearer" if self.settings.bearer_tokens else "Signature"
+
+    @staticmethod
+    def vouch(request: Request, client: Client) -> Client:
+        """`client` is this request's authenticated caller: a body read from now on counts
+        against the authenticated device API's budget (`wfm.budgets`), not the anonymous
+        one's."""
+        budgets.vouch(request.scope)
+        return client
 
     # --- proxies ------------------------------------------------------------------------
 
@@ -247,9 +258,10 @@ class Identity:
             raise _unauthorized(outcome.detail, "Signature")
         return outcome  # type: ignore[no-any-return]
 
-    def verify_signed(self, scope: dict[str, Any], headers: Any, body: bytes,
-                      peer: str | None) -> Client | SignatureError:
-        """Verify a signed request: the client, or why not."""
+    def verify_signed(self, scope: dict[str, Any], headers: Any, peer: str | None, *,
+                      has_body: bool) -> Client | SignatureError:
+        """Verify a signed request's signature (its headers: `has_body` says whether a body
+        follows, which must then be covered by Content-Digest): the client, or why not."""
         if self.clients is None:
             return SignatureError(401, "the server is starting")
         clients = self.clients
@@ -263,9 +275,10 @@ class Identity:
             return load_pem_public_key(entry.public_key.encode())
 
         try:
-            verify_request(method=scope["method"], url=_target_uri(scope, headers, self, peer),
-                           headers=headers, body=body, resolve=resolve,
-                           window=self.settings.signature_window)
+            verify_signature(method=scope["method"],
+                             url=_target_uri(scope, headers, self, peer), headers=headers,
+                             resolve=resolve, window=self.settings.signature_window,
+                             has_body=has_body)
         except SignatureError as exc:
             return exc
         return found["client"]
@@ -309,18 +322,36 @@ class SignatureMiddleware:
         if not signed:
             await self.app(scope, receive, send)
             return
-        body, receive = await _buffer(receive)
-        if body is None:
-            response = problem_response(ProblemError(
-                413, f"request bodies are limited to {MAX_SIGNED_BODY} bytes"))
-            await response(scope, receive, send)
-            return
         request = Request(scope)
-        outcome = self.identity.verify_signed(scope, request.headers, body, peer)
-        if isinstance(outcome, SignatureError) and outcome.status == 401:
+        outcome = self.identity.verify_signed(scope, request.headers, peer,
+                                              has_body=_has_body(raw))
+        if not isinstance(outcome, SignatureError):
+            budgets.vouch(scope)  # its body is an authenticated device's
+            body, receive = await _buffer(receive)
+            if body is None:
+                response = problem_response(ProblemError(
+                    413, f"request bodies are limited to {MAX_SIGNED_BODY} bytes"))
+                await response(scope, receive, send)
+                return
+            try:
+                check_content_digest(request.headers, body)
+            except SignatureError as exc:
+                outcome = exc
+        elif outcome.status == 401:  # the body is never read: the handler refuses unread
             log.info("signature refused on %s %s: %s", scope["method"], scope["path"],
                      outcome.detail)
         await self.app({**scope, SIGNED_SCOPE_KEY: outcome}, receive, send)
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request announces a body (a Content-Length above 0, or chunked)."""
+    for name, value in headers:
+        name = name.lower()
+        if name == b"content-length" and value.strip() not in (b"", b"0"):
+            return True
+        if name == b"transfer-encoding":
+            return True
+    return False
 
 
 async def _buffer(receive: Any) -> tuple[bytes | None, Any]:

@@ -15,7 +15,7 @@
 | `kubeemu`, `clusterkit` | the kmock emulator serving recorded clusters of other distributions |
 | `dockerkit` | the real Docker engine (tools/docker) and the test images |
 | `netkit` | a TCP proxy whose link can be cut |
-| `rawhttp` | HTTP/1.1 over plain sockets: half-sent and held bodies, clients from other loopback addresses |
+| `rawhttp` | HTTP/1.1 over plain sockets: half-sent or held bodies, other loopback addresses |
 | `fleetkit` | fleet sources and snapshots for the compiler's tests |
 | `conformancekit` | the official conformance kit's data and a stub WFM |
 

@@ -198,14 +198,18 @@ def test_a_half_sent_body_gets_408_within_the_deadline(server: dict[str, Any]) -
         assert closed_by_server(sock, 3)
 
 
-def test_a_half_sent_signed_body_gets_408(server: dict[str, Any]) -> None:
-    """rc.2 signature checks buffer the body before routing: under the same deadline."""
+def test_a_half_sent_body_with_a_bad_signature_is_refused_unread(
+        server: dict[str, Any]) -> None:
+    """rc.2 signatures are verified from the headers before the body is buffered: a bad one
+    is answered at once and the connection closed (a good one's half-sent body gets 408:
+    test_body_budgets.py)."""
     headers = {"Content-Type": "application/json", "Signature-Input": 'sig=("@method")',
                "Signature": "sig=:AAAA:", "Content-Digest": "sha-256=:AAAA:"}
     with half_sent(server, "/api/v1/clients/site-a/capabilities", headers, "POST") as sock:
         status, headers_back, body = read_response(sock)
-        assert status == 408, body
+        assert status == 401, body
         assert headers_back["connection"] == "close"
+        assert closed_by_server(sock, 3)
 
 
 def test_a_drip_fed_body_does_not_reset_the_deadline(server: dict[str, Any]) -> None:

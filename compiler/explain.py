@@ -183,7 +183,8 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                                          targeting=list(placement.not_targeted_because)))
             continue
         if placement.profile is None:
-            out.append(_ineligible(intent, app_label, placement, records.get(name), now))
+            out.append(_ineligible(intent, app_label, placement, records.get(name), now,
+                                   kept=name in placed))
             if out[-1].status == "grace period":
                 round_.keep_file(intent, name)
             continue
@@ -215,7 +216,12 @@ def _frozen(source: FleetSource, problems: list[Problem], name: str) -> IntentEx
 
 
 def _ineligible(intent: Intent, app_label: str, placement: Placement,
-                record: PlacementRecord | None, now: float | None) -> IntentExplanation:
+                record: PlacementRecord | None, now: float | None, *,
+                kept: bool) -> IntentExplanation:
+    """A targeted intent no profile of which the device satisfies. `kept`: the device's
+    tree still holds its file. Without the compiler's record (the server's read API
+    explains with the device's files only), a held file of an intent with a grace period
+    is in that period: the compiler removes an ineligible file at once otherwise."""
     explanation = IntentExplanation(intent.name, "not eligible", app_label,
                                     attempts=list(placement.attempts))
     if record and record.deployed and record.ineligible_since and intent.grace_seconds:
@@ -224,6 +230,10 @@ def _ineligible(intent: Intent, app_label: str, placement: Placement,
         explanation.status = "grace period"
         explanation.note = (f"still deployed: kept for the grace period of "
                             f"{intent.grace_seconds}s, {left}s left")
+    elif record is None and kept and intent.grace_seconds:
+        explanation.status = "grace period"
+        explanation.note = (f"still deployed: kept for the grace period of "
+                            f"{intent.grace_seconds}s")
     return explanation
 
 

@@ -11,8 +11,11 @@ import pytest
 import yaml
 from kits.fleetkit import Fleet, app, device, intent
 
+from compiler.explain import explain_device
 from compiler.gitstore import DeviceStore
 from compiler.render import deployment_id
+from compiler.snapshot import load_snapshot
+from compiler.source import load_source
 from margo.validation import validate_document
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden-fleet"
@@ -173,6 +176,28 @@ def test_grace_period_keeps_a_deployment_while_capabilities_flap(fleet: Fleet) -
     report = fleet.compile(now=1_000_700)
     assert "everywhere.yaml" not in fleet.tree("k8s-a")
     assert "grace period of 600s expired" in report.results[0].changes[0].reasons[0]
+
+
+def test_explained_with_the_devices_files_a_kept_deployment_is_in_its_grace_period(
+        fleet: Fleet) -> None:
+    """The server's read API (and `margo explain --url`) explains with the files the
+    device's branch holds and without the compiler's records: a deployment kept there for
+    its grace period was explained as merely "not eligible" (found by the device matrix,
+    tests/matrix/test_matrix_reeligibility.py)."""
+    def explained() -> tuple[str, str | None]:
+        files = {n.removesuffix(".yaml"): d for n, d in fleet.tree("k8s-a").items()}
+        [found] = explain_device(load_source(fleet.source), load_snapshot(fleet.caps),
+                                 "k8s-a", intent_name="everywhere", placed=files)
+        return found.status, found.note
+
+    fleet.intents["everywhere"]["spec"]["gracePeriod"] = "10m"
+    fleet.compile(now=1_000_000)
+    fleet.devices["k8s-a"] = device("k8s-a", memory="2Gi", labels={"site": "a"})
+    fleet.compile(now=1_000_100)
+    assert explained() == ("grace period",
+                           "still deployed: kept for the grace period of 600s")
+    fleet.compile(now=1_000_700)  # expired: removed from the branch
+    assert explained() == ("not eligible", None)
 
 
 def test_grace_period_ends_when_the_device_recovers(fleet: Fleet) -> None:

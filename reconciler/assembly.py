@@ -6,6 +6,10 @@ capability reports alike: rc.3 mutual TLS with the SVID (`reconciler.identity`),
 signatures after onboarding (`reconciler.signing`), or, for development, a bearer token. The
 Git source keeps its per-device token (libgit2 has no client certificates).
 
+With `server.fallbackUrls` that client is a `reconciler.failover.FailoverClient`, and the Git
+source, when its URLs are the device's repository under each server URL, shares its
+`ServerList`: whichever of them finds the URL in use dead moves both.
+
 Kept apart from the runner so the cycle logic stays free of construction details, and so
 tests and benchmarks assemble exactly what `margo device run` assembles.
 """
@@ -27,10 +31,11 @@ from reconciler.capabilities import (
     HostProvider,
     StaticProvider,
 )
-from reconciler.config import DeviceConfig, IdentityConfig
+from reconciler.config import DeviceConfig, IdentityConfig, device_repository
 from reconciler.datadir import exclusive
 from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
+from reconciler.failover import FailoverClient, ServerList
 from reconciler.releases import DEFAULT_DRIFT
 from reconciler.runner import Reconciler, StatusTarget
 from reconciler.sources import Source
@@ -76,7 +81,8 @@ def _transport(identity: IdentityConfig) -> httpx.BaseTransport | None:
     return IdentityTransport(ServerTrust(identity.trust_bundle, tls12=identity.tls12))
 
 
-def _connect(config: DeviceConfig, stack: ExitStack) -> tuple[httpx.Client, str]:
+def _connect(config: DeviceConfig, stack: ExitStack,
+             servers: ServerList) -> tuple[httpx.Client, str]:
     """The HTTP client with the device's identity, and the client id it speaks as: the
     configured one (bearer tokens), our SVID's client segment (rc.3) or the clientId from
     onboarding (rc.2, which needs the server on the first start only).
@@ -98,8 +104,9 @@ def _connect(config: DeviceConfig, stack: ExitStack) -> tuple[httpx.Client, str]
         auth = TokenAuth(config.token_file)
     if transport is not None:
         stack.callback(transport.close)  # also when httpx.Client below is never built
-    http = stack.enter_context(httpx.Client(
-        base_url=config.server_url, auth=auth, timeout=config.timeout, transport=transport,
+    http = stack.enter_context(FailoverClient(
+        config.server_urls, servers=servers, auth=auth, timeout=config.timeout,
+        transport=transport,
         headers={"User-Agent": USER_AGENT},
         # Proxies from the environment would bypass the identity transport: never with one.
         trust_env=transport is None))
@@ -115,21 +122,33 @@ def _connect(config: DeviceConfig, stack: ExitStack) -> tuple[httpx.Client, str]
     return http, client_id
 
 
-def _source(config: DeviceConfig, http: httpx.Client, client_id: str) -> Source:
+def _git_servers(config: DeviceConfig, servers: ServerList) -> ServerList:
+    """The server list itself when the Git URLs are the device's repository under each
+    server URL (one view of which server answers); a list of their own otherwise."""
+    derived = tuple(device_repository(url, config.device_id) for url in config.server_urls)
+    if config.git_urls == derived:
+        return servers
+    return ServerList(config.git_urls, failback=config.failback)
+
+
+def _source(config: DeviceConfig, http: httpx.Client, client_id: str,
+            servers: ServerList) -> Source:
     if config.source == "git":
         import pygit2
 
         from reconciler.sources.git_source import GitSource
         assert config.git_url is not None
         # libgit2 has no per-call timeout; these process-wide ones keep a hung server from
-        # blocking the device forever (milliseconds).
+        # blocking the device forever (milliseconds), and bound what each URL tried costs.
         timeout_ms = int(config.timeout * 1000)
         pygit2.settings.server_connect_timeout = timeout_ms
         pygit2.settings.server_timeout = timeout_ms
         return GitSource(config.git_url, cache_dir=config.data_dir / "git",
                          username=client_id, password=config.token(),
                          depth=config.git_depth,
-                         accept_history_rewrite=config.git_accept_history_rewrite)
+                         accept_history_rewrite=config.git_accept_history_rewrite,
+                         fallback_urls=config.git_fallback_urls,
+                         servers=_git_servers(config, servers))
     from reconciler.sources.rest_source import RestSource
     prefix = "/api/v1" if config.api == Shape.RC3 else f"/api/v1/clients/{client_id}"
     return RestSource(http, prefix=prefix, device_id=config.device_id)
@@ -137,14 +156,18 @@ def _source(config: DeviceConfig, http: httpx.Client, client_id: str) -> Source:
 
 def _source_is_the_server(config: DeviceConfig) -> bool:
     """Whether an answer from the source is an answer from the server status reports go to:
-    always for the REST source; for Git only when its repository is on that server (same
-    scheme, host and port), not, say, on a separate Git host that may be up while the
-    fleet server is down."""
+    always for the REST source; for Git only when every URL of its repository is on one of
+    the server's URLs (same scheme, host and port), not, say, on a separate Git host that
+    may be up while the fleet server is down."""
     if config.source != "git" or config.git_url is None:
         return True
-    ours, theirs = urlsplit(config.server_url), urlsplit(config.git_url)
-    return (ours.scheme, ours.hostname, ours.port) == (theirs.scheme, theirs.hostname,
-                                                       theirs.port)
+
+    def origin(url: str) -> tuple[str, str | None, int | None]:
+        parts = urlsplit(url)
+        return parts.scheme, parts.hostname, parts.port
+
+    ours = {origin(url) for url in config.server_urls}
+    return all(origin(url) in ours for url in config.git_urls)
 
 
 def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
@@ -198,8 +221,9 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
     with ExitStack() as stack:
         stack.enter_context(exclusive(config.data_dir))
         state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
-        http, client_id = _connect(config, stack)
-        source = _source(config, http, client_id)
+        servers = ServerList(config.server_urls, failback=config.failback)
+        http, client_id = _connect(config, stack, servers)
+        source = _source(config, http, client_id, servers)
         stack.callback(source.close)
         driver = _driver(config, stack)
         stack.callback(driver.close)

@@ -24,16 +24,26 @@ from margo.rfc9421 import ALGORITHMS
 from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
+from reconciler.failover import DEFAULT_FAILBACK_SECONDS
 from reconciler.registry_credentials import REGISTRY_HOST, RegistryCredential, secret_file_problem
 from reconciler.releases import DEFAULT_DRIFT, DRIFT_POLICIES
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
 
-__all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema", "load_config",
-           "parse_config"]
+__all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema",
+           "device_repository", "load_config", "parse_config"]
 
 CONFIG_API_VERSION = "margo-gitops.dev/v1alpha1"
 DEVICE_ID = r"^[A-Za-z0-9._~-]+(/[A-Za-z0-9._~-]+)*$"
 DURATION = r"^(\d+(\.\d+)?(ms|h|m|s))+$"
+#: The most URLs one list may hold beyond the first: with every one of them silent, a
+#: request waits its timeout once per URL.
+MAX_FALLBACK_URLS = 8
+_SERVER_URL = {"type": "string", "pattern": r"^https?://[^/\s]+(/\S*)?$"}
+_GIT_URL = {"type": "string", "pattern": r"^(https?|file)://\S+$"}
+
+
+def _urls(item: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": item, "uniqueItems": True, "maxItems": MAX_FALLBACK_URLS}
 
 
 def _closed(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
@@ -52,7 +62,10 @@ def config_schema() -> dict[str, Any]:
         "kind": {"const": "DeviceClientConfig"},
         "device": _closed({"id": {"type": "string", "pattern": DEVICE_ID}}, ["id"]),
         "server": _closed({
-            "url": {"type": "string", "pattern": r"^https?://[^/\s]+(/\S*)?$"},
+            "url": _SERVER_URL,
+            # the same server through other replicas; see reconciler.failover
+            "fallbackUrls": _urls(_SERVER_URL),
+            "failback": {"type": "string", "pattern": DURATION},
             "api": {"enum": list(GENERATIONS)},
             "clientId": _TEXT,
             "tokenFile": _TEXT,
@@ -60,7 +73,8 @@ def config_schema() -> dict[str, Any]:
         }, ["url"]),
         "source": _closed({
             "type": {"enum": ["git", "margo-rest"]},
-            "url": {"type": "string", "pattern": r"^(https?|file)://\S+$"},
+            "url": _GIT_URL,
+            "fallbackUrls": _urls(_GIT_URL),  # git only, with url
             "depth": {"type": "integer", "minimum": 0},
             # git only: a tip the operator moved the branch to on purpose, accepted once
             "acceptHistoryRewrite": {"type": "string",
@@ -184,6 +198,22 @@ class DeviceConfig:
     #: Git source: the commit of a deliberately rewound or rewritten branch to accept once
     #: although it does not descend from the adopted commit (rollback protection).
     git_accept_history_rewrite: str | None = None
+    #: The same server through other URLs (replicas), tried in turn (reconciler.failover).
+    fallback_urls: tuple[str, ...] = ()
+    #: The Git source's further URLs: under `fallback_urls` unless `source.url` was given.
+    git_fallback_urls: tuple[str, ...] = ()
+    #: Seconds on a fallback URL before the first one is tried again (0: never).
+    failback: float = DEFAULT_FAILBACK_SECONDS
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """`server_url` and then its fallbacks: the order requests try them in."""
+        return (self.server_url, *self.fallback_urls)
+
+    @property
+    def git_urls(self) -> tuple[str, ...]:
+        """The Git source's URLs in the order they are tried (empty for the REST source)."""
+        return () if self.git_url is None else (self.git_url, *self.git_fallback_urls)
 
     def token(self) -> str:
         """Read at use, so a rotated token file is picked up without a restart."""
@@ -292,6 +322,29 @@ def _identity(raw: dict[str, Any] | None, base: Path) -> IdentityConfig | None:
         rc2_algorithm=rc2.get("algorithm"))
 
 
+def _server_urls(server: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """Every server URL with where it is in the file: `url`, then each fallback."""
+    return [(("server", "url"), server["url"]),
+            *((("server", "fallbackUrls", i), url)
+              for i, url in enumerate(server.get("fallbackUrls", [])))]
+
+
+def _check_urls(doc: dict[str, Any], found: list[Problem]) -> None:
+    """A fallback that repeats an earlier URL, and fallbacks for a Git URL given alone."""
+    for key in ("server", "source"):
+        section = doc[key]
+        seen = {section["url"].rstrip("/")} if "url" in section else set()
+        for index, url in enumerate(section.get("fallbackUrls", [])):
+            if url.rstrip("/") in seen:
+                found.append(Problem((key, "fallbackUrls", index), "this URL is already listed",
+                                     found=url))
+            seen.add(url.rstrip("/"))
+    source = doc["source"]
+    if "fallbackUrls" in source and source["type"] == "git" and "url" not in source:
+        found.append(Problem(("source", "fallbackUrls"), "only with source.url: without it the "
+                             "Git URLs follow server.url and server.fallbackUrls"))
+
+
 def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None:
     """Combinations of identity, API generation, source and credentials that cannot work."""
     server, source = doc["server"], doc["source"]["type"]
@@ -313,11 +366,15 @@ def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None
     if svid and "trustBundle" not in identity:
         problem(("identity",), "an SVID needs identity.trustBundle: the WFM's SVID must chain "
                 "to it (there is no trust on first use)")
-    if svid and not server["url"].startswith("https://"):
-        problem(("server", "url"), "mutual TLS needs an https:// server URL", found=server["url"])
-    elif "trustBundle" in identity and not server["url"].startswith("https://"):
-        problem(("identity", "trustBundle"), "a trust bundle checks the server's certificate, "
-                "which a plain http:// server URL does not have", found=server["url"])
+    for where, url in _server_urls(server):
+        if url.startswith("https://"):
+            continue
+        if svid:
+            problem(where, "mutual TLS needs an https:// server URL", found=url)
+        elif "trustBundle" in identity:
+            problem(("identity", "trustBundle") if where == ("server", "url") else where,
+                    "a trust bundle checks the server's certificate, which a plain http:// "
+                    "server URL does not have", found=url)
     for key in ("trustDomain", "wfmId"):
         if key in identity and not svid:
             problem(("identity", key), "only used with identity.svid (it names the WFM's SPIFFE "
@@ -355,7 +412,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if source["type"] == "margo-rest" and api == Shape.OCT_2024:
         found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "
                              "rc.3 or rc.2 with the margo-rest source", found=api))
-    for key in ("url", "acceptHistoryRewrite"):
+    for key in ("url", "acceptHistoryRewrite", "fallbackUrls"):
         if key in source and source["type"] != "git":
             found.append(Problem(("source", key), "only the git source takes this setting",
                                  found=source["type"]))
@@ -373,6 +430,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
                                  found=driver["type"]))
     compose = _compose_cli(driver, base, found)
     credentials = _credentials(doc.get("registries", {}), base, found)
+    _check_urls(doc, found)
     _check_identity(doc, api, found)
     schedule = _schedule(doc.get("schedule", {}), found)
     if found:
@@ -380,8 +438,8 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     data_dir = _path(base, doc["dataDir"])
     url = server["url"].rstrip("/")
     device_id = doc["device"]["id"]
-    git_url = source.get("url") or (f"{url}/git/devices/{device_id}.git"
-                                    if source["type"] == "git" else None)
+    fallbacks = tuple(u.rstrip("/") for u in server.get("fallbackUrls", []))
+    git_url, git_fallbacks = _git_urls(source, (url, *fallbacks), device_id)
     return DeviceConfig(
         file=loaded.file or "<config>", device_id=device_id, server_url=url, api=api,
         client_id=server.get("clientId", ""),
@@ -401,7 +459,27 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         rollback_on_failure=bool(driver.get("rollbackOnFailure", False)),
         compose=compose, docker_host=driver.get("dockerHost"),
         registry_credentials=credentials,
-        git_accept_history_rewrite=source.get("acceptHistoryRewrite"))
+        git_accept_history_rewrite=source.get("acceptHistoryRewrite"),
+        fallback_urls=fallbacks, git_fallback_urls=git_fallbacks,
+        failback=(parse_duration(server["failback"]) if "failback" in server
+                  else DEFAULT_FAILBACK_SECONDS))
+
+
+def _git_urls(source: dict[str, Any], server_urls: tuple[str, ...],
+              device_id: str) -> tuple[str | None, tuple[str, ...]]:
+    """The Git source's first URL and its fallbacks: as configured, or the device's
+    repository under each server URL (None for the REST source)."""
+    if source["type"] != "git":
+        return None, ()
+    if "url" in source:
+        return source["url"], tuple(source.get("fallbackUrls", []))
+    derived = tuple(device_repository(base, device_id) for base in server_urls)
+    return derived[0], derived[1:]
+
+
+def device_repository(server_url: str, device_id: str) -> str:
+    """The device's own Git repository on a fleet server (`margo serve`)."""
+    return f"{server_url}/git/devices/{device_id}.git"
 
 
 def load_config(path: str | Path) -> DeviceConfig:

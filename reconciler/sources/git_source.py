@@ -26,6 +26,14 @@ rewound the branch on purpose names the new tip in `accept_history_rewrite`
 once, and the device's state records the override as spent (`Adopted.history_rewrite_accepted`)
 so the same setting never lets a later rollback through.
 
+Several URLs. The same repository may be reachable through several servers (replicas of the
+fleet server: `server.fallbackUrls`, or `source.fallbackUrls`). Every network operation goes
+to the URL in use and moves on to the next when that one gives no answer (unreachable, timed
+out, or HTTP 502/503/504, as `reconciler.failover` says), staying on the one that answered
+(`reconciler.failover.ServerList`, which the HTTP client shares when the URLs follow the
+server's). Rollback protection holds whichever URL answers: a tip from any of them must
+descend from the adopted commit.
+
 The bare repository in `cache_dir` is a cache and nothing more: the runner keeps the adopted
 documents itself. libgit2 writes packs and refs crash-safely (a pack is renamed into place
 once indexed) and checks every object's hash when it reads it, so a damaged cache (an
@@ -39,7 +47,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -53,6 +61,7 @@ from reconciler.desired import (
     parse_deployment,
 )
 from reconciler.errors import ErrorCode
+from reconciler.failover import ServerList
 from reconciler.sources import Adopted, IntegrityError, SourceError
 
 __all__ = ["COMMIT_ID", "LOCAL_REF", "MAX_PACKS", "NO_BRANCH_VERSION", "GitSource"]
@@ -76,6 +85,8 @@ _T = TypeVar("_T")
 _HTTP_STATUS = re.compile(r"http status code: (\d{3})")
 _YAML_SUFFIXES = (".yaml", ".yml")
 _REGULAR_FILES = frozenset({pygit2.enums.FileMode.BLOB, pygit2.enums.FileMode.BLOB_EXECUTABLE})
+#: Outcomes after which the next URL is tried (module docstring, "Several URLs").
+_NO_ANSWER = frozenset({ErrorCode.UNREACHABLE, "HTTP_502", "HTTP_503", "HTTP_504"})
 _UNREACHABLE_HINTS = ("failed to connect", "failed to resolve", "connection refused",
                       "timed out", "timeout", "could not resolve", "connection reset",
                       "early eof", "unexpected eof", "network is unreachable")
@@ -112,19 +123,26 @@ class GitSource:
 
     `depth` is the history fetched per change (1: the tip only; None: everything, which
     libgit2 needs for local-path remotes since it cannot fetch shallowly from them).
+    `fallback_urls` are the same repository through other servers, tried in turn with the
+    choice kept in `servers` (one entry per URL; a list of its own when not given).
     """
 
     name = "git"
 
     def __init__(self, url: str, *, cache_dir: Path, username: str | None = None,
                  password: str | None = None, depth: int | None = 1,
-                 accept_history_rewrite: str | None = None) -> None:
+                 accept_history_rewrite: str | None = None,
+                 fallback_urls: Sequence[str] = (),
+                 servers: ServerList | None = None) -> None:
         """`accept_history_rewrite`: the commit id of a tip an operator moved the branch to
         on purpose (see the module docstring); None refuses every non-descending tip."""
         if accept_history_rewrite is not None and not COMMIT_ID.match(accept_history_rewrite):
             raise ValueError(f"accept_history_rewrite must be a full commit id, not "
                              f"{accept_history_rewrite!r}")
-        self._url = url
+        self._urls = (url, *fallback_urls)
+        self._servers = servers or ServerList(self._urls)
+        if len(self._servers) != len(self._urls):
+            raise ValueError("the server list and the URLs differ in length")
         self._cache_dir = Path(cache_dir)
         self._username, self._password = username, password
         self._depth = depth
@@ -133,6 +151,11 @@ class GitSource:
         #: The last history verdict, (tip, adopted) -> descends: a refused tip is refused
         #: again on every poll, at the cost of the ref advertisement only.
         self._verdict: tuple[str, str, bool] | None = None
+
+    @property
+    def _url(self) -> str:
+        """The URL in use (the one messages name)."""
+        return self._urls[self._servers.active]
 
     # --- the Source protocol -----------------------------------------------------------------
 
@@ -260,8 +283,7 @@ class GitSource:
 
     def _advertised_tip(self) -> str | None:
         """The commit the remote's HEAD names (one ref advertisement), None without one."""
-        remote = self._repository().remotes.create_anonymous(self._url)
-        heads = self._call(lambda callbacks: remote.list_heads(callbacks=callbacks))
+        heads = self._call(lambda remote, callbacks: remote.list_heads(callbacks=callbacks))
         if heads is None:
             return None
         head = next((h for h in heads if h.name == "HEAD"), None)
@@ -273,9 +295,8 @@ class GitSource:
         repo = self._repository()
         if _pack_count(self._cache_dir) >= MAX_PACKS:
             repo = self._rebuild()
-        remote = repo.remotes.create_anonymous(self._url)
         depth = depth or self._depth or 0
-        fetched = self._call(lambda callbacks: remote.fetch(
+        fetched = self._call(lambda remote, callbacks: remote.fetch(
             [f"+HEAD:{LOCAL_REF}"], callbacks=callbacks, depth=depth))
         if fetched is None:
             raise SourceError(ErrorCode.NO_BRANCH, "the repository's branch disappeared while "
@@ -287,16 +308,39 @@ class GitSource:
                               f"{exc}") from None
         return commit
 
-    def _call(self, operation: Callable[[pygit2.RemoteCallbacks], _T]) -> _T | None:
-        """Run one network operation; None when the server has no branch for the device
-        (it answers 404 once the credentials are accepted); every failure a `SourceError`."""
+    def _call(self, operation: Callable[[pygit2.Remote, pygit2.RemoteCallbacks], _T]
+              ) -> _T | None:
+        """Run one network operation on the URL in use, moving on to the next while a URL
+        gives no answer (module docstring); None when the server has no branch for the
+        device (it answers 404 once the credentials are accepted); every failure a
+        `SourceError` (when every URL failed, the first one's)."""
+        if len(self._urls) == 1:
+            return self._call_at(self._urls[0], operation)
+        failures: list[SourceError] = []
+        for index in self._servers.order():
+            try:
+                result = self._call_at(self._urls[index], operation)
+            except SourceError as exc:
+                if exc.code not in _NO_ANSWER:
+                    raise
+                self._servers.failed(index, exc.message)
+                failures.append(exc)
+                continue
+            self._servers.answered(index)
+            return result
+        raise failures[0]
+
+    def _call_at(self, url: str, operation: Callable[[pygit2.Remote, pygit2.RemoteCallbacks], _T]
+                 ) -> _T | None:
+        """`_call` on one URL."""
+        remote = self._repository().remotes.create_anonymous(url)
         try:
-            return operation(_Callbacks(self._username, self._password))
+            return operation(remote, _Callbacks(self._username, self._password))
         except (_CredentialsRejected, pygit2.AuthError):
-            raise SourceError(ErrorCode.UNAUTHORIZED, f"{self._url}: the server refused the "
+            raise SourceError(ErrorCode.UNAUTHORIZED, f"{url}: the server refused the "
                               "credentials", retryable=False) from None
         except (pygit2.GitError, OSError, KeyError, ValueError) as exc:
-            error = _classify(self._url, exc)
+            error = _classify(url, exc)
             if error is None:
                 return None
             raise error from None

@@ -3,6 +3,12 @@ without touching the server or the client under test.
 
 While cut, new connections are accepted and closed at once and open ones are closed, so the
 client sees exactly what it would see on a dropped link (connection reset / closed).
+
+While silenced, nothing is closed and nothing gets through either way: open connections stay
+open and carry no byte, new ones are accepted and never answered. That is a peer that stopped
+answering (a hung host, a link that drops packets), which a client only notices by its own
+timeout. `unanswered_port` is the other kind of dead host: one whose connection attempts are
+never answered (the SYNs are dropped), so a client's connect times out.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+__all__ = ["CuttableProxy", "cuttable_proxy", "unanswered_port"]
+
 
 class CuttableProxy:
     def __init__(self, upstream_port: int) -> None:
@@ -20,6 +28,8 @@ class CuttableProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
         self._cut = threading.Event()
+        self._silent = threading.Event()
+        self._held: list[socket.socket] = []
         self._closed = threading.Event()
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -39,12 +49,22 @@ class CuttableProxy:
                 sock.close()
             self._open.clear()
 
+    def silence(self) -> None:
+        """From now on nothing gets through and nothing is closed (module docstring)."""
+        self._silent.set()
+
     def restore(self) -> None:
         self._cut.clear()
+        self._silent.clear()
+        with self._lock:
+            held, self._held = self._held, []
+        for sock in held:
+            sock.close()
 
     def close(self) -> None:
         self._closed.set()
         self.cut()
+        self.restore()  # closes the connections held while silent
         self._listener.close()
         self._thread.join(timeout=5)
 
@@ -57,11 +77,16 @@ class CuttableProxy:
             if self._cut.is_set():
                 client.close()
                 continue
+            if self._silent.is_set():
+                with self._lock:
+                    self._held.append(client)  # accepted, never answered
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
             except OSError:
                 client.close()
                 continue
+            upstream.settimeout(None)  # the timeout was for connecting: idle links stay up
             with self._lock:
                 self._open.update((client, upstream))
             for source, sink in ((client, upstream), (upstream, client)):
@@ -73,7 +98,8 @@ class CuttableProxy:
                 data = source.recv(65536)
                 if not data or self._cut.is_set():
                     break
-                sink.sendall(data)
+                if not self._silent.is_set():
+                    sink.sendall(data)
         except OSError:
             pass
         finally:
@@ -92,3 +118,17 @@ def cuttable_proxy(upstream_port: int) -> Iterator[CuttableProxy]:
         yield proxy
     finally:
         proxy.close()
+
+
+@contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose connection attempts time out: its listener has a backlog of
+    one, already taken by a connection nobody accepts, so the kernel drops every further
+    SYN (as a router does for a host that is gone)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        filler.close()
+        listener.close()

@@ -21,43 +21,28 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools.kube.controlplane import ControlPlane
-from tools.kube.realnode import RealNode, RealNodes
-
-
-def _children(pid: int) -> list[int]:
-    found: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found += [int(c) for c in (task / "children").read_text().split()]
-    return found
+from tools.kube.realnode import RealNode, RealNodes, tree
 
 
 def rss_by_component(pid: int) -> dict[str, int]:
     """Resident memory (bytes) of a process tree, by command name."""
     found: dict[str, int] = {}
-    todo = [pid]
-    while todo:
-        current = todo.pop()
+    for each in tree(pid):
         with contextlib.suppress(OSError):
-            name = Path(f"/proc/{current}/comm").read_text().strip()
-            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+            name = Path(f"/proc/{each}/comm").read_text().strip()
+            for line in Path(f"/proc/{each}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     found[name] = found.get(name, 0) + int(line.split()[1]) * 1024
-        todo += _children(current)
     return found
 
 
 def cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process tree (live processes only)."""
-    total, todo = 0.0, [pid]
-    tick = os.sysconf("SC_CLK_TCK")
-    while todo:
-        current = todo.pop()
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for each in tree(pid):
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick
-        todo += _children(current)
     return total
 
 

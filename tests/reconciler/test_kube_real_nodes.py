@@ -14,6 +14,7 @@ have no GPU, so no kubelet here can advertise one.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -288,14 +289,18 @@ def _cmdline(pid: Path) -> str:
 
 
 def host_state(folder: Path) -> dict[str, Any]:
-    """What a node could leave on the host: mounts, interfaces (less those of Docker
-    engines that other tests start meanwhile), iptables rules, cgroups, processes and the
-    paths the components use by default."""
-    mounts = {line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
-              if "/docker" not in line and "margo-dk-" not in line}
+    """What a node could leave on the host: mounts where a node mounts (its folder, /run,
+    /var/lib, /var/log, /proc/sys), interfaces its CNI bridge or fabric would make,
+    iptables rules, cgroups, processes and the paths the components use by default.
+    Docker engines that other tests run meanwhile mount and unmount too: theirs are left
+    out by name."""
+    places = (str(folder), "/run", "/var/lib", "/var/log", "/proc/sys")
+    mounts = {point for point in (line.split()[4] for line in Path(
+        "/proc/self/mountinfo").read_text().splitlines())
+        if point.startswith(places) and "docker" not in point}
     links = {line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
         ["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout.splitlines()
-        if "master br-" not in line and not line.split(":")[1].strip().startswith("br-")}
+        if re.search(r"^\d+: (cni0|fabric|f\d+)[:@]| master (cni0|fabric) ", line)}
     rules = [line for line in subprocess.run(["iptables-save"], capture_output=True,
                                              text=True, check=True).stdout.splitlines()
              if not line.startswith(("#", ":"))]
@@ -330,7 +335,5 @@ def test_a_node_stopped_leaves_the_host_as_it_found_it(real_kube: RealCluster,
         assert during["processes"] and during["cgroups"] - before["cgroups"]
     real_kube.admin.delete("Pod", "visitor", "default")
     assert real_kube.admin.find("Node", "real-c") is None  # forgotten
-    after = host_state(folder)
-    assert {k: (sorted(set(before[k]) - set(after[k])), sorted(set(after[k]) - set(before[k])))
-            for k in before if before[k] != after[k]} == {}
+    assert host_state(folder) == before
     assert not any(folder.iterdir())  # its files are gone too

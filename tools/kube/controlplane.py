@@ -6,8 +6,13 @@ here imitates the API: objects are stored in etcd, admission and RBAC are the se
 Deployments become ReplicaSets and pods through the real controllers, the real scheduler
 places pods on nodes (resources, taints, topology spread), and kwok (sigs.k8s.io/kwok)
 marks scheduled pods Running and Ready and keeps node leases fresh, as kubelets would.
-No container ever runs: a pod is Ready when kwok says so, which is what readiness waits,
-Deployment availability and DaemonSet coverage are computed from.
+On those simulated nodes no container ever runs: a pod is Ready when kwok says so, which
+is what readiness waits, Deployment availability and DaemonSet coverage are computed
+from. Real nodes, whose kubelets run containers, are added by realnode.py.
+
+The API server sends its traffic to nodes and pods (logs, exec, proxies) through an HTTP
+CONNECT proxy on a Unix socket (relay.py, its egress selector): to real nodes
+(realnode.py) inside their own namespaces, and nowhere else.
 
 `ControlPlane(folder).start()` takes a few seconds once the binaries are built; `stop()`
 (or leaving the `with` block) stops every process. Each process is started with a parent
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,6 +130,7 @@ class ControlPlane:
                                              user=stem)
                       for stem, client in pki.clients.items()}
         self.admin_kubeconfig = kubeconfig["admin"]
+        _remove_stale_runtimes()
         self.runtime = Path(tempfile.mkdtemp(prefix="margo-kube-", dir="/tmp"))
         (self.runtime / "nodes").mkdir()
         try:
@@ -321,6 +328,22 @@ class ControlPlane:
                 "nodePlayStageParallelism": 4, "podPlayStageParallelism": 4,
                 "podsOnNodeSyncParallelism": 4}}))
         return path
+
+
+def _remove_stale_runtimes(older_than: float = 120.0) -> None:
+    """Runtime folders of control planes killed before they could remove them: their
+    egress socket no longer answers."""
+    for folder in Path("/tmp").glob("margo-kube-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - folder.stat().st_mtime < older_than:
+                continue
+            probe = socket.socket(socket.AF_UNIX)
+            try:
+                probe.connect(str(folder / "egress.sock"))
+            except OSError:
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                probe.close()
 
 
 @contextlib.contextmanager

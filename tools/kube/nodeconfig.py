@@ -120,7 +120,7 @@ def write_cni(layout: NodeLayout, pod_cidr: str) -> None:
     (layout.cni_conf / "10-margo-pods.conflist").write_text(json.dumps(network, indent=2))
 
 
-def kubelet_yaml(layout: NodeLayout, *, ca: Path, cgroup_root: str,
+def kubelet_yaml(*, ca: Path, cgroup_root: str,
                  taints: list[dict[str, str]], cluster_dns: str | None) -> str:
     """The kubelet's configuration.
 

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +53,7 @@ from tools.kube.nodeinit import cgroup_mounts, make_cgroup_root, remove_cgroups
 from tools.processes import die_with_parent
 
 __all__ = ["REAL_NODE_LABEL", "REAL_NODE_TAINT", "RealNode", "RealNodes", "RunningNode",
-           "why_unavailable"]
+           "tree", "why_unavailable"]
 
 REAL_NODE_LABEL = ("margo-gitops.dev/real-node", "true")
 REAL_NODE_TAINT = {"key": "margo-gitops.dev/real-node", "value": "true",
@@ -148,7 +148,9 @@ def _memory_cgroup() -> str:
 
 
 class RealNodes:
-    """Real nodes joined to `plane`, with their files under `folder`."""
+    """Real nodes joined to `plane`, with their files under `folder`. The nodes of one
+    `RealNodes` share a fabric: a second one on the same plane gets node numbers of its
+    own, but its pods do not reach the first one's."""
 
     def __init__(self, plane: ControlPlane, folder: Path, *, images: Sequence[Image] = (),
                  cluster_dns: bool = False) -> None:
@@ -302,7 +304,7 @@ class RealNodes:
         (folder / "containerd.toml").write_text(containerd_toml(layout))
         write_cni(layout, pod_cidr)
         (folder / "kubelet.yaml").write_text(kubelet_yaml(
-            layout, ca=pki.ca_cert, cgroup_root=cgroup_root,
+            ca=pki.ca_cert, cgroup_root=cgroup_root,
             taints=[dict(t) for t in spec.taints],
             cluster_dns=DNS_ADDRESS if self.cluster_dns else None))
         (folder / "kube-proxy.yaml").write_text(kube_proxy_yaml(
@@ -367,7 +369,8 @@ class RealNodes:
         return {name: _tree_rss(node.process.pid) for name, node in self.nodes.items()}
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (none once it is gone)."""
     found: list[int] = []
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -376,22 +379,30 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _tree_rss(pid: int) -> int:
-    total, todo = 0, [pid]
+def tree(pid: int) -> list[int]:
+    """`pid` and every process below it (a node's whole tree: for figures)."""
+    found, todo = [], [pid]
     while todo:
         current = todo.pop()
+        found.append(current)
+        todo += children(current)
+    return found
+
+
+def _tree_rss(pid: int) -> int:
+    total = 0
+    for each in tree(pid):
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+            for line in Path(f"/proc/{each}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total += int(line.split()[1]) * 1024
-        todo += _children(current)
     return total
 
 
 def _stop_tree(process: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM the node's init (unshare's child: unshare itself ignores SIGTERM while it
     waits), then SIGKILL unshare, whose `--kill-child` takes the namespace down."""
-    for child in _children(process.pid):
+    for child in children(process.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGTERM)
     try:
@@ -421,11 +432,3 @@ def _remove_cgroups(root: str) -> None:
         remove_cgroups([top for top in tops if top.exists()])
         if any(top.exists() for top in tops):
             time.sleep(0.1)
-
-
-def start_nodes(plane: ControlPlane, folder: Path, specs: Iterable[RealNode],
-                **options: object) -> RealNodes:
-    """A `RealNodes` with `specs` started (for scripts; stop it when done)."""
-    nodes = RealNodes(plane, folder, **options)  # type: ignore[arg-type]
-    nodes.start(*specs)
-    return nodes

@@ -29,6 +29,7 @@ import ctypes
 import ipaddress
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -204,7 +205,6 @@ def run_forever(start: Callable[[], object]) -> None:
         await start()  # type: ignore[misc]
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        import signal
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()

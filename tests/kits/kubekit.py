@@ -27,6 +27,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 import helm_python as helm
+
+# websockets comes with uvicorn[standard] (pyproject.toml): exec is a WebSocket protocol.
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 

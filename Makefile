@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv test fuzz matrix lint schemas demo bench cluster kube clean
+.PHONY: all venv test fuzz matrix lint schemas demo bench cluster kube otel clean
 
 all: test
 
@@ -54,7 +54,7 @@ lint: venv
 # plane and of the Docker engine stay on one worker each (tests/conftest.py).
 TEST_WORKERS ?= auto
 
-test: lint kube
+test: lint kube otel
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 # The costly property tests (a real server; sequences of real compiles), at their deep example
@@ -79,6 +79,12 @@ schemas: venv
 # ~/.cache/margo-gitops/kube, or $$MARGO_KUBE_CACHE), for the tests and for people.
 kube: venv
 	@$(BIN)/python -m tools.kube.kubebuild >/dev/null
+
+# The OpenTelemetry Collector (OTLP receiver, file exporter) built from the pinned Go modules in
+# tools/otel (cached under ~/.cache/margo-gitops/otel, or $$MARGO_OTEL_CACHE): the tests'
+# collector, and one for people (docs/observability.md).
+otel: venv
+	@$(BIN)/python -m tools.otel.otelbuild >/dev/null
 
 # A real control plane on loopback with simulated nodes (and REAL_NODES=N real ones, which
 # run containers: docs/kubernetes.md); prints its kubeconfigs.

@@ -53,6 +53,14 @@ def register(commands: Any) -> None:
                        help="file holding the shared secret of POST /hooks/git")
     serve.add_argument("--admin-token-file", metavar="FILE",
                        help="file holding the operator token the /api/fleet API requires")
+    serve.add_argument("--metrics-token-file", metavar="FILE",
+                       help="file holding a bearer token that may read GET /metrics (a "
+                            "Prometheus scraper's); the operator token may too; with neither "
+                            "file, /metrics is open (docs/observability.md)")
+    serve.add_argument("--otlp-endpoint", metavar="URL",
+                       help="send OpenTelemetry spans of each change (push, compile, each "
+                            "device's adoption and report) to this OTLP/HTTP endpoint, e.g. "
+                            "http://collector:4318 (default: no tracing)")
     serve.add_argument("--stale-polls", type=float, default=3, metavar="N",
                        help="a device that has not been heard from for N of its polling "
                             "intervals is stale (default 3; 15 minutes until its interval "
@@ -180,7 +188,8 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_token=_secret(args.admin_token_file), identity=identity, data_lock=lock,
         database_url=_database(args.database), stale_polls=args.stale_polls,
         max_devices_per_client=args.max_devices_per_client,
-        body_timeout=args.body_timeout, budgets=_budgets(args)))
+        body_timeout=args.body_timeout, budgets=_budgets(args),
+        metrics_token=_secret(args.metrics_token_file), otlp_endpoint=_otlp(args.otlp_endpoint)))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
@@ -292,6 +301,13 @@ def _database(url: str | None) -> str | None:
     if url is not None and not is_url(url):
         raise SystemExit(f"margo serve: --database must be a postgresql:// URL (SQLite is "
                          f"the default, in --data), found {url!r}")
+    return url
+
+
+def _otlp(url: str | None) -> str | None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise SystemExit(f"margo serve: --otlp-endpoint must be an http:// or https:// URL "
+                         f"(OTLP/HTTP, e.g. http://127.0.0.1:4318), found {url!r}")
     return url
 
 

@@ -55,6 +55,9 @@ from wfm.compiles import CompileService
 from wfm.credentialcache import CredentialCache
 from wfm.db import Connection, Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, DesiredState, manifest_body
+from wfm.httpcache import accepts as _accepts
+from wfm.httpcache import etag_matches as _etag_matches
+from wfm.httpcache import immutable as _immutable
 from wfm.identity import Identity, IdentitySettings
 from wfm.lastseen import PollClock
 from wfm.problems import RETIRED, ProblemError, semantic_error
@@ -62,11 +65,11 @@ from wfm.signatures import OnboardingError, onboarding_key
 
 if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
     from wfm.coordination import Coordinator
+    from wfm.leadtime import LeadTimes
 
 __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "MANIFEST_MEDIA_TYPE", "Api", "routes"]
 
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
-IMMUTABLE = "private, max-age=31536000, immutable"
 MAX_BODY = 1024 * 1024
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
@@ -88,6 +91,7 @@ class Api:
     max_devices: int | None = None
     identity: Identity
     coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.coordination)
+    lead_times: LeadTimes | None = None  # told of each stored status (wfm.leadtime)
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
              compiles: CompileService, ca_certificate: str | None = None,
@@ -509,6 +513,9 @@ class Api:
                 applied=applied)
 
         written = await self.db.write(write)
+        if self.lead_times is not None:  # (queues an installed report; never waits)
+            self.lead_times.reported(client.client_id, device_id, deployment_id,
+                                     str(status.state), doc, applied, written.changed)
         if written.changed and await self._rollout_moving():
             self.compiles.trigger()  # the report may settle a wave or exhaust a budget
         # The status of an assigned deployment exists from its assignment on, so a report
@@ -679,44 +686,6 @@ def _generation(request: Request) -> str:
     if path.startswith("/device/"):
         return Shape.OCT_2024
     return Shape.RC2 if path.startswith("/api/v1/clients/") else Shape.RC3
-
-
-def _accepts(header: str | None, media_type: str) -> bool:
-    """Content negotiation: no Accept means the default format; otherwise some listed
-    range with q > 0 must cover the media type."""
-    if header is None or not header.strip():
-        return True
-    kind = media_type.split("/")[0]
-    for item in header.split(","):
-        parts = [p.strip() for p in item.split(";")]
-        range_ = parts[0].lower()
-        quality = 1.0
-        for param in parts[1:]:
-            if param.lower().startswith("q="):
-                try:
-                    quality = float(param[2:])
-                except ValueError:
-                    quality = 0.0
-        if quality <= 0:
-            continue
-        if range_ in (media_type, "*/*", f"{kind}/*"):
-            return True
-    return False
-
-
-def _etag_matches(header: str | None, etag: str) -> bool:
-    if not header:
-        return False
-    candidates = [c.strip() for c in header.split(",")]
-    return "*" in candidates or any(c.removeprefix("W/") == etag for c in candidates)
-
-
-def _immutable(request: Request, data: bytes, media_type: str, digest: str) -> Response:
-    etag = f'"{digest}"'
-    headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Vary": "Accept-Encoding"}
-    if _etag_matches(request.headers.get("if-none-match"), etag):
-        return Response(status_code=304, headers=headers)
-    return Response(data, media_type=media_type, headers=headers)
 
 
 def routes(api: Api) -> list[Route]:

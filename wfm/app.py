@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -37,15 +37,19 @@ from wfm.datalock import DataDirLock
 from wfm.db import Database, DatabaseUnavailable, open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
+from wfm.fleetmetrics import FleetCollector
 from wfm.freshness import STALE_POLLS
 from wfm.gcpolicy import tune_for_serving
 from wfm.githttp import MAX_REQUEST_BYTES, git_app
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
+from wfm.leadtime import LeadTimes
+from wfm.metrics import HttpStats, MetricsEndpoint, MetricsMiddleware, RouteMiddleware
 from wfm.problems import ProblemError, problem_response
 from wfm.rollouts import RolloutController, served_from
 from wfm.sourcecondition import store_condition
 from wfm.sourcehost import MAX_PUSH_BYTES, ensure_repository, source_app
 from wfm.sources import RemoteSource, SourceWatcher, fetch_source
+from wfm.tracing import Tracing
 from wfm.webhooks import MAX_BODY_BYTES as MAX_HOOK_BYTES
 
 if TYPE_CHECKING:
@@ -83,6 +87,11 @@ class ServerConfig:
     #: Bytes of request bodies held at once, per route class and client address
     #: (`wfm.budgets`).
     budgets: BudgetSettings = DEFAULT_BUDGETS
+    #: A bearer token that may read `GET /metrics` and nothing else (a scraper's); the
+    #: operator token may too. Neither set: `/metrics` is open, as the read API is.
+    metrics_token: str | None = None
+    #: Where OpenTelemetry spans go (an OTLP/HTTP base URL); None: no tracing.
+    otlp_endpoint: str | None = None
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -182,9 +191,28 @@ async def _readyz(request: Request) -> Response:
     return _health(request, reason)
 
 
+class _Late:
+    """A metric source that exists once the server has started (its database does)."""
+
+    def __init__(self) -> None:
+        self.source: FleetCollector | None = None
+        self.lead: LeadTimes | None = None
+
+    def __call__(self) -> Iterator[Any]:
+        return iter(()) if self.source is None else self.source()
+
+
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
+    stats, late = HttpStats(), _Late()
+    metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token, config.admin_token))
+
+    def pushed(arrived: float) -> None:
+        if late.lead is not None:
+            late.lead.received("push", arrived)
+        api.compiles.trigger()
+
     api.max_devices = config.max_devices_per_client
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
@@ -205,15 +233,24 @@ def create_app(config: ServerConfig) -> Starlette:
             DesiredState(DeviceStore(config.repos), recorded=coordinator.published_branch,
                          on_lost=coordinator.request_repair)
         rollouts = RolloutController(db, served_from(desired, db))
+        tracing = Tracing(config.otlp_endpoint,
+                          instance=coordinator.name if coordinator is not None else None)
+        lead = LeadTimes(db, desired, tracing,
+                         handout=lambda device_id: api.attribution.handouts.when(device_id),
+                         catch_up=coordinator.sync if coordinator is not None else None)
         compiles = CompileService(
             config.repos, config.effective_source, lambda: db.read(records.device_documents),
             (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
             debounce=config.debounce, coordinator=coordinator,
             on_condition=lambda condition: db.submit(
-                lambda conn: store_condition(conn, condition)), rollouts=rollouts)
+                lambda conn: store_condition(conn, condition)), rollouts=rollouts,
+            lead_times=lead)
         ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
         api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
                  ca_certificate=ca, identity=identity, coordinator=coordinator)
+        api.lead_times = fleet.lead = late.lead = lead
+        late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
+                                     coordinator=coordinator)
         if coordinator is not None:
             coordinator.on_synced = desired.bump
             coordinator.start()
@@ -235,6 +272,8 @@ def create_app(config: ServerConfig) -> Starlette:
             compiles.stop()
             if coordinator is not None:
                 coordinator.stop()
+            lead.stop()
+            tracing.close()
             api.polls.flush()
             api.attribution.handouts.flush()
             db.close()
@@ -244,21 +283,24 @@ def create_app(config: ServerConfig) -> Starlette:
     return Starlette(
         routes=[*routes(api), Route("/healthz", _livez, methods=["GET"]),
                 Route("/livez", _livez, methods=["GET"]),
-                Route("/readyz", _readyz, methods=["GET"]), *fleet.routes(),
+                Route("/readyz", _readyz, methods=["GET"]),
+                Route("/metrics", metrics.serve, methods=["GET"]), *fleet.routes(),
                 *dashboard_routes(fleet),
                 *([Mount("/git/source.git", app=source_app(
-                    config.hosted_source, config.admin_token, lambda: api.compiles.trigger(),
+                    config.hosted_source, config.admin_token, pushed,
                     replicas=lambda: api.coordinator))]
                   if config.host_source else []),
                 Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch,
                                           lost=api.lost_branch,
                                           delivered=api.git_delivered))],
         lifespan=lifespan,
-        # Body limits and budgets first: nothing below (signature checks buffer bodies)
-        # sees more.
-        middleware=[Middleware(BodyLimitMiddleware, rules=body_limits(config),
+        # Requests are counted outermost (refusals too); then body limits and budgets:
+        # nothing below (signature checks buffer bodies) sees more.
+        middleware=[Middleware(MetricsMiddleware, stats=stats),
+                    Middleware(BodyLimitMiddleware, rules=body_limits(config),
                                ledger=Ledger(config.budgets, Trimmer())),
-                    Middleware(SignatureMiddleware, identity=identity)],
+                    Middleware(SignatureMiddleware, identity=identity),
+                    Middleware(RouteMiddleware)],
         exception_handlers={ProblemError: _problem_handler, HTTPException: _http_handler,
                             DatabaseUnavailable: _unavailable_handler,
                             ClientDisconnect: _gone_handler, Exception: _crash_handler},

@@ -130,6 +130,18 @@ class Handouts:
             self._known.pop(device_id, None)
             self._pending.pop(device_id, None)
 
+    def when(self, device_id: str) -> tuple[str, float] | None:
+        """The commit last handed to the device and when (Unix time): the adoption step of
+        a change's trace (`wfm.leadtime`). Blocking: a database read when flushed."""
+        with self._lock:
+            pending = self._pending.get(device_id)
+        if pending is not None:
+            return pending
+        row = self._db.read(lambda conn: conn.execute(
+            "SELECT commit_id, handed_at FROM git_handouts WHERE device_id = ?",
+            (device_id,)).fetchone())
+        return None if row is None else (str(row[0]), float(row[1]))
+
     async def last(self, device_id: str) -> str | None:
         with self._lock:
             known = self._known.get(device_id) if self._sole else None

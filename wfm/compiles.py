@@ -26,10 +26,12 @@ from compiler.gitstore import DeviceStore
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState, is_damage, is_sound, set_aside
+from wfm.metrics import COMPILE_DEVICES, COMPILE_SECONDS, COMPILES, GIT_SECONDS, LAST_COMPILE
 from wfm.sourcecondition import SourceCondition
 
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
+    from wfm.leadtime import CompileOrigin, LeadTimes
     from wfm.rollouts import RolloutController
 
 __all__ = ["CompileFailure", "CompileService", "SourceConfig"]
@@ -72,16 +74,22 @@ class CompileService:
                  on_compiled: Callable[[CompileReport | None], None], *,
                  debounce: float = 0.3, coordinator: Coordinator | None = None,
                  on_condition: Callable[[SourceCondition], None] = lambda condition: None,
-                 rollouts: RolloutController | None = None):
+                 rollouts: RolloutController | None = None,
+                 lead_times: LeadTimes | None = None):
+        """`lead_times`: told what each compile answers and changed (`wfm.leadtime`)."""
         self._repos, self._source, self._documents = repos, source, documents
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
         self._on_compiled, self._debounce = on_compiled, debounce
         self._on_condition = on_condition
-        self._rollouts = rollouts
+        self._rollouts, self._lead = rollouts, lead_times
         self._wake = threading.Condition()
         self._pending = False
+        #: When the compile now pending was first asked for (a lead time's clock, when no
+        #: push or webhook started it).
+        self._requested: float | None = None
+        self._kind = "incremental"
         self._stopping = False
         self._grace_timer: threading.Timer | None = None
         self._retry_timer: threading.Timer | None = None
@@ -104,6 +112,8 @@ class CompileService:
     def compile_soon(self) -> None:
         with self._wake:
             self._pending = True
+            if self._requested is None:
+                self._requested = time.time()
             self._wake.notify()
 
     def wait_idle(self, timeout: float = 30) -> bool:
@@ -136,8 +146,9 @@ class CompileService:
             time.sleep(self._debounce)  # let a burst of triggers settle
             with self._wake:
                 self._pending = False
+                requested, self._requested = self._requested or time.time(), None
             try:
-                self._compile()
+                self._compile(requested)
             except Exception as exc:  # a compile failure must never take the server down
                 self._failed(exc)
             else:
@@ -164,6 +175,7 @@ class CompileService:
         if self._coordinator is not None and self._coordinator.lost_lease(exc):
             log.warning("compile not published: %s", exc)
             return
+        COMPILES.labels("failed").inc()
         before = self.failing
         attempts = 1 if before is None else before.attempts + 1
         error = f"{type(exc).__name__}: {str(exc)[:500]}"
@@ -213,7 +225,7 @@ class CompileService:
                 "unreadable", f"{exc}; the previous desired state stays in force"))
             return None
 
-    def _compile(self) -> None:
+    def _compile(self, requested: float) -> None:
         # With replicas, first bring the compile directory and the fleet source to what the
         # replicas published: a push another replica took must be read here.
         repos = self._repos if self._coordinator is None else self._coordinator.prepare()
@@ -230,22 +242,18 @@ class CompileService:
                 return
             source = loaded
         log.info("compiling source %s", source.revision)
-        store = DeviceStore(repos)
+        tracker = self._lead
+        lead = tracker.compile_begins(requested) if tracker is not None else None
+        started = time.time()
         try:
-            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
-        except Exception as exc:
-            if not is_damage(exc) or is_sound(repos / "compiler-state.sqlite"):
-                raise  # (damage elsewhere, e.g. in the server's own database)
-            # Damage the opening check could not see (a page read only now): the state is a
-            # cache, so set it aside and compile again in full; nothing moved that the full
-            # compile would not move the same way.
-            set_aside(repos / "compiler-state.sqlite", exc)
-            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
-        if self._coordinator is not None:
-            published = self._coordinator.publish()  # LeaseLost: logged by the loop
-            if published is not None:
-                log.info("published generation %d (%d refs, %d bytes)", published.generation,
-                         published.refs, published.pack_bytes)
+            report = self._compile_and_publish(source, repos, lead)
+        except BaseException as exc:
+            if tracker is not None and lead is not None:
+                tracker.compile_ends(lead, None, error=f"{type(exc).__name__}: {exc}"[:500])
+            raise
+        if tracker is not None and lead is not None:
+            tracker.compile_ends(lead, report, kind=self._kind)
+        self._count(report, time.time() - started)
         self.last_report, self.compiles = report, self.compiles + 1
         if report.errors:
             self.last_error = "; ".join(p.format() for _, p in report.errors[:5])
@@ -262,11 +270,49 @@ class CompileService:
                if t is not None]
         self._schedule_grace(min(due) if due else None)
 
+    def _compile_and_publish(self, source: FleetSource, repos: Path,
+                             lead: CompileOrigin | None) -> CompileReport:
+        """Compile; mark what changed (`wfm.leadtime`) before anyone is served it; with
+        replicas, publish."""
+        store = DeviceStore(repos)
+        try:
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
+        except Exception as exc:
+            if not is_damage(exc) or is_sound(repos / "compiler-state.sqlite"):
+                raise  # (damage elsewhere, e.g. in the server's own database)
+            # Damage the opening check could not see (a page read only now): the state is a
+            # cache, so set it aside and compile again in full; nothing moved that the full
+            # compile would not move the same way.
+            set_aside(repos / "compiler-state.sqlite", exc)
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
+        if lead is not None and self._lead is not None:
+            self._lead.compiled(lead, report)
+        if self._coordinator is not None:
+            with GIT_SECONDS.labels("publish").time():
+                published = self._coordinator.publish()  # LeaseLost: logged by the loop
+            if published is not None:
+                log.info("published generation %d (%d refs, %d bytes)", published.generation,
+                         published.refs, published.pack_bytes)
+        return report
+
+    def _count(self, report: CompileReport, seconds: float) -> None:
+        """The compile's figures for `GET /metrics` (`wfm.metrics`)."""
+        COMPILES.labels("succeeded").inc()
+        COMPILE_SECONDS.labels(self._kind).observe(seconds)
+        LAST_COMPILE.set(time.time())
+        results = [r.status for r in report.results]
+        committed, errors = results.count("committed"), results.count("error")
+        COMPILE_DEVICES.labels("committed").inc(committed)
+        COMPILE_DEVICES.labels("error").inc(errors)
+        COMPILE_DEVICES.labels("unchanged").inc(max(0, report.devices - committed - errors))
+
     def _compile_with_state(self, source: FleetSource, store: DeviceStore,
                             path: Path) -> CompileReport:
         state = CompilerState(path)  # a damaged file is set aside and rebuilt (CompilerState)
         try:
             state.bind(store.identity)
+            # The compiler remembers no intent: every device is evaluated (a full compile).
+            self._kind = "incremental" if state.intents() else "full"
             snapshot = snapshot_from_documents(self._documents(),
                                                trusted=state.trusted_digests())
             plans = self._rollouts.plans(source) if self._rollouts is not None else None

@@ -45,6 +45,7 @@ from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.state import CompilerState
 from wfm import records
 from wfm.db import DatabaseUnavailable
+from wfm.metrics import GIT_SECONDS
 from wfm.pgdb import PgConnection, PostgresDatabase
 from wfm.replication import (
     COMPACT_AFTER,
@@ -284,9 +285,10 @@ class Coordinator:
                                                             dialect=self.db.dialect))
             if snapshot.generation <= self.serving.generation and not snapshot.packs:
                 return False
-            self.serving.add_objects(snapshot)
-            with self.lock:
-                moved = self.serving.move_to(snapshot)
+            with GIT_SECONDS.labels("sync").time():
+                self.serving.add_objects(snapshot)
+                with self.lock:
+                    moved = self.serving.move_to(snapshot)
         if moved:
             self.on_synced()
         return moved

@@ -39,6 +39,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
+from wfm.metrics import DB_BATCH_SECONDS, DB_BATCH_WRITES
 from wfm.schema import migrate
 
 __all__ = ["Connection", "Database", "DatabaseDamaged", "DatabaseUnavailable", "SqliteDatabase",
@@ -282,20 +283,25 @@ class Database:
                     break
                 if not batch:
                     continue  # every write in it was given up on before it ran
-                self._batch_started = time.monotonic()
+                self._batch_started = started = time.monotonic()
+                outcome = "failed"
                 try:
                     if conn is None:
                         conn = self._write_connection()
                     self._run_batch(conn, batch)
                     self._last_failure = None
+                    outcome = "committed"
                 except Exception as exc:  # outside any one write: the batch fails, the
                     self._batch_failed(batch, exc)  # writer goes on, on a new connection
                     conn = self._drop(conn)
+                    outcome = "unavailable" if self._is_unavailable(exc) else "failed"
                 except BaseException as exc:
                     self._batch_failed(batch, exc)
                     raise
                 finally:
                     self._batch_started = None
+                    DB_BATCH_SECONDS.labels(outcome).observe(time.monotonic() - started)
+                    DB_BATCH_WRITES.observe(len(batch))
         finally:
             self._drop(conn)
 

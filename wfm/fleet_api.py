@@ -30,6 +30,8 @@ from wfm.clients import same_secret
 from wfm.compiles import SourceConfig
 from wfm.db import Connection
 from wfm.freshness import STALE_POLLS, Freshness, device_freshness
+from wfm.leadtime import LeadTimes
+from wfm.metrics import WEBHOOKS
 from wfm.problems import ProblemError
 from wfm.rollouts import RolloutController, RolloutError, load_rollouts, served_from
 from wfm.sourcecondition import load_condition
@@ -82,6 +84,8 @@ class FleetApi:
         self.api, self.source, self.source_kind = api, source, source_kind
         self.stale_polls = stale_polls
         self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
+        #: Told of each change a verified push hook brings (set when the server starts).
+        self.lead: LeadTimes | None = None
 
     def _authorize(self, request: Request) -> None:
         if self.admin_token is None:
@@ -306,14 +310,19 @@ class FleetApi:
         return JSONResponse({"kind": self.source_kind, **doc})
 
     async def git_hook(self, request: Request) -> Response:
+        arrived = time.time()
         if self.remote is None or not self.webhook_secret:
+            WEBHOOKS.labels("not_configured").inc()
             raise ProblemError(404, "this server has no webhook-triggered fleet source")
         try:
             # Refused unread when the headers already tell (wfm.webhooks.check_headers).
             check_headers(request.headers, self.webhook_secret)
             event = verify_push(await request.body(), request.headers, self.webhook_secret)
         except WebhookError as exc:
+            WEBHOOKS.labels("refused").inc()
             raise ProblemError(exc.status, str(exc)) from None
+        if event is None or event.ref != self.remote.ref:
+            WEBHOOKS.labels("ignored").inc()
         if event is None:
             return Response(status_code=204)
         if event.ref != self.remote.ref:
@@ -322,7 +331,11 @@ class FleetApi:
         try:
             commit = await run_in_threadpool(fetch_source, self.remote, self.api.coordinator)
         except RuntimeError as exc:
+            WEBHOOKS.labels("fetch_failed").inc()
             raise ProblemError(502, str(exc), retry_after=30) from None
+        WEBHOOKS.labels("fetched").inc()
+        if self.lead is not None:
+            self.lead.received("webhook", arrived)
         self.api.compiles.trigger()
         return JSONResponse({"fetched": commit, "compiling": True}, status_code=202)
 

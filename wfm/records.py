@@ -258,7 +258,8 @@ def trim_capability_history(conn: Connection, device_id: str,
 def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
     """Remove a device (and its children, ``<id>/...``, matched exactly: in LIKE, an
     id's ``_`` matches any character) of this client, with everything it reported: its
-    statuses, current and history, and its capability history. A device id belongs to one
+    statuses, current and history, its capability history and its lead-time marks
+    (`wfm.leadtime`). A device id belongs to one
     client, and whoever registers it next must neither see nor be credited with the
     previous owner's reports; and a deleted device never changes again, so history kept
     for it would never be trimmed (register, fill and delete ids: memory held for good)."""
@@ -278,6 +279,7 @@ def forget_device(conn: Connection, client_id: str, device_id: str) -> bool:
         conn.execute("DELETE FROM capability_reports WHERE client_id = ? AND device_id = ?",
                      pair)
         conn.execute("DELETE FROM git_handouts WHERE device_id = ?", (pair[1],))
+        conn.execute("DELETE FROM lead_marks WHERE device_id = ?", (pair[1],))
     return bool(family)
 
 

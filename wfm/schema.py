@@ -180,6 +180,21 @@ _ATTRIBUTE_STORED = (
     "statuses.adopted_manifest_version) WHERE adopted_manifest_version IS NOT NULL",
 )
 
+_LEAD_TIMES = [_both(s) for s in (
+    # Changes received (a push, a webhook) not yet answered by a compile (`wfm.leadtime`):
+    # when, how, and the ids of the span that received it.
+    """CREATE TABLE IF NOT EXISTS change_origins (
+        id {id}, trigger TEXT NOT NULL, received_at {real} NOT NULL, trace TEXT)""",
+    # Per deployment a compile changed, until a report says the device installed it: the
+    # commit of the device's branch holding the new bytes, when the change was received
+    # and compiled, how it was triggered, the compile span's ids.
+    """CREATE TABLE IF NOT EXISTS lead_marks (
+        deployment_id TEXT PRIMARY KEY, device_id TEXT NOT NULL, commit_id TEXT NOT NULL,
+        received_at {real} NOT NULL, compiled_at {real} NOT NULL, trigger TEXT NOT NULL,
+        trace TEXT)""",
+    "CREATE INDEX IF NOT EXISTS lead_marks_by_device ON lead_marks (device_id)",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -204,6 +219,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(10, "status attribution: the bytes each status is about; Git handouts",
               (*(s for s, _ in _ATTRIBUTION), _ATTRIBUTE_STORED[0]),
               (*(p for _, p in _ATTRIBUTION), _ATTRIBUTE_STORED[1])),
+    Migration(11, "lead times: changes received, deployments changed and not installed yet",
+              tuple(s for s, _ in _LEAD_TIMES), tuple(p for _, p in _LEAD_TIMES)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +28,7 @@ from starlette.types import ASGIApp
 from compiler.stalelocks import recover_stale_locks
 from wfm.clients import parse_basic, same_secret
 from wfm.githttp import BACKEND_GONE, write_to_backend
+from wfm.metrics import PUSHES
 from wfm.problems import ProblemError, problem_response
 from wfm.receivehook import HOOK_NAME, hook_script
 from wfm.sources import git_environment
@@ -37,6 +40,8 @@ __all__ = ["ensure_repository", "source_app"]
 
 MAX_PUSH_BYTES = 64 * 1024 * 1024
 _SERVICES = ("git-upload-pack", "git-receive-pack")
+#: A ref the push's report says was not updated (`ng <ref> <why>`, pkt-line framed).
+_REFUSED = re.compile(rb"(?:^|[^g-zA-Z])ng refs/")
 
 
 def ensure_repository(path: Path, branch: str = "main") -> None:
@@ -121,14 +126,16 @@ async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> byte
     return out
 
 
-def source_app(repository: Path, admin_token: str | None, on_push: Callable[[], None], *,
+def source_app(repository: Path, admin_token: str | None, on_push: Callable[[float], None], *,
                replicas: Callable[[], Coordinator | None] = lambda: None) -> ASGIApp:
     """Fetch and push for the hosted source repository (mount at `/git/source.git`). With
     `replicas` (its coordinator, once the server runs), a fetch first brings the repository
     up to what the replicas published, and a push runs in this replica's turn at the source
-    and is published before the next push starts (`wfm.coordination.SourceUpdate`)."""
+    and is published before the next push starts (`wfm.coordination.SourceUpdate`).
+    `on_push(arrived)`: a push was accepted; `arrived`, when its request came (Unix time)."""
 
     async def endpoint(request: Request) -> Response:
+        arrived = time.time()
         rest = request.path_params["rest"]
         service = request.query_params.get("service") or rest.rsplit("/", 1)[-1]
         if not _authorized(request, admin_token):
@@ -158,8 +165,11 @@ def source_app(repository: Path, admin_token: str | None, on_push: Callable[[], 
         if turn is not None:
             await run_in_threadpool(turn.finish, publish=rest == "git-receive-pack"
                                     and status == 200)
+        if rest == "git-receive-pack":
+            PUSHES.labels("failed" if status != 200 else "refused"
+                          if _REFUSED.search(payload) else "accepted").inc()
         if rest == "git-receive-pack" and status == 200:
-            on_push()  # the pushed refs are in place once receive-pack has answered
+            on_push(arrived)  # the pushed refs are in place once receive-pack has answered
         return Response(payload, status_code=status, headers=headers)
 
     return Router(routes=[Route("/{rest:path}", endpoint, methods=["GET", "POST"])])

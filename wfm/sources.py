@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from compiler.stalelocks import recover_stale_locks
+from wfm.metrics import GIT_SECONDS
 
 if TYPE_CHECKING:
     from wfm.coordination import Coordinator
@@ -102,6 +103,11 @@ class SourceWatcher:
 def fetch_source(remote: RemoteSource, coordinator: Coordinator | None) -> str:
     """Fetch the remote fleet source into the mirror; with replicas, in this replica's turn
     at the source, publishing what it brought (so the compiling replica has it too)."""
+    with GIT_SECONDS.labels("source_fetch").time():
+        return _fetch(remote, coordinator)
+
+
+def _fetch(remote: RemoteSource, coordinator: Coordinator | None) -> str:
     if coordinator is None:
         return remote.fetch()
     turn = coordinator.source_update()

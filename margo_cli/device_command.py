@@ -1,5 +1,6 @@
-"""`margo device run|once --config FILE` (the device client) and `margo device doctor`
-(a cluster checked against the Margo cluster requirements, see doctor_command).
+"""`margo device run|once --config FILE` (the device client), `margo device doctor`
+(a cluster or host checked against the Margo requirements, see doctor_command) and
+`margo device plan` (the next cycle, without doing it: plan_command).
 
 `once` runs one cycle and exits 0 when the device converged (or the schedule says not to
 contact the server now), 1 when anything failed (a step, a fetch, a capability report), 2 when
@@ -17,7 +18,7 @@ import sys
 from typing import Any
 
 from margo.errors import DocumentError
-from margo_cli import doctor_command
+from margo_cli import doctor_command, plan_command
 from margo_cli.usage import UsageError
 from reconciler.config import DeviceConfig, load_config
 from reconciler.runner import CycleResult
@@ -38,6 +39,7 @@ def register(commands: Any) -> None:
                          choices=["debug", "info", "warning", "error"])
         sub.set_defaults(run=run, once=verb == "once")
     doctor_command.register(verbs)
+    plan_command.register(verbs)
     show = verbs.add_parser("capabilities", help="print the capabilities this device would "
                             "report (its configured provider, no debouncing)")
     show.add_argument("--config", required=True, metavar="FILE")

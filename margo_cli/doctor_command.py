@@ -8,7 +8,9 @@ cluster reachable, an unreadable kubeconfig or configuration).
 
 Which cluster: with `--config`, the one the device client's configuration uses (its
 `capabilities.kubernetes` settings, else the Helm driver's kubeconfig), and then this host's
-data directory also tells whether that client runs; with `--kubeconfig`, that file; with
+data directory also tells whether that client runs; a configuration of a device that is no
+cluster (the Compose or render driver) is checked on this host: its client, and whether its
+OpenTelemetry collector answers OTLP at `telemetry.collector`; with `--kubeconfig`, that file; with
 neither, what kubectl would use ($KUBECONFIG, ~/.kube/config) or, in a pod, its service
 account.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import Any
 
 from margo.errors import DocumentError
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
+from reconciler.config import DeviceConfig
 from reconciler.datadir import LocalClient, probe_data_dir
 from reconciler.kubernetes.client import (
     KubeClient,
@@ -47,6 +51,8 @@ class Target:
     kubeconfig: Path | None
     context: str | None = None
     local_client: LocalClient | None = None
+    #: A device that is no cluster (Compose, render): its configuration, checked on this host.
+    host: DeviceConfig | None = None
 
 
 def register(verbs: Any) -> None:
@@ -97,8 +103,7 @@ def _from_config(path: str, environ: Mapping[str, str]) -> Target:
     if config.driver == "helm":  # Helm reads the default kubeconfig, so do we
         implicit = _implicit(config.kube_context, environ)
         return Target(implicit.kubeconfig, implicit.context, local)
-    raise UsageError(f"{path}: the device client uses no Kubernetes cluster (driver "
-                     f"{config.driver!r}, no capabilities.kubernetes)")
+    return Target(None, None, local, host=config)  # a Compose or render device: this host
 
 
 def resolve_target(args: argparse.Namespace,
@@ -123,8 +128,10 @@ def _open(target: Target) -> KubeClient:
 
 def format_table(report: DoctorReport) -> str:
     """A table for people: one row per check, then the verdict."""
-    platform = f", {report.platform}" if report.platform else ""
-    lines = [f"cluster {report.server}: Kubernetes {report.kubernetes_version}{platform}",
+    kind = f", {report.platform}" if report.platform else ""
+    title = (f"cluster {report.server}: Kubernetes {report.kubernetes_version}{kind}"
+             if report.kubernetes_version else report.server)
+    lines = [title,
              f"{'SCOPE':<8} {'CHECK':<19} {'STATUS':<8} MESSAGE"]
     lines += [f"{c.scope:<8} {c.id:<19} {c.status:<8} {c.message}" for c in report.checks]
     counts = {s: sum(c.status == s for c in report.checks)
@@ -135,8 +142,35 @@ def format_table(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
+def _host_report(config: DeviceConfig, local: LocalClient | None) -> DoctorReport:
+    """A device that is no cluster: the device client on this host, and its collector
+    (`reconciler.telemetry.probe`: the configured endpoint answers OTLP)."""
+    from reconciler.kubernetes.doctor import Check
+    from reconciler.telemetry.probe import probe_collector
+
+    if local is not None and local.running:
+        client = Check("wfm-client", "leader", "pass", local.detail)
+    else:
+        client = Check("wfm-client", "leader", "fail" if local is not None else "unknown",
+                       local.detail if local is not None else "not checked")
+    if config.telemetry is None:
+        collector = Check("otel-collector", "leader", "fail", "no collector is configured: "
+                          "set telemetry.collector to the OTLP/HTTP URL of this device's "
+                          "OpenTelemetry collector (Margo requires one on hosting devices)")
+    else:
+        probe = probe_collector(config.telemetry)
+        collector = Check("otel-collector", "leader", "pass" if probe.found else "fail",
+                          probe.detail)
+    return DoctorReport(checks=(client, collector), server=f"{config.driver} device "
+                        f"{config.device_id} on {platform.node()}")
+
+
 def run(args: argparse.Namespace) -> int:
     target = resolve_target(args)
+    if target.host is not None:
+        report = _host_report(target.host, target.local_client)
+        print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
+        return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
     try:
         client = _open(target)
     except (KubeConfigError, OSError) as exc:

@@ -16,7 +16,7 @@ tests and benchmarks assemble exactly what `margo device run` assembles.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -37,11 +37,11 @@ from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
 from reconciler.failover import FailoverClient, ServerList
 from reconciler.releases import DEFAULT_DRIFT
-from reconciler.runner import Reconciler, StatusTarget
+from reconciler.runner import CycleObserver, Reconciler, StatusTarget
 from reconciler.sources import Source
 from reconciler.state import DeviceState
 
-__all__ = ["TokenAuth", "open_reconciler"]
+__all__ = ["TokenAuth", "open_driver", "open_reconciler"]
 
 USER_AGENT = "margo-gitops-device/0.1"
 
@@ -170,10 +170,19 @@ def _source_is_the_server(config: DeviceConfig) -> bool:
     return all(origin(url) in ours for url in config.git_urls)
 
 
+def open_driver(config: DeviceConfig, stack: ExitStack) -> Driver:
+    """The configured driver, closed by `stack` (for tools that read what is installed
+    without running a client: `margo device plan`)."""
+    driver = _driver(config, stack)
+    stack.callback(driver.close)
+    return driver
+
+
 def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
     """Drivers are imported on demand: a Compose device never loads the Helm engine. What a
     driver borrows (OCI client, chart cache) is closed by `stack` after the driver."""
     drift = config.drift_detection or DEFAULT_DRIFT[config.driver]
+    injection = config.telemetry.inject if config.telemetry else None
     if config.driver == "compose":
         from reconciler.drivers.compose import ComposeDriver
         from reconciler.oci import OciClient
@@ -181,7 +190,8 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         oci = stack.enter_context(OciClient(credentials=as_pairs(config.registry_credentials)))
         return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker,
                              compose=config.compose, docker_host=config.docker_host,
-                             credentials=config.registry_credentials, drift=drift)
+                             credentials=config.registry_credentials, drift=drift,
+                             injection=injection)
     from reconciler.charts import ChartCache
     charts = stack.enter_context(ChartCache(config.data_dir / "charts",
                                             credentials=config.registry_credentials))
@@ -190,11 +200,30 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         from reconciler.oci import OciClient
         from reconciler.registry_credentials import as_pairs
         oci = OciClient(credentials=as_pairs(config.registry_credentials))
-        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift)
+        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift,
+                            injection=injection)
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
                       storage_driver=config.storage_driver, drift=drift,
-                      rollback_on_failure=config.rollback_on_failure)
+                      rollback_on_failure=config.rollback_on_failure, injection=injection)
+
+
+def _collector_probe(config: DeviceConfig) -> Callable[[], bool] | bool:
+    """`otelCollector` of a host: whether the configured collector answers, probed in the
+    background (False when none is configured: there is nothing to find it by)."""
+    if config.telemetry is None:
+        return False
+    from reconciler.telemetry.probe import CollectorWatch
+    return CollectorWatch(config.telemetry)
+
+
+def _telemetry(config: DeviceConfig, stack: ExitStack) -> CycleObserver | None:
+    """The client's own metrics and logs (`reconciler.telemetry.export`, which loads the
+    OpenTelemetry SDK), or None when no collector is configured or export is off."""
+    if config.telemetry is None or not config.telemetry.export:
+        return None
+    from reconciler.telemetry.export import DeviceTelemetry
+    return stack.enter_context(DeviceTelemetry(config.telemetry, device_id=config.device_id))
 
 
 def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
@@ -211,7 +240,7 @@ def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvi
         model_number=facts.get("modelNumber", "unknown"),
         serial_number=facts.get("serialNumber", "unknown"),
         deployment_types=list(driver.profile_types),
-        otel_collector=bool(facts.get("otelCollector", False)),
+        otel_collector=_collector_probe(config),
         labels=facts.get("labels"), storage_path=config.data_dir)
 
 
@@ -220,6 +249,7 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
     """Everything a device client needs, opened in order and closed in reverse."""
     with ExitStack() as stack:
         stack.enter_context(exclusive(config.data_dir))
+        observer = _telemetry(config, stack)
         state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
         servers = ServerList(config.server_urls, failback=config.failback)
         http, client_id = _connect(config, stack, servers)
@@ -258,4 +288,6 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
                          deliver=deliver, report_capabilities=report_capabilities,
                          schedule=config.schedule,
                          server_answered=server_answered if _source_is_the_server(config)
-                         else None)
+                         else None,
+                         injection=config.telemetry.inject if config.telemetry else None,
+                         observer=observer)

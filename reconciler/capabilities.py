@@ -130,11 +130,14 @@ def _interfaces(net: Path) -> list[dict[str, str]]:
 
 class HostProvider:
     """The real facts of the machine the client runs on, plus what the operator declares
-    (identity, supported deployment types and runtimes, labels)."""
+    (identity, supported deployment types and runtimes, labels). `otel_collector` may be
+    a probe, asked at every gather (`reconciler.telemetry.probe`: does the configured
+    collector answer)."""
 
     def __init__(self, device_id: str, *, vendor: str, model_number: str, serial_number: str,
                  deployment_types: Sequence[str], runtimes: Sequence[str] = ("oci",),
-                 otel_collector: bool, labels: Mapping[str, Any] | None = None,
+                 otel_collector: bool | Callable[[], bool],
+                 labels: Mapping[str, Any] | None = None,
                  storage_path: Path, proc_meminfo: Path = Path("/proc/meminfo"),
                  sys_class_net: Path = Path("/sys/class/net"),
                  machine: Callable[[], str] = platform.machine) -> None:
@@ -168,7 +171,9 @@ class HostProvider:
             "memory": format_bytes(_memory_total(self.proc_meminfo)),
             "storage": self._storage(), "peripherals": [],
             "interfaces": _interfaces(self.sys_class_net),
-            "otelCollector": self.otel_collector, "supportedRuntimes": self.runtimes,
+            "otelCollector": (self.otel_collector() if callable(self.otel_collector)
+                              else self.otel_collector),
+            "supportedRuntimes": self.runtimes,
             "supportedDeploymentTypes": self.deployment_types}
         doc: dict[str, Any] = {"properties": properties}
         if self.labels:

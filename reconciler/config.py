@@ -28,6 +28,7 @@ from reconciler.failover import DEFAULT_FAILBACK_SECONDS
 from reconciler.registry_credentials import REGISTRY_HOST, RegistryCredential, secret_file_problem
 from reconciler.releases import DEFAULT_DRIFT, DRIFT_POLICIES
 from reconciler.schedule import OneOffWindow, RecurringWindow, Schedule, parse_window
+from reconciler.telemetry import PROTOCOLS, Injection, TelemetryConfig
 
 __all__ = ["CONFIG_API_VERSION", "DeviceConfig", "IdentityConfig", "config_schema",
            "device_repository", "load_config", "parse_config"]
@@ -127,6 +128,20 @@ def config_schema() -> dict[str, Any]:
                 "doctor": {"type": "boolean"},
             }),
         }),
+        "telemetry": _closed({
+            # the collector's OTLP/HTTP base URL as this client reaches it
+            "collector": _SERVER_URL,
+            "export": {"type": "boolean"},  # the client's own metrics and logs
+            "interval": {"type": "string", "pattern": DURATION},
+            "timeout": {"type": "string", "pattern": DURATION},
+            "caFile": _TEXT,
+            "inject": _closed({  # what every container gets (its view of the collector)
+                "httpEndpoint": _SERVER_URL,
+                "grpcEndpoint": _SERVER_URL,
+                "certificate": {"type": "string", "pattern": r"^/\S+$"},
+                "protocol": {"enum": list(PROTOCOLS)},
+            }),
+        }, ["collector"]),
         "schedule": _closed({
             "interval": {"type": "string", "pattern": DURATION},
             "resync": {"type": "string", "pattern": DURATION},
@@ -204,6 +219,8 @@ class DeviceConfig:
     git_fallback_urls: tuple[str, ...] = ()
     #: Seconds on a fallback URL before the first one is tried again (0: never).
     failback: float = DEFAULT_FAILBACK_SECONDS
+    #: The `telemetry:` section (None: nothing injected, nothing exported).
+    telemetry: TelemetryConfig | None = None
 
     @property
     def server_urls(self) -> tuple[str, ...]:
@@ -281,6 +298,43 @@ def _compose_cli(driver: dict[str, Any], base: Path, found: list[Problem]) -> st
                              expected="auto, plugin, or the path of a docker-compose v2 binary",
                              found=str(path)))
     return str(path)
+
+
+def _telemetry(raw: dict[str, Any] | None, driver: str, base: Path,
+               found: list[Problem]) -> TelemetryConfig | None:
+    """The `telemetry:` section: the collector, what workloads get injected (by default the
+    collector's own URL), and the client's own export settings."""
+    if raw is None:
+        return None
+    inject = raw.get("inject", {})
+    protocol = inject.get("protocol", "http/protobuf")
+    if protocol == "grpc" and "grpcEndpoint" not in inject:
+        found.append(Problem(("telemetry", "inject", "protocol"), "protocol grpc needs "
+                             "telemetry.inject.grpcEndpoint (the collector's OTLP/gRPC URL)",
+                             found=protocol))
+    certificate = inject.get("certificate")
+    certificate_file = None
+    if certificate is not None and driver == "compose":
+        # Compose: the host file is bind-mounted at the same path, read-only.
+        certificate_file = Path(certificate)
+        if not certificate_file.is_file() or not os.access(certificate_file, os.R_OK):
+            found.append(Problem(("telemetry", "inject", "certificate"), "not a readable file "
+                                 "on this host (the Compose driver mounts it into every "
+                                 "container at the same path)", found=certificate))
+    for key in ("interval", "timeout"):
+        if key in raw and parse_duration(raw[key]) <= 0:
+            found.append(Problem(("telemetry", key), "must be more than 0", found=raw[key]))
+    injection = Injection(
+        http_endpoint=inject.get("httpEndpoint", raw["collector"]).rstrip("/"),
+        grpc_endpoint=(inject["grpcEndpoint"].rstrip("/") if "grpcEndpoint" in inject
+                       else None),
+        certificate=certificate, certificate_file=certificate_file, protocol=protocol)
+    return TelemetryConfig(
+        collector=raw["collector"].rstrip("/"), inject=injection,
+        export=bool(raw.get("export", True)),
+        interval=parse_duration(raw.get("interval", "30s")),
+        timeout=parse_duration(raw.get("timeout", "5s")),
+        ca_file=_path(base, raw["caFile"]) if "caFile" in raw else None)
 
 
 def _credentials(raw: dict[str, Any], base: Path,
@@ -433,6 +487,11 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     _check_urls(doc, found)
     _check_identity(doc, api, found)
     schedule = _schedule(doc.get("schedule", {}), found)
+    telemetry = _telemetry(doc.get("telemetry"), driver["type"], base, found)
+    if "otelCollector" in caps.get("host", {}):
+        found.append(Problem(("capabilities", "host", "otelCollector"), "the collector is "
+                             "found, not declared: configure telemetry.collector and the "
+                             "report says whether it answers"))
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
     data_dir = _path(base, doc["dataDir"])
@@ -462,7 +521,7 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         git_accept_history_rewrite=source.get("acceptHistoryRewrite"),
         fallback_urls=fallbacks, git_fallback_urls=git_fallbacks,
         failback=(parse_duration(server["failback"]) if "failback" in server
-                  else DEFAULT_FAILBACK_SECONDS))
+                  else DEFAULT_FAILBACK_SECONDS), telemetry=telemetry)
 
 
 def _git_urls(source: dict[str, Any], server_urls: tuple[str, ...],

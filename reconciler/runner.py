@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from margo.digests import digest_of
 from margo.errors import DocumentError
@@ -35,8 +35,9 @@ from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
 from reconciler.state import DamagedDocumentsError, DeviceState
 from reconciler.statuses import observed_now, status_body, status_path
+from reconciler.telemetry import Injection, with_injection
 
-__all__ = ["CycleResult", "Reconciler", "StatusTarget"]
+__all__ = ["CycleObserver", "CycleResult", "Reconciler", "StatusTarget"]
 
 log = logging.getLogger("margo.device")
 
@@ -46,6 +47,18 @@ RETRY_FIRST_SECONDS = 10.0
 RETRY_CAP_SECONDS = 600.0
 #: The device state's key for when every deployment's state was last re-asserted.
 _REASSERTED = "reports.reasserted-at"
+
+
+def _about(deployment_id: str) -> dict[str, str]:
+    """A log record's `extra` naming the deployment it is about (an attribute of the record
+    the device's telemetry exports: `reconciler.telemetry.export`)."""
+    return {"margo.deployment.id": deployment_id}
+
+
+class CycleObserver(Protocol):
+    """What watches finished cycles (the device's own telemetry)."""
+
+    def observe(self, result: CycleResult, seconds: float, state: DeviceState) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -89,8 +102,15 @@ class Reconciler:
                  report_capabilities: Callable[[], str | None] | None = None,
                  schedule: Schedule | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 server_answered: Callable[[], None] | None = None) -> None:
-        """`server_answered` is called whenever the source got an answer from the server
+                 server_answered: Callable[[], None] | None = None,
+                 injection: Injection | None = None,
+                 observer: CycleObserver | None = None) -> None:
+        """`injection`: the telemetry variables the drivers put into every container; the
+        planner sees them in each component's values digest (`telemetry.with_injection`), so
+        a change of them reconfigures what runs. `observer` hears of every finished cycle
+        and how long it took.
+
+        `server_answered` is called whenever the source got an answer from the server
         that status reports go to (a poll, unchanged or not): queued reports waiting out a
         backoff from an outage are then due at once (`Reporter.resume`), so they arrive in
         this cycle instead of after a backoff that grew while the server was away."""
@@ -102,6 +122,8 @@ class Reconciler:
         self._report_capabilities = report_capabilities
         self._server_answered = server_answered
         self.schedule = schedule or Schedule()
+        self.injection = injection
+        self._observer = observer
         self._clock = clock
         self._parsed: dict[str, DesiredDeployment] = {}
         #: Deployment id -> the digest of its adopted document, this cycle: what each
@@ -124,7 +146,7 @@ class Reconciler:
             fresh[digest] = parsed
             deployments.append(parsed)
         self._parsed = fresh
-        return deployments
+        return with_injection(deployments, self.injection)
 
     def _fetch(self, result: CycleResult, now: datetime) -> None:
         adopted = self.state.adopted()
@@ -267,7 +289,8 @@ class Reconciler:
                     error = {"code": ErrorCode.DRIFTED, "message": drift}
                     if current is None or current.state != State.FAILED or current.error != error:
                         log.warning("%s/%s drifted, not repaired (driftDetection: warn): %s",
-                                    step.deployment_id, step.component, drift)
+                                    step.deployment_id, step.component, drift,
+                                    extra=_about(step.deployment_id))
                         self._report(step.deployment_id, name,
                                      {step.component: (State.FAILED, error)})
                     result.failures.append(f"{step.deployment_id}/{step.component}: "
@@ -296,12 +319,15 @@ class Reconciler:
                 else ""
             if drift:
                 log.warning("%s/%s drifted, repairing: %s", step.deployment_id, step.component,
-                            drift)
+                            drift, extra=_about(step.deployment_id))
             self._report(step.deployment_id, name,
                          {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
             try:
                 self.driver.apply(step, deployment)
             except ApplyError as exc:
+                log.warning("%s of %s/%s failed: %s: %s", step.action, step.deployment_id,
+                            step.component, exc.code, exc.message,
+                            extra=_about(step.deployment_id))
                 self._failed(step, exc)
                 self._report(step.deployment_id, name, {step.component: (
                     State.FAILED, {"code": exc.code, "message": exc.message})})
@@ -322,7 +348,10 @@ class Reconciler:
             self._report(step.deployment_id, name, {step.component: (done, None)},
                          extensions=repaired)
             if drift:
-                log.warning("%s/%s repaired: %s", step.deployment_id, step.component, drift)
+                log.warning("%s/%s repaired: %s", step.deployment_id, step.component, drift,
+                            extra=_about(step.deployment_id))
+            log.info("%s of %s/%s: ok", step.action, step.deployment_id, step.component,
+                     extra=_about(step.deployment_id))
             result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
         if deployment is None and dplan.deployment_id:
             self.state.forget(dplan.deployment_id)
@@ -343,6 +372,13 @@ class Reconciler:
     # --- the cycle ------------------------------------------------------------------------
 
     def cycle(self, now: datetime | None = None) -> CycleResult:
+        started = time.monotonic()
+        result = self._cycle(now)
+        if self._observer is not None:
+            self._observer.observe(result, time.monotonic() - started, self.state)
+        return result
+
+    def _cycle(self, now: datetime | None) -> CycleResult:
         now = now or now_utc()
         result = CycleResult()
         if not self.schedule.may_contact(now):

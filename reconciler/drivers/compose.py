@@ -14,7 +14,8 @@ Install, upgrade and reconfigure:
    written atomically, reused by later steps with the same package);
 3. write `<work_dir>/<project>/margo.env` (the component's environment, quoted so Compose
    reads it back literally) and `<work_dir>/<project>/margo-override.yaml` (our ownership
-   labels and the list of services on every service);
+   labels and the list of services on every service, and the Margo telemetry variables
+   each service does not set itself: `reconciler.telemetry.inject`);
 4. `docker compose -p <project> -f compose.yaml -f margo-override.yaml [--env-file <package
    .env>] --env-file margo.env pull --policy missing --quiet`: images not yet on the engine
    are pulled first, so a registry that refuses us is `PULL_FAILED` naming the registry,
@@ -112,6 +113,8 @@ from reconciler.releases import (
     InstalledRelease,
     ownership_labels,
 )
+from reconciler.telemetry import Injection
+from reconciler.telemetry.inject import ServiceInjection, compose_injection
 
 __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container",
            "ProjectFiles", "compose_commands", "container_healthy", "detect_compose_command",
@@ -204,12 +207,17 @@ def env_file_text(values: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def override_document(services: Iterable[str], labels: Mapping[str, str]) -> dict[str, Any]:
+def override_document(services: Iterable[str], labels: Mapping[str, str],
+                      injected: Iterable[ServiceInjection] = ()) -> dict[str, Any]:
     """A Compose override adding `labels` and the list of the package's services to every
-    service (Compose merges label maps), so a container removed out of band is noticed."""
+    service (Compose merges label maps), so a container removed out of band is noticed, and
+    the telemetry variables each service gets (`reconciler.telemetry.inject`: only those it
+    does not set itself, so its own values win over ours although the override comes last)."""
     names = sorted(services)
     marked = {**labels, LABEL_SERVICES: ",".join(names)}
-    return {"services": {service: {"labels": dict(marked)} for service in names}}
+    extra = {entry.service: entry.override() for entry in injected}
+    return {"services": {service: {"labels": dict(marked), **extra.get(service, {})}
+                         for service in names}}
 
 
 # --------------------------------------------------------------------------- commands
@@ -255,10 +263,11 @@ class ComposeDriver:
 
     `compose`: `auto`, `plugin` or the path of a standalone Compose v2 binary.
     `docker_host` sets `DOCKER_HOST`; `env` is added to the CLI's environment.
-    `credentials` are given to the engine for image pulls. `grace_seconds` is added to a
-    component's timeout before its `up` is killed (Compose's own `--wait-timeout` comes
-    first); `command_timeout` bounds `pull`, `down`, `ps` and the probes. The caller owns
-    `oci`."""
+    `credentials` are given to the engine for image pulls. `injection`: the telemetry
+    variables every service gets in the override file (`reconciler.telemetry`).
+    `grace_seconds` is added to a component's timeout before its `up` is killed
+    (Compose's own `--wait-timeout` comes first); `command_timeout` bounds `pull`, `down`,
+    `ps` and the probes. The caller owns `oci`."""
 
     name = "compose"
     profile_types = ("compose",)
@@ -267,11 +276,13 @@ class ComposeDriver:
                  compose: str = "auto", docker_host: str | None = None,
                  credentials: Sequence[RegistryCredential] = (),
                  env: Mapping[str, str] | None = None, grace_seconds: float = 30.0,
-                 command_timeout: float = 120.0, drift: str = DEFAULT_DRIFT["compose"]) -> None:
+                 command_timeout: float = 120.0, drift: str = DEFAULT_DRIFT["compose"],
+                 injection: Injection | None = None) -> None:
         if drift not in DRIFT_POLICIES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.work_dir = Path(work_dir)
         self.drift = drift
+        self.injection = injection
         self._unreadable: set[Path] = set()  # records already warned about
         self._oci = oci
         self._docker = docker
@@ -400,7 +411,9 @@ class ComposeDriver:
         except (TypeError, ValueError) as exc:
             raise ApplyError(ErrorCode.RENDER_FAILED, f"component {component.name!r}: {exc}",
                              retryable=False) from exc
-        override = yaml.safe_dump(override_document(package.services, labels), sort_keys=True)
+        injected = compose_injection(package.compose, package.files, self.injection)
+        override = yaml.safe_dump(override_document(package.services, labels, injected),
+                                  sort_keys=True)
         write_atomically(files.env_file, env_text, mode=0o600)
         write_atomically(files.override_file, "# Written by margo-gitops. Do not edit.\n"
                          + override)

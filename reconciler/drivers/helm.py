@@ -22,6 +22,12 @@ What one step does, exactly as the planner chose it (the driver never decides ag
 The driver assumes it is the only writer of its releases (the spec gives a device a single
 WFM client), so a pending release it meets is a crashed operation, not a live one.
 
+Telemetry (`injection`): every install and upgrade runs Helm's post-render step with our
+plugin (`reconciler.telemetry.helmplugin`), which adds the Margo telemetry variables to
+every container and init container of every pod template the release renders, unless the
+chart's own `env` sets them (`reconciler.telemetry.inject`). Helm records the post-rendered
+manifest, so drift checks and `helm get manifest` show what was applied.
+
 Drift (`drift`): Helm's record says what it applied, not what is there now. With drift
 detection on (`warn`, the default, or `repair`), `installed()` checks that every object of
 each deployed release's manifest still exists (`reconciler.kubernetes.objects`). Missing
@@ -76,6 +82,8 @@ from reconciler.releases import (
     release_from_labels,
     with_drift,
 )
+from reconciler.telemetry import Injection
+from reconciler.telemetry.helmplugin import ensure_plugin, injection_argument
 
 __all__ = ["DRIFT_MODES", "HelmDriver"]
 
@@ -133,7 +141,8 @@ class HelmDriver:
 
     def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
                  kube_context: str | None = None, storage_driver: str = "secret",
-                 drift: str = DEFAULT_DRIFT["helm"], rollback_on_failure: bool = False) -> None:
+                 drift: str = DEFAULT_DRIFT["helm"], rollback_on_failure: bool = False,
+                 injection: Injection | None = None) -> None:
         if drift not in DRIFT_MODES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_MODES)}, not {drift!r}")
         self.charts = charts
@@ -142,6 +151,8 @@ class HelmDriver:
         self.storage_driver = storage_driver
         self.drift = drift
         self.rollback_on_failure = rollback_on_failure
+        self.injection = injection
+        self._post_renderer: str | None = None
         self._configs: dict[str, helm.Config] = {}
         self._running: dict[int, helm.HelmContext] = {}
         self._cancelled: set[int] = set()
@@ -283,6 +294,7 @@ class HelmDriver:
             "wait": "watcher" if component.wait else None, "labels": labels,
             "description": description[:200],
             "rollback_on_failure": self.rollback_on_failure}
+        options.update(self._post_render_options())
         if upgrade:
             options["reset_values"] = True
         else:
@@ -300,6 +312,21 @@ class HelmDriver:
             if exc.code == failure and exc.retryable and _fails_offline(chart, values, step):
                 raise ApplyError(failure, exc.message, retryable=False) from exc.__cause__
             raise
+
+    def _post_render_options(self) -> dict[str, Any]:
+        """With telemetry injection, Helm's post-render step: our plugin
+        (`reconciler.telemetry.helmplugin`) with the injection as its argument, so every pod
+        template of the release gets the variables before Helm applies anything."""
+        if self.injection is None:
+            return {}
+        if self._post_renderer is None:
+            try:
+                self._post_renderer = ensure_plugin()
+            except OSError as exc:
+                raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, "cannot write the telemetry "
+                                 f"post-renderer into Helm's plugins directory: {exc}") from exc
+        return {"post_renderer": self._post_renderer,
+                "post_renderer_args": [injection_argument(self.injection)]}
 
     def _rollback(self, namespace: str, name: str, component: DesiredComponent) -> None:
         with self._errors(ErrorCode.UPGRADE_FAILED,

@@ -56,10 +56,11 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import helm_python as helm
+import yaml
 
 from margo.files import write_atomically
 from reconciler.charts import ChartCache
-from reconciler.compose_package import validate_package
+from reconciler.compose_package import ComposePackage, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose import env_file_text
 from reconciler.errors import ApplyError, ErrorCode
@@ -73,6 +74,8 @@ from reconciler.releases import (
     release_from_labels,
     with_drift,
 )
+from reconciler.telemetry import Injection
+from reconciler.telemetry.inject import compose_injection, inject_files
 
 if TYPE_CHECKING:
     from reconciler.oci import OciClient
@@ -80,6 +83,8 @@ if TYPE_CHECKING:
 __all__ = ["LEDGER_NAME", "RenderDriver"]
 
 LEDGER_NAME = ".ledger.json"
+#: With telemetry injection, a rendered Compose project's second Compose file.
+TELEMETRY_OVERRIDE = "margo-telemetry.yaml"
 _LEDGER_FORMAT = 1
 
 # Kubernetes namespace names (DNS labels) and Helm release names: both become directory
@@ -119,13 +124,21 @@ def _manifest_files(rendered: dict[str, str]) -> dict[str, bytes]:
     return files
 
 
-def _compose_files(package: Mapping[str, bytes], values: Mapping[str, Any]) -> dict[str, bytes]:
+def _compose_files(package: ComposePackage, values: Mapping[str, Any],
+                   injection: Injection | None = None) -> dict[str, bytes]:
     """The Compose project as `docker compose` would get it: the package's files and the
     parameters as `.env` (a package's own `.env` is kept as `package.env`: the Compose driver
-    passes it first, so parameters override it)."""
+    passes it first, so parameters override it). With telemetry injection,
+    `margo-telemetry.yaml` holds what the Compose driver's override file would add (give it
+    to Compose as a second `-f`)."""
     files = {("package.env" if name == ".env" else name): data
-             for name, data in package.items()}
+             for name, data in package.files.items()}
     files[".env"] = env_file_text(values).encode("utf-8")
+    services = {entry.service: entry.override()
+                for entry in compose_injection(package.compose, package.files, injection)}
+    if any(services.values()):
+        files[TELEMETRY_OVERRIDE] = yaml.safe_dump(
+            {"services": {k: v for k, v in services.items() if v}}, sort_keys=True).encode()
     return dict(sorted(files.items()))
 
 
@@ -191,11 +204,13 @@ class RenderDriver:
     name = "render"
 
     def __init__(self, output_dir: Path, charts: ChartCache, *,
-                 oci: OciClient | None = None, drift: str = DEFAULT_DRIFT["render"]) -> None:
+                 oci: OciClient | None = None, drift: str = DEFAULT_DRIFT["render"],
+                 injection: Injection | None = None) -> None:
         if drift not in DRIFT_POLICIES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.output_dir = Path(output_dir)
         self.drift = drift
+        self.injection = injection
         self.charts = charts
         self.oci = oci
         self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
@@ -315,18 +330,18 @@ class RenderDriver:
         return {"name": package.top_directory, "version": component.revision,
                 "digest": package.digest}, package
 
-    @staticmethod
-    def _files(step: Step, component: DesiredComponent, loaded: Any, *, revision: int,
+    def _files(self, step: Step, component: DesiredComponent, loaded: Any, *, revision: int,
                first: bool) -> dict[str, bytes]:
         """The release's files; `RENDER_FAILED` (not retryable) when the chart refuses the
         values or does not render."""
         try:
             if isinstance(loaded, helm.Chart):
-                return _manifest_files(loaded.render(
+                rendered = loaded.render(
                     dict(component.values), name=step.release_name, namespace=step.namespace,
-                    revision=revision, is_install=first, is_upgrade=not first))
-            return _compose_files(loaded.files, component.values)
-        except (helm.HelmError, ValueError) as exc:
+                    revision=revision, is_install=first, is_upgrade=not first)
+                return _manifest_files(inject_files(rendered, self.injection)[0])
+            return _compose_files(loaded, component.values, self.injection)
+        except (helm.HelmError, ValueError, yaml.YAMLError) as exc:
             raise ApplyError(ErrorCode.RENDER_FAILED, str(exc), retryable=False) from exc
 
     def _remove(self, step: Step) -> None:

@@ -21,16 +21,15 @@ from reconciler.kubernetes.client import KubeClient, KubeError
 from reconciler.kubernetes.facts import (
     ClusterFacts,
     NodeFacts,
-    _covers,
     _crd,
     _group_versions,
     _ingress_class,
-    _is_collector,
     _name,
     _requests_by_node,
     _runtime_class,
     _sorted_by_name,
     _storage_class,
+    collector_verdict,
     guess_platform,
     node_facts,
 )
@@ -128,16 +127,23 @@ def _read_classes(client: KubeClient, facts: ClusterFacts, key: str, path: str,
     return None if items is None else _sorted_by_name([shape(i) for i in items])
 
 def _read_otel(client: KubeClient, facts: ClusterFacts) -> bool | None:
+    """A collector (a DaemonSet Ready on every schedulable node, or a Deployment with a
+    ready replica) that a Service exposes on an OTLP port: what workloads are pointed at.
+    `facts.otel_collector_detail` says what was found or what is missing."""
+    what = "capabilities.otelCollector"
     if facts.nodes is None:
-        facts.note_unknown("capabilities.otelCollector",
-                           "nodes could not be read, so collector coverage cannot be checked")
+        facts.note_unknown(what, "nodes could not be read, so collector coverage cannot be "
+                                 "checked")
         return None
-    daemonsets = _attempt(facts, "capabilities.otelCollector",
-                          lambda: client.list("/apis/apps/v1/daemonsets"))
-    if daemonsets is None:
+    daemonsets = _attempt(facts, what, lambda: client.list("/apis/apps/v1/daemonsets"))
+    deployments = _attempt(facts, what, lambda: client.list("/apis/apps/v1/deployments"))
+    services = _attempt(facts, what, lambda: client.list("/api/v1/services"))
+    if daemonsets is None or deployments is None or services is None:
         return None
     placeable = sum(1 for n in facts.nodes if n.ready and n.schedulable)
-    return any(_is_collector(d) and _covers(d, placeable) for d in daemonsets)
+    found, detail = collector_verdict(daemonsets, deployments, services, placeable)
+    facts.otel_collector_detail = detail
+    return found
 
 def helm_engine_version() -> str:
     import helm_python  # 80 MB of Go runtime: only when discovery runs

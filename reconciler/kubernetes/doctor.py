@@ -297,19 +297,17 @@ def _schedulable(nodes: Iterable[NodeFacts]) -> list[NodeFacts]:
 
 
 def check_otel_collector(found: Observation) -> Check:
-    """A collector DaemonSet Ready on every schedulable node (discovery's definition, so the
-    check and the reported `otelCollector` agree)."""
+    """A collector workload with a Service exposing OTLP (discovery's definition, so the
+    check and the reported `otelCollector` agree; `facts.collector_verdict`)."""
     facts = found.facts
     if facts.otel_collector is None:
         why = _unknown_reason(facts, "capabilities.otelCollector") or "not checked"
         return Check("otel-collector", "leader", "unknown", f"cannot tell: {why}")
-    count = len(_schedulable(facts.nodes or []))
+    detail = facts.otel_collector_detail or "no OpenTelemetry collector"
     if facts.otel_collector:
-        return Check("otel-collector", "leader", "pass",
-                     f"a collector DaemonSet is Ready on all {count} schedulable node(s)")
+        return Check("otel-collector", "leader", "pass", detail)
     return Check("otel-collector", "leader", "fail",
-                 f"no OpenTelemetry collector DaemonSet is Ready on all {count} schedulable "
-                 "node(s) (Margo requires one on hosting devices)")
+                 f"{detail} (Margo requires one on hosting devices)")
 
 
 def check_apiserver(found: Observation) -> Check:

@@ -58,6 +58,7 @@ _DEFAULT_CLASS = ("storageclass.kubernetes.io/is-default-class",
 _DEFAULT_INGRESS = "ingressclass.kubernetes.io/is-default-class"
 
 _OTEL_NAMES = ("opentelemetry-collector", "otel-collector")
+_OTLP_PORTS = (4317, 4318)
 
 #: (marker in a kubelet or server version, platform); informational only (the proposal
 #: forbids placing by platform).
@@ -124,6 +125,8 @@ class ClusterFacts:
     ingress_classes: list[dict[str, Any]] | None = None
     runtime_classes: list[dict[str, Any]] | None = None
     otel_collector: bool | None = None
+    #: What the collector check found, or what is missing (one sentence, for people).
+    otel_collector_detail: str | None = None
     helm_version: str | None = None
     #: Every GPU and who holds it (`workloads.GpuAllocation`); None when pods are unknown.
     gpu_allocations: list[Any] | None = None
@@ -313,6 +316,75 @@ def _is_collector(daemonset: Mapping[str, Any]) -> bool:
         return True
     containers = (template.get("spec") or {}).get("containers") or []
     return any("opentelemetry-collector" in str(c.get("image", "")) for c in containers)
+
+def _is_otlp_port(port: Mapping[str, Any]) -> bool:
+    name = str(port.get("name") or "") + str(port.get("appProtocol") or "")
+    return port.get("port") in _OTLP_PORTS or port.get("targetPort") in _OTLP_PORTS \
+        or "otlp" in name.lower()
+
+
+def _exposes(service: Mapping[str, Any], workload: Mapping[str, Any]) -> bool:
+    """Whether `service` (same namespace, a selector all of whose labels the workload's
+    pods carry) routes OTLP to the workload's pods."""
+    meta, spec = service.get("metadata") or {}, service.get("spec") or {}
+    if meta.get("namespace") != (workload.get("metadata") or {}).get("namespace"):
+        return False
+    selector = spec.get("selector") or {}
+    template = ((workload.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    labels = template.get("labels") or {}
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items()) and any(
+        _is_otlp_port(p) for p in spec.get("ports") or [] if isinstance(p, Mapping))
+
+
+def _ready_replicas(deployment: Mapping[str, Any]) -> bool:
+    return int((deployment.get("status") or {}).get("readyReplicas") or 0) > 0
+
+
+def collector_verdict(daemonsets: list[dict[str, Any]], deployments: list[dict[str, Any]],
+                      services: list[dict[str, Any]], placeable: int) -> tuple[bool, str]:
+    """Whether the cluster runs an OpenTelemetry collector workloads can send OTLP to, and
+    one sentence saying what was found: a collector DaemonSet Ready on every schedulable
+    node (Margo allows a DaemonSet on a multi-node cluster) or a collector Deployment with a
+    ready replica, exposed by a Service on an OTLP port (4317, 4318, or a port named
+    `otlp...`) or, for a DaemonSet, publishing an OTLP port on every node (`hostPort`)."""
+    running = [(f"DaemonSet {_namespaced(d)}", d) for d in daemonsets
+               if _is_collector(d) and _covers(d, placeable)]
+    running += [(f"Deployment {_namespaced(d)}", d) for d in deployments
+                if _is_collector(d) and _ready_replicas(d)]
+    if not running:
+        partial = [_namespaced(d) for d in daemonsets if _is_collector(d)]
+        return False, ("no OpenTelemetry collector runs: no collector DaemonSet Ready on all "
+                       f"{placeable} schedulable node(s) and no collector Deployment with a "
+                       "ready replica" + (f" (collector DaemonSet(s) not Ready everywhere: "
+                                          f"{', '.join(partial)})" if partial else ""))
+    for what, workload in running:
+        exposing = [_namespaced(s) for s in services if _exposes(s, workload)]
+        if exposing:
+            return True, f"{what} receives OTLP through Service {exposing[0]}"
+        host_ports = _otlp_host_ports(workload)
+        if host_ports and what.startswith("DaemonSet"):
+            return True, (f"{what} receives OTLP on every node's host port(s) "
+                          f"{', '.join(map(str, host_ports))}")
+    names = ", ".join(what for what, _ in running)
+    return False, (f"{names} runs, but no Service in its namespace selects its pods on an "
+                   "OTLP port (4317, 4318, or a port named otlp...) and it publishes no OTLP "
+                   "host port: workloads cannot reach it")
+
+
+def _otlp_host_ports(workload: Mapping[str, Any]) -> list[int]:
+    """OTLP ports a collector's pods publish on their node (the agent pattern of the
+    OpenTelemetry Collector chart: `hostPort` 4317 and 4318)."""
+    pod = (((workload.get("spec") or {}).get("template") or {}).get("spec") or {})
+    return sorted({int(p["hostPort"]) for c in pod.get("containers") or []
+                   for p in c.get("ports") or []
+                   if isinstance(p, Mapping) and p.get("hostPort") and _is_otlp_port(
+                       {"port": p.get("containerPort"), "name": p.get("name")})})
+
+
+def _namespaced(item: Mapping[str, Any]) -> str:
+    meta = item.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+
 
 def _covers(daemonset: Mapping[str, Any], placeable: int) -> bool:
     """Ready on every node it is meant for, and meant for at least every node that takes

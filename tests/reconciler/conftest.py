@@ -1,7 +1,8 @@
 """Session fixtures for the device client's tests: one real OCI registry, one real
 Kubernetes control plane (built from the pinned Go modules on first use) with simulated
 nodes, a second one with two real nodes (kubelet, containerd, kube-proxy: containers run),
-and one real Docker engine with locally built test images, for all of them."""
+one real Docker engine with locally built test images, and one real OpenTelemetry
+Collector, for all of them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kits.kubekit import (
     RealCluster,
     RealNodes,
 )
+from kits.otelkit import Collector, running_collector
 from kits.registrykit import running_registry
 
 from tools.kube.realnode import why_unavailable as real_nodes_unavailable
@@ -32,6 +34,15 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`127.0.0.1:<port>` of a running docker-registry (plain HTTP)."""
     with running_registry(tmp_path_factory.mktemp("registry")) as host:
         yield host
+
+
+@pytest.fixture(scope="session")
+def otel_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Collector]:
+    """A real OpenTelemetry Collector (tools/otel) on loopback, OTLP/HTTP and OTLP/gRPC in,
+    everything it receives written to a file the tests read (kits/otelkit.py). Shared by
+    the session: tests tell their records apart by attributes."""
+    with running_collector(tmp_path_factory.mktemp("otel")) as collector:
+        yield collector
 
 
 @pytest.fixture(scope="session")

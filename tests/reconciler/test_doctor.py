@@ -412,8 +412,10 @@ def test_cli_unusable_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["device", "doctor", "--kubeconfig", str(tmp_path / "missing")]) == 2
     assert "cannot use the cluster's credentials" in capsys.readouterr().err
     compose = device_config(tmp_path / "compose", None, driver="compose")
-    assert main(["device", "doctor", "--config", str(compose)]) == 2
-    assert "uses no Kubernetes cluster (driver 'compose'" in capsys.readouterr().err
+    # A device that is no cluster is checked on this host (test_telemetry.py): without a
+    # collector configured, that check fails.
+    assert main(["device", "doctor", "--config", str(compose)]) == 1
+    assert "no collector is configured" in capsys.readouterr().out
     assert main(["device", "doctor", "--config", str(compose), "--context", "x"]) == 2
     assert "--context goes with --kubeconfig" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:  # argparse: one source at most

@@ -57,6 +57,15 @@ def workload(kind: str, name: str, ns: str, *, replicas: int = 1, cpu: str = "10
             "metadata": {"name": name, "namespace": ns, "labels": selector}, "spec": spec}
 
 
+def otlp_service(name: str, ns: str) -> dict[str, Any]:
+    """A Service exposing the collector workload `name` (as `workload` labels it) on the
+    OTLP ports: what makes a collector one that workloads can send to."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+            "spec": {"selector": {"app": name},
+                     "ports": [{"name": "otlp-grpc", "port": 4317},
+                               {"name": "otlp-http", "port": 4318}]}}
+
+
 def available(kube: KubeCluster, kind: str, name: str, ns: str, count: int) -> None:
     field = "availableReplicas" if kind == "Deployment" else "numberReady"
     kube.until(f"{kind} {name} with {count} ready", lambda: (
@@ -80,6 +89,7 @@ def test_discovery_reports_what_the_scheduler_and_controllers_did(kube: KubeClus
     kube.apply(workload("Deployment", "vision", ns, cpu="1", memory="1Gi", gpus=1))
     kube.apply(workload("DaemonSet", "collector", ns, cpu="50m", memory="32Mi",
                         labels={"app.kubernetes.io/name": "opentelemetry-collector"}))
+    kube.apply(otlp_service("collector", ns))
     available(kube, "Deployment", "web", ns, 3)
     available(kube, "Deployment", "vision", ns, 1)
     available(kube, "DaemonSet", "collector", ns, 3)  # every schedulable node, not cp-0
@@ -126,7 +136,8 @@ def test_discovery_reports_what_the_scheduler_and_controllers_did(kube: KubeClus
         "gpus": 1, "minor": 36, "nodes": 4, "regions": [], "schedulable-nodes": 3,
         "version": kube.version.lstrip("v"), "zones": ["zone-a", "zone-b"]}
     properties = doc["properties"]
-    assert properties["otelCollector"] is True  # the DaemonSet covers every schedulable node
+    # The DaemonSet covers every schedulable node, and a Service exposes it on OTLP ports.
+    assert properties["otelCollector"] is True
     # vision's pod holds the only GPU: it is not offered, and the report says who has it.
     assert properties["peripherals"] == []
     assert doc["x-margo-gitops-extensions"]["cluster"]["resources"]["gpus"] == [
@@ -150,6 +161,7 @@ def test_a_collector_that_misses_a_node_is_no_collector(kube: KubeCluster) -> No
     kube.apply(workload("DaemonSet", "collector", ns,
                         labels={"app.kubernetes.io/name": "opentelemetry-collector"},
                         node_selector={"topology.kubernetes.io/zone": "zone-a"}))
+    kube.apply(otlp_service("collector", ns))
     available(kube, "DaemonSet", "collector", ns, 1)  # worker-a only
     assert discovered(kube.device_kubeconfig())["properties"]["otelCollector"] is False
 
@@ -208,12 +220,22 @@ def test_doctor_on_the_real_control_plane(kube: KubeCluster) -> None:
     available(kube, "DaemonSet", "collector", ns, 3)
     with KubeClient.from_kubeconfig(kube.device_kubeconfig()) as client:
         report = doctor(client)
+    # A collector that no Service exposes is one no workload can send to.
+    collector = report.check("otel-collector")
+    assert collector.status == "fail" and f"DaemonSet {ns}/collector runs, but no Service " \
+        "in its namespace selects its pods on an OTLP port (4317, 4318, or a port named otlp...) " \
+        "and it publishes no OTLP host port" in collector.message
+    kube.apply(otlp_service("collector", ns))
+    with KubeClient.from_kubeconfig(kube.device_kubeconfig()) as client:
+        report = doctor(client)
     checks = {c.id: c for c in report.checks}
     assert {i: c.status for i, c in checks.items()} == {
         "wfm-client": "pass", "otel-collector": "pass", "apiserver": "pass",
         "scheduler": "pass", "controller-manager": "pass", "helm-engine": "pass",
         "kubelet-ready": "pass", "container-runtime": "pass", "version-skew": "pass"}
     assert report.verdict == "pass"
+    assert checks["otel-collector"].message == \
+        f"DaemonSet {ns}/collector receives OTLP through Service {ns}/collector"
     # The scheduler and controller manager run as processes, not pods: their
     # leader-election Leases show that they are running.
     assert "holds its leader-election Lease kube-system/kube-scheduler" in \

@@ -19,6 +19,13 @@ and `wait: true` on one Compose device, timing the first cycle (pull, create, wa
 an unchanged cycle and a reconfigure cycle (every container recreated with its new
 environment). Skipped with the reason printed when no engine can be started here.
 
+Then the device client's own telemetry (issue 31): three more render devices with N
+deployments each, one per process so that resident memory is theirs alone: telemetry off,
+on (metrics every second and log records to a real OpenTelemetry Collector on loopback,
+tools/otel), and on with the collector away (an address nobody answers). For each: the
+first cycle, the unchanged cycle (median, p90, CPU) and the process's resident memory
+(idle after the cycles, and peak).
+
 Targets from the issue: unchanged cycle under 50 ms, resident memory under 150 MB.
 """
 
@@ -26,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +47,8 @@ import yaml  # noqa: E402
 from benchkit import HELLO_INTENT, digests, memory_kib, p90, timed  # noqa: E402
 from kits.chartkit import publish_example_charts  # noqa: E402
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
+from kits.netkit import unanswered_port  # noqa: E402
+from kits.otelkit import running_collector  # noqa: E402
 from kits.registrykit import running_registry  # noqa: E402
 
 from margo.archive import deterministic_targz  # noqa: E402
@@ -126,7 +137,13 @@ def main() -> None:
     parser.add_argument("--deployments", type=int, default=20)
     parser.add_argument("--cycles", type=int, default=50)
     parser.add_argument("--compose-deployments", type=int, default=5)
+    parser.add_argument("--telemetry-only", action="store_true",
+                        help="run only the device telemetry comparison")
+    parser.add_argument("--child", metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        child(Path(args.child), args.cycles)
+        return
     n = args.deployments
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
@@ -134,6 +151,9 @@ def main() -> None:
             publish_example_charts(registry)
             fleet = write_fleet(work / "fleet", registry=registry, intents={})
             with fleet_server(work, fleet=fleet) as server:
+                if args.telemetry_only:
+                    telemetry_overhead(work, server, n, args.cycles)
+                    return
                 configs = {source: device_home(work, server, f"bench-{source}", source, n)
                            for source in ("margo-rest", "git")}
                 for source in configs:
@@ -167,7 +187,59 @@ def main() -> None:
                                   f"{wall:.2f} s wall, {cpu:.2f} s CPU")
                 print(f"resident memory: idle {memory_kib('VmRSS') / 1024:.0f} MiB, "
                       f"peak {memory_kib('VmHWM') / 1024:.0f} MiB (target < 150 MB)")
+                telemetry_overhead(work, server, n, args.cycles)
             compose_cycles(work, registry, args.compose_deployments, args.cycles)
+
+
+def child(config: Path, cycles: int) -> None:
+    """One device client in this process (`--child`): first cycle, unchanged cycles, memory;
+    one JSON line on stdout. Logging as `margo device run` sets it up (INFO, to stderr)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    with open_reconciler(load_config(config)) as reconciler:
+        first, _, steps = timed(reconciler)
+        timed(reconciler)  # statuses settle
+        walls, cpus = unchanged(reconciler, cycles)
+        print(json.dumps({"first": first, "steps": steps, "median": statistics.median(walls),
+                          "p90": p90(walls), "cpu": statistics.median(cpus),
+                          "rss": memory_kib("VmRSS") / 1024, "peak": memory_kib("VmHWM") / 1024}))
+
+
+def telemetry_overhead(work: Path, server: FleetServer, n: int, cycles: int) -> None:
+    """The same render device with its own telemetry off, on, and on with the collector
+    away, each in a process of its own."""
+    with running_collector(work / "otel") as collector, unanswered_port() as away:
+        modes = {"off": None, "on": {"collector": collector.http, "interval": "1s"},
+                 "away": {"collector": f"http://127.0.0.1:{away}", "interval": "1s",
+                          "timeout": "2s"}}
+        configs = {}
+        for mode, telemetry in modes.items():
+            device = f"bench-telemetry-{mode}"
+            configs[mode] = device_home(work, server, device, "margo-rest", n)
+            if telemetry is not None:
+                doc = yaml.safe_load(configs[mode].read_text())
+                doc["telemetry"] = telemetry
+                configs[mode].write_text(yaml.safe_dump(doc))
+            for index in range(n):
+                server.edit_intent(f"{device}-{index}", HELLO_INTENT.format(
+                    name=f"{device}-{index}", index=index, greeting=f"Hello{index}",
+                    device=device))
+        for mode in modes:
+            server.wait_for_deployments(n, device_id=f"bench-telemetry-{mode}", timeout=120)
+        print(f"device client's own telemetry, render driver, {n} deployments, a process per "
+              "mode (metrics every 1 s, log records as they come)")
+        for mode, config in configs.items():
+            done = subprocess.run([sys.executable, __file__, "--child", str(config),
+                                   "--cycles", str(cycles)], capture_output=True, text=True,
+                                  check=True)
+            found = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"  [telemetry {mode}] first cycle {found['first']:.2f} s; unchanged cycle "
+                  f"median {found['median']:.1f} ms wall (p90 {found['p90']:.1f}), "
+                  f"{found['cpu']:.1f} ms CPU; resident memory idle {found['rss']:.0f} MiB, "
+                  f"peak {found['peak']:.0f} MiB")
+        points = len(collector.received().metrics)
+        print(f"  the collector received {points} metric points and "
+              f"{len(collector.received().logs)} log records")
 
 
 def compose_cycles(work: Path, registry: str, n: int, cycles: int) -> None:

@@ -285,3 +285,26 @@ def test_the_host_doctor_finds_the_collector_or_says_why_not(
         with_telemetry(device, {"collector": f"http://127.0.0.1:{port}"})
         assert main(["device", "capabilities", "--config", str(device.config)]) == 0
     assert json.loads(capsys.readouterr().out)["properties"]["otelCollector"] is False
+
+
+def test_a_device_without_telemetry_never_loads_the_sdk(tmp_path: Path) -> None:
+    """A Compose device loads neither the Helm engine nor, without `telemetry:`, the
+    OpenTelemetry SDK; with it, the SDK only (in a fresh interpreter, as a device starts)."""
+    (tmp_path / "token").write_text("t")
+    config = {"device": {"id": "lazy"}, "server": {"url": "http://127.0.0.1:1",
+                                                   "clientId": "c", "tokenFile": "token"},
+              "source": {"type": "margo-rest"}, "driver": {"type": "compose"},
+              "dataDir": "data"}
+    probe = ("import sys; from reconciler.assembly import open_reconciler; "
+             "from reconciler.config import load_config\n"
+             "with open_reconciler(load_config(sys.argv[1])):\n"
+             "    print(sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'helm_python', 'opentelemetry'}))")
+    for telemetry, loaded in ((None, "[]"), ({"collector": "http://127.0.0.1:1",
+                                              "timeout": "1s"}, "['opentelemetry']")):
+        path = tmp_path / "device.yaml"
+        path.write_text(yaml.safe_dump({**config, **({"telemetry": telemetry}
+                                                     if telemetry else {})}))
+        done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True,
+                              text=True, timeout=60, check=True)
+        assert done.stdout.strip() == loaded

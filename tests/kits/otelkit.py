@@ -30,8 +30,8 @@ from tools.otel.otelbuild import binary
 from tools.polling import poll_until
 from tools.processes import die_with_parent
 
-__all__ = ["Collector", "LogRecord", "MetricPoint", "Received", "attributes", "read_output",
-           "running_collector"]
+__all__ = ["Collector", "LogRecord", "MetricPoint", "Received", "Span", "attributes",
+           "read_output", "running_collector"]
 
 T = TypeVar("T")
 
@@ -81,11 +81,23 @@ class MetricPoint:
     sum: float | None = None
 
 
+@dataclass(frozen=True)
+class Span:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    kind: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    status: dict[str, Any]
+
+
 @dataclass
 class Received:
     logs: list[LogRecord]
     metrics: list[MetricPoint]
-    spans: int
+    spans: list[Span]
 
 
 def _points(metric: dict[str, Any], resource: dict[str, Any]) -> Iterator[MetricPoint]:
@@ -103,7 +115,7 @@ def _points(metric: dict[str, Any], resource: dict[str, Any]) -> Iterator[Metric
 def read_output(path: Path) -> Received:
     """Parse the file exporter's output (one OTLP/JSON export request per line; a line still
     being written is ignored)."""
-    received = Received([], [], 0)
+    received = Received([], [], [])
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
@@ -129,8 +141,15 @@ def read_output(path: Path) -> Received:
                 for metric in scope_metrics.get("metrics", []):
                     received.metrics.extend(_points(metric, resource))
         for resource_spans in document.get("resourceSpans", []):
+            resource = attributes((resource_spans.get("resource") or {}).get("attributes"))
             for scope_spans in resource_spans.get("scopeSpans", []):
-                received.spans += len(scope_spans.get("spans", []))
+                received.spans.extend(Span(
+                    name=str(span.get("name", "")), trace_id=str(span.get("traceId", "")),
+                    span_id=str(span.get("spanId", "")),
+                    parent_span_id=str(span.get("parentSpanId", "")),
+                    kind=int(span.get("kind", 0)), attributes=attributes(span.get("attributes")),
+                    resource=resource, status=dict(span.get("status") or {}))
+                    for span in scope_spans.get("spans", []))
     return received
 
 
@@ -167,6 +186,11 @@ class Collector:
         """Log records whose attributes (or resource attributes) include `match`."""
         return [r for r in self.received().logs
                 if all({**r.resource, **r.attributes}.get(k) == v for k, v in match.items())]
+
+    def spans(self, **match: Any) -> list[Span]:
+        """Spans whose attributes (or resource attributes) include `match`."""
+        return [s for s in self.received().spans
+                if all({**s.resource, **s.attributes}.get(k) == v for k, v in match.items())]
 
     def metric_points(self, name: str, **match: Any) -> list[MetricPoint]:
         return [p for p in self.received().metrics if p.name == name

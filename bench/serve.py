@@ -9,7 +9,10 @@ connections, and again with every device on a connection of its own, offered at 
 reports per second in total: two reports per device), and Git no-change fetches; plus the
 bytes one no-change poll costs on each transport. The server is started with
 `--max-connections` above `--devices` (`--devices 10000` needs an open-files limit of about
-10,100 in each process). The load generator is a minimal
+10,100 in each process). `--scrape-every 5` also scrapes `GET /metrics` every 5 s
+throughout, as a Prometheus server would; `--scrape-rounds N` measures what that costs:
+status reports N times without and N times with scraping, alternating on one server.
+The load generator is a minimal
 keep-alive HTTP/1.1 client on asyncio (so it costs the shared 2 cores less than a
 general-purpose client would).
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -169,7 +173,69 @@ def capabilities(index: int) -> dict[str, Any]:
         "labels": {"example.com/site": random.choice(["plant-a", "plant-b"])}}
 
 
+async def scraping(port: int, every: float, seen: list[tuple[float, int]]) -> None:
+    """Scrape `GET /metrics` every `every` seconds (until cancelled), as Prometheus does."""
+    connection = await Connection.open(port)
+    try:
+        while True:
+            start = time.perf_counter()
+            status, _, body, _ = await connection.request("GET", "/metrics", {})
+            if status != 200:
+                raise RuntimeError(f"GET /metrics: {status} {body[:200]!r}")
+            seen.append((time.perf_counter() - start, len(body)))
+            await asyncio.sleep(max(0.0, every - (time.perf_counter() - start)))
+    finally:
+        connection.close()
+
+
+async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], bytes]],
+                      args: argparse.Namespace) -> None:
+    """Status reports over shared connections for `--scrape-seconds`, alternately without
+    and with `GET /metrics` scraped every `--scrape-every` s, `--scrape-rounds` times each:
+    alternating on one server, so load from elsewhere on the machine hits both alike."""
+    figures: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(2 * args.scrape_rounds):
+        scraped = round_ % 2 == 1
+        scrapes: list[tuple[float, int]] = []
+        scraper = (asyncio.create_task(scraping(port, args.scrape_every, scrapes))
+                   if scraped else None)
+        latencies, elapsed = await run_load(port, jobs, args.concurrency, args.scrape_seconds,
+                                            {200, 201})
+        if scraper is not None:
+            scraper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraper
+        figures[scraped].append(len(latencies) / elapsed)
+    without, with_ = (statistics.median(figures[k]) for k in (False, True))
+    print(f"status reports, {args.scrape_rounds} x {args.scrape_seconds:g} s each, alternating: "
+          f"without scraping {without:,.0f} req/s (median; {_rates(figures[False])}), "
+          f"scraped every {args.scrape_every:g} s {with_:,.0f} req/s ({_rates(figures[True])}):"
+          f" {100 * (with_ - without) / without:+.1f} %")
+
+
+def _rates(values: list[float]) -> str:
+    return ", ".join(f"{v:,.0f}" for v in values)
+
+
 async def scenario(port: int, tokens: list[str], args: argparse.Namespace) -> None:
+    scrapes: list[tuple[float, int]] = []
+    scraper = (asyncio.create_task(scraping(port, args.scrape_every, scrapes))
+               if args.scrape_every > 0 and not args.scrape_rounds else None)
+    try:
+        await _scenario(port, tokens, args)
+    finally:
+        if scraper is not None:
+            scraper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await scraper
+    if scraper is not None and scrapes:
+        times = sorted(t for t, _ in scrapes)
+        print(f"GET /metrics every {args.scrape_every:g} s alongside: {len(times)} scrapes, "
+              f"p50 {statistics.median(times) * 1000:.1f} ms, max {times[-1] * 1000:.1f} ms, "
+              f"{scrapes[-1][1]:,} bytes")
+
+
+async def _scenario(port: int, tokens: list[str], args: argparse.Namespace) -> None:
     n = len(tokens)
     auth = [{"Authorization": f"Bearer {t}", "Content-Type": "application/json"} for t in tokens]
     jobs = [("PUT", f"/api/v1/capabilities/device-{i:04d}", auth[i],
@@ -216,6 +282,8 @@ async def scenario(port: int, tokens: list[str], args: argparse.Namespace) -> No
                              body))
     latencies, elapsed = await run_load(port, jobs, args.concurrency, None, {200, 201})
     summary("status reports (durable)", latencies, elapsed)
+    if args.scrape_rounds:
+        await scrape_cost(port, jobs, args)
 
     # The shape of a fleet: every device on its own connection, all reporting within the
     # same second or two at `--rate` reports per second in total.
@@ -261,7 +329,17 @@ def main() -> None:
     parser.add_argument("--git-polls", type=int, default=50)
     parser.add_argument("--rate", type=float, default=2000.0,
                         help="offered status reports per second, one connection per device")
+    parser.add_argument("--scrape-every", type=float, default=0.0, metavar="SECONDS",
+                        help="also scrape GET /metrics every SECONDS throughout (0: never)")
+    parser.add_argument("--scrape-rounds", type=int, default=0, metavar="N",
+                        help="measure what scraping costs: status reports N times without "
+                             "and N times with scraping every --scrape-every (default 5) "
+                             "seconds, alternating")
+    parser.add_argument("--scrape-seconds", type=float, default=10.0, metavar="SECONDS",
+                        help="how long each of those rounds lasts (default 10)")
     args = parser.parse_args()
+    if args.scrape_rounds and args.scrape_every <= 0:
+        args.scrape_every = 5.0
     random.seed(7)
     with tempfile.TemporaryDirectory(prefix="margo-bench-serve-") as tmp:
         root = Path(tmp)

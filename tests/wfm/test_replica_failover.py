@@ -278,8 +278,8 @@ def _settled(database: str) -> bool:
 
 def test_postgresql_restarted_under_load_answers_503_then_recovers(tmp_path: Path) -> None:
     """While the database is gone, the replicas answer 503 with Retry-After (never a 2xx
-    for what they could not store, never a crash); once it is back they serve again, and
-    every acknowledged capability report is stored."""
+    for what they could not store, never a crash) and `GET /metrics` still answers; once it
+    is back they serve again, and every acknowledged capability report is stored."""
     with running_postgres() as postgres:
         database = postgres.create_database("restart")
         data = tmp_path / "replica-0"
@@ -326,6 +326,11 @@ def test_postgresql_restarted_under_load_answers_503_then_recovers(tmp_path: Pat
             postgres.stop(mode="immediate")  # as a crash would: no clean shutdown
             poll_until("503 answers", lambda: answers.get("503", 0) >= 8, timeout=30)
             acknowledged_while_down = len(acknowledged)
+            # A scrape still answers, with the process's own figures: the alerts about an
+            # unreachable database need them (wfm/fleetmetrics.py).
+            scraped = httpx.get(f"{started[0].base}/metrics", timeout=30)
+            assert scraped.status_code == 200, scraped.text
+            assert "margo_http_requests_total{" in scraped.text
             time.sleep(1.0)
             assert len(acknowledged) == acknowledged_while_down, "acknowledged without a store"
             postgres.start()

@@ -66,7 +66,11 @@ fuzz: venv
 
 # Every cell of the device matrix (tests/matrix, docs/matrix.md): {rc.3, rc.2, Oct-2024 with
 # Git} x {render, Helm on the control plane, Compose on the Docker engine} x {SQLite, two
-# replicas on PostgreSQL}; `make test` runs the quick subset (kits/matrixkit.py, QUICK).
+# replicas on PostgreSQL}, for every feature (lifecycle, freshness, capacity-only changes,
+# accounting, re-eligibility, the GPU application), and the staged rollouts on every mixed
+# fleet (one device of each row on one driver and store); `make test` runs the quick subset
+# (each feature module's QUICK, else kits/matrixkit.py's QUICK and QUICK_MIXES). The GPU
+# feature over ten minutes: bench/gpu_soak.py.
 matrix: venv kube
 	MARGO_MATRIX=full $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		-p no:cacheprovider --durations=0 tests/matrix

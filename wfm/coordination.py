@@ -43,6 +43,7 @@ from typing import Any
 
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.state import CompilerState
+from margo.files import write_atomically
 from wfm import records
 from wfm.db import DatabaseUnavailable
 from wfm.metrics import GIT_SECONDS
@@ -488,6 +489,5 @@ def _state_mark(directory: Path) -> tuple[int, int | None] | None:
 
 
 def _write_state_generation(directory: Path, generation: int, epoch: int | None) -> None:
-    tmp = directory / f"{_STATE_GENERATION}.tmp"
-    tmp.write_text(f"{generation}\n" if epoch is None else f"{generation} {epoch}\n")
-    os.replace(tmp, directory / _STATE_GENERATION)
+    write_atomically(directory / _STATE_GENERATION,
+                     f"{generation}\n" if epoch is None else f"{generation} {epoch}\n")

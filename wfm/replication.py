@@ -18,7 +18,6 @@ database alone, so a new replica, or one whose disk was lost, needs nothing else
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 import pygit2
 
 from compiler.packedrefs import LooseRefsError, move_refs
+from margo.files import write_atomically
 from wfm.db import Connection
 
 __all__ = ["COMPACT_AFTER", "COUNTERS", "Published", "RepoReplica", "Snapshot", "publish_rows",
@@ -109,9 +109,7 @@ class RepoReplica:
         return self._generation
 
     def mark_generation(self, generation: int) -> None:
-        tmp = self.path / f"{_GENERATION_FILE}.tmp"
-        tmp.write_text(f"{generation}\n")
-        os.replace(tmp, self.path / _GENERATION_FILE)
+        write_atomically(self.path / _GENERATION_FILE, f"{generation}\n")
         self._generation = generation
 
     def refs(self) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import subprocess
 import time
@@ -26,6 +25,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp
 
 from compiler.stalelocks import recover_stale_locks
+from margo.files import write_atomically
 from wfm.clients import parse_basic, same_secret
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.metrics import PUSHES
@@ -54,11 +54,7 @@ def ensure_repository(path: Path, branch: str = "main") -> None:
                        env=git_environment())
     hooks = path / "hooks"
     hooks.mkdir(exist_ok=True)
-    hook = hooks / HOOK_NAME
-    tmp = hooks / f".{HOOK_NAME}.tmp"
-    tmp.write_text(hook_script(f"refs/heads/{branch}"))
-    tmp.chmod(0o755)
-    os.replace(tmp, hook)
+    write_atomically(hooks / HOOK_NAME, hook_script(f"refs/heads/{branch}"), mode=0o755)
 
 
 def _authorized(request: Request, admin_token: str | None) -> bool:

@@ -55,6 +55,124 @@ def _closed(properties: dict[str, Any], required: list[str] | None = None) -> di
 _TEXT = {"type": "string", "minLength": 1}
 
 
+def _server_schema() -> dict[str, Any]:
+    """The fleet server this device reports to (and, with failover, its other replicas)."""
+    return _closed({
+        "url": _SERVER_URL,
+        # the same server through other replicas; see reconciler.failover
+        "fallbackUrls": _urls(_SERVER_URL),
+        "failback": {"type": "string", "pattern": DURATION},
+        "api": {"enum": list(GENERATIONS)},
+        "clientId": _TEXT,
+        "tokenFile": _TEXT,
+        "timeout": {"type": "string", "pattern": DURATION},
+    }, ["url"])
+
+
+def _source_schema() -> dict[str, Any]:
+    """Where desired state comes from: the device's Git repository or the REST API."""
+    return _closed({
+        "type": {"enum": ["git", "margo-rest"]},
+        "url": _GIT_URL,
+        "fallbackUrls": _urls(_GIT_URL),  # git only, with url
+        "depth": {"type": "integer", "minimum": 0},
+        # git only: a tip the operator moved the branch to on purpose, accepted once
+        "acceptHistoryRewrite": {"type": "string",
+                                 "pattern": r"^[0-9a-f]{40}([0-9a-f]{24})?$"},
+    }, ["type"])
+
+
+def _driver_schema() -> dict[str, Any]:
+    """The engine that runs components, and its engine-specific settings."""
+    return _closed({
+        "type": {"enum": ["helm", "compose", "render"]},
+        "outputDir": _TEXT,
+        "kubeconfig": _TEXT,
+        "kubeContext": _TEXT,
+        "storageDriver": {"enum": ["secret", "configmap", "memory"]},
+        "driftDetection": {"enum": list(DRIFT_POLICIES)},
+        "rollbackOnFailure": {"type": "boolean"},
+        "docker": _TEXT,
+        "compose": _TEXT,
+        "dockerHost": {"type": "string", "pattern": r"^(unix|tcp|ssh|fd)://\S+$"},
+    }, ["type"])
+
+
+def _registries_schema() -> dict[str, Any]:
+    """Credentials per registry host, for charts, Compose packages and images."""
+    return {
+        "type": "object", "propertyNames": {"pattern": REGISTRY_HOST},
+        "additionalProperties": {
+            **_closed({"username": _TEXT, "usernameFile": _TEXT, "passwordFile": _TEXT},
+                      ["passwordFile"]),
+            "oneOf": [{"required": ["username"]}, {"required": ["usernameFile"]}]}}
+
+
+def _identity_schema() -> dict[str, Any]:
+    """The device's own identity: an SVID (rc.3) or an rc.2 key and certificate."""
+    return _closed({
+        "svid": _closed({"cert": _TEXT, "key": _TEXT}, ["cert", "key"]),
+        "trustBundle": _TEXT,
+        "trustDomain": {"type": "string", "pattern": r"^[a-z0-9._-]+$"},
+        "wfmId": {"type": "string", "pattern": r"^[A-Za-z0-9._~-]+$"},
+        "tls12": {"type": "boolean"},
+        "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
+                        "algorithm": {"enum": list(ALGORITHMS)}},
+                       ["key", "certificate"]),
+    })
+
+
+def _capabilities_schema() -> dict[str, Any]:
+    """Where the capability report comes from: a file, host facts or a cluster."""
+    return _closed({
+        "file": _TEXT,
+        "host": _closed({
+            "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
+            "otelCollector": {"type": "boolean"},
+            "labels": {"type": "object"},
+        }),
+        "kubernetes": _closed({
+            "kubeconfig": _TEXT,
+            "context": _TEXT,
+            "inCluster": {"type": "boolean"},
+            "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
+            "labels": {"type": "object"},
+            "threshold": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+            "debounce": {"type": "string", "pattern": DURATION},
+            "doctor": {"type": "boolean"},
+        }),
+    })
+
+
+def _telemetry_schema() -> dict[str, Any]:
+    """The OpenTelemetry collector, the client's own export, what containers get."""
+    return _closed({
+        # the collector's OTLP/HTTP base URL as this client reaches it
+        "collector": _SERVER_URL,
+        "export": {"type": "boolean"},  # the client's own metrics and logs
+        "interval": {"type": "string", "pattern": DURATION},
+        "timeout": {"type": "string", "pattern": DURATION},
+        "caFile": _TEXT,
+        "inject": _closed({  # what every container gets (its view of the collector)
+            "httpEndpoint": _SERVER_URL,
+            "grpcEndpoint": _SERVER_URL,
+            "certificate": {"type": "string", "pattern": r"^/\S+$"},
+            "protocol": {"enum": list(PROTOCOLS)},
+        }),
+    }, ["collector"])
+
+
+def _schedule_schema() -> dict[str, Any]:
+    """When the client polls and re-asserts its reports."""
+    return _closed({
+        "interval": {"type": "string", "pattern": DURATION},
+        "resync": {"type": "string", "pattern": DURATION},
+        "pollingWindows": {"type": "array", "items": _TEXT},
+        "downtime": {"type": "array", "items": _TEXT},
+        "timezone": _TEXT,
+    })
+
+
 @cache
 def config_schema() -> dict[str, Any]:
     """JSON Schema (2020-12) of the device client configuration."""
@@ -62,93 +180,15 @@ def config_schema() -> dict[str, Any]:
         "apiVersion": {"const": CONFIG_API_VERSION},
         "kind": {"const": "DeviceClientConfig"},
         "device": _closed({"id": {"type": "string", "pattern": DEVICE_ID}}, ["id"]),
-        "server": _closed({
-            "url": _SERVER_URL,
-            # the same server through other replicas; see reconciler.failover
-            "fallbackUrls": _urls(_SERVER_URL),
-            "failback": {"type": "string", "pattern": DURATION},
-            "api": {"enum": list(GENERATIONS)},
-            "clientId": _TEXT,
-            "tokenFile": _TEXT,
-            "timeout": {"type": "string", "pattern": DURATION},
-        }, ["url"]),
-        "source": _closed({
-            "type": {"enum": ["git", "margo-rest"]},
-            "url": _GIT_URL,
-            "fallbackUrls": _urls(_GIT_URL),  # git only, with url
-            "depth": {"type": "integer", "minimum": 0},
-            # git only: a tip the operator moved the branch to on purpose, accepted once
-            "acceptHistoryRewrite": {"type": "string",
-                                     "pattern": r"^[0-9a-f]{40}([0-9a-f]{24})?$"},
-        }, ["type"]),
-        "driver": _closed({
-            "type": {"enum": ["helm", "compose", "render"]},
-            "outputDir": _TEXT,
-            "kubeconfig": _TEXT,
-            "kubeContext": _TEXT,
-            "storageDriver": {"enum": ["secret", "configmap", "memory"]},
-            "driftDetection": {"enum": list(DRIFT_POLICIES)},
-            "rollbackOnFailure": {"type": "boolean"},
-            "docker": _TEXT,
-            "compose": _TEXT,
-            "dockerHost": {"type": "string", "pattern": r"^(unix|tcp|ssh|fd)://\S+$"},
-        }, ["type"]),
+        "server": _server_schema(),
+        "source": _source_schema(),
+        "driver": _driver_schema(),
         "dataDir": _TEXT,
-        "registries": {
-            "type": "object", "propertyNames": {"pattern": REGISTRY_HOST},
-            "additionalProperties": {
-                **_closed({"username": _TEXT, "usernameFile": _TEXT, "passwordFile": _TEXT},
-                          ["passwordFile"]),
-                "oneOf": [{"required": ["username"]}, {"required": ["usernameFile"]}]}},
-        "identity": _closed({
-            "svid": _closed({"cert": _TEXT, "key": _TEXT}, ["cert", "key"]),
-            "trustBundle": _TEXT,
-            "trustDomain": {"type": "string", "pattern": r"^[a-z0-9._-]+$"},
-            "wfmId": {"type": "string", "pattern": r"^[A-Za-z0-9._~-]+$"},
-            "tls12": {"type": "boolean"},
-            "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
-                            "algorithm": {"enum": list(ALGORITHMS)}},
-                           ["key", "certificate"]),
-        }),
-        "capabilities": _closed({
-            "file": _TEXT,
-            "host": _closed({
-                "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
-                "otelCollector": {"type": "boolean"},
-                "labels": {"type": "object"},
-            }),
-            "kubernetes": _closed({
-                "kubeconfig": _TEXT,
-                "context": _TEXT,
-                "inCluster": {"type": "boolean"},
-                "vendor": _TEXT, "modelNumber": _TEXT, "serialNumber": _TEXT,
-                "labels": {"type": "object"},
-                "threshold": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-                "debounce": {"type": "string", "pattern": DURATION},
-                "doctor": {"type": "boolean"},
-            }),
-        }),
-        "telemetry": _closed({
-            # the collector's OTLP/HTTP base URL as this client reaches it
-            "collector": _SERVER_URL,
-            "export": {"type": "boolean"},  # the client's own metrics and logs
-            "interval": {"type": "string", "pattern": DURATION},
-            "timeout": {"type": "string", "pattern": DURATION},
-            "caFile": _TEXT,
-            "inject": _closed({  # what every container gets (its view of the collector)
-                "httpEndpoint": _SERVER_URL,
-                "grpcEndpoint": _SERVER_URL,
-                "certificate": {"type": "string", "pattern": r"^/\S+$"},
-                "protocol": {"enum": list(PROTOCOLS)},
-            }),
-        }, ["collector"]),
-        "schedule": _closed({
-            "interval": {"type": "string", "pattern": DURATION},
-            "resync": {"type": "string", "pattern": DURATION},
-            "pollingWindows": {"type": "array", "items": _TEXT},
-            "downtime": {"type": "array", "items": _TEXT},
-            "timezone": _TEXT,
-        }),
+        "registries": _registries_schema(),
+        "identity": _identity_schema(),
+        "capabilities": _capabilities_schema(),
+        "telemetry": _telemetry_schema(),
+        "schedule": _schedule_schema(),
     }, ["device", "server", "source", "driver", "dataDir"])
 
 
@@ -447,16 +487,12 @@ def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None
                     "source always does)", expected=", ".join(missing))
 
 
-def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
-    """Validate a loaded configuration; raise `DocumentError` with located problems."""
-    doc = loaded.value
-    problems = [loaded.locate(p, at_key=at_key)
-                for p, at_key in explain_schema_errors(_validator(), doc)]
-    if problems:
-        raise DocumentError(problems)
-    found: list[Problem] = []
-    server, source, driver = doc["server"], doc["source"], doc["driver"]
-    api = server.get("api", Shape.OCT_2024.value if source["type"] == "git" else Shape.RC3.value)
+def _api_generation(server: dict[str, Any], source: dict[str, Any],
+                    found: list[Problem]) -> str:
+    """The status API generation the device speaks (`server.api`, else the source's
+    default), with a problem when the source cannot work with it."""
+    api: str = server.get("api", Shape.OCT_2024.value if source["type"] == "git"
+                          else Shape.RC3.value)
     if source["type"] == "git" and api != Shape.OCT_2024:
         found.append(Problem(("server", "api"), "a device with the git source reports status "
                              "through the Oct-2024 API: an rc.3 report must name the "
@@ -466,11 +502,17 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
     if source["type"] == "margo-rest" and api == Shape.OCT_2024:
         found.append(Problem(("server", "api"), "the Oct-2024 API has no State Manifest; use "
                              "rc.3 or rc.2 with the margo-rest source", found=api))
+    return api
+
+
+def _check_applicable(source: dict[str, Any], driver: dict[str, Any], caps: dict[str, Any],
+                      found: list[Problem]) -> None:
+    """Settings that only one kind of source or driver takes, given to another, and more
+    than one source of capabilities."""
     for key in ("url", "acceptHistoryRewrite", "fallbackUrls"):
         if key in source and source["type"] != "git":
             found.append(Problem(("source", key), "only the git source takes this setting",
                                  found=source["type"]))
-    caps = doc.get("capabilities", {})
     if len(caps) > 1:
         found.append(Problem(("capabilities",), "give one of 'file', 'host' or 'kubernetes'",
                              found=", ".join(sorted(caps))))
@@ -482,6 +524,20 @@ def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
         if key in driver and driver["type"] != "compose":
             found.append(Problem(("driver", key), "only the compose driver takes this setting",
                                  found=driver["type"]))
+
+
+def parse_config(loaded: LoadedDocument, *, base: Path) -> DeviceConfig:
+    """Validate a loaded configuration; raise `DocumentError` with located problems."""
+    doc = loaded.value
+    problems = [loaded.locate(p, at_key=at_key)
+                for p, at_key in explain_schema_errors(_validator(), doc)]
+    if problems:
+        raise DocumentError(problems)
+    found: list[Problem] = []
+    server, source, driver = doc["server"], doc["source"], doc["driver"]
+    caps = doc.get("capabilities", {})
+    api = _api_generation(server, source, found)
+    _check_applicable(source, driver, caps, found)
     compose = _compose_cli(driver, base, found)
     credentials = _credentials(doc.get("registries", {}), base, found)
     _check_urls(doc, found)

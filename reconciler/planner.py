@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from reconciler.desired import DesiredComponent, DesiredDeployment
@@ -130,6 +130,87 @@ def _removal(release: InstalledRelease, reason: str) -> Step:
                 release.namespace, None, release, reason)
 
 
+@dataclass
+class _Found:
+    """The installed releases sorted for planning: ours by deployment and component, the
+    second claimants of a component (to be removed), and the names taken by releases that
+    are not ours (release name -> namespaces)."""
+
+    by_deployment: dict[str, dict[str, InstalledRelease]] = field(
+        default_factory=lambda: defaultdict(dict))
+    duplicates: list[InstalledRelease] = field(default_factory=list)
+    foreign: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+
+
+def _sort_installed(installed: Iterable[InstalledRelease]) -> _Found:
+    found = _Found()
+    for release in installed:
+        if not release.managed:
+            found.foreign[release.release_name].add(release.namespace)
+            continue
+        slot = found.by_deployment[release.deployment_id]
+        if release.component not in slot:
+            slot[release.component] = release
+            continue
+        # Two releases claim the same component (a renamed release, a manual copy with our
+        # labels): keep the one with our deterministic name, remove the other.
+        if release.release_name == release_name(release.deployment_id, release.component):
+            found.duplicates.append(slot[release.component])
+            slot[release.component] = release
+        else:
+            found.duplicates.append(release)
+    return found
+
+
+def _removal_plan(deployment_id: str, releases: dict[str, InstalledRelease],
+                  known: list[str]) -> DeploymentPlan:
+    """A deployment no longer desired: its components removed in reverse of the order they
+    were installed in (`known`), unknown ones after them in reverse name order."""
+    ranked = sorted(releases, key=lambda name: (known.index(name) if name in known
+                                                else len(known), name), reverse=True)
+    return DeploymentPlan(deployment_id, None, tuple(
+        _removal(releases[name], "the deployment is no longer desired") for name in ranked))
+
+
+def _component_steps(deployment: DesiredDeployment, component: DesiredComponent,
+                     current: InstalledRelease | None, taken: set[str]) -> list[Step]:
+    """The steps of one listed component: install it, skip it when its name is taken by a
+    release that is not ours (`taken`: the namespaces where it is), move a Helm release to
+    its new namespace, or compare what is installed with what is desired."""
+    deployment_id = deployment.deployment_id
+    name = release_name(deployment_id, component.name)
+    helm = deployment.profile_type == "helm"
+    if current is None:
+        if deployment.namespace in taken or (not helm and taken):
+            where = f" in namespace {deployment.namespace}" if helm else ""
+            return [Step(Action.SKIP, deployment_id, component.name, name, deployment.namespace,
+                         component, None, f"release {name}{where} exists but is not managed "
+                         "by margo-gitops; it is left alone")]
+        return [Step(Action.INSTALL, deployment_id, component.name, name, deployment.namespace,
+                     component, None, "not installed")]
+    if current.namespace != deployment.namespace and helm:
+        # A Helm release cannot move between namespaces: remove, then install anew.
+        return [_removal(current, f"namespace changed to {deployment.namespace}"),
+                Step(Action.INSTALL, deployment_id, component.name, name, deployment.namespace,
+                     component, None, f"moved from namespace {current.namespace}")]
+    action, reason = _compare(component, current)
+    return [Step(action, deployment_id, component.name, current.release_name,
+                 current.namespace, component, current, reason)]
+
+
+def _desired_plan(deployment: DesiredDeployment, releases: dict[str, InstalledRelease],
+                  foreign: dict[str, set[str]]) -> DeploymentPlan:
+    """A desired deployment: components it no longer lists removed (reverse name order),
+    then each listed component's steps in listed order."""
+    listed = {c.name for c in deployment.components}
+    steps = [_removal(releases[name], "the component is no longer listed")
+             for name in sorted(set(releases) - listed, reverse=True)]
+    for component in deployment.components:
+        taken = foreign.get(release_name(deployment.deployment_id, component.name), set())
+        steps += _component_steps(deployment, component, releases.get(component.name), taken)
+    return DeploymentPlan(deployment.deployment_id, deployment, tuple(steps))
+
+
 def plan(desired: Iterable[DesiredDeployment], installed: Iterable[InstalledRelease],
          *, component_order: dict[str, list[str]] | None = None) -> Plan:
     """Plan the convergence of `installed` onto `desired`.
@@ -138,75 +219,16 @@ def plan(desired: Iterable[DesiredDeployment], installed: Iterable[InstalledRele
     were installed with (from the device's own records) so removal can run in reverse; when
     unknown, releases are removed in reverse name order (deterministic)."""
     wanted = {d.deployment_id: d for d in desired}
-    by_deployment: dict[str, dict[str, InstalledRelease]] = defaultdict(dict)
-    duplicates: list[InstalledRelease] = []
-    foreign: dict[str, set[str]] = defaultdict(set)  # release name -> namespaces
-    for release in installed:
-        if not release.managed:
-            foreign[release.release_name].add(release.namespace)
-            continue
-        slot = by_deployment[release.deployment_id]
-        if release.component in slot:
-            # Two releases claim the same component (a renamed release, a manual copy with our
-            # labels): keep the one with our deterministic name, remove the other.
-            keep = release_name(release.deployment_id, release.component)
-            other = slot[release.component]
-            if release.release_name == keep:
-                duplicates.append(other)
-                slot[release.component] = release
-            else:
-                duplicates.append(release)
-        else:
-            slot[release.component] = release
-
-    plans: list[DeploymentPlan] = []
+    found = _sort_installed(installed)
     order = component_order or {}
-    for deployment_id in sorted(set(by_deployment) - set(wanted)):
-        releases = by_deployment[deployment_id]
-        known = order.get(deployment_id, [])
-        ranked = sorted(releases, key=lambda name: (known.index(name) if name in known
-                                                    else len(known), name), reverse=True)
-        plans.append(DeploymentPlan(deployment_id, None, tuple(
-            _removal(releases[name], "the deployment is no longer desired") for name in ranked)))
-
-    for deployment_id in sorted(wanted):
-        deployment = wanted[deployment_id]
-        releases = by_deployment.get(deployment_id, {})
-        steps: list[Step] = []
-        listed = {c.name for c in deployment.components}
-        for name in sorted(set(releases) - listed, reverse=True):
-            steps.append(_removal(releases[name], "the component is no longer listed"))
-        for component in deployment.components:
-            name = release_name(deployment_id, component.name)
-            current = releases.get(component.name)
-            if current is None:
-                taken = foreign.get(name, set())
-                if deployment.namespace in taken or (deployment.profile_type != "helm"
-                                                     and taken):
-                    where = f" in namespace {deployment.namespace}" if \
-                        deployment.profile_type == "helm" else ""
-                    steps.append(Step(Action.SKIP, deployment_id, component.name, name,
-                                      deployment.namespace, component, None,
-                                      f"release {name}{where} exists but is not managed by "
-                                      "margo-gitops; it is left alone"))
-                    continue
-                steps.append(Step(Action.INSTALL, deployment_id, component.name, name,
-                                  deployment.namespace, component, None, "not installed"))
-                continue
-            if current.namespace != deployment.namespace and deployment.profile_type == "helm":
-                # A Helm release cannot move between namespaces: remove, then install anew.
-                steps.append(_removal(current, f"namespace changed to {deployment.namespace}"))
-                steps.append(Step(Action.INSTALL, deployment_id, component.name, name,
-                                  deployment.namespace, component, None,
-                                  f"moved from namespace {current.namespace}"))
-                continue
-            action, reason = _compare(component, current)
-            steps.append(Step(action, deployment_id, component.name, current.release_name,
-                              current.namespace, component, current, reason))
-        plans.append(DeploymentPlan(deployment_id, deployment, tuple(steps)))
-
-    if duplicates:
+    plans = [_removal_plan(deployment_id, found.by_deployment[deployment_id],
+                           order.get(deployment_id, []))
+             for deployment_id in sorted(set(found.by_deployment) - set(wanted))]
+    plans += [_desired_plan(wanted[deployment_id], found.by_deployment.get(deployment_id, {}),
+                            found.foreign)
+              for deployment_id in sorted(wanted)]
+    if found.duplicates:
         extra = tuple(_removal(r, "a second release claims this component")
-                      for r in sorted(duplicates, key=lambda r: r.release_name))
+                      for r in sorted(found.duplicates, key=lambda r: r.release_name))
         plans.insert(0, DeploymentPlan("", None, extra))
     return Plan(tuple(plans))

@@ -33,7 +33,7 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, DeploymentPlan, Step, plan
 from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
-from reconciler.state import DamagedDocumentsError, DeviceState
+from reconciler.state import ComponentRecord, DamagedDocumentsError, DeviceState
 from reconciler.statuses import observed_now, status_body, status_path
 from reconciler.telemetry import Injection, with_injection
 
@@ -260,101 +260,125 @@ class Reconciler:
                                     error.retryable)
 
     def _apply_deployment(self, dplan: DeploymentPlan, result: CycleResult) -> None:
+        """Run one deployment's steps in the planner's order: announce the deployment, then
+        each step; a failed step stops a desired deployment (later components wait for it,
+        in listed order), and a deployment removed whole is forgotten once all went well."""
         deployment = dplan.deployment
         name = deployment.name if deployment else dplan.deployment_id
         recorded = self.state.component_states(dplan.deployment_id) if dplan.deployment_id \
             else {}
-        if deployment is not None:
-            if deployment.profile_type not in self.driver.profile_types:
-                error = {"code": ErrorCode.UNSUPPORTED_TYPE, "message": f"this device's driver "
-                         f"({self.driver.name}) does not run {deployment.profile_type} "
-                         "deployments"}
-                self._report(dplan.deployment_id, name,
-                             {c.name: (State.FAILED, error) for c in deployment.components})
-                result.failures.append(f"{dplan.deployment_id}: {error['message']}")
-                return
-            self.state.set_component_order(dplan.deployment_id,
-                                           [c.name for c in deployment.components])
-            fresh = {c.name: (State.PENDING, None) for c in deployment.components
-                     if c.name not in recorded}
-            if fresh:
-                self._report(dplan.deployment_id, name, fresh)
+        if deployment is not None and not self._announce(dplan, deployment, recorded, result):
+            return
         for step in dplan.steps:
             if step.action is Action.UNCHANGED:
-                current = recorded.get(step.component)
-                drift = step.installed.drift if step.installed is not None else ""
-                if drift:
-                    # Detected, not repaired (the drift policy is `warn`): the workload is
-                    # not what was deployed, so it is not reported installed.
-                    error = {"code": ErrorCode.DRIFTED, "message": drift}
-                    if current is None or current.state != State.FAILED or current.error != error:
-                        log.warning("%s/%s drifted, not repaired (driftDetection: warn): %s",
-                                    step.deployment_id, step.component, drift,
-                                    extra=_about(step.deployment_id))
-                        self._report(step.deployment_id, name,
-                                     {step.component: (State.FAILED, error)})
-                    result.failures.append(f"{step.deployment_id}/{step.component}: "
-                                           f"DRIFTED: {drift}")
-                elif current is None or current.state != State.INSTALLED:
-                    self._report(step.deployment_id, name,
-                                 {step.component: (State.INSTALLED, None)})
-                continue
-            if not self._may_try(step):
+                self._confirm_unchanged(step, name, recorded.get(step.component), result)
+            elif not self._may_try(step):
                 result.failures.append(f"{step.deployment_id}/{step.component}: waiting to "
                                        "retry after a failure")
                 if deployment is not None:
-                    return  # later components wait for this one (listed order)
-                continue
-            if step.action is Action.SKIP:  # the name is taken by what is not ours
-                error = {"code": ErrorCode.INSTALL_FAILED, "message": step.reason}
-                self._failed(step, ApplyError(error["code"], step.reason, retryable=False))
-                self._report(step.deployment_id, name, {step.component: (State.FAILED, error)})
-                result.steps.append((str(step.action), step.deployment_id, step.component,
-                                     f"failed: {ErrorCode.INSTALL_FAILED}"))
-                result.failures.append(f"{step.deployment_id}/{step.component}: "
-                                       f"{ErrorCode.INSTALL_FAILED}: {step.reason}")
+                    return
+            elif step.action is Action.SKIP:  # the name is taken by what is not ours
+                self._step_failed(step, name, ApplyError(
+                    ErrorCode.INSTALL_FAILED, step.reason, retryable=False), result)
                 return
-            removing = step.action is Action.REMOVE
-            drift = step.installed.drift if step.action is Action.REPAIR and step.installed \
-                else ""
-            if drift:
-                log.warning("%s/%s drifted, repairing: %s", step.deployment_id, step.component,
-                            drift, extra=_about(step.deployment_id))
-            self._report(step.deployment_id, name,
-                         {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
-            try:
-                self.driver.apply(step, deployment)
-            except ApplyError as exc:
-                log.warning("%s of %s/%s failed: %s: %s", step.action, step.deployment_id,
-                            step.component, exc.code, exc.message,
-                            extra=_about(step.deployment_id))
-                self._failed(step, exc)
-                self._report(step.deployment_id, name, {step.component: (
-                    State.FAILED, {"code": exc.code, "message": exc.message})})
-                result.steps.append((str(step.action), step.deployment_id, step.component,
-                                     f"failed: {exc.code}"))
-                result.failures.append(f"{step.deployment_id}/{step.component}: {exc.code}: "
-                                       f"{exc.message}")
-                if deployment is not None:
-                    return  # later components are not installed past a failed one
-                continue
-            self._retries.pop((step.deployment_id, step.component), None)
-            done = State.REMOVED if removing else State.INSTALLED
-            if removing and deployment is not None and step.component in {
-                    c.name for c in deployment.components}:
-                done = State.INSTALLING  # removed only to be re-installed (namespace move)
-            # The report that says it is installed again also says what was repaired.
-            repaired = {"repaired": {step.component: drift}} if drift else None
-            self._report(step.deployment_id, name, {step.component: (done, None)},
-                         extensions=repaired)
-            if drift:
-                log.warning("%s/%s repaired: %s", step.deployment_id, step.component, drift,
-                            extra=_about(step.deployment_id))
-            log.info("%s of %s/%s: ok", step.action, step.deployment_id, step.component,
-                     extra=_about(step.deployment_id))
-            result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
+            elif not self._change(step, deployment, name, result) and deployment is not None:
+                return
         if deployment is None and dplan.deployment_id:
             self.state.forget(dplan.deployment_id)
+
+    def _announce(self, dplan: DeploymentPlan, deployment: DesiredDeployment,
+                  recorded: Mapping[str, ComponentRecord], result: CycleResult) -> bool:
+        """Before a desired deployment's steps: refuse a profile type this driver does not
+        run (every component `failed`, nothing applied: False), else keep its component
+        order for a later removal and report its new components `pending`."""
+        if deployment.profile_type not in self.driver.profile_types:
+            error = {"code": ErrorCode.UNSUPPORTED_TYPE, "message": f"this device's driver "
+                     f"({self.driver.name}) does not run {deployment.profile_type} "
+                     "deployments"}
+            self._report(dplan.deployment_id, deployment.name,
+                         {c.name: (State.FAILED, error) for c in deployment.components})
+            result.failures.append(f"{dplan.deployment_id}: {error['message']}")
+            return False
+        self.state.set_component_order(dplan.deployment_id,
+                                       [c.name for c in deployment.components])
+        fresh = {c.name: (State.PENDING, None) for c in deployment.components
+                 if c.name not in recorded}
+        if fresh:
+            self._report(dplan.deployment_id, deployment.name, fresh)
+        return True
+
+    def _confirm_unchanged(self, step: Step, name: str, current: ComponentRecord | None,
+                           result: CycleResult) -> None:
+        """A component the planner leaves alone: `installed`, unless the driver saw drift it
+        is not to repair (policy `warn`): the workload is not what was deployed, so it is
+        reported `failed` with code `DRIFTED` (once per distinct drift) instead."""
+        drift = step.installed.drift if step.installed is not None else ""
+        if not drift:
+            if current is None or current.state != State.INSTALLED:
+                self._report(step.deployment_id, name, {step.component: (State.INSTALLED, None)})
+            return
+        error = {"code": ErrorCode.DRIFTED, "message": drift}
+        if current is None or current.state != State.FAILED or current.error != error:
+            log.warning("%s/%s drifted, not repaired (driftDetection: warn): %s",
+                        step.deployment_id, step.component, drift,
+                        extra=_about(step.deployment_id))
+            self._report(step.deployment_id, name, {step.component: (State.FAILED, error)})
+        result.failures.append(f"{step.deployment_id}/{step.component}: DRIFTED: {drift}")
+
+    def _change(self, step: Step, deployment: DesiredDeployment | None, name: str,
+                result: CycleResult) -> bool:
+        """Carry out one changing step: journal `installing` (or `removing`), apply it,
+        then report the outcome. False when it failed."""
+        removing = step.action is Action.REMOVE
+        drift = step.installed.drift if step.action is Action.REPAIR and step.installed \
+            else ""
+        if drift:
+            log.warning("%s/%s drifted, repairing: %s", step.deployment_id, step.component,
+                        drift, extra=_about(step.deployment_id))
+        self._report(step.deployment_id, name,
+                     {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
+        try:
+            self.driver.apply(step, deployment)
+        except ApplyError as exc:
+            log.warning("%s of %s/%s failed: %s: %s", step.action, step.deployment_id,
+                        step.component, exc.code, exc.message, extra=_about(step.deployment_id))
+            self._step_failed(step, name, exc, result)
+            return False
+        self._step_done(step, deployment, name, drift, result)
+        return True
+
+    def _step_failed(self, step: Step, name: str, error: ApplyError,
+                     result: CycleResult) -> None:
+        """A step that failed (or was refused): counted for the retry back-off, reported
+        `failed` with the error's code and message, and listed in the cycle's result."""
+        self._failed(step, error)
+        self._report(step.deployment_id, name, {step.component: (
+            State.FAILED, {"code": error.code, "message": error.message})})
+        result.steps.append((str(step.action), step.deployment_id, step.component,
+                             f"failed: {error.code}"))
+        result.failures.append(f"{step.deployment_id}/{step.component}: {error.code}: "
+                               f"{error.message}")
+
+    def _step_done(self, step: Step, deployment: DesiredDeployment | None, name: str,
+                   drift: str, result: CycleResult) -> None:
+        """A step that succeeded: its back-off forgotten and the component reported
+        `installed` (or `removed`; `installing` when it was removed only to be installed
+        again, a Helm namespace move), with what was repaired when it was a repair."""
+        self._retries.pop((step.deployment_id, step.component), None)
+        removing = step.action is Action.REMOVE
+        done = State.REMOVED if removing else State.INSTALLED
+        if removing and deployment is not None and step.component in {
+                c.name for c in deployment.components}:
+            done = State.INSTALLING
+        repaired = {"repaired": {step.component: drift}} if drift else None
+        self._report(step.deployment_id, name, {step.component: (done, None)},
+                     extensions=repaired)
+        if drift:
+            log.warning("%s/%s repaired: %s", step.deployment_id, step.component, drift,
+                        extra=_about(step.deployment_id))
+        log.info("%s of %s/%s: ok", step.action, step.deployment_id, step.component,
+                 extra=_about(step.deployment_id))
+        result.steps.append((str(step.action), step.deployment_id, step.component, "ok"))
 
     def _finish_vanished(self, desired_ids: set[str], installed_ids: set[str]) -> None:
         """Deployments the device reported on but that are neither desired nor installed

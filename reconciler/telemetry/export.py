@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 from reconciler.telemetry import TelemetryConfig
 
 if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
+
     from reconciler.runner import CycleResult
     from reconciler.state import DeviceState
 
@@ -71,7 +73,6 @@ class DeviceTelemetry:
     def __init__(self, config: TelemetryConfig, *, device_id: str) -> None:
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        from opentelemetry.metrics import CallbackOptions, Observation
         from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
         from opentelemetry.sdk.metrics import MeterProvider
@@ -102,6 +103,20 @@ class DeviceTelemetry:
         self._manifest: tuple[str, int] | None = None
         self._journal = 0
         self._last_sync: float | None = None
+        self._add_gauges(meter)
+        self._logs = LoggerProvider(resource=resource)
+        self._logs.add_log_record_processor(BatchLogRecordProcessor(
+            OTLPLogExporter(endpoint=f"{config.collector}/v1/logs", certificate_file=ca,
+                            timeout=config.timeout),
+            schedule_delay_millis=1000, export_timeout_millis=config.timeout * 1000))
+        self._handler = LoggingHandler(level=logging.NOTSET, logger_provider=self._logs)
+        self._handler.addFilter(_DeviceAttribute(device_id))
+        logging.getLogger(_LOGGER).addHandler(self._handler)
+
+    def _add_gauges(self, meter: Meter) -> None:
+        """The gauges read at each export: the adopted manifestVersion, the journal's depth
+        and when the server last answered, as the last cycle left them."""
+        from opentelemetry.metrics import CallbackOptions, Observation
 
         def manifest(_: CallbackOptions) -> Iterable[Observation]:
             if self._manifest is not None:
@@ -121,14 +136,6 @@ class DeviceTelemetry:
                                       description="status reports waiting for delivery")
         meter.create_observable_gauge("margo.device.sync.last_success", [last_sync], unit="s",
                                       description="when the server last answered a fetch")
-        self._logs = LoggerProvider(resource=resource)
-        self._logs.add_log_record_processor(BatchLogRecordProcessor(
-            OTLPLogExporter(endpoint=f"{config.collector}/v1/logs", certificate_file=ca,
-                            timeout=config.timeout),
-            schedule_delay_millis=1000, export_timeout_millis=config.timeout * 1000))
-        self._handler = LoggingHandler(level=logging.NOTSET, logger_provider=self._logs)
-        self._handler.addFilter(_DeviceAttribute(device_id))
-        logging.getLogger(_LOGGER).addHandler(self._handler)
 
     def observe(self, result: CycleResult, seconds: float, state: DeviceState) -> None:
         """Record one finished cycle (called in the cycle's thread)."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compiler.capacity import DeviceCapacity, is_cluster
-from compiler.compilation import resolve_intents
-from compiler.holding import StoredFiles, grows
+from compiler.context import resolve_intents
+from compiler.holding import grows
 from compiler.intents import Intent
 from compiler.placement import Attempt, Placement, ProfileConstraints, place
 from compiler.render import RenderCache, RenderError, render
@@ -27,6 +27,7 @@ from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 from compiler.specdiff import classify
 from compiler.state import PlacementRecord
+from compiler.storedfiles import StoredFiles
 from margo.constraints import Demand, Failure
 from margo.errors import Problem
 

@@ -8,7 +8,8 @@ commits through one ``git fast-import`` takes a few seconds; the fleet server hi
 devices' refs (``uploadpack.hideRefs``) so each device still sees only its own branch
 (the figures: docs/benchmarks.md, `bench/compile.py`).
 
-How a `DeviceStore.write` publishes, and why:
+How a write publishes (`DeviceStore.write_objects`, then `DeviceStore.move_branches`; `write`
+does both), and why:
 
 1. every commit is validated before it is written: a list is validated whole before Git is
    touched; a lazily produced iterable commit by commit, so a bad commit stops the write
@@ -27,7 +28,7 @@ How a `DeviceStore.write` publishes, and why:
 
 Readers (the server, the next compile) only use pygit2 and never block on writers. Writers
 serialise with `DeviceStore.lock`, which must be held from reading the tips a compile builds on
-until `DeviceStore.write` returns.
+until its branches have moved.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import tempfile
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, ClassVar
@@ -66,6 +67,7 @@ __all__ = [
     "DeviceStore",
     "GitStoreError",
     "InvalidCommitError",
+    "PendingMove",
     "StoredTree",
     "blob_id",
     "branch_problem",
@@ -193,6 +195,15 @@ class StoredTree:
         held at another commit, e.g. the one a rollout rolls a device back to)."""
         assert self._store is not None
         return self._store._blob(oid)
+
+
+@dataclass(frozen=True, slots=True)
+class PendingMove:
+    """Commits `DeviceStore.write_objects` wrote and no branch points to yet: device id ->
+    the new tip, and the tip each branch must still be at when it moves (None: no branch)."""
+
+    new_tips: Mapping[str, str]
+    old_tips: Mapping[str, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,28 +655,31 @@ class DeviceStore:
                           "no device branch was deleted")
         return doomed
 
-    def write(self, commits: Iterable[DeviceCommit], *,
-              while_moving: Callable[[Mapping[str, str]], None] | None = None,
-              ) -> dict[str, str]:
+    def write(self, commits: Iterable[DeviceCommit]) -> dict[str, str]:
         """Append one commit per `DeviceCommit` to its device's branch; device id -> new tip.
 
-        Every commit is written even when its tree equals the tip's: the caller decides.
-        Callers should skip unchanged devices by comparing ``{name: blob_id(content)}`` with
-        `tree_ids`, so a compile commits only what changed. Several commits for one device are
-        chained in the given order. All branches move in one transaction: on GitStoreError
-        (InvalidCommitError included) no branch has changed. Hold `lock` around the
-        read-compile-write cycle.
+        `write_objects` then `move_branches`: for a caller with no bookkeeping of its own
+        to stage between the two (a compile has: `compiler.writing`). Every commit is
+        written even when its tree equals the tip's: the caller decides. Callers should
+        skip unchanged devices by comparing ``{name: blob_id(content)}`` with `tree_ids`, so
+        a compile commits only what changed. All branches move in one transaction: on
+        GitStoreError (InvalidCommitError included) no branch has changed. Hold `lock`
+        around the read-compile-write cycle.
+        """
+        pending = self.write_objects(commits)
+        self.move_branches(pending)
+        return dict(pending.new_tips)
+
+    def write_objects(self, commits: Iterable[DeviceCommit]) -> PendingMove:
+        """Write every object of these commits, moving no branch: what `move_branches` then
+        moves, all at once. Several commits for one device are chained in the given order.
 
         `commits` is consumed lazily: a generator is streamed to Git while it still produces
         commits, so the caller's work and Git's overlap. A sequence is validated whole before
         Git starts; a generator commit by commit (an invalid commit, or an exception raised by
-        the generator itself, aborts the write before any branch moves). Each device's old tip
-        is read when its first commit arrives.
-
-        `while_moving` is called with the new tips (what this returns) once every object is
-        written, just before the branches move, so the caller's bookkeeping is ready to
-        commit the moment they have moved; it must undo it if `write` then raises. An
-        exception from it is raised at once, with no branch moved.
+        the generator itself, aborts the write). Each device's old tip is read when its first
+        commit arrives. Why two steps: a caller records what was written between them (its
+        records ready to commit the moment the branches have moved), with no callback.
         """
         if isinstance(commits, Sequence):
             for commit in commits:
@@ -673,7 +687,7 @@ class DeviceStore:
         pending = iter(commits)
         first = next(pending, None)
         if first is None:
-            return {}
+            return PendingMove({}, {})
         _check_commit(first)  # a bad first commit never starts git
         order: list[str] = []  # order[i] is the device of mark i + 1
         old_tips: dict[str, str | None] = {}
@@ -686,9 +700,7 @@ class DeviceStore:
                           stream, Path(scratch), "no device branch was changed")
             marks = _read_marks(marks_path)
         new_tips = {device_id: marks[mark] for mark, device_id in enumerate(order, start=1)}
-        self._update_refs(new_tips, old_tips,
-                          None if while_moving is None else lambda: while_moving(new_tips))
-        return new_tips
+        return PendingMove(new_tips, old_tips)
 
     def _fast_import_stream(self, commits: Iterable[DeviceCommit], order: list[str],
                             old_tips: dict[str, str | None]) -> Iterator[bytes]:
@@ -713,14 +725,15 @@ class DeviceStore:
             yield _commit_command(commit, mark, parent, self.AUTHOR, on_parent=commit.on_parent)
         yield f"reset {_SCRATCH_REF}\ndone\n".encode()
 
-    def _update_refs(self, new_tips: Mapping[str, str], old_tips: Mapping[str, str | None],
-                     while_moving: Callable[[], None] | None = None) -> None:
-        """Move every branch at once, each only if it still points where the compile saw it
-        (None: must not exist yet), in one rewrite of ``packed-refs`` (`compiler.packedrefs`
-        says why). `while_moving` runs first: if it raises, nothing moves."""
-        updates = {device_ref(d): (old_tips[d], new) for d, new in new_tips.items()}
-        if while_moving is not None:
-            while_moving()
+    def move_branches(self, pending: PendingMove) -> None:
+        """Move every branch `write_objects` wrote at once, each only if it still points
+        where the writer saw it (None: must not exist yet), in one rewrite of
+        ``packed-refs`` (`compiler.packedrefs` says why): all of them, or (GitStoreError)
+        none."""
+        if not pending.new_tips:
+            return
+        updates = {device_ref(d): (pending.old_tips[d], new)
+                   for d, new in pending.new_tips.items()}
         try:
             try:
                 move_refs(self.path, updates)

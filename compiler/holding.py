@@ -22,106 +22,26 @@ at what its intent's profile takes now, and a change of it is never held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from compiler.capacity import DeviceCapacity
+from compiler.context import CompileContext
 from compiler.gitstore import StoredTree
 from compiler.intents import Intent
 from compiler.outcome import DeviceOutcome
 from compiler.placement import Placement
-from compiler.render import RenderCache, file_name
+from compiler.render import file_name
 from compiler.source import AppVersion
-from compiler.specdiff import spec_sections
 from compiler.state import PlacementRecord
-from margo.canonical import canonical_yaml
-from margo.constraints import CompiledConstraints, Demand, Failure, compile_constraints
-from margo.emit import deployment_document
-from margo.errors import DocumentError
-from margo.models import ApplicationDeployment, DeploymentProfile
+from margo.constraints import Demand, Failure
 
-if TYPE_CHECKING:
-    from compiler.compilation import _Context
+__all__ = ["Upgrade", "decide_in_order", "grows", "held_note", "take_back_upgrades"]
 
-__all__ = ["StoredFiles", "Upgrade", "decide_in_order", "grows", "held_note",
-           "take_back_upgrades"]
-
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _SUFFIX = ".yaml"
-_UNREAD = object()
-_PROFILE = b"deploymentProfile"
 
-#: Places a new placement that fits (`compiler.compilation._place_eligible`, bound).
+#: Places a new placement that fits (`compiler.decisions.place_eligible`, bound to the device).
 Place = Callable[[Intent, AppVersion, Placement], None]
-
-
-class StoredFiles:
-    """The constraints deployment files already on devices carry, compiled once per distinct
-    text per compile (one intent's files on a thousand devices share their profile text)."""
-
-    def __init__(self) -> None:
-        self._compiled: dict[bytes, CompiledConstraints | None] = {}
-        self._texts: dict[tuple[str, str | None], bytes] = {}  # `profile_text`
-
-    def constraints(self, data: bytes) -> CompiledConstraints | None:
-        """The compiled `deviceConstraints` of a file this compiler wrote (empty ones for a
-        profile without any); None when the file does not say (the oct-2024 shape, or a
-        file that does not read as ours)."""
-        if data.startswith(b"apiVersion:"):
-            return None
-        section = spec_sections(data).get(_PROFILE)
-        if section is None:
-            return None
-        found = self._compiled.get(section, _UNREAD)
-        if found is _UNREAD:
-            if len(self._compiled) >= 10_000:
-                self._compiled.clear()
-            found = self._compiled[section] = _compiled(section)
-        return found  # type: ignore[return-value]
-
-    def profile_text(self, app: AppVersion, profile: DeploymentProfile,
-                     renders: RenderCache) -> bytes:
-        """The `deploymentProfile` text an rc.3 file of this application profile holds."""
-        key = (app.digest, profile.id)
-        found = self._texts.get(key)
-        if found is None:
-            deployment = ApplicationDeployment(
-                id="", name="x", namespace="x", application_id=app.description.id,
-                profile=renders.plan(app, profile).profile, parameters={}, device_id="")
-            document = canonical_yaml(deployment_document(deployment))
-            found = self._texts[key] = spec_sections(document).get(_PROFILE, b"")
-        return found
-
-    def running_version(self, versions: Mapping[str, AppVersion], data: bytes,
-                        renders: RenderCache) -> str | None:
-        """The version of the application (among `versions`, the source's) whose profile
-        the file `data` holds, or None when none does (an edited or deleted version)."""
-        section = spec_sections(data).get(_PROFILE)
-        if section is None:
-            return None
-        for version, app in sorted(versions.items()):
-            for profile in app.description.profiles:
-                if self.profile_text(app, profile, renders) == section:
-                    return version
-        return None
-
-
-def _compiled(section: bytes) -> CompiledConstraints | None:
-    try:
-        doc = yaml.load(section, Loader=_LOADER)
-    except yaml.YAMLError:
-        return None
-    profile = doc.get("deploymentProfile") if isinstance(doc, dict) else None
-    if not isinstance(profile, dict):
-        return None
-    constraints = profile.get("deviceConstraints")
-    try:
-        return compile_constraints(constraints if isinstance(constraints, dict) else None)
-    except (DocumentError, ValueError, TypeError):
-        return None
 
 
 def grows(old: Demand, new: Demand) -> bool:
@@ -159,7 +79,7 @@ class Upgrade:
     move: tuple[str, str] | None  # the rollout move it makes, if it moves on
 
 
-def take_back_upgrades(ctx: _Context, out: DeviceOutcome, current: StoredTree,
+def take_back_upgrades(ctx: CompileContext, out: DeviceOutcome, current: StoredTree,
                        capacity: Callable[[], DeviceCapacity]) -> list[Upgrade]:
     """The updates of this compile that raise what a placed deployment takes, each taken
     back out of the new tree (the device keeps its file meanwhile). `capacity` gives the
@@ -191,7 +111,7 @@ def take_back_upgrades(ctx: _Context, out: DeviceOutcome, current: StoredTree,
     return upgrades
 
 
-def _priority(ctx: _Context, name: str) -> int:
+def _priority(ctx: CompileContext, name: str) -> int:
     entry = ctx.intents.usable.get(name)
     return 0 if entry is None else entry[0].priority
 
@@ -202,7 +122,7 @@ def _is_fresh(out: DeviceOutcome, record: PlacementRecord | None) -> bool:
             and record.ineligible_since is None and record.intent not in out.stale)
 
 
-def hold_tree(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
+def hold_tree(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCapacity,
               current: StoredTree) -> None:
     """Every file the new tree holds so far takes its share of the device, in placement
     order: what its intent takes now when the file is what it renders now, else what the
@@ -232,7 +152,7 @@ def hold_tree(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
             _hold_as_recorded(ctx, capacity, name, record)
 
 
-def _hold_as_recorded(ctx: _Context, capacity: DeviceCapacity, name: str,
+def _hold_as_recorded(ctx: CompileContext, capacity: DeviceCapacity, name: str,
                       record: PlacementRecord | None) -> None:
     """A file that does not say what it takes, of an intent that cannot be used now: its
     application version as the state last recorded it says."""
@@ -244,7 +164,7 @@ def _hold_as_recorded(ctx: _Context, capacity: DeviceCapacity, name: str,
         capacity.hold_frozen(name, app, profile)
 
 
-def decide_in_order(ctx: _Context, out: DeviceOutcome, capacity: DeviceCapacity,
+def decide_in_order(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCapacity,
                     current: StoredTree, new: list[tuple[Intent, AppVersion, Placement]],
                     upgrades: list[Upgrade], place: Place) -> None:
     """The round: the tree's files take their shares, then new placements and upgrades
@@ -311,7 +231,7 @@ def _try_upgrade(out: DeviceOutcome, capacity: DeviceCapacity,
     return ()
 
 
-def _hold(ctx: _Context, out: DeviceOutcome, current: StoredTree, upgrade: Upgrade,
+def _hold(ctx: CompileContext, out: DeviceOutcome, current: StoredTree, upgrade: Upgrade,
           short: tuple[Failure, ...]) -> None:
     """The device keeps the file it runs; the record says held, a note says why."""
     name, fname = upgrade.intent.name, file_name(upgrade.intent.name)

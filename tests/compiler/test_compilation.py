@@ -446,15 +446,17 @@ def test_incremental_compiles_end_where_a_fresh_compile_starts(tmp_path: Path) -
 
 def _counting_place(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record the device of every placement the compiler evaluates."""
-    import compiler.compilation as compilation
+    import compiler.decisions as decisions
+    import compiler.device_compile as device_compile
     evaluated: list[str] = []
-    real = compilation.place
+    real = device_compile.place
 
     def place(intent, app, device, *args, **kwargs):  # type: ignore[no-untyped-def]
         evaluated.append(device.id)
         return real(intent, app, device, *args, **kwargs)
 
-    monkeypatch.setattr(compilation, "place", place)
+    for module in (device_compile, decisions):
+        monkeypatch.setattr(module, "place", place)
     return evaluated
 
 
@@ -576,7 +578,7 @@ def test_a_recompile_shares_the_devices_between_this_process_and_workers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """When every device only re-evaluates a changed intent, this process compiles a share
     of them itself between the workers' results: same trees, same messages, same order."""
-    import compiler.compilation as compilation
+    import compiler.workers as workers_module
     stores, local = [], []
     for workers in ("1", "2"):
         monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)
@@ -587,15 +589,15 @@ def test_a_recompile_shares_the_devices_between_this_process_and_workers(
             fleet.devices[f"d{i:02d}"] = device(f"d{i:02d}")
         fleet.compile(now=1_000)
         fleet.intents["a"]["spec"]["parameters"] = {"greeting": "{{ device.id }}!"}
-        real, here = compilation._work, []
+        real, here = workers_module.compile_job, []
 
-        def counted(ctx, job, real=real, here=here):  # type: ignore[no-untyped-def]
+        def counted(ctx, store, job, real=real, here=here):  # type: ignore[no-untyped-def]
             here.append(job.device.id)  # (calls in forked workers are not seen here)
-            return real(ctx, job)
+            return real(ctx, store, job)
 
-        monkeypatch.setattr(compilation, "_work", counted)
+        monkeypatch.setattr(workers_module, "compile_job", counted)
         report = fleet.compile(now=2_000)
-        monkeypatch.setattr(compilation, "_work", real)
+        monkeypatch.setattr(workers_module, "compile_job", real)
         assert report.commits == 40
         assert [r.device_id for r in report.results] == sorted(fleet.devices)
         stores.append(fleet.store)

@@ -48,7 +48,7 @@ POINTS = {
     """,
     "objects written, refs not moved": """
         import compiler.gitstore as g
-        g.DeviceStore._update_refs = lambda *args, **kwargs: die()
+        g.DeviceStore.move_branches = lambda *args, **kwargs: die()
     """,
     "packed-refs.lock created, nothing written": """
         import compiler.packedrefs as p

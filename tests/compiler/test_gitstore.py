@@ -586,38 +586,33 @@ def test_branches_are_read_in_forked_workers_with_their_own_handle(store: Device
         _INHERITED.clear()
 
 
-def test_while_moving_runs_once_between_writing_objects_and_moving_branches(
+def test_written_objects_move_no_branch_until_the_branches_are_moved(
         store: DeviceStore) -> None:
-    calls: list[tuple[list[str], dict[str, str]]] = []
-    tips = store.write([DeviceCommit("dev", files(1), "m\n", TS)],
-                       while_moving=lambda new: calls.append((store.device_ids(), dict(new))))
-    assert len(calls) == 1 and store.tip("dev") == tips["dev"]
-    assert calls[0][1] == tips  # it is told the new tips
-    assert store.write([], while_moving=lambda new: calls.append(([], {}))) == {}
-    assert len(calls) == 1
+    """Between the two steps the new tips are known and no branch points to them yet."""
+    pending = store.write_objects([DeviceCommit("dev", files(1), "m\n", TS)])
+    assert store.device_ids() == [] and set(pending.new_tips) == {"dev"}
+    assert pending.old_tips == {"dev": None}
+    store.move_branches(pending)
+    assert store.tip("dev") == pending.new_tips["dev"]
+    nothing = store.write_objects([])
+    assert nothing.new_tips == {}
+    store.move_branches(nothing)  # nothing to move
 
 
-def test_while_moving_runs_even_when_moving_fails_and_its_error_stops_the_move(
+def test_moving_branches_that_moved_meanwhile_moves_none_of_them(
         store: DeviceStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """It runs before the branches move: a failed move still ran it (the caller undoes its
-    bookkeeping), and its own failure leaves every branch where it was."""
+    """The objects are written against the tips read then; a branch that moved since makes
+    the move fail, and every branch stays where it was."""
     stale = store.write([DeviceCommit("dev", files(1), "one\n", TS)])["dev"]
     current = store.write([DeviceCommit("dev", files(2), "two\n", TS)])["dev"]
     real_tip = DeviceStore.tip
     monkeypatch.setattr(store, "tip", lambda d: stale if d == "dev" else real_tip(store, d))
-    calls: list[int] = []
-    with pytest.raises(GitStoreError, match=r"is at .*, expected"):
-        store.write([DeviceCommit("dev", files(3), "m\n", TS)],
-                    while_moving=lambda new: calls.append(1))
-    assert calls == [1]
+    pending = store.write_objects([DeviceCommit("dev", files(3), "m\n", TS),
+                                   DeviceCommit("other", files(1), "m\n", TS)])
     monkeypatch.undo()
-
-    def broken(tips: object) -> None:
-        raise ValueError("bookkeeping failed")
-
-    with pytest.raises(ValueError, match="bookkeeping failed"):
-        store.write([DeviceCommit("dev", files(3), "m\n", TS)], while_moving=broken)
-    assert store.tip("dev") == current
+    with pytest.raises(GitStoreError, match=r"is at .*, expected"):
+        store.move_branches(pending)
+    assert store.tip("dev") == current and store.tip("other") is None
     assert _our_git_processes() == []
 
 

@@ -11,7 +11,7 @@ import pygit2
 import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
-from compiler import compilation
+from compiler import workers as compile_workers
 from compiler.compilation import CompileReport, compile_fleet
 from compiler.gitstore import DeviceStore, GitStoreError
 from compiler.snapshot import load_snapshot
@@ -125,7 +125,7 @@ def test_forked_incremental_compiles_equal_single_process_ones(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers read stored files (to classify changes) through their own Git handle; which
     devices each intent targets is worked out in two processes (as for a large fleet)."""
-    monkeypatch.setattr(compilation, "PARALLEL_TARGETING", 1)
+    monkeypatch.setattr(compile_workers, "PARALLEL_TARGETING", 1)
     histories, reports = [], []
     for workers in ("1", "2"):
         monkeypatch.setenv("MARGO_COMPILE_WORKERS", workers)

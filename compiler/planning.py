@@ -1,0 +1,187 @@
+"""Plan a compile: which intents changed since the last one, which devices must be
+compiled, and what each of them needs read from the state up front (`plan_compile`).
+
+A device whose capabilities did not change and that no changed intent targets (now or
+before), places (before) or keeps in a grace period is not compiled at all: it is
+accounted as unchanged here, so a no-op recompile of 10,000 devices only hashes their
+capability documents. A device whose id can name no branch is reported as an error of
+its own and left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from compiler.context import COMPILER_VERSION, CompileContext, ResolvedIntents, resolve_intents
+from compiler.device_compile import DeviceJob
+from compiler.gitstore import DeviceStore, branch_problem, device_ref
+from compiler.placement import ProfileConstraints
+from compiler.report import CompileReport, DeviceResult
+from compiler.rollout import RolloutPlan, assign_waves
+from compiler.snapshot import Device, Snapshot, SnapshotMemo
+from compiler.source import FleetSource
+from compiler.state import CompilerState, DeviceRecord, IntentRecord
+from compiler.targeting import TargetIndex
+from margo.errors import Problem, short_repr
+
+__all__ = ["CompilePlan", "plan_compile"]
+
+#: Above this many devices unknown to the state, list all branches once rather than looking
+#: each device's branch up (a lookup that finds nothing costs about as much as a listed ref).
+_LIST_BRANCHES_ABOVE = 1_000
+
+
+@dataclass
+class CompilePlan:
+    """What a compile does, decided before any device compiles."""
+
+    context: CompileContext
+    jobs: list[DeviceJob]  # the devices to compile, in device order
+    report: CompileReport  # started: the devices left as they are, the fleet's errors
+    #: The record of every usable intent as it is now, and the intents whose rollout
+    #: holds some devices back (their records are saved as changed, `compiler.writing`).
+    records: dict[str, IntentRecord]
+    gated: dict[str, RolloutPlan]
+    snapshot: SnapshotMemo | None
+
+
+def plan_compile(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
+                 state: CompilerState, *, now: float,
+                 rollouts: Mapping[str, RolloutPlan]) -> CompilePlan:
+    """Resolve the intents, find what changed, and list the devices to compile; binds
+    `state` to `store` (a state of another repository is forgotten)."""
+    intents = resolve_intents(source)
+    previous_intents = state.intents()
+    records = {name: intents.record(name) for name in intents.usable}
+    changed = {n for n, r in records.items() if previous_intents.get(n) != r}
+    changed |= {n for n in previous_intents if n not in records and n not in intents.frozen}
+    gated = _gated_intents(intents, rollouts)
+    changed |= set(gated)  # evaluated again on every device while the rollout moves
+    ctx = CompileContext(source, intents, previous_intents, changed, ProfileConstraints(),
+                         now, TargetIndex(snapshot.devices))
+    report = CompileReport(source.revision, devices=len(snapshot.devices))
+    _assign_waves(ctx, snapshot, gated, report)
+    report.errors.extend((None, p) for p in [*source.problems, *intents.problems,
+                                            *snapshot.problems])
+    state.bind(store.identity, compiler_version=COMPILER_VERSION)
+    jobs = _jobs(ctx, snapshot, store, state, report)
+    return CompilePlan(ctx, jobs, report, records, gated, snapshot.memo)
+
+
+def _gated_intents(intents: ResolvedIntents,
+                   rollouts: Mapping[str, RolloutPlan]) -> dict[str, RolloutPlan]:
+    """The usable intents with a rollout spec whose plan is not complete."""
+    return {name: plan for name, plan in sorted(rollouts.items())
+            if plan.status != "complete" and name in intents.usable
+            and intents.usable[name][0].rollout is not None}
+
+
+def _assign_waves(ctx: CompileContext, snapshot: Snapshot, gated: dict[str, RolloutPlan],
+                  report: CompileReport) -> None:
+    """Each device an intent under a rollout targets gets its wave (`compiler.rollout`)."""
+    for name, plan in gated.items():
+        intent = ctx.intents.usable[name][0]
+        assert intent.rollout is not None
+        members = ctx.targeted_by(name)
+        waves = assign_waves(name, intent.rollout, (
+            (d, snapshot.devices[d].properties, snapshot.devices[d].labels)
+            for d in members if d in snapshot.devices))
+        ctx.rollouts[name] = (plan, waves)
+        report.rollout_waves[name] = waves
+
+
+def _jobs(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore, state: CompilerState,
+          report: CompileReport) -> list[DeviceJob]:
+    """The devices that must be compiled, with what they need read up front; the others
+    are accounted in `report` as unchanged."""
+    todo, lost = _devices_to_compile(ctx, snapshot, store, state, report)
+    placements = state.placements_of(device.id for device, _ in todo)
+    trees = state.trees_of(device.id for device, record in todo
+                           if record is not None and record.caps_digest == device.digest)
+    # Devices the state does not know may still have branches (e.g. the state was lost):
+    # one listing answers for all of them when there are many (a first compile).
+    unknown = sum(record is None for _, record in todo)
+    branches = set(store.device_ids()) if unknown > _LIST_BRANCHES_ABOVE else None
+    # A device deleted on purpose starts from nothing, whatever a compile that raced the
+    # deletion wrote back: its old commits are never continued (`CompilerState.forget`).
+    forgotten = state.forgotten()
+    lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()
+                 if device_id not in forgotten}
+    return [DeviceJob(device, record, placements[device.id],
+                      branches is None or device.id in branches, trees.get(device.id),
+                      lost_tips.get(device.id))
+            for device, record in todo]
+
+
+def _devices_to_compile(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore,
+                        state: CompilerState, report: CompileReport,
+                        ) -> tuple[list[tuple[Device, DeviceRecord | None]], list[str]]:
+    """The devices to compile with their records, in device order, and the devices whose
+    branch the state recorded but the repository lost; the others are accounted as
+    unchanged in `report`."""
+    previous_devices = state.devices()
+    in_grace = state.devices_in_grace()
+    placed_by_changed = state.devices_placed_by(ctx.changed)
+    affected: set[str] | None = None
+
+    def affected_devices() -> set[str]:  # only worked out if some device may be skipped
+        nonlocal affected
+        if affected is None:
+            affected = _affected_devices(ctx, in_grace, placed_by_changed)
+        return affected
+
+    # A device the state recorded whose branch is gone (its ref lost, e.g. `packed-refs`
+    # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
+    # staying missing because nothing it depends on changed.
+    refs = store.branch_names() if previous_devices else frozenset()
+    lost: list[str] = []
+    todo: list[tuple[Device, DeviceRecord | None]] = []
+    for device_id in sorted(snapshot.devices):
+        device = snapshot.devices[device_id]
+        if _unusable_id(device, report):
+            continue
+        record = previous_devices.get(device_id)
+        if record is not None and device_ref(device_id) not in refs:
+            lost.append(device_id)
+            record = None
+        if _needs_compile(device, record, affected_devices):
+            todo.append((device, record))
+        else:
+            report.unchanged += 1
+            report.deployments += record.deployments if record else 0
+    return todo, lost
+
+
+def _unusable_id(device: Device, report: CompileReport) -> bool:
+    """Whether no branch can be named for the device's id (one a snapshot built by hand
+    holds, or one stored before ids were bounded where they enter): then it is reported as
+    an error of its own and left out, so it cannot stop the commits of the rest."""
+    problem = branch_problem(device.id)
+    if problem is None:
+        return False
+    located = Problem(("properties", "id"), f"device {short_repr(device.id)} gets no desired "
+                      f"state: {problem}", file=device.file, found=short_repr(device.id))
+    report.results.append(DeviceResult(device.id, "error", problems=[located]))
+    report.errors.append((device.id, located))
+    return True
+
+
+def _needs_compile(device: Device, record: DeviceRecord | None,
+                   affected: Callable[[], set[str]]) -> bool:
+    """Whether anything that decides this device's tree may have changed."""
+    if record is None or record.caps_digest != device.digest:
+        return True
+    return device.id in affected()
+
+
+def _affected_devices(ctx: CompileContext, in_grace: set[str], placed_by_changed: set[str],
+                      ) -> set[str]:
+    """Devices an unchanged capability document does not exempt from compiling: a grace
+    period may have run out, a changed intent placed them before or targets them now.
+    One set for the fleet, so each device costs one lookup instead of one per intent."""
+    affected = in_grace | placed_by_changed
+    for name in ctx.changed:
+        if name in ctx.intents.usable and name not in ctx.placed_as_before:
+            affected |= ctx.targeted_by(name)  # (else: the devices it placed before)
+    return affected

@@ -1,0 +1,160 @@
+"""Write a compile: each device's result is accounted as it arrives and its commit streams
+to Git (`account_commits`); then, in a plain sequence, the objects are written, the state's
+records are staged, every branch moves at once, and the records are committed
+(`write_fleet`).
+
+All or nothing: the branches move in one compare-and-swap (`DeviceStore.move_branches`),
+and the state is committed only once they have moved, so it never claims a tree that a
+failed write did not commit; if the move fails, the staged records are rolled back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from compiler.device_compile import DeviceJob, DeviceWork
+from compiler.gitstore import DeviceCommit, DeviceStore
+from compiler.planning import CompilePlan
+from compiler.report import CompileReport, DeviceResult
+from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord, StagedSave
+
+__all__ = ["CompileOutcomes", "account_commits", "write_fleet"]
+
+#: What the digest of an intent's record is while a rollout holds some of its devices back:
+#: the compile after the rollout ends must see it as changed and move every device on.
+_GATED = "rollout"
+#: What the digests of a frozen intent's record are replaced with (no intent has them).
+_FROZEN = "frozen"
+
+
+@dataclass
+class CompileOutcomes:
+    """What a compile records in the state, gathered while its commits stream to Git."""
+
+    devices: dict[str, DeviceRecord] = field(default_factory=dict)
+    placements: list[PlacementRecord] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+    #: Devices committed with no parent (a branch of their own from nothing).
+    restarted: list[str] = field(default_factory=list)
+    #: The placements the state had for the devices of `devices` (`DeviceJob.previous`).
+    before: dict[str, dict[str, PlacementRecord]] = field(default_factory=dict)
+    #: Device -> (its tip when unchanged, else None until Git says; its files).
+    trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
+
+    def trees_at(self, tips: Mapping[str, str]) -> dict[str, tuple[str, dict[str, str]]]:
+        """`trees` with the new tips of the committed devices filled in."""
+        out = {}
+        for device_id, (tip, files) in self.trees.items():
+            tip = tip or tips.get(device_id)
+            if tip is not None:
+                out[device_id] = (tip, files)
+        return out
+
+
+def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: CompileReport,
+                    outcomes: CompileOutcomes, now: float) -> Iterator[DeviceCommit]:
+    """The commits of the compiled devices, in device order, accounting every device in
+    `report` and `outcomes` as its result arrives (consume it fully before reading them)."""
+    for job, work in zip(jobs, works, strict=True):
+        device_id, outcome = job.device.id, work.outcome
+        result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
+                              notes=outcome.notes, grace_until=outcome.grace_until)
+        report.results.append(result)
+        report.errors.extend((device_id, p) for p in outcome.problems)
+        if work.tree is None or work.ids is None:  # the device as a whole failed
+            result.status, result.changes = "error", []
+            report.deployments += work.stored_files
+            outcomes.forget.append(device_id)
+            continue
+        _account(job, work, report, outcomes, now)
+        if work.message is None:
+            report.unchanged += 1
+            continue
+        result.status = "committed"
+        report.commits += 1
+        if work.tip is None:
+            outcomes.restarted.append(device_id)
+        yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
+                           parent=work.tip, parent_known=True, on_parent=work.on_parent,
+                           removed=work.removed, branch_lost=work.branch_lost)
+
+
+def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
+             outcomes: CompileOutcomes, now: float) -> None:
+    """What the state records of a device that compiled (committed or not)."""
+    device_id, outcome = job.device.id, work.outcome
+    assert work.tree is not None and work.ids is not None
+    if outcome.problems:  # compiled in full next time, so they are reported again
+        outcomes.forget.append(device_id)
+    report.deployments += len(work.ids)
+    for name, base in outcome.moves:
+        report.rollout_moves.setdefault(name, {})[device_id] = base
+    outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
+                                               work.tree, len(work.ids))
+    outcomes.placements.extend(outcome.placements)
+    outcomes.before[device_id] = job.previous
+    outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
+
+
+def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
+                outcomes: CompileOutcomes, commits: Iterator[DeviceCommit]) -> dict[str, str]:
+    """Write the commits and save the state, all or nothing; device id -> new tip.
+
+    Locked from the first commit until the state says what was written (no lock when
+    nothing is written): write every object (the devices still compiling meanwhile), stage
+    the records with the new tips, move every branch, commit the records.
+    """
+    first = next(commits, None)
+    if first is None:
+        _commit(_stage(state, plan, outcomes, {}))
+        return {}
+    with store.lock():
+        pending = store.write_objects(itertools.chain([first], commits))
+        staged = _stage(state, plan, outcomes, pending.new_tips)  # every commit is made
+        try:
+            store.move_branches(pending)
+        except BaseException:
+            staged.rollback()
+            raise
+        _commit(staged)
+    return dict(pending.new_tips)
+
+
+def _commit(staged: StagedSave) -> None:
+    """Commit the staged records (rolled back if committing fails)."""
+    try:
+        staged.commit()
+    except BaseException:
+        if staged.pending:
+            staged.rollback()
+        raise
+
+
+def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes,
+           tips: Mapping[str, str]) -> StagedSave:
+    """Write the compile's records into the state, uncommitted."""
+    records, gated, frozen = plan.records, plan.gated, plan.context.intents.frozen
+    previous = plan.context.previous_intents
+    return state.stage(
+        intents=[*(dataclasses.replace(r, digest=_GATED) if r.name in gated else r
+                   for r in records.values()),
+                 *_frozen_records(previous, frozen)],
+        forget_intents=[n for n in previous if n not in records and n not in frozen],
+        devices=outcomes.devices.values(), placements=outcomes.placements,
+        forget_devices=outcomes.forget, snapshot=plan.snapshot,
+        restarted=outcomes.restarted,
+        trees=outcomes.trees_at(tips), placements_before=outcomes.before)
+
+
+def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:
+    """The records of frozen intents, marked so that the intent counts as changed, with
+    changed placement, once it is usable again.
+
+    Why: while frozen, its devices keep their files and placement records whatever their
+    capabilities do, so those records say nothing about the devices any more; its first
+    usable compile must evaluate every device again, not keep or reuse them."""
+    return [dataclasses.replace(previous[name], digest=_FROZEN, placement_digest=_FROZEN)
+            for name in sorted(frozen) if name in previous]

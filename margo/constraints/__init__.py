@@ -36,11 +36,28 @@ Every evaluation reads a device's *matching view* (`matching_view`): its `proper
 root `x-...-extensions` and its cluster sections (`metadata`, `apiSurface`, `resources`,
 `capabilities`) merged in, so a propertySelector pointer reaches whatever the device reported.
 Callers build the view once per device, not once per evaluation.
+
+Layout: one module per dialect, each holding its compile step next to its checks, on a small
+shared core; private names never leave their module (tests/margo/test_constraints_layout.py).
+
+    core        vocabulary (shared words, MISSING), results (Failure, MatchResult, wording),
+                problems (ProblemCollector), pointers (JSON Pointers, the matching view),
+                compiled (Check, CompiledConstraints)
+    dialects    capacity (capacityRequirements: cpu, memory, storage)
+                required_resources (the older requiredResources: + peripherals, interfaces)
+                expressions (matchExpressions: selectors and operators)
+                rules (eligibilityRules)      characteristics (the draft deviceCharacteristics)
+                cluster (the cluster clause) -> cluster_nodes, cluster_version,
+                cluster_features, on cluster_report (reading a reported cluster)
+    top         compiler (compile_constraints: hands each clause to its dialect), demand
+
+A new clause goes into its dialect's module (or a new module beside them) and is wired in
+by one line of `compiler` or `cluster`; a new operator goes into `expressions`.
 """
 
 from __future__ import annotations
 
-from margo.constraints.cluster import parse_version_range
+from margo.constraints.cluster_version import parse_version_range
 from margo.constraints.compiled import CompiledConstraints
 from margo.constraints.compiler import compile_constraints, match
 from margo.constraints.demand import Demand, GpuClaim, Usage, demand_of

@@ -1,24 +1,37 @@
-"""Capacity checks: CPU placement units, memory and storage quantities, peripherals and
-interfaces.
+"""The capacity dialect (`deviceConstraints.capacityRequirements`, and the same fields of the
+older `requiredResources`): a CPU placement unit (cores on one `cpus` entry, of a listed
+architecture) and memory and storage quantities; compiled and checked here.
+
+`cpus` entries are placement units and are never summed. Reported quantities repeat across a
+fleet, so each distinct string is parsed once (`reported_bytes`, also read by the cluster
+dialect for node amounts).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final
 
-from margo.constraints.results import Failure, _is_number, _number, _show
-from margo.constraints.vocabulary import ARCHITECTURE_ALIASES
+from margo.constraints.problems import ProblemCollector
+from margo.constraints.results import Failure, display_number, is_number, kind_of, show
+from margo.constraints.vocabulary import ARCHITECTURE_ALIASES, MISSING
+from margo.errors import Path
 from margo.quantity import format_quantity, parse_quantity
 
-__all__ = []
+__all__ = ["CAPACITY_FIELDS", "CpuCheck", "QuantityCheck", "compile_capacity",
+           "parse_reported_text", "reported_bytes"]
+
+#: The fields of `capacityRequirements`.
+CAPACITY_FIELDS: Final = ("cpu", "memory", "storage")
+_CPU_FIELDS: Final = ("cores", "architectures")
 
 
 @lru_cache(maxsize=4096)
-def _parse_reported_text(text: str) -> Decimal | str:
+def parse_reported_text(text: str) -> Decimal | str:
     """Device quantities repeat across a fleet; parse each distinct string once."""
     try:
         return parse_quantity(text)
@@ -26,10 +39,10 @@ def _parse_reported_text(text: str) -> Decimal | str:
         return str(exc)
 
 
-def _reported_bytes(value: Any) -> Decimal | str:
+def reported_bytes(value: Any) -> Decimal | str:
     """A device-reported quantity as bytes, or the reason it is not one (never raises)."""
     if isinstance(value, str):
-        return _parse_reported_text(value)
+        return parse_reported_text(value)
     try:
         return parse_quantity(value)
     except ValueError as exc:
@@ -37,7 +50,7 @@ def _reported_bytes(value: Any) -> Decimal | str:
 
 
 @dataclass(frozen=True, slots=True)
-class _CpuCheck:
+class CpuCheck:
     """Some single `cpus` entry has enough cores (and a listed architecture)."""
 
     stage: str
@@ -53,7 +66,7 @@ class _CpuCheck:
 
     def _cores_ok(self, entry: Any) -> bool:
         cores = entry.get("cores") if isinstance(entry, Mapping) else None
-        return _is_number(cores) and cores >= self.cores
+        return is_number(cores) and cores >= self.cores
 
     def passes(self, properties: Mapping[str, Any]) -> bool:
         cpus = properties.get("cpus")
@@ -79,13 +92,13 @@ class _CpuCheck:
 
     def _wanted(self) -> str:
         arch = f" {'/'.join(self.architectures)}" if self.architectures else ""
-        return f"a single{arch} CPU entry with at least {_number(self.cores)} cores"
+        return f"a single{arch} CPU entry with at least {display_number(self.cores)} cores"
 
     def _no_cpus(self, cpus: Any) -> list[Failure]:
-        reported = "no cpus" if cpus is None else f"cpus as {_show(cpus)}, not a list"
+        reported = "no cpus" if cpus is None else f"cpus as {show(cpus)}, not a list"
         message = f"needs {self._wanted()}, but the device reports {reported}"
         failures = [
-            Failure(self.stage, "cpu.cores", ">=", _number(self.cores), None, None, message)
+            Failure(self.stage, "cpu.cores", ">=", display_number(self.cores), None, None, message)
         ]
         if self.architectures:
             failures.append(
@@ -98,8 +111,8 @@ class _CpuCheck:
         actual = [_entry_field(e, "architecture") for e in cpus]
         required = list(self.architectures or ())
         message = (
-            f"needs a CPU entry with architecture in {_show(required)}, "
-            f"but the device's cpus are {_show(actual)}"
+            f"needs a CPU entry with architecture in {show(required)}, "
+            f"but the device's cpus are {show(actual)}"
         )
         return Failure(self.stage, "cpu.architectures", "In", required, actual, None, message)
 
@@ -108,25 +121,26 @@ class _CpuCheck:
         """Cores per entry; `arch_matching` narrows the explanation to the usable entries."""
         actual = [_entry_field(e, "cores") for e in cpus]
         if arch_matching is None:
-            has = f"the device's cpus have {_show(actual)} cores"
+            has = f"the device's cpus have {show(actual)} cores"
         else:
             usable = [_entry_field(e, "cores") for e in arch_matching]
             arch = "/".join(self.architectures or ())
             has = (
-                f"the device's {arch} entries have {_show(usable)} cores"
-                f" (all entries: {_show(actual)})"
+                f"the device's {arch} entries have {show(usable)} cores"
+                f" (all entries: {show(actual)})"
             )
         message = f"needs {self._wanted()}, but {has}; entries are never summed"
-        return Failure(self.stage, "cpu.cores", ">=", _number(self.cores), actual, None, message)
+        return Failure(self.stage, "cpu.cores", ">=", display_number(self.cores), actual, None,
+                       message)
 
 
 def _entry_field(entry: Any, field: str) -> Any:
     value = entry.get(field) if isinstance(entry, Mapping) else None
-    return _number(value) if _is_number(value) else value
+    return display_number(value) if is_number(value) else value
 
 
 @dataclass(frozen=True, slots=True)
-class _QuantityCheck:
+class QuantityCheck:
     """`memory` / `storage`: the device reports at least the required bytes."""
 
     stage: str
@@ -136,7 +150,7 @@ class _QuantityCheck:
     required_shown: str  # format_quantity(required_bytes), rendered once at compile time
 
     def passes(self, properties: Mapping[str, Any]) -> bool:
-        reported = _reported_bytes(properties.get(self.field))
+        reported = reported_bytes(properties.get(self.field))
         return isinstance(reported, Decimal) and reported >= self.required_bytes
 
     def explain(self, properties: Mapping[str, Any]) -> list[Failure]:
@@ -147,11 +161,11 @@ class _QuantityCheck:
         if raw is None:
             message = f"{needs}, but the device does not report {self.field}"
         else:
-            reported = _reported_bytes(raw)
+            reported = reported_bytes(raw)
             message = (
                 f"{needs}, has {self._has(reported)}"
                 if isinstance(reported, Decimal)
-                else f"{needs}, but the device reports {_show(raw)}, which is not a quantity"
+                else f"{needs}, but the device reports {show(raw)}, which is not a quantity"
                 f" ({reported})"
             )
         return [Failure(self.stage, self.field, ">=", self.required_text, raw, None, message)]
@@ -163,51 +177,73 @@ class _QuantityCheck:
         return f"{has} ({reported} < {self.required_bytes} bytes)"
 
 
-@dataclass(frozen=True, slots=True)
-class _PeripheralCheck:
-    """Legacy: some device peripheral has the required type (and manufacturer/model if given)."""
-
-    stage: str
-    required: tuple[tuple[str, str], ...]
-
-    def passes(self, properties: Mapping[str, Any]) -> bool:
-        peripherals = properties.get("peripherals")
-        if not isinstance(peripherals, list | tuple):
-            return False
-        return any(
-            isinstance(p, Mapping) and all(p.get(f) == v for f, v in self.required)
-            for p in peripherals
-        )
-
-    def explain(self, properties: Mapping[str, Any]) -> list[Failure]:
-        if self.passes(properties):
-            return []
-        actual = properties.get("peripherals")
-        wanted = ", ".join(f"{f} {v!r}" for f, v in self.required)
-        has = "no peripherals" if actual is None else _show(actual)
-        message = f"needs a peripheral with {wanted}, but the device has {has}"
-        return [Failure(self.stage, "peripherals", "ContainsAll", dict(self.required), actual,
-                        None, message)]
+# --------------------------------------------------------------------------- compilation
 
 
-@dataclass(frozen=True, slots=True)
-class _InterfaceCheck:
-    """Legacy: the device has an interface of the required type."""
+def compile_capacity(log: ProblemCollector, value: Any, path: Path, stage: str,
+                     fields: tuple[str, ...], what: str) -> list[CpuCheck | QuantityCheck]:
+    """cpu, memory and storage of `value` (an object with `fields`), as checks of `stage`."""
+    doc = log.fields_of(value, path, what, fields)
+    if doc is None:
+        return []
+    checks: list[CpuCheck | QuantityCheck | None] = []
+    if "cpu" in doc:
+        checks.append(_compile_cpu(log, doc["cpu"], (*path, "cpu"), stage))
+    for field in ("memory", "storage"):
+        checks.append(_compile_quantity(log, doc, field, path, stage))
+    return [c for c in checks if c is not None]
 
-    stage: str
-    type: str
 
-    def passes(self, properties: Mapping[str, Any]) -> bool:
-        interfaces = properties.get("interfaces")
-        if not isinstance(interfaces, list | tuple):
-            return False
-        return any(isinstance(i, Mapping) and i.get("type") == self.type for i in interfaces)
+def _compile_cpu(log: ProblemCollector, value: Any, path: Path, stage: str) -> CpuCheck | None:
+    before = len(log.problems)
+    doc = log.fields_of(value, path, "cpu", _CPU_FIELDS)
+    if doc is None:
+        return None
+    cores = doc.get("cores", MISSING)
+    if cores is MISSING:
+        log.problem(path, "cpu needs `cores`", expected="a number of cores greater than 0")
+    elif not is_number(cores) or not math.isfinite(cores) or cores <= 0:
+        log.problem((*path, "cores"), "cores must be a number greater than 0",
+                    expected="a number greater than 0", found=cores)
+    architectures = _compile_architectures(log, doc.get("architectures", MISSING), path)
+    if len(log.problems) != before:
+        return None
+    accepted = (
+        None
+        if architectures is None
+        else frozenset(ARCHITECTURE_ALIASES.get(a, a) for a in architectures)
+    )
+    return CpuCheck(stage, cores, architectures, accepted)
 
-    def explain(self, properties: Mapping[str, Any]) -> list[Failure]:
-        if self.passes(properties):
-            return []
-        actual = properties.get("interfaces")
-        has = "no interfaces" if actual is None else _show(actual)
-        message = f"needs a {self.type!r} interface, but the device has {has}"
-        return [Failure(self.stage, "interfaces", "ContainsAll", {"type": self.type}, actual,
-                        None, message)]
+
+def _compile_architectures(log: ProblemCollector, value: Any,
+                           path: Path) -> tuple[str, ...] | None:
+    """The listed architectures, None when absent (problems recorded when malformed)."""
+    if value is MISSING:
+        return None
+    path = (*path, "architectures")
+    if not isinstance(value, list | tuple) or not value:
+        log.problem(path, "architectures must be a non-empty list of architecture names",
+                    expected="a non-empty list such as [amd64, arm64]", found=value)
+        return None
+    for i, arch in enumerate(value):
+        if not isinstance(arch, str) or not arch:
+            log.problem((*path, i), "an architecture must be a non-empty string",
+                        expected="a name such as amd64", found=arch)
+    return tuple(value)
+
+
+def _compile_quantity(log: ProblemCollector, doc: Mapping[str, Any], field: str, path: Path,
+                      stage: str) -> QuantityCheck | None:
+    if field not in doc:
+        return None
+    value = doc[field]
+    try:
+        if not isinstance(value, str | int | float):
+            raise ValueError(f"expected a quantity string, found {kind_of(value)}")
+        required = parse_quantity(value)
+    except ValueError as exc:
+        log.problem((*path, field), f"{field} is not a quantity: {exc}",
+                    expected="a quantity such as 1024Mi or 10Gi", found=value)
+        return None
+    return QuantityCheck(stage, field, value, required, format_quantity(required))

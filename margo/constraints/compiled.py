@@ -1,18 +1,35 @@
 """The compiled form: checks, rules and characteristics, evaluated against many devices.
+
+Every dialect compiles into one of three shapes: a `Check` (capacity, legacy, cluster: must
+hold), a `Rule` (eligibilityRules: some must hold) or a `CharacteristicRule` (the draft's
+deviceCharacteristics: some must hold). `CompiledConstraints` combines them and knows
+nothing else of any dialect.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from margo.constraints.cluster import _Check
-from margo.constraints.results import _ELIGIBLE, Failure, MatchResult
-from margo.constraints.rules import _CharacteristicRule, _Rule
-from margo.constraints.vocabulary import _EMPTY
+from margo.constraints.characteristics import CharacteristicRule
+from margo.constraints.results import ELIGIBLE, Failure, MatchResult
+from margo.constraints.rules import Rule
+from margo.constraints.vocabulary import EMPTY
 
-__all__ = ["CompiledConstraints"]
+__all__ = ["Check", "CompiledConstraints"]
+
+
+class Check(Protocol):
+    """A requirement every matching device meets (capacity, legacy and cluster dialects)."""
+
+    def passes(self, properties: Mapping[str, Any]) -> bool:
+        """The verdict alone, without allocating an explanation."""
+        ...
+
+    def explain(self, properties: Mapping[str, Any]) -> list[Failure]:
+        """Every way the device misses this requirement (empty when it meets it)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +40,9 @@ class CompiledConstraints:
     allocations) and builds explanations only for devices that do not match.
     """
 
-    checks: tuple[_Check, ...]
-    rules: tuple[_Rule, ...]
-    characteristics: tuple[_CharacteristicRule, ...] = ()
+    checks: tuple[Check, ...]
+    rules: tuple[Rule, ...]
+    characteristics: tuple[CharacteristicRule, ...] = ()
 
     def _passes(self, properties: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
         for check in self.checks:
@@ -47,8 +64,8 @@ class CompiledConstraints:
         self, properties: Mapping[str, Any] | None, labels: Mapping[str, Any] | None
     ) -> bool:
         """The verdict alone, for callers that explain only on demand (fleet compiles)."""
-        return self._passes(_EMPTY if properties is None else properties,
-                            _EMPTY if labels is None else labels)
+        return self._passes(EMPTY if properties is None else properties,
+                            EMPTY if labels is None else labels)
 
     def evaluate(
         self, properties: Mapping[str, Any] | None, labels: Mapping[str, Any] | None
@@ -58,10 +75,10 @@ class CompiledConstraints:
 
         `properties` is the device's matching view (`matching_view`); plain `properties`
         work too, but then extensions and cluster requirements see nothing (and fail)."""
-        properties = _EMPTY if properties is None else properties
-        labels = _EMPTY if labels is None else labels
+        properties = EMPTY if properties is None else properties
+        labels = EMPTY if labels is None else labels
         if self._passes(properties, labels):
-            return _ELIGIBLE
+            return ELIGIBLE
         failures: list[Failure] = []
         for check in self.checks:
             failures.extend(check.explain(properties))

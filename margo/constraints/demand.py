@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from margo.constraints.capacity import _CpuCheck, _PeripheralCheck, _QuantityCheck
+from margo.constraints.capacity import CpuCheck, QuantityCheck
 from margo.constraints.compiled import CompiledConstraints
-from margo.constraints.operators import _Expression
-from margo.constraints.vocabulary import _CONTAINS_OPERATORS, _EMPTY
+from margo.constraints.expressions import Expression
+from margo.constraints.required_resources import PeripheralCheck
+from margo.constraints.vocabulary import CONTAINS_OPERATORS, EMPTY
 
 __all__ = ["Demand", "GpuClaim", "Usage", "demand_of"]
 
@@ -92,7 +93,7 @@ class Demand:
                       self.gpus if len(self.gpus) >= len(other.gpus) else other.gpus)
 
 
-def _claim_of_legacy(check: _PeripheralCheck) -> GpuClaim | None:
+def _claim_of_legacy(check: PeripheralCheck) -> GpuClaim | None:
     required = dict(check.required)
     if required.get("type") != _GPU:
         return None
@@ -102,13 +103,13 @@ def _claim_of_legacy(check: _PeripheralCheck) -> GpuClaim | None:
     return GpuClaim(lambda p: all(p.get(f) == v for f, v in pairs), text)
 
 
-def _is_gpu_type(item: _Expression) -> bool:
+def _is_gpu_type(item: Expression) -> bool:
     return (item.key == "/type" and item.operator == "In" and bool(item.values)
             and all(v == _GPU for v in item.values))
 
 
-def _claim_of_expression(expr: _Expression) -> GpuClaim | None:
-    if expr.key != "/peripherals" or expr.operator not in _CONTAINS_OPERATORS:
+def _claim_of_expression(expr: Expression) -> GpuClaim | None:
+    if expr.key != "/peripherals" or expr.operator not in CONTAINS_OPERATORS:
         return None
     items = expr.items
     if not any(_is_gpu_type(i) for i in items):
@@ -128,14 +129,14 @@ def _fixed(compiled: CompiledConstraints) -> Demand:
     amounts = {"memory": _ZERO, "storage": _ZERO}
     claims: list[GpuClaim] = []
     for check in compiled.checks:
-        if isinstance(check, _CpuCheck):
+        if isinstance(check, CpuCheck):
             cores = max(cores, Decimal(str(check.cores)))
             if check.accepted is not None:
                 architectures = (check.accepted if architectures is None
                                  else architectures & check.accepted)
-        elif isinstance(check, _QuantityCheck) and check.field in amounts:
+        elif isinstance(check, QuantityCheck) and check.field in amounts:
             amounts[check.field] = max(amounts[check.field], check.required_bytes)
-        elif isinstance(check, _PeripheralCheck):
+        elif isinstance(check, PeripheralCheck):
             claim = _claim_of_legacy(check)
             if claim is not None:
                 claims.append(claim)
@@ -160,8 +161,8 @@ def demand_of(compiled: CompiledConstraints, view: Mapping[str, Any] | None = No
     demand = cached[1]
     if not compiled.rules:
         return demand
-    view = _EMPTY if view is None else view
-    labels = _EMPTY if labels is None else labels
+    view = EMPTY if view is None else view
+    labels = EMPTY if labels is None else labels
     for rule in compiled.rules:
         if rule.passes(view, labels):
             claims = tuple(c for c in map(_claim_of_expression, rule.properties)

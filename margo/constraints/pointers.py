@@ -4,19 +4,17 @@ reads.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from margo.constraints.vocabulary import (
-    _ARRAY_INDEX,
-    _BAD_ESCAPE,
-    _MISSING,
-    CLUSTER_SECTIONS,
-    EXTENSION,
-    Lookup,
-)
+from margo.constraints.vocabulary import CLUSTER_SECTIONS, EXTENSION, MISSING, Lookup
 
-__all__ = ["cluster_of", "matching_view", "parse_pointer"]
+__all__ = ["cluster_of", "identity", "is_object", "label_lookup", "matching_view", "member",
+           "parse_pointer", "pointer_lookup"]
+
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+_BAD_ESCAPE = re.compile(r"~(?![01])")
 
 
 def parse_pointer(text: str) -> tuple[str, ...]:
@@ -38,31 +36,32 @@ def parse_pointer(text: str) -> tuple[str, ...]:
 
 
 def _step(doc: Any, key: str, index: int | None) -> Any:
-    """Follow one reference token; anything that does not lead anywhere is `_MISSING`."""
+    """Follow one reference token; anything that does not lead anywhere is `MISSING`."""
     if isinstance(doc, dict):
-        return doc.get(key, _MISSING)
+        return doc.get(key, MISSING)
     if isinstance(doc, list | tuple):
-        return doc[index] if index is not None and index < len(doc) else _MISSING
+        return doc[index] if index is not None and index < len(doc) else MISSING
     if isinstance(doc, Mapping):
-        return doc.get(key, _MISSING)
-    return _MISSING
+        return doc.get(key, MISSING)
+    return MISSING
 
 
-def _identity(doc: Any) -> Any:
+def identity(doc: Any) -> Any:
+    """The lookup of the empty pointer: the whole document."""
     return doc
 
 
-def _pointer_lookup(tokens: tuple[str, ...]) -> Lookup:
+def pointer_lookup(tokens: tuple[str, ...]) -> Lookup:
     """A resolver for pre-split tokens, with array indices decided at compile time."""
     steps = tuple((t, int(t) if _ARRAY_INDEX.fullmatch(t) else None) for t in tokens)
     if not steps:
-        return _identity
+        return identity
     if len(steps) == 1:
         ((key, index),) = steps
 
         def lookup_one(doc: Any) -> Any:
             if isinstance(doc, dict):
-                return doc.get(key, _MISSING)
+                return doc.get(key, MISSING)
             return _step(doc, key, index)
 
         return lookup_one
@@ -75,9 +74,10 @@ def _pointer_lookup(tokens: tuple[str, ...]) -> Lookup:
     return lookup
 
 
-def _label_lookup(key: str) -> Lookup:
+def label_lookup(key: str) -> Lookup:
+    """A resolver for one label key."""
     def lookup(labels: Any) -> Any:
-        return labels.get(key, _MISSING)
+        return labels.get(key, MISSING)
 
     return lookup
 
@@ -85,22 +85,23 @@ def _label_lookup(key: str) -> Lookup:
 # --------------------------------------------------------------------------- matching view
 
 
-def _get(doc: Any, key: str) -> Any:
-    """doc[key] for a JSON object, else `_MISSING`; plain dicts (every parsed document) skip
+def member(doc: Any, key: str) -> Any:
+    """doc[key] for a JSON object, else `MISSING`; plain dicts (every parsed document) skip
     the slow ABC isinstance check, which dominates cluster checks otherwise."""
     if type(doc) is dict or isinstance(doc, Mapping):
-        return doc.get(key, _MISSING)
-    return _MISSING
+        return doc.get(key, MISSING)
+    return MISSING
 
 
-def _is_object(value: Any) -> bool:
+def is_object(value: Any) -> bool:
+    """A JSON object, with the fast path for plain dicts."""
     return type(value) is dict or isinstance(value, Mapping)
 
 
 def cluster_of(view: Mapping[str, Any]) -> Mapping[str, Any] | None:
     """The Kubernetes cluster body a device reported (`x-margo-gitops-extensions.cluster`)."""
-    cluster = _get(_get(view, EXTENSION), "cluster")
-    return cluster if _is_object(cluster) else None
+    cluster = member(member(view, EXTENSION), "cluster")
+    return cluster if is_object(cluster) else None
 
 
 def matching_view(properties: Mapping[str, Any],

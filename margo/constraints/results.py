@@ -1,5 +1,5 @@
 """What an evaluation returns (`Failure`, `MatchResult`) and how values are written in its
-sentences.
+sentences, shared by every dialect's explanations.
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
 
-__all__ = ["Failure", "MatchResult"]
+__all__ = ["ELIGIBLE", "Failure", "MatchResult", "display_number", "is_number", "kind_of",
+           "show"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -58,7 +59,8 @@ class MatchResult:
         return {"eligible": self.eligible, "failures": [f.to_json() for f in self.failures]}
 
 
-_ELIGIBLE: Final = MatchResult(True, ())
+#: The one "eligible" answer, shared so the common verdict allocates nothing.
+ELIGIBLE: Final = MatchResult(True, ())
 
 
 # --------------------------------------------------------------------------- rendering
@@ -77,12 +79,13 @@ def _render(value: Any) -> str:
     return repr(value)
 
 
-def _show(value: Any, limit: int = 120) -> str:
+def show(value: Any, limit: int = 120) -> str:
+    """A value as written in an explanation, cut to `limit` characters."""
     text = _render(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     """The JSON type of a value, with an article, for type-mismatch hints."""
     if isinstance(value, bool):
         return "a boolean"
@@ -97,17 +100,11 @@ def _kind(value: Any) -> str:
     return "an object" if isinstance(value, Mapping) else type(value).__name__
 
 
-_PLURAL: Final[Mapping[str, str]] = {
-    "a string": "strings",
-    "a number": "numbers",
-    "a boolean": "a boolean",
-}
-
-
-def _number(value: int | float) -> int | float:
+def display_number(value: int | float) -> int | float:
     """2.0 cores reads as 2 in messages and JSON."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number: an int or a float, never a boolean."""
     return isinstance(value, int | float) and not isinstance(value, bool)

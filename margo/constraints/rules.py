@@ -1,27 +1,31 @@
-"""Eligibility rules (AND of property and label expressions) and the draft device
-characteristics.
+"""The eligibility-rules dialect (`deviceConstraints.eligibilityRules`): OR across rules, AND
+of every property and label expression within a rule; compiled and checked here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-from margo.constraints.operators import _Expression
+from margo.constraints.expressions import Expression, compile_selector
+from margo.constraints.problems import ProblemCollector
 from margo.constraints.results import Failure
-from margo.constraints.vocabulary import _MISSING, DEVICE_CHARACTERISTIC, EXTENSION
+from margo.constraints.vocabulary import MISSING
+from margo.errors import Path
 
-__all__ = []
+__all__ = ["Rule", "compile_rules"]
+
+_RULE_FIELDS: Final = ("propertySelector", "labelSelector")
 
 
 @dataclass(frozen=True, slots=True)
-class _Rule:
+class Rule:
     """One eligibility rule: every property and every label expression must hold."""
 
     index: int
-    properties: tuple[_Expression, ...]
-    labels: tuple[_Expression, ...]
+    properties: tuple[Expression, ...]
+    labels: tuple[Expression, ...]
 
     def passes(self, properties: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
         for exprs, doc in ((self.properties, properties), (self.labels, labels)):
@@ -39,71 +43,35 @@ class _Rule:
                     failures.append(self._failure(expr, actual))
         return failures
 
-    def _failure(self, expr: _Expression, actual: Any) -> Failure:
+    def _failure(self, expr: Expression, actual: Any) -> Failure:
         message = f"rule {self.index}: {expr.text} but {expr.why_not(actual)}"
         return Failure("eligibility", expr.key, expr.operator, expr.required,
-                       None if actual is _MISSING else actual, self.index, message)
+                       None if actual is MISSING else actual, self.index, message)
 
 
-def _characteristic(view: Mapping[str, Any], labels: Mapping[str, Any], key: str) -> Any:
-    """The draft's device side, mapped onto an rc.3 report: `DEVICE_CHARACTERISTIC` is the whole
-    matching view; then characteristics the device reports in the draft's shape under
-    `x-margo-gitops-extensions.deviceCharacteristics` ([{key, properties}]); then labels (a
-    label is a characteristic whose value is the label value). `_MISSING` when none has it."""
-    if key == DEVICE_CHARACTERISTIC:
-        return view
-    extension = view.get(EXTENSION)
-    reported = extension.get("deviceCharacteristics") if isinstance(extension, Mapping) else None
-    if isinstance(reported, list | tuple):
-        for entry in reported:
-            if isinstance(entry, Mapping) and entry.get("key") == key:
-                return entry.get("properties", _MISSING)
-    return labels.get(key, _MISSING)
+def compile_rules(log: ProblemCollector, value: Any, path: Path) -> list[Rule]:
+    """`eligibilityRules`: the valid rules, a located problem for every invalid one."""
+    if not isinstance(value, list | tuple):
+        log.problem(path, "eligibilityRules must be a list of rules",
+                    expected="a list (OR across rules)", found=value)
+        return []
+    compiled = [_compile_rule(log, raw, (*path, i), i) for i, raw in enumerate(value)]
+    return [rule for rule in compiled if rule is not None]
 
 
-@dataclass(frozen=True, slots=True)
-class _CharacteristicExpression:
-    """A draft matchExpression: find the characteristic `key`, then test `expression` (whose
-    lookup is the `property` pointer, or the whole value when there is none)."""
-
-    key: str
-    property: str | None
-    expression: _Expression
-
-    def actual(self, view: Mapping[str, Any], labels: Mapping[str, Any]) -> tuple[Any, Any]:
-        found = _characteristic(view, labels, self.key)
-        return found, self.expression.lookup(found)
-
-    def why_not(self, found: Any, actual: Any) -> str:
-        if found is _MISSING:
-            return f"the device has no characteristic or label {self.key!r}"
-        return self.expression.why_not(actual)
-
-
-@dataclass(frozen=True, slots=True)
-class _CharacteristicRule:
-    """One `deviceCharacteristics` entry of the draft: every expression must hold."""
-
-    index: int
-    expressions: tuple[_CharacteristicExpression, ...]
-
-    def passes(self, properties: Mapping[str, Any], labels: Mapping[str, Any]) -> bool:
-        for item in self.expressions:
-            expr = item.expression
-            if not expr.test(expr.lookup(_characteristic(properties, labels, item.key))):
-                return False
-        return True
-
-    def explain(self, properties: Mapping[str, Any], labels: Mapping[str, Any]) -> list[Failure]:
-        failures = []
-        for item in self.expressions:
-            found, actual = item.actual(properties, labels)
-            if item.expression.test(actual):
-                continue
-            message = (f"deviceCharacteristics {self.index} (draft): {item.expression.text} but "
-                       f"{item.why_not(found, actual)}")
-            key = item.key if item.property is None else f"{item.key} {item.property}"
-            failures.append(Failure("characteristics", key, item.expression.operator,
-                                    item.expression.required,
-                                    None if actual is _MISSING else actual, self.index, message))
-        return failures
+def _compile_rule(log: ProblemCollector, value: Any, path: Path, index: int) -> Rule | None:
+    doc = log.fields_of(value, path, "an eligibility rule", _RULE_FIELDS)
+    if doc is None:
+        return None
+    if not any(field in doc for field in _RULE_FIELDS):
+        log.problem(path, "an eligibility rule needs a propertySelector or a labelSelector",
+                    expected="propertySelector and/or labelSelector", found=value)
+        return None
+    before = len(log.problems)
+    properties = compile_selector(log, doc.get("propertySelector", MISSING),
+                                  (*path, "propertySelector"), labels=False)
+    labels = compile_selector(log, doc.get("labelSelector", MISSING), (*path, "labelSelector"),
+                              labels=True)
+    if len(log.problems) != before:
+        return None
+    return Rule(index, properties, labels)

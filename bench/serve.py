@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and t
 from kits.serverkit import running_server  # noqa: E402
 
 from wfm.clients import ClientRegistry  # noqa: E402
-from wfm.db import SqliteDatabase  # noqa: E402
+from wfm.sqlitedb import SqliteDatabase  # noqa: E402
 
 
 class Connection:

@@ -108,7 +108,9 @@ class _Registry:
 
     def __init__(self, args: argparse.Namespace):
         from wfm.clients import ClientRegistry
-        from wfm.db import DatabaseDamaged, DatabaseUnavailable, open_database
+        from wfm.database import DatabaseUnavailable
+        from wfm.db import open_database
+        from wfm.sqlitedb import DatabaseDamaged
 
         try:
             self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")

@@ -285,9 +285,9 @@ def _used_before(data: Path) -> tuple[str, ...]:
 
 
 def _check_database(path: Path, used_before: tuple[str, ...]) -> None:
-    """Refuse to start on a damaged or lost SQLite database (`wfm.db.check_sqlite_file`)
+    """Refuse to start on a damaged or lost SQLite database (`wfm.sqlitedb.check_sqlite_file`)
     with what happened and what to do, before anything else opens it."""
-    from wfm.db import DatabaseDamaged, check_sqlite_file
+    from wfm.sqlitedb import DatabaseDamaged, check_sqlite_file
 
     try:
         check_sqlite_file(path, used_before=used_before)

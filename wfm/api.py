@@ -50,10 +50,11 @@ from margo.validation import validate_value
 from wfm import records
 from wfm.attribution import Attribution, claim_of
 from wfm.clientdevices import ClientDevices
-from wfm.clients import Client, ClientRegistry, parse_basic, same_secret
+from wfm.clients import Client, ClientRegistry
 from wfm.compiles import CompileService
 from wfm.credentialcache import CredentialCache
-from wfm.db import Connection, Database
+from wfm.credentials import parse_basic, same_secret
+from wfm.database import Connection, Database
 from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, DesiredState, manifest_body
 from wfm.httpcache import accepts as _accepts
 from wfm.httpcache import etag_matches as _etag_matches

@@ -33,8 +33,9 @@ from wfm.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimmer
 from wfm.clients import ClientRegistry
 from wfm.compiles import CompileService, SourceConfig
 from wfm.dashboard import dashboard_routes
+from wfm.database import Database, DatabaseUnavailable
 from wfm.datalock import DataDirLock
-from wfm.db import Database, DatabaseUnavailable, open_database
+from wfm.db import open_database
 from wfm.desired import DesiredState
 from wfm.fleet_api import FleetApi
 from wfm.fleetmetrics import FleetCollector

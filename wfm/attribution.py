@@ -43,7 +43,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from wfm import records
-from wfm.db import Database, DatabaseUnavailable
+from wfm.database import Database, DatabaseUnavailable
 from wfm.records import UNKNOWN, Applied
 
 __all__ = ["EXTENSION", "Attribution", "Claim", "claim_of"]

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from margo.files import write_atomically
-from wfm.db import Connection, Database
+from wfm.database import Connection, Database
 
 __all__ = ["ensure_ca", "ensure_shared_ca"]
 

@@ -12,7 +12,7 @@ without a device another replica just registered: every lookup reads.
 from __future__ import annotations
 
 from wfm import records
-from wfm.db import Database
+from wfm.database import Database
 
 __all__ = ["ClientDevices"]
 

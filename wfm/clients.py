@@ -11,29 +11,20 @@ public material and are kept as PEM so `margo clients list` can show what each c
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import hmac
 import secrets
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from wfm.db import Connection, Database
+from wfm.credentials import same_secret
+from wfm.database import Connection, Database
 
 __all__ = ["Client", "ClientKey", "ClientRegistry", "ClientRetired", "TokenLookup",
-           "bump_credentials_epoch", "read_credentials_epoch", "same_secret", "token_hash"]
+           "bump_credentials_epoch", "read_credentials_epoch", "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
-
-def same_secret(given: str, expected: str) -> bool:
-    """Constant-time equality of two texts, whatever characters a caller sent: compared as
-    UTF-8 bytes, because `hmac.compare_digest` raises TypeError for a `str` holding anything
-    but ASCII, and a credential must be refused (401), never crash the request (500)."""
-    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"),
-                               expected.encode("utf-8", "surrogatepass"))
-
 
 def token_hash(token: str) -> str:
     # Tokens are 256 random bits: a plain hash is enough (no dictionary to attack).
@@ -258,16 +249,3 @@ class ClientRegistry:
 
         await self._db.write(write)
         return token, ACCESS_TOKEN_SECONDS
-
-
-def parse_basic(header: str) -> tuple[str, str] | None:
-    """(user, password) of an HTTP basic Authorization header, or None."""
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        return None
-    user, sep, password = decoded.partition(":")
-    return (user, password) if sep else None

@@ -45,7 +45,7 @@ from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.state import CompilerState
 from margo.files import write_atomically
 from wfm import records
-from wfm.db import DatabaseUnavailable
+from wfm.database import DatabaseUnavailable
 from wfm.metrics import GIT_SECONDS
 from wfm.pgdb import PgConnection, PostgresDatabase
 from wfm.replication import (

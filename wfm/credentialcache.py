@@ -50,7 +50,7 @@ class _Entry:
 
 class CredentialCache:
     """The remembered lookups of one server process. `read_epoch` and `lookup` run the
-    queries (on a worker thread for a remote store: `wfm.db.Database.offload`)."""
+    queries (on a worker thread for a remote store: `wfm.database.Database.offload`)."""
 
     def __init__(self, read_epoch: Callable[[], Awaitable[int]],
                  lookup: Callable[[str], Awaitable[TokenLookup]]) -> None:

@@ -38,8 +38,8 @@ from margo.kinds import Kind
 from margo.models import DeploymentState
 from margo.validation import validate_value
 from wfm import records
-from wfm.clients import same_secret
 from wfm.compiles import SourceConfig
+from wfm.credentials import same_secret
 from wfm.fleet_api import FleetApi
 from wfm.sourcecondition import load_condition
 

@@ -26,9 +26,9 @@ from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm import records
 from wfm.api import Api
-from wfm.clients import same_secret
 from wfm.compiles import SourceConfig
-from wfm.db import Connection
+from wfm.credentials import same_secret
+from wfm.database import Connection
 from wfm.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.leadtime import LeadTimes
 from wfm.metrics import WEBHOOKS

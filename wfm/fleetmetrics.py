@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from margo.kinds import Shape
 from margo.models import DeploymentState
 from wfm import records
-from wfm.db import Connection, Database
+from wfm.database import Connection, Database
 from wfm.desired import DesiredState
 from wfm.freshness import STALE_POLLS, device_freshness
 from wfm.rollouts import load_rollouts

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 
 from wfm import records
-from wfm.db import Database, DatabaseUnavailable
+from wfm.database import Database, DatabaseUnavailable
 
 __all__ = ["FLUSH_EVERY", "PollClock"]
 

@@ -43,7 +43,7 @@ from typing import Any
 from compiler.compilation import CompileReport
 from compiler.render import deployment_id
 from wfm.attribution import Claim, claim_of
-from wfm.db import Connection, Database
+from wfm.database import Connection, Database
 from wfm.desired import DesiredState
 from wfm.metrics import LEAD_TIME, LEAD_TIME_DROPPED
 from wfm.records import Applied

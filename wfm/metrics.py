@@ -43,6 +43,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wfm.credentials import same_secret
 from wfm.problems import ProblemError
 
 __all__ = ["COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS", "DB_BATCH_SECONDS",
@@ -277,8 +278,6 @@ class MetricsEndpoint:
     def _authorize(self, request: Request) -> None:
         if not self._tokens:
             return
-        from wfm.clients import same_secret  # (wfm.clients needs wfm.db, which counts here)
-
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not any(same_secret(value.strip(), token)
                                                  for token in self._tokens):

@@ -2,7 +2,7 @@
 
 The record functions are written once, with `?` placeholders; `PgConnection` hands psycopg
 the same statements with `%s` (and a literal `%` doubled). Reads borrow a pooled connection
-in autocommit mode; durable writes go through the group-commit writer of `wfm.db` on a
+in autocommit mode; durable writes go through the group-commit writer of `wfm.database` on a
 connection of their own, reconnecting after the server was lost. While PostgreSQL cannot be
 reached every read and write raises `DatabaseUnavailable` (503 with `Retry-After` for the
 caller), and the pool reconnects by itself once it is back; until a write succeeds again,
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from wfm.db import Database, DatabaseUnavailable
+from wfm.database import Database, DatabaseUnavailable
 from wfm.schema import migrate
 
 __all__ = ["PgConnection", "PostgresDatabase", "translate"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from margo.digests import data_digest
-from wfm.db import Connection
+from wfm.database import Connection
 
 __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
            "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",

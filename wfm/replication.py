@@ -28,7 +28,7 @@ import pygit2
 
 from compiler.packedrefs import LooseRefsError, move_refs
 from margo.files import write_atomically
-from wfm.db import Connection
+from wfm.database import Connection
 
 __all__ = ["COMPACT_AFTER", "COUNTERS", "Published", "RepoReplica", "Snapshot", "publish_rows",
            "read_snapshot"]

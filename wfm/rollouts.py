@@ -51,7 +51,7 @@ from compiler.rollout import (
 from compiler.source import FleetSource
 from margo.digests import data_digest
 from wfm import records
-from wfm.db import Connection, Database
+from wfm.database import Connection, Database
 from wfm.desired import DesiredState
 from wfm.freshness import status_for_current
 

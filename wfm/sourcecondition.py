@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from compiler.compilation import CompileReport
-from wfm.db import Connection
+from wfm.database import Connection
 
 __all__ = ["MAX_PROBLEMS", "SourceCondition", "load_condition", "store_condition"]
 

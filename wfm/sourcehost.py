@@ -26,7 +26,7 @@ from starlette.types import ASGIApp
 
 from compiler.stalelocks import recover_stale_locks
 from margo.files import write_atomically
-from wfm.clients import parse_basic, same_secret
+from wfm.credentials import parse_basic, same_secret
 from wfm.githttp import BACKEND_GONE, write_to_backend
 from wfm.metrics import PUSHES
 from wfm.problems import ProblemError, problem_response

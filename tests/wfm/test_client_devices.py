@@ -10,7 +10,7 @@ from typing import Any
 
 from wfm import records
 from wfm.clientdevices import ClientDevices
-from wfm.db import SqliteDatabase
+from wfm.sqlitedb import SqliteDatabase
 
 
 def register(db: SqliteDatabase, client_id: str, device_id: str) -> None:

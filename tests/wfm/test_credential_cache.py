@@ -19,7 +19,7 @@ from tools.polling import poll_until
 from wfm import credentialcache
 from wfm.clients import ClientRegistry, TokenLookup, token_hash
 from wfm.credentialcache import CredentialCache
-from wfm.db import SqliteDatabase
+from wfm.sqlitedb import SqliteDatabase
 
 
 def _status(base: str, token: str) -> int:

@@ -32,8 +32,10 @@ from tools.polling import poll_until
 from tools.postgres import PostgresServer
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import DatabaseUnavailable, SqliteDatabase, open_database
+from wfm.database import DatabaseUnavailable
+from wfm.db import open_database
 from wfm.lastseen import PollClock
+from wfm.sqlitedb import SqliteDatabase
 
 #: How long a test waits for any answer: far more than the busy timeouts used here, far
 #: less than "forever" (the defect).

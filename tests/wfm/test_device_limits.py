@@ -19,7 +19,8 @@ from kits.serverkit import ROOT, STORE, add_client, running_server
 
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import Database, open_database
+from wfm.database import Database
+from wfm.db import open_database
 
 CAPS = ROOT / "examples" / "capabilities"
 LIMIT = 2

@@ -8,9 +8,9 @@ import pytest
 
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import SqliteDatabase
 from wfm.freshness import MIN_STALE, STALE_AFTER, device_freshness
 from wfm.lastseen import PollClock
+from wfm.sqlitedb import SqliteDatabase
 
 NOW = 1_900_000_000.0
 HELD = {"d1": "sha256:new", "d2": "sha256:same"}

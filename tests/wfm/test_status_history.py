@@ -20,7 +20,8 @@ from kits.serverkit import add_client, running_server
 from tools.polling import poll_until
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import Database, open_database
+from wfm.database import Database
+from wfm.db import open_database
 from wfm.schema import MIGRATIONS, schema_version
 
 WHEN = "2025-03-01T12:00:00+01:00"

@@ -15,7 +15,8 @@ from kits.schemakit import database_at
 
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import Database, open_database
+from wfm.database import Database
+from wfm.db import open_database
 from wfm.schema import MIGRATIONS, schema_version
 
 BOUND = records.STATUS_HISTORY + records._STATUS_TRIM_EVERY

@@ -13,9 +13,11 @@ import pytest
 from tools.postgres import PostgresServer
 from wfm import records
 from wfm.clients import ClientRegistry
-from wfm.db import Database, DatabaseUnavailable, SqliteDatabase, open_database
+from wfm.database import Database, DatabaseUnavailable
+from wfm.db import open_database
 from wfm.pgdb import translate
 from wfm.schema import MIGRATIONS, SchemaTooNew, schema_version
+from wfm.sqlitedb import SqliteDatabase
 
 DOC = {"properties": {"id": "edge-1", "vendor": "Example"}}
 

@@ -43,6 +43,6 @@ def test_a_capacity_only_change_settles_with_no_step_on_the_device(
     # workload, applied no further time.
     cycles = device.cycles()[cycles_before:]
     assert any(c["fetched"] == "adopted" for c in cycles), cycles
-    assert [c["steps"] for c in cycles if c["steps"]] == []
+    assert [c["steps"] for c in cycles if c["steps"]] == [], (cycles, device.log_tail())
     assert device.workloads() == running
     assert device.engine.fingerprint() == applied

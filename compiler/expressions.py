@@ -55,18 +55,20 @@ values end up in YAML/Helm, where Python's `True`/`None` would be wrong). Litera
 non-strings and strings without `{{`, `{%` or `{#` — pass through unchanged; lists, tuples
 and mappings are walked so the expression strings inside them are evaluated (mapping keys
 never are). Compiled templates are cached per source string.
+
+Layout: this module is the sandbox and the compiler of expressions; what an expression may
+call is `compiler.expression_functions`, and the limits, budgets and the conversion of
+results to data are `compiler.expression_limits`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import deque
-from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from decimal import ROUND_CEILING, Decimal
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Final
 
@@ -77,13 +79,31 @@ from jinja2.exceptions import (
     TemplateSyntaxError,
     UndefinedError,
 )
-from jinja2.filters import FILTERS, make_attrgetter
 from jinja2.runtime import Context, StrictUndefined, Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.tests import TESTS
-from jinja2.utils import missing, pass_environment
+from jinja2.utils import missing
 
-from margo.quantity import parse_quantity
+from compiler.expression_functions import (
+    BINARY_OPERATORS,
+    GLOBALS,
+    TEST_NAMES,
+    allowed_attributes,
+    build_filters,
+    build_tests,
+)
+from compiler.expression_limits import (
+    MAX_DEPTH,
+    MAX_RESULT_CHARS,
+    MAX_SOURCE_CHARS,
+    RENDER_STATE,
+    ExpressionError,
+    RenderState,
+    cost_of,
+    kind_of,
+    spend_steps,
+    text_of,
+    to_data,
+)
 
 __all__ = [
     "CompiledValue",
@@ -92,27 +112,6 @@ __all__ = [
     "device_context",
     "is_expression",
 ]
-
-#: Longest expression source accepted (characters).
-MAX_SOURCE_CHARS: Final = 16 * 1024
-#: Most characters/items a single `*` repetition may produce (nested content counts).
-MAX_REPEAT: Final = 10_000
-#: Most items `range()` may produce.
-MAX_RANGE: Final = 10_000
-#: Largest magnitude `**` may produce.
-MAX_POWER: Final = 2**64
-#: Most items (list elements and mapping entries, all levels) in a rendered value.
-MAX_RESULT_ITEMS: Final = 10_000
-#: Most characters (all strings and keys together) in a rendered value.
-MAX_RESULT_CHARS: Final = 64 * 1024
-#: Steps one render may take: filter/test/method calls plus the items they process.
-MAX_STEPS: Final = 25_000
-#: Characters/items one render may build with range, *, +, join, replace, tojson, dict.
-MAX_BUILD: Final = 256 * 1024
-#: Deepest nesting of rendered values, literals and device data.
-MAX_DEPTH: Final = 64
-MAX_JSON_INDENT: Final = 8
-MAX_ROUND_DIGITS: Final = 20
 
 _RESERVED_NAMES: Final = frozenset({"self", "loop", "caller", "varargs", "kwargs", "super"})
 _FORBIDDEN_TOKENS: Final = {
@@ -125,104 +124,9 @@ _FORBIDDEN_TOKENS: Final = {
 _ONLY_EXPRESSIONS: Final = "only {{ expressions }} are allowed"
 
 
-class ExpressionError(ValueError):
-    """An intent expression failed to compile or render.
-
-    `str(error)` says what went wrong; `line`/`column` are 1-based positions within the
-    expression text, or None when unknown (most evaluation errors).
-    """
-
-    def __init__(self, message: str, line: int | None = None, column: int | None = None):
-        super().__init__(message)
-        self.message = message
-        self.line = line
-        self.column = column
-        self._detail = message
-        self._location = ""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (ExpressionError, (self.message, self.line, self.column))
-
-    def _at(self, segment: str) -> ExpressionError:
-        """The same error, located inside a literal list/mapping (`[2]['name']: ...`)."""
-        location = segment + self._location
-        located = ExpressionError(f"{location}: {self._detail}", self.line, self.column)
-        located._detail, located._location = self._detail, location
-        return located
-
-
 def is_expression(value: object) -> bool:
     """True for strings that contain template syntax (`{{`, or the forbidden `{%`/`{#`)."""
     return isinstance(value, str) and ("{{" in value or "{%" in value or "{#" in value)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-render state: the work budget and the context (for "device.labels has no key" messages)
-
-
-class _RenderState:
-    __slots__ = ("build", "context", "steps")
-
-    def __init__(self, context: Mapping[str, Any] | None) -> None:
-        self.context = context
-        self.steps = MAX_STEPS
-        self.build = MAX_BUILD
-
-
-_STATE: ContextVar[_RenderState | None] = ContextVar("margo_expression_state", default=None)
-_TOO_SLOW: Final = (
-    f"expression takes too many steps (more than {MAX_STEPS} filter/method calls and items "
-    "processed per device)"
-)
-_TOO_BIG: Final = (
-    f"expression builds too much data (more than {MAX_BUILD} characters/items per device)"
-)
-
-
-def _step(amount: int) -> None:
-    """Spend steps (time budget). Outside a render nothing is metered."""
-    state = _STATE.get()
-    if state is not None:
-        state.steps -= amount
-        if state.steps < 0:
-            raise ExpressionError(_TOO_SLOW)
-
-
-def _charge(amount: int) -> None:
-    """Spend build units (space budget); outside a render only one operation is capped."""
-    state = _STATE.get()
-    if state is None:
-        if amount > MAX_BUILD:
-            raise ExpressionError(_TOO_BIG)
-        return
-    state.build -= amount
-    if state.build < 0:
-        raise ExpressionError(_TOO_BIG)
-
-
-def _metered(iterator: Iterator[Any]) -> Iterator[Any]:
-    for item in iterator:
-        _step(1)
-        yield item
-
-
-_SIZED: Final = (list, tuple, dict, range)
-#: Characters per step: string work runs in C loops, far cheaper than per-item Python work.
-_CHARS_PER_STEP: Final = 64
-
-
-def _cost(value: Any) -> int:
-    """Steps for one call on `value`: 1, plus its length for the O(n) work most calls do."""
-    if isinstance(value, str):
-        return 1 + len(value) // _CHARS_PER_STEP
-    if isinstance(value, _SIZED):
-        return 1 + len(value)
-    return 1
-
-
-def _fail_if_undefined(value: Any) -> None:
-    if isinstance(value, Undefined):
-        value._fail_with_undefined_error()
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,19 +171,13 @@ def _preview_keys(mapping: Mapping[Any, Any]) -> str:
     return f"; it has {shown}{more}"
 
 
-def _a(value: Any) -> str:
-    """`a dict value`, `an int value`."""
-    kind = type(value).__name__
-    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} value"
-
-
 def _missing_message(obj: Any, name: Any) -> str:
-    state = _STATE.get()
+    state = RENDER_STATE.get()
     context = state.context if state is not None else None
     if obj is missing:
         names = sorted({*(context or {}), *_ENV.globals})
         return f"unknown name {name!r} (available: {', '.join(names)})"
-    where = _path_of(obj, context) or _a(obj)
+    where = _path_of(obj, context) or kind_of(obj)
     if isinstance(obj, Mapping):
         return f"{where} has no key {name!r}{_preview_keys(obj)}"
     if isinstance(obj, list | tuple | str) and isinstance(name, int):
@@ -302,322 +200,16 @@ class _Undefined(StrictUndefined):
 
 
 # --------------------------------------------------------------------------------------------
-# Filters, tests and globals
-
-
-def _text(value: Any) -> str:
-    """Text of a value as templates write it: strings as they are, anything else as JSON."""
-    if type(value) is str:
-        return value
-    data = _to_data(value)
-    if isinstance(data, str):
-        return data
-    return json.dumps(data, ensure_ascii=False)
-
-
-def _strict_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value == "true" or value == "false":
-        return value == "true"
-    raise ValueError(f"bool expects true or false, found {value!r}")
-
-
-def _strict_int(value: Any, default: Any = missing, base: int = 10) -> Any:
-    converted = FILTERS["int"](value, missing, base)
-    if converted is missing:
-        if default is missing:
-            raise ValueError(f"cannot convert {value!r} to an integer")
-        return default
-    return converted
-
-
-def _strict_float(value: Any, default: Any = missing) -> Any:
-    converted = FILTERS["float"](value, missing)
-    if converted is missing or (isinstance(converted, float) and not math.isfinite(converted)):
-        if default is missing:
-            raise ValueError(f"cannot convert {value!r} to a finite number")
-        return default
-    return converted
-
-
-def _quantity(value: Any) -> int:
-    """`"59 Gi"` -> 63350767616: bytes as an int, rounded up (`margo.quantity` spellings)."""
-    return int(parse_quantity(value).to_integral_value(rounding=ROUND_CEILING))
-
-
-def _gib(value: Any) -> float:
-    """Bytes -> GiB as a float."""
-    if isinstance(value, bool) or not isinstance(value, int | float | Decimal):
-        raise TypeError(
-            f"gib expects a number of bytes, found {value!r} (convert text such as '59 Gi' "
-            "with the quantity filter first)"
-        )
-    return value / 1024**3 if isinstance(value, int) else float(value) / 1024**3
-
-
-@pass_environment
-def _join(environment: Any, value: Any, d: Any = "", attribute: Any = None) -> str:
-    if attribute is not None:
-        value = map(make_attrgetter(environment, attribute), value)
-    separator = _text(d)
-    pieces: list[str] = []
-    for item in value:
-        piece = _text(item)
-        _charge(len(piece) + (len(separator) if pieces else 0))
-        pieces.append(piece)
-    return separator.join(pieces)
-
-
-def _replace(value: Any, old: Any, new: Any, count: int | None = None) -> str:
-    text, old, new = _text(value), _text(old), _text(new)
-    occurrences = text.count(old) if old else len(text) + 1
-    if count is not None and count >= 0:
-        occurrences = min(occurrences, count)
-    _charge(max(0, len(text) + occurrences * (len(new) - len(old))))
-    return text.replace(old, new, -1 if count is None else count)
-
-
-@pass_environment
-def _sum(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
-    if isinstance(start, bool) or not isinstance(start, int | float):
-        raise TypeError(f"sum adds numbers only; start must be a number, found {start!r}")
-    return FILTERS["sum"](environment, iterable, attribute, start)
-
-
-def _round(value: Any, precision: Any = 0, method: str = "common") -> float:
-    if isinstance(precision, bool) or not isinstance(precision, int):
-        raise TypeError(f"round precision must be an integer, found {precision!r}")
-    if abs(precision) > MAX_ROUND_DIGITS:
-        raise ValueError(f"round precision must be within +-{MAX_ROUND_DIGITS}")
-    return FILTERS["round"](value, precision, method)
-
-
-def _json_default(value: Any) -> Any:
-    _fail_if_undefined(value)
-    if isinstance(value, range | Iterator | KeysView | ValuesView | ItemsView):
-        return list(value)
-    raise TypeError(f"a {type(value).__name__} value cannot be written as JSON")
-
-
-def _tojson(value: Any, indent: Any = None) -> str:
-    if indent is not None and (
-        isinstance(indent, bool)
-        or not isinstance(indent, int)
-        or not 0 <= indent <= MAX_JSON_INDENT
-    ):
-        raise ValueError(f"tojson indent must be an integer from 0 to {MAX_JSON_INDENT}")
-    text = json.dumps(
-        value,
-        indent=indent,
-        sort_keys=True,
-        ensure_ascii=False,
-        allow_nan=False,
-        default=_json_default,
-    )
-    _charge(len(text))
-    return text
-
-
-def _guarded(func: Callable[..., Any], *, undefined_ok: bool = False) -> Callable[..., Any]:
-    """Wrap a filter/test: fail on an undefined operand (naming the missing key) and meter
-    the call, the size of its operand and every item its lazily produced result yields."""
-    pass_arg = getattr(func, "jinja_pass_arg", None)
-    position = 0 if pass_arg is None else 1
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        value = args[position]
-        if not undefined_ok:
-            _fail_if_undefined(value)
-        _step(_cost(value))
-        result = func(*args, **kwargs)
-        if isinstance(result, Iterator):
-            return _metered(result)
-        return result
-
-    guarded.__name__ = getattr(func, "__name__", "filter")
-    if pass_arg is not None:
-        guarded.jinja_pass_arg = pass_arg  # type: ignore[attr-defined]
-    return guarded
-
-
-_PLAIN_FILTERS: Final = (
-    *("abs", "capitalize", "count", "first", "last", "length", "list", "lower", "map", "max"),
-    *("min", "reject", "rejectattr", "reverse", "select", "selectattr", "sort", "title"),
-    *("trim", "unique", "upper"),
-)
-_CUSTOM_FILTERS: Final[dict[str, Callable[..., Any]]] = {
-    "bool": _strict_bool,
-    "float": _strict_float,
-    "gib": _gib,
-    "int": _strict_int,
-    "join": _join,
-    "quantity": _quantity,
-    "replace": _replace,
-    "round": _round,
-    "string": _text,
-    "sum": _sum,
-    "tojson": _tojson,
-}
-_ALLOWED_TESTS: Final = (
-    *("defined", "undefined", "none", "boolean", "integer", "float", "number", "string"),
-    *("sequence", "mapping", "even", "odd", "divisibleby", "in"),
-    *("eq", "==", "ne", "!=", "lt", "<", "le", "<=", "gt", ">", "ge", ">="),
-)
-
-
-def _build_filters() -> dict[str, Callable[..., Any]]:
-    filters = {name: _guarded(FILTERS[name]) for name in _PLAIN_FILTERS}
-    filters.update({name: _guarded(func) for name, func in _CUSTOM_FILTERS.items()})
-    filters["default"] = filters["d"] = _guarded(FILTERS["default"], undefined_ok=True)
-    return dict(sorted(filters.items()))
-
-
-def _build_tests() -> dict[str, Callable[..., Any]]:
-    return {
-        name: _guarded(TESTS[name], undefined_ok=name in ("defined", "undefined"))
-        for name in _ALLOWED_TESTS
-    }
-
-
-def _range(*args: Any) -> range:
-    for arg in args:
-        _fail_if_undefined(arg)
-    numbers = range(*args)
-    try:
-        size = len(numbers)
-    except OverflowError:
-        size = MAX_RANGE + 1
-    if size > MAX_RANGE:
-        raise ValueError(f"range() may produce at most {MAX_RANGE} items, not {size}")
-    _charge(size)
-    return numbers
-
-
-def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
-    for arg in args:
-        _fail_if_undefined(arg)
-    result = dict(*args, **kwargs)
-    _charge(1 + len(result))
-    return result
-
-
-_range.__name__ = "range"
-_dict.__name__ = "dict"
-
-
-# --------------------------------------------------------------------------------------------
-# Operators
-
-
-def _content_size(value: Any, limit: int) -> int:
-    """Characters plus items of a (nested) value; stops counting once past `limit`."""
-    total = 0
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, list | tuple):
-            total += len(item)
-            if total <= limit:
-                stack.extend(item)
-        elif isinstance(item, Mapping):
-            total += len(item)
-            if total <= limit:
-                stack.extend(item.keys())
-                stack.extend(item.values())
-        if total > limit:
-            break
-    return total
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int)
-
-
-def _repeat(left: Any, right: Any) -> Any:
-    sequence, times = (left, right) if _is_int(right) else (right, left)
-    if isinstance(sequence, str | list | tuple) and _is_int(times) and times > 0:
-        size = _content_size(sequence, MAX_REPEAT)
-        if size > MAX_REPEAT or size * times > MAX_REPEAT:
-            total = f"{size * times}" if times < 10**9 else "far more"
-            raise ExpressionError(
-                f"repetition with * would produce {total} characters/items; "
-                f"at most {MAX_REPEAT} are allowed"
-            )
-        _charge(size * times)
-    return left * right
-
-
-def _power(base: Any, exponent: Any) -> Any:
-    too_big = ExpressionError("power too large: ** results are limited to 2**64 in magnitude")
-    # |base| >= 2**(bits-1), so bits * exponent > 130 means the result exceeds 2**64.
-    if (
-        _is_int(base)
-        and _is_int(exponent)
-        and abs(base) > 1
-        and (exponent > 64 or abs(base).bit_length() * exponent > 130)
-    ):
-        raise too_big
-    result = base**exponent
-    if isinstance(result, int | float) and abs(result) > MAX_POWER:
-        raise too_big
-    return result
-
-
-def _modulo(left: Any, right: Any) -> Any:
-    if isinstance(left, str):
-        raise ExpressionError(
-            "%-formatting of strings is not allowed; concatenate with ~ or use join"
-        )
-    return left % right
-
-
-def _add(left: Any, right: Any) -> Any:
-    result = left + right
-    if isinstance(result, str | list | tuple):
-        _charge(len(result))
-    return result
-
-
-_BINOPS: Final[dict[str, Callable[[Any, Any], Any]]] = {
-    "*": _repeat,
-    "**": _power,
-    "%": _modulo,
-    "+": _add,
-}
-
-_STR_METHODS: Final = frozenset(
-    {
-        *("capitalize", "casefold", "count", "endswith", "find", "isalnum", "isalpha"),
-        *("isdecimal", "isdigit", "islower", "isnumeric", "isspace", "istitle", "isupper"),
-        *("lower", "lstrip", "partition", "removeprefix", "removesuffix", "rfind"),
-        *("rpartition", "rsplit", "rstrip", "split", "splitlines", "startswith", "strip"),
-        *("swapcase", "title", "upper"),
-    }
-)
-_MAPPING_METHODS: Final = frozenset({"get", "items", "keys", "values"})
-_SEQUENCE_METHODS: Final = frozenset({"count", "index"})
-
-
-def _allowed_attributes(obj: Any) -> frozenset[str]:
-    if isinstance(obj, str):
-        return _STR_METHODS
-    if isinstance(obj, Mapping):
-        return _MAPPING_METHODS
-    if isinstance(obj, list | tuple):
-        return _SEQUENCE_METHODS
-    return frozenset()
+# The sandbox (what it may call: `compiler.expression_functions`)
 
 
 class _Environment(ImmutableSandboxedEnvironment):
     """The sandbox, narrowed to whitelists, metered, with data-first attribute access."""
 
-    intercepted_binops = frozenset(_BINOPS)
+    intercepted_binops = frozenset(BINARY_OPERATORS)
 
     def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-        return attr in _allowed_attributes(obj) and super().is_safe_attribute(obj, attr, value)
+        return attr in allowed_attributes(obj) and super().is_safe_attribute(obj, attr, value)
 
     def wrap_str_format(self, value: Any) -> None:
         # The sandbox would hand out a wrapped str.format here, bypassing is_safe_attribute;
@@ -625,8 +217,8 @@ class _Environment(ImmutableSandboxedEnvironment):
         return None
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Undefined:
-        allowed = sorted(_allowed_attributes(obj))
-        hint = f"attribute {attribute!r} of {_a(obj)} is not allowed"
+        allowed = sorted(allowed_attributes(obj))
+        hint = f"attribute {attribute!r} of {kind_of(obj)} is not allowed"
         if allowed:
             hint += f" (allowed: {', '.join(allowed)})"
         return self.undefined(hint, obj=obj, name=attribute, exc=SecurityError)
@@ -641,10 +233,10 @@ class _Environment(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        return _BINOPS[operator](left, right)
+        return BINARY_OPERATORS[operator](left, right)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        _step(_cost(getattr(__obj, "__self__", None)))
+        spend_steps(cost_of(getattr(__obj, "__self__", None)))
         return super().call(__context, __obj, *args, **kwargs)
 
 
@@ -653,83 +245,21 @@ def _make_environment() -> _Environment:
         undefined=_Undefined,
         autoescape=False,
         loader=None,
-        finalize=_text,
+        finalize=text_of,
         optimized=False,
         keep_trailing_newline=True,
         cache_size=0,
     )
-    env.filters = _build_filters()
-    env.tests = _build_tests()
+    env.filters = build_filters()
+    env.tests = build_tests()
     env.globals.clear()
-    env.globals.update(range=_range, dict=_dict)
+    env.globals.update(GLOBALS)
     return env
 
 
 _ENV: Final = _make_environment()
 ALLOWED_FILTERS: Final = tuple(_ENV.filters)
-ALLOWED_TESTS: Final = tuple(_ALLOWED_TESTS)
-
-
-# --------------------------------------------------------------------------------------------
-# Results
-
-
-class _Tally:
-    __slots__ = ("chars", "items")
-
-    def __init__(self) -> None:
-        self.items = 0
-        self.chars = 0
-
-    def add(self, items: int, chars: int) -> None:
-        self.items += items
-        self.chars += chars
-        if self.items > MAX_RESULT_ITEMS:
-            raise ExpressionError(f"result has more than {MAX_RESULT_ITEMS} items")
-        if self.chars > MAX_RESULT_CHARS:
-            raise ExpressionError(f"result is longer than {MAX_RESULT_CHARS} characters")
-
-
-def _describe(value: Any) -> str:
-    if callable(value):
-        return f"{_a(value)} (a function: call it with ())"
-    return _a(value)
-
-
-def _to_data(value: Any, tally: _Tally | None = None, depth: int = 0) -> Any:
-    """The rendered value as plain JSON-like data, within the result limits."""
-    if value is None or isinstance(value, bool):
-        return value
-    if tally is None:
-        tally = _Tally()
-    if isinstance(value, str):
-        tally.add(0, len(value))
-        return value if type(value) is str else str.__str__(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ExpressionError(f"result {value!r} is not a finite number")
-        return value
-    if isinstance(value, Undefined):
-        value._fail_with_undefined_error()
-    if depth >= MAX_DEPTH:
-        raise ExpressionError(f"result is nested more than {MAX_DEPTH} levels deep")
-    if isinstance(value, Mapping):
-        mapping: dict[str, Any] = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ExpressionError(f"mapping keys must be strings, found {key!r}")
-            tally.add(1, len(key))
-            mapping[key] = _to_data(item, tally, depth + 1)
-        return mapping
-    if isinstance(value, list | tuple | range | Iterator | KeysView | ValuesView | ItemsView):
-        items: list[Any] = []
-        for item in value:
-            tally.add(1, 0)
-            items.append(_to_data(item, tally, depth + 1))
-        return items
-    raise ExpressionError(f"the expression produced {_describe(value)}, which is not data")
+ALLOWED_TESTS: Final = tuple(TEST_NAMES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -856,7 +386,7 @@ def _expression_renderer(expression: nodes.Expr) -> Renderer:
         frame = _new_frame(context)
         for _ in root(frame):
             pass
-        return _to_data(frame.vars["result"])
+        return to_data(frame.vars["result"])
 
     return render
 
@@ -1062,7 +592,7 @@ class CompiledValue:
         renderer = self._renderer
         if renderer is None:
             return self.source
-        token = _STATE.set(_RenderState(context))
+        token = RENDER_STATE.set(RenderState(context))
         try:
             return renderer(context)
         except ExpressionError:
@@ -1070,7 +600,7 @@ class CompiledValue:
         except Exception as exc:  # pragma: no cover - leaf renderers already translate
             raise _translate(exc) from exc
         finally:
-            _STATE.reset(token)
+            RENDER_STATE.reset(token)
 
 
 def compile_value(value: object) -> CompiledValue:
@@ -1127,6 +657,6 @@ def device_context(
     context: dict[str, Any] = {"id": device_id}
     for name, value in (("properties", properties), ("labels", labels), ("extensions", extensions)):
         if not isinstance(value, Mapping):
-            raise ExpressionError(f"device.{name} must be a mapping, found {_a(value)}")
+            raise ExpressionError(f"device.{name} must be a mapping, found {kind_of(value)}")
         context[name] = _plain(value, f"device.{name}", 1)
     return context

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compiler.expression_limits import MAX_RESULT_CHARS, MAX_RESULT_ITEMS
 from compiler.expressions import (
-    MAX_RESULT_CHARS,
-    MAX_RESULT_ITEMS,
     CompiledValue,
     ExpressionError,
     compile_value,

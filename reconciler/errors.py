@@ -36,6 +36,9 @@ class ErrorCode(StrEnum):
     INVALID_STEP = "INVALID_STEP"
     UNSUPPORTED_TYPE = "UNSUPPORTED_TYPE"
     RENDER_FAILED = "RENDER_FAILED"
+    #: The engine's own view, read back after a step, is not what the step applied
+    #: (`reconciler.drivers.readback`).
+    READBACK_MISMATCH = "READBACK_MISMATCH"
     # Packages: charts and Compose archives from OCI registries.
     PULL_FAILED = "PULL_FAILED"
     PUSH_FAILED = "PUSH_FAILED"

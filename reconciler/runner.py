@@ -3,7 +3,8 @@
 A cycle: report capabilities if they changed, deliver queued status reports, fetch desired
 state, adopt it durably once verified, plan against what the engine says is installed,
 apply step by step (recording every transition in the durable journal before and after
-each step), then deliver the journal again.
+each step, and reporting a step done only once its result, read back from the engine,
+shows what was applied: `Driver.confirm`), then deliver the journal again.
 
 Why adopt before applying: the adopted documents are the device's durable copy of the
 desired state. A crash (even SIGKILL) between adopting and applying loses nothing: the next
@@ -328,7 +329,8 @@ class Reconciler:
     def _change(self, step: Step, deployment: DesiredDeployment | None, name: str,
                 result: CycleResult) -> bool:
         """Carry out one changing step: journal `installing` (or `removing`), apply it,
-        then report the outcome. False when it failed."""
+        read its result back from the engine (`Driver.confirm`), then report the outcome:
+        `installed` only for what the engine was read to hold. False when it failed."""
         removing = step.action is Action.REMOVE
         drift = step.installed.drift if step.action is Action.REPAIR and step.installed \
             else ""
@@ -339,6 +341,7 @@ class Reconciler:
                      {step.component: (State.REMOVING if removing else State.INSTALLING, None)})
         try:
             self.driver.apply(step, deployment)
+            self.driver.confirm(step, deployment)
         except ApplyError as exc:
             log.warning("%s of %s/%s failed: %s: %s", step.action, step.deployment_id,
                         step.component, exc.code, exc.message, extra=_about(step.deployment_id))

@@ -1,4 +1,5 @@
-"""What every driver provides: a reading of what is installed, and one step at a time.
+"""What every driver provides: a reading of what is installed, one step at a time, and a
+reading back of what that step left in the engine.
 
 A driver never decides *what* to do (the planner does); it only does one step and says
 precisely how it failed: an `ApplyError` (reconciler.errors) with a short machine code
@@ -30,6 +31,13 @@ class Driver(Protocol):
     def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
         """Perform one install / upgrade / reconfigure / remove step; raise `ApplyError`.
         `deployment` is None when a whole deployment is being removed."""
+        ...
+
+    def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Read back from the engine what `apply` just did for `step`, and raise
+        `ApplyError("READBACK_MISMATCH")` naming what was expected and what was found when
+        they differ (`reconciler.drivers.readback`). The runner reports a component
+        `installed` or `removed` only after this returns."""
         ...
 
     def close(self) -> None:

@@ -27,7 +27,11 @@ Install, upgrade and reconfigure:
    removed or changed;
 6. write what was applied (`compose_drift`: labels, config-hashes, which services keep
    running; deleted before `up`, so only a successful one leaves it), then delete package
-   directories of earlier revisions.
+   directories of earlier revisions;
+7. read the result back (`confirm`, `reconciler.drivers.readback`): every service Compose
+   starts from the files written (`config --hash`) has a container, running (healthy, with
+   `wait`) or finished with code 0, with our labels and Compose's config-hash of those
+   files; after a removal, no container is left. Anything else is `READBACK_MISMATCH`.
 
 Drift (`drift`, the device's `driftDetection`, default `repair`): with `warn` or `repair`,
 `installed()` judges each project against what was applied (`compose_drift`): containers
@@ -97,10 +101,12 @@ from reconciler.drivers.compose_engine import (
     detect_compose_command,
     parse_ps_output,
     plugin_path,
+    read_back,
     releases_from_ps,
     run_cli,
     tail,
 )
+from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Step
@@ -118,8 +124,8 @@ from reconciler.telemetry.inject import ServiceInjection, compose_injection
 
 __all__ = ["ENV_FILE", "OVERRIDE_FILE", "PS_FORMAT", "ComposeDriver", "Container",
            "ProjectFiles", "compose_commands", "container_healthy", "detect_compose_command",
-           "env_file_text", "override_document", "parse_ps_output", "project_files",
-           "releases_from_ps"]
+           "env_file_text", "override_document", "parse_ps_output", "project_arguments",
+           "project_files", "releases_from_ps"]
 
 log = logging.getLogger("margo.device")
 
@@ -223,6 +229,16 @@ def override_document(services: Iterable[str], labels: Mapping[str, str],
 # --------------------------------------------------------------------------- commands
 
 
+def project_arguments(project: str, *, compose: Sequence[str],
+                      files: ProjectFiles) -> list[str]:
+    """The Compose command line naming one project and its files, before the subcommand."""
+    base = [*compose, "-p", project, "-f", str(files.compose_file),
+            "-f", str(files.override_file)]
+    if files.package_env_file is not None:
+        base += ["--env-file", str(files.package_env_file)]
+    return [*base, "--env-file", str(files.env_file)]
+
+
 def compose_commands(step: Step, *, compose: Sequence[str],
                      files: ProjectFiles | None = None) -> list[list[str]]:
     """The exact Compose CLI calls for one step (none for an unchanged component).
@@ -235,15 +251,20 @@ def compose_commands(step: Step, *, compose: Sequence[str],
         return [[*compose, "-p", project, "down", "--remove-orphans"]]
     if files is None or step.desired is None:
         raise ValueError(f"{step.action} of {project} needs the desired component and its files")
-    base = [*compose, "-p", project, "-f", str(files.compose_file),
-            "-f", str(files.override_file)]
-    if files.package_env_file is not None:
-        base += ["--env-file", str(files.package_env_file)]
-    base += ["--env-file", str(files.env_file)]
+    base = project_arguments(project, compose=compose, files=files)
     up = [*base, "up", "-d", "--remove-orphans"]
     if step.desired.wait:
         up += ["--wait", "--wait-timeout", str(max(1, math.ceil(step.desired.timeout_seconds)))]
     return [[*base, "pull", "--policy", "missing", "--quiet"], up]
+
+
+def _scaled_to_zero(compose: Mapping[str, Any]) -> frozenset[str]:
+    """Services a Compose document runs no container of (`scale: 0` or `deploy.replicas:
+    0`): `up` leaves them without one."""
+    services = compose.get("services") or {}
+    return frozenset(str(name) for name, service in services.items()
+                     if isinstance(service, Mapping) and (service.get("scale") == 0 or (
+                         service.get("deploy") or {}).get("replicas") == 0))
 
 
 def image_registry(image: str) -> str:
@@ -295,6 +316,8 @@ class ComposeDriver:
         self._credentials = tuple(credentials)
         self._grace = grace_seconds
         self._command_timeout = command_timeout
+        #: Per project, what its last `up` was given (for `confirm`).
+        self._applied: dict[str, _Prepared] = {}
 
     def close(self) -> None:
         """Nothing to release: every engine call is a short-lived process."""
@@ -367,6 +390,39 @@ class ComposeDriver:
         self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace)
         self._record(step, prepared)
         self._prune(files)
+        self._applied[step.release_name] = prepared
+
+    def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Read the project back from the engine (`reconciler.drivers.readback`): after a
+        removal, no container; after any other step, what `compose_engine.read_back`
+        requires of the containers, against Compose's own config-hash of the files written
+        (`config --hash`), so a container `up` did not create from them is noticed too."""
+        what = f"Compose project {step.release_name} on the engine"
+        containers = self.containers(step.release_name)
+        if step.action is Action.REMOVE:
+            require_match(what, {"containers": NOTHING},
+                          {"containers": ", ".join(c.name for c in containers) or NOTHING})
+            return
+        prepared = self._applied.pop(step.release_name, None)
+        if prepared is None or step.desired is None:
+            raise ApplyError(ErrorCode.INVALID_STEP, f"{step.action} of {step.release_name}: "
+                             "nothing was applied to confirm", retryable=False)
+        hashes = self._config_hashes(step, prepared.files)
+        expected, found = read_back(containers, prepared.labels, hashes,
+                                    wait=step.desired.wait, idle=_scaled_to_zero(
+                                        prepared.compose))
+        require_match(what, expected, found)
+
+    def _config_hashes(self, step: Step, files: ProjectFiles) -> dict[str, str]:
+        """Compose's config-hash of every service it starts from the project's files."""
+        argv = [*project_arguments(step.release_name, compose=self._compose_command(),
+                                   files=files), "config", "--hash", "*"]
+        result = run_cli(argv, timeout=self._command_timeout, env=self._env)
+        if result.returncode != 0:
+            raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{step.release_name}: docker "
+                             f"compose config --hash failed: {tail(result.stderr)}")
+        pairs = (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line)
+        return {service: digest.strip() for service, digest in pairs}
 
     def _stop_paused(self, step: Step) -> None:
         """Stop the project's paused containers, so that `up` starts them afresh: it refuses

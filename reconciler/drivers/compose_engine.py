@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from reconciler.drivers.readback import NOTHING
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.releases import (
     LABEL_COMPONENT,
@@ -50,7 +51,8 @@ from reconciler.releases import (
 __all__ = ["LABEL_CONFIG_HASH", "LABEL_PROJECT", "LABEL_SERVICE", "LABEL_SERVICES",
            "PLUGIN_DIRS", "PS_FORMAT", "Container", "by_project", "container_healthy",
            "describe", "detect_compose_command", "ownership_of", "parse_ps_output",
-           "plugin_path", "project_release", "releases_from_ps", "run_cli", "tail"]
+           "plugin_path", "project_release", "read_back", "releases_from_ps", "run_cli",
+           "tail"]
 
 LABEL_PROJECT = "com.docker.compose.project"
 LABEL_SERVICE = "com.docker.compose.service"
@@ -66,6 +68,8 @@ PS_FORMAT = ('{"id":{{json .ID}},"names":{{json .Names}},"state":{{json .State}}
              '"status":{{json .Status}},"labels":{'
              + ",".join(f'"{label}":{{{{json (.Label "{label}")}}}}' for label in _READ_LABELS)
              + "}}")
+#: How a read-back describes a container that is as `up` should leave it.
+_AS_APPLIED = "running, or finished with code 0"
 #: Where the docker CLI looks for plugins after its own config folder ($DOCKER_CONFIG or
 #: ~/.docker, then `cli-plugins`), in its order.
 PLUGIN_DIRS = ("/usr/local/lib/docker/cli-plugins", "/usr/local/libexec/docker/cli-plugins",
@@ -252,3 +256,44 @@ def releases_from_ps(containers: Iterable[Container]) -> list[InstalledRelease]:
     """One release per Compose project: ours (its containers carry our labels) or
     `UNMANAGED` (a project someone else started, which is never touched)."""
     return [project_release(p, cs) for p, cs in by_project(containers).items()]
+
+
+def _state_after_up(container: Container, *, wait: bool) -> str:
+    """`_AS_APPLIED` for a container as a successful `up` leaves it (with `wait`, its health
+    check passed), else what it is instead."""
+    starting = "(health: starting)" in container.status
+    if container_healthy(container) or (starting and not wait):
+        return _AS_APPLIED
+    return describe(container).removeprefix(f"{container.name} ")
+
+
+def read_back(containers: Iterable[Container], labels: Mapping[str, str],
+              hashes: Mapping[str, str], *, wait: bool,
+              idle: Iterable[str] = ()) -> tuple[dict[str, str], dict[str, str]]:
+    """What a project's containers must show right after a successful `up`, and what they
+    show, in `reconciler.drivers.readback.require_match`'s terms: a container for every
+    service in `hashes` (Compose's own `config --hash` of the files the driver wrote;
+    `idle` services are scaled to zero), each one running (healthy, with `wait`) or
+    finished with code 0, carrying our ownership `labels` and its service's config-hash;
+    no container of any other service."""
+    expected: dict[str, str] = {}
+    found: dict[str, str] = {}
+    ordered = sorted(containers, key=lambda c: c.name)
+    present = {c.labels.get(LABEL_SERVICE, "") for c in ordered}
+    for service in sorted(set(hashes) - set(idle)):
+        expected[f"service {service}"] = "a container"
+        found[f"service {service}"] = "a container" if service in present else NOTHING
+    for container in ordered:
+        name, service = container.name, container.labels.get(LABEL_SERVICE, "")
+        if service not in hashes:
+            expected[name] = NOTHING
+            found[name] = f"a container of service {service or '(none)'}"
+            continue
+        expected[name] = _AS_APPLIED
+        found[name] = _state_after_up(container, wait=wait)
+        expected[f"{name} config-hash"] = hashes[service]
+        found[f"{name} config-hash"] = container.labels.get(LABEL_CONFIG_HASH, NOTHING)
+        for label, value in sorted(labels.items()):
+            expected[f"{name} label {label}"] = value
+            found[f"{name} label {label}"] = container.labels.get(label, NOTHING)
+    return expected, found

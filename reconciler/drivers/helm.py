@@ -44,6 +44,18 @@ failed release after the runner's retry back-off. With `rollback_on_failure` (He
 last good revision at once, so the previous objects are restored exactly. The failure is
 reported either way.
 
+Read-back (`confirm`, `reconciler.drivers.readback`): after each step the driver reads the
+release from Helm's storage, never trusting the SDK's return value alone: the revision the
+step wrote must be the current one, `deployed`, with the chart, labels and values applied
+(`get values` of that revision, compared by digest); after a removal there must be no
+record. Anything else (a record left `failed` or `pending-*`, another writer's revision)
+is `READBACK_MISMATCH`.
+
+The SDK (helm-python-sdk) is used through its public API only (`Config.install`,
+`.upgrade`, `.status`, ...), except `_post_rendered`: the SDK has no public way to name a
+post-renderer, so with telemetry injection that one function calls the C ABI beneath
+`Config.install` / `.upgrade` itself.
+
 Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
 after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
 friends from the chart cache, otherwise `INSTALL_FAILED` / `UPGRADE_FAILED` /
@@ -59,16 +71,17 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
-from helm_python import _native
-from helm_python.config import _opts
 
+from margo.digests import data_digest
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
@@ -120,6 +133,67 @@ def _fails_offline(chart: helm.Chart, values: dict[str, Any], step: Step) -> boo
     return False
 
 
+def _values_digest(values: Any) -> str:
+    """The digest of a release's user-supplied values, as Helm gives them back: no values
+    (`null`) is `{}`, and a whole number is the same whether it came back as `1` or `1.0`
+    (Helm keeps JSON numbers as floats)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+            return int(value)
+        return value
+    return data_digest(plain(values or {}))
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What one install or upgrade wrote, as it is to be read back from Helm's storage."""
+
+    revision: int
+    chart: str  # "<name> <version>"
+    labels: Mapping[str, str]
+    values_digest: str
+
+    def expected(self) -> dict[str, str]:
+        return {"status": "deployed", "revision": str(self.revision), "chart": self.chart,
+                "values": self.values_digest,
+                **{f"label {k}": v for k, v in sorted(self.labels.items())}}
+
+
+def _described(record: Mapping[str, Any], values: Any) -> dict[str, str]:
+    """Helm's stored release (`status`) and its values, in `_Written.expected`'s words."""
+    labels = record.get("labels") or {}
+    return {"status": str(record.get("status", "")), "revision": str(record.get("revision", "")),
+            "chart": f"{record.get('chart_name', '')} {record.get('chart_version', '')}",
+            "values": _values_digest(values),
+            **{f"label {k}": str(v) for k, v in labels.items()}}
+
+
+def _post_rendered(config: helm.Config, context: helm.HelmContext, chart: helm.Chart,
+                   name: str, values: dict[str, Any], *, upgrade: bool,
+                   options: dict[str, Any]) -> dict[str, Any]:
+    """`Config.install` / `Config.upgrade` with Helm's post-render step (`options` holds
+    `post_renderer` and `post_renderer_args` next to the usual options, under the C ABI's
+    names).
+
+    The one call into the SDK's private helpers: helm-python-sdk 0.2.2 has no public way to
+    name a post-renderer (its `install` and `upgrade` build a fixed set of options), while
+    the C ABI beneath them takes it in the same options JSON. So this calls that ABI exactly
+    as the public methods do (same function, same argument order). Replace it with the
+    public method once the SDK passes a post-renderer."""
+    from helm_python import _native  # no public equivalent; see the docstring
+
+    present = {key: value for key, value in options.items() if value is not None}
+    payload = _native.call_string(
+        "helm_upgrade" if upgrade else "helm_install", config._raw(), context._raw(),
+        chart._raw(), None, name, json.dumps(values), json.dumps(present) if present else None)
+    summary: dict[str, Any] = json.loads(payload)
+    return summary
+
+
 class HelmDriver:
     """Runs Helm components as releases (see the module docstring).
 
@@ -159,6 +233,7 @@ class HelmDriver:
         self._lock = threading.RLock()
         self._objects: ReleaseObjects | None = None
         self._manifests: dict[tuple[str, str, int], list[ObjectRef]] = {}
+        self._written: dict[tuple[str, str], _Written] = {}
 
     # --- Driver protocol -----------------------------------------------------------------
 
@@ -209,9 +284,35 @@ class HelmDriver:
                             description="margo-gitops: clearing a crashed install")
         elif action is Action.RECOVER:
             self._rollback(step.namespace, step.release_name, component)
-        function = "helm_install" if action in (Action.INSTALL, Action.REINSTALL) \
-            else "helm_upgrade"
-        self._release(function, step, component, chart, labels, description)
+        upgrade = action not in (Action.INSTALL, Action.REINSTALL)
+        summary = self._release(step, component, chart, labels, description, upgrade=upgrade)
+        self._written[(step.namespace, step.release_name)] = _Written(
+            int(summary.get("revision") or 0), f"{chart.name} {chart.version}", labels,
+            _values_digest(dict(component.values)))
+
+    def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Read the release back from Helm's storage (see `reconciler.drivers.readback`):
+        after a removal, no record; after any other step, the revision that step wrote,
+        `deployed`, with the chart, labels and values it was given."""
+        written = self._written.pop((step.namespace, step.release_name), None)
+        what = f"release {step.namespace}/{step.release_name} in Helm's storage"
+        record = self._status(step.namespace, step.release_name)
+        if step.action is Action.REMOVE:
+            found = NOTHING if record is None else \
+                f"{record.get('status')} revision {record.get('revision')}"
+            require_match(what, {"release": NOTHING}, {"release": found})
+            return
+        if written is None:
+            raise ApplyError(ErrorCode.INVALID_STEP, f"{step.action} of {step.release_name}: "
+                             "nothing was applied to confirm", retryable=False)
+        if record is None:
+            require_match(what, written.expected(), {})
+            return
+        revision = int(record.get("revision") or 0)
+        with self._errors(ErrorCode.ENGINE_UNAVAILABLE, f"reading the values of {what}"):
+            values = self.config(step.namespace).get_values(step.release_name,
+                                                            revision=revision or None)
+        require_match(what, written.expected(), _described(record, values))
 
     def cancel(self) -> None:
         """Abort every Helm operation in flight (from any thread), e.g. at shutdown; each
@@ -284,39 +385,50 @@ class HelmDriver:
 
     # --- steps -----------------------------------------------------------------------------
 
-    def _release(self, function: str, step: Step, component: DesiredComponent,
-                 chart: helm.Chart, labels: dict[str, str], description: str) -> None:
-        """One `helm install` / `helm upgrade`, exactly as `helm_python.Config.install` /
-        `.upgrade` call the C ABI (same argument order, same `_opts` JSON builder)."""
-        upgrade = function == "helm_upgrade"
+    def _release(self, step: Step, component: DesiredComponent, chart: helm.Chart,
+                 labels: dict[str, str], description: str, *, upgrade: bool) -> dict[str, Any]:
+        """One `helm install` / `helm upgrade` (values reset to exactly the desired ones)
+        through the SDK's public `Config.install` / `Config.upgrade`; with telemetry
+        injection, through `_post_rendered`. Returns Helm's summary of the new revision."""
         options: dict[str, Any] = {
-            "namespace": step.namespace, "timeout_seconds": _timeout(component),
+            "namespace": step.namespace, "timeout": _timeout(component),
             "wait": "watcher" if component.wait else None, "labels": labels,
             "description": description[:200],
             "rollback_on_failure": self.rollback_on_failure}
-        options.update(self._post_render_options())
-        if upgrade:
-            options["reset_values"] = True
-        else:
-            options["create_namespace"] = True
         config = self.config(step.namespace)
         failure = ErrorCode.UPGRADE_FAILED if upgrade else ErrorCode.INSTALL_FAILED
         what = f"{'upgrading' if upgrade else 'installing'} {step.release_name}"
         values = dict(component.values)
         try:
             with self._operation() as context, self._errors(failure, what, context):
-                _native.call_string(function, config._raw(), helm.Config._context_arg(context),
-                                    chart._raw(), None, step.release_name, json.dumps(values),
-                                    _opts(**options))
+                if self.injection is not None:
+                    return _post_rendered(config, context, chart, step.release_name, values,
+                                          upgrade=upgrade, options=self._abi_options(
+                                              options, upgrade=upgrade))
+                if upgrade:
+                    return config.upgrade(chart, step.release_name, values, context=context,
+                                          reset_values=True, **options)
+                return config.install(chart, step.release_name, values, context=context,
+                                      create_namespace=True, **options)
         except ApplyError as exc:
             if exc.code == failure and exc.retryable and _fails_offline(chart, values, step):
                 raise ApplyError(failure, exc.message, retryable=False) from exc.__cause__
             raise
 
+    def _abi_options(self, options: dict[str, Any], *, upgrade: bool) -> dict[str, Any]:
+        """`options` under the C ABI's names (as `Config.install` / `.upgrade` build them),
+        with the post-render step: our plugin (`reconciler.telemetry.helmplugin`) with the
+        injection as its argument, so every pod template of the release gets the variables
+        before Helm applies anything."""
+        abi = {**options, "timeout_seconds": options["timeout"],
+               "rollback_on_failure": options["rollback_on_failure"] or None}
+        del abi["timeout"]
+        abi.update({"reset_values": True} if upgrade else {"create_namespace": True})
+        abi.update(self._post_render_options())
+        return abi
+
     def _post_render_options(self) -> dict[str, Any]:
-        """With telemetry injection, Helm's post-render step: our plugin
-        (`reconciler.telemetry.helmplugin`) with the injection as its argument, so every pod
-        template of the release gets the variables before Helm applies anything."""
+        """Helm's post-render options for the telemetry injection (none without one)."""
         if self.injection is None:
             return {}
         if self._post_renderer is None:

@@ -21,6 +21,11 @@ the part of Helm's release records:
 - an unreadable ledger is an error (`ENGINE_UNAVAILABLE`), never "nothing installed", which
   would make the device reinstall everything.
 
+Read-back (`confirm`, `reconciler.drivers.readback`): after each step the ledger entry must
+be `deployed` with our labels, and the directory must hold exactly the files written, each
+with the digest it was written with (after a removal: no entry, no directory); anything
+else is `READBACK_MISMATCH`.
+
 Directories are replaced by rendering into a temporary sibling, then renaming: the release
 directory is always either the complete old render or the complete new one (or briefly
 absent, while the ledger still says pending).
@@ -63,6 +68,7 @@ from reconciler.charts import ChartCache
 from reconciler.compose_package import ComposePackage, validate_package
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose import env_file_text
+from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, Step
 from reconciler.releases import (
@@ -216,6 +222,8 @@ class RenderDriver:
         self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
         self.ledger_path = self.output_dir / LEDGER_NAME
         self._lock = threading.Lock()
+        #: Per release key, the digest of every file the last step wrote (for `confirm`).
+        self._written: dict[str, dict[str, str]] = {}
 
     # --- Driver protocol -----------------------------------------------------------------
 
@@ -254,6 +262,34 @@ class RenderDriver:
                 raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                                  retryable=False)
 
+    def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        """Read the release back from the ledger and the disk (`reconciler.drivers.readback`):
+        after a removal, neither an entry nor a directory; after any other step, the entry
+        `deployed` with our labels, and exactly the files written, byte for byte (digests)."""
+        key = f"{step.namespace}/{step.release_name}"
+        what = f"the rendered release {key}"
+        with self._lock:
+            entry = self._read_ledger().get(key)
+            directory = self._release_dir(step.namespace, step.release_name)
+            if step.action is Action.REMOVE:
+                require_match(what, {"ledger entry": NOTHING, "directory": NOTHING}, {
+                    "ledger entry": NOTHING if entry is None else str(entry.get("status")),
+                    "directory": "present" if directory.exists() else NOTHING})
+                return
+            component, deployment = self._desired(step, deployment)
+            written = self._written.pop(key, None)
+            if written is None:
+                written = dict((entry or {}).get("files") or {})
+            on_disk = _on_disk(directory) if directory.is_dir() else {}
+            expected = {"status": "deployed", **{
+                f"label {k}": v for k, v in self._labels(component, deployment).items()}}
+            expected.update({f"file {name}": digest for name, digest in written.items()})
+            expected.update({f"file {name}": NOTHING for name in on_disk if name not in written})
+            found = {"status": str((entry or {}).get("status", NOTHING)), **{
+                f"label {k}": str(v) for k, v in ((entry or {}).get("labels") or {}).items()}}
+            found.update({f"file {name}": digest for name, digest in on_disk.items()})
+            require_match(what, expected, found)
+
     def close(self) -> None:
         """Nothing to release: charts belong to the ChartCache, files are closed."""
 
@@ -285,6 +321,7 @@ class RenderDriver:
         self._replace_dir(step.namespace, step.release_name, files)
         entry.update(status="deployed", install=first, files=_file_digests(files))
         self._write_ledger(releases)
+        self._written[key] = _file_digests(files)
 
     def _repair(self, step: Step, deployment: DesiredDeployment | None) -> None:
         """Write a drifted release's files again: the same chart and values rendered at the
@@ -304,6 +341,7 @@ class RenderDriver:
         self._replace_dir(step.namespace, step.release_name, files)
         entry.update(install=first, files=_file_digests(files))
         self._write_ledger(releases)
+        self._written[f"{step.namespace}/{step.release_name}"] = _file_digests(files)
 
     @staticmethod
     def _desired(step: Step, deployment: DesiredDeployment | None,

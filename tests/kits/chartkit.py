@@ -180,12 +180,14 @@ def greeter(repository: str, revision: str = "1.0.0", *, greeting: str | None = 
 
 
 def converge(driver: Driver, desired: list[DesiredDeployment]) -> Plan:
-    """Plan `desired` against what `driver` reports installed and apply every change, as the
-    device's runner does (minus status reporting). Returns the plan that was applied."""
+    """Plan `desired` against what `driver` reports installed and apply every change, each
+    read back from the engine (`Driver.confirm`), as the device's runner does (minus status
+    reporting). Returns the plan that was applied."""
     the_plan = plan(desired, driver.installed())
     for deployment_plan in the_plan.deployments:
         for step in deployment_plan.changes:
             driver.apply(step, deployment_plan.deployment)
+            driver.confirm(step, deployment_plan.deployment)
     return the_plan
 
 

@@ -33,7 +33,7 @@ from reconciler.drivers.compose_drift import (
     releases_with_drift,
     write_applied,
 )
-from reconciler.drivers.compose_engine import LABEL_CONFIG_HASH, LABEL_SERVICES
+from reconciler.drivers.compose_engine import LABEL_CONFIG_HASH, LABEL_SERVICES, read_back
 from reconciler.planner import Action, Step
 from reconciler.releases import (
     LABEL_COMPONENT,
@@ -262,3 +262,37 @@ def test_a_recorded_project_without_containers_is_listed_as_drifted() -> None:
     assert (release.release_name, release.component, release.healthy) == ("p1", "c1", True)
     assert (release.drift, release.repair) == ("every container of the project is gone", False)
     assert releases_with_drift([], {"p1": applied.__class__({}, {}, frozenset())}, "warn") == []
+
+
+LABELS = ownership_labels("d1", "c1", desired_digest="sha256:" + "1" * 64,
+                          spec_digest="sha256:" + "2" * 64, values_digest="sha256:" + "3" * 64)
+
+
+def service(name: str, state: str, status: str, config_hash: str = "h1",
+            **labels: str) -> str:
+    return ps_line(f"p1-{name}-1", state, status, **{
+        **OURS, "com.docker.compose.service": name, LABEL_CONFIG_HASH: config_hash, **labels})
+
+
+@pytest.mark.parametrize(("lines", "wait", "idle", "differences"), [
+    ([service("web", "running", "Up 1 second (healthy)")], True, (), {}),
+    ([service("web", "running", "Up 1 second (health: starting)")], False, (), {}),
+    ([service("web", "running", "Up 1 second (health: starting)")], True, (), {
+        "p1-web-1": "is starting (its health check has not passed yet)"}),
+    ([service("web", "exited", "Exited (0) 1 second ago")], True, (), {}),
+    ([service("web", "exited", "Exited (3) 1 second ago")], False, (), {
+        "p1-web-1": "exited with code 3"}),
+    ([], True, (), {"service web": "nothing"}),
+    ([], True, ("web",), {}),  # scaled to 0: no container is what `up` leaves
+    ([service("web", "running", "Up", config_hash="h0")], True, (), {
+        "p1-web-1 config-hash": "h0"}),
+    ([service("web", "running", "Up", **{LABEL_COMPONENT: "other"})], True, (), {
+        f"p1-web-1 label {LABEL_COMPONENT}": "other"}),
+    ([service("web", "running", "Up"), service("old", "running", "Up")], True, (), {
+        "p1-old-1": "a container of service old"}),
+])
+def test_what_a_read_back_after_up_requires(lines: list[str], wait: bool, idle: tuple[str, ...],
+                                            differences: dict[str, str]) -> None:
+    expected, found = read_back(parse_ps_output("\n".join(lines)), LABELS, {"web": "h1"},
+                                wait=wait, idle=idle)
+    assert {key: found[key] for key in expected if found[key] != expected[key]} == differences

@@ -212,15 +212,31 @@ def test_a_container_crashing_at_start_fails_with_its_last_log_lines(
     assert actions(plan([deployment(repository)], driver.installed())) == ["upgrade"]
 
 
-def test_without_wait_a_crashing_container_shows_up_as_unhealthy(
+def test_without_wait_an_exit_at_start_fails_the_read_back(
         engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
         repository: str) -> None:
-    compose_package(oci, repository, "1.0.0", {"job": {"image": test_images.crash}})
-    assert actions(converge(driver, deployment(repository, wait=False))) == ["install"]
-    engine_wait = engine.text("wait", containers(engine)["job"]).strip()
-    assert engine_wait == "3"
+    """Without `wait`, `up` succeeds once the containers are started, and the job exits
+    with code 3 right after. `front` waits for `web`'s health check, so `up` returns only
+    after the job has exited: the read-back sees it. Without the read-back, this step would
+    be reported installed (`converge` returns)."""
+    compose_package(oci, repository, "1.0.0", {
+        "job": {"image": test_images.crash},
+        "web": web_service(test_images.web_1),
+        "front": {"image": test_images.web_1, "command": worker_command(),
+                  "depends_on": {"web": {"condition": "service_healthy"}}}})
+    with pytest.raises(ApplyError) as caught:
+        converge(driver, deployment(repository, wait=False))
+    assert caught.value.code == "READBACK_MISMATCH"
+    assert caught.value.retryable
+    assert caught.value.message == (
+        f"Compose project {PROJECT} on the engine is not what was applied: {PROJECT}-job-1: "
+        "expected running, or finished with code 0, found exited with code 3")
+    assert engine.text("wait", containers(engine)["job"]).strip() == "3"
+    # The next pass reads the same from the engine: a failure, applied again.
     [release] = driver.installed()
     assert release.healthy is False
+    assert actions(plan([deployment(repository, wait=False)], driver.installed())) == [
+        "upgrade"]
 
 
 OUT_OF_BAND = {  # what a person does to a container, and the drift it is found as
@@ -274,23 +290,52 @@ def test_a_project_whose_containers_are_all_gone_is_repaired_not_reinstalled(
     assert inspect(engine, containers(engine)["web"])["State"]["Health"]["Status"] == "healthy"
 
 
-def test_a_container_recreated_from_another_configuration_is_drift_and_repaired(
-        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
-        repository: str, tmp_path: Path) -> None:
-    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
-    converge(driver, deployment(repository, greeting="Hello"))
+def recreate_by_hand(engine: DockerEngine, oci: OciClient, repository: str,
+                     tmp_path: Path) -> str:
+    """What a person does with `docker compose up` and an edited environment: the project's
+    `web` container recreated from the driver's files with GREETING=Hacked. Its name."""
     files = project_files(tmp_path / "work", PROJECT, oci.pull(repository, "1.0.0").layer.digest)
     edited = tmp_path / "by-hand.env"
     edited.write_text("GREETING=Hacked\n")
     engine.compose_run(PROJECT, "--env-file", str(edited), "up", "-d",
                        files=[files.compose_file, files.override_file])
-    web = containers(engine)["web"]
+    return containers(engine)["web"]
+
+
+def test_a_container_recreated_from_another_configuration_is_drift_and_repaired(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
+        repository: str, tmp_path: Path) -> None:
+    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
+    converge(driver, deployment(repository, greeting="Hello"))
+    web = recreate_by_hand(engine, oci, repository, tmp_path)
     assert environment(engine, web)["GREETING"] == "Hacked"
     [release] = driver.installed()
     assert release.drift == f"{web} was recreated from another configuration"
     assert actions(converge(driver, deployment(repository, greeting="Hello"))) == ["repair"]
     assert environment(engine, containers(engine)["web"])["GREETING"] == "Hello"
     assert driver.installed()[0].drift == ""
+
+
+def test_a_container_recreated_before_the_read_back_fails_it(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, driver: ComposeDriver,
+        repository: str, tmp_path: Path) -> None:
+    """A test double for a race: between `up` and the read-back, someone recreates the
+    container by hand from another environment. The read-back compares each container's
+    config-hash with Compose's own hash of the files the driver wrote, and names both."""
+    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)})
+    desired = deployment(repository, greeting="Hello")
+    [step] = plan([desired], driver.installed()).changes
+    driver.apply(step, desired)
+    written = inspect(engine, containers(engine)["web"])["Config"]["Labels"][
+        "com.docker.compose.config-hash"]
+    web = recreate_by_hand(engine, oci, repository, tmp_path)
+    recreated = inspect(engine, web)["Config"]["Labels"]["com.docker.compose.config-hash"]
+    with pytest.raises(ApplyError) as caught:
+        driver.confirm(step, desired)
+    assert caught.value.code == "READBACK_MISMATCH"
+    assert caught.value.message.startswith(
+        f"Compose project {PROJECT} on the engine is not what was applied: ")
+    assert f"{web} config-hash: expected {written}, found {recreated}" in caught.value.message
 
 
 def test_with_warn_drift_is_reported_and_nothing_is_touched(

@@ -17,8 +17,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import helm_python as helm
 import pytest
@@ -36,12 +37,14 @@ from kits.kubekit import ROOT as REPO_ROOT
 from kits.kubekit import SINGLE_NODE, KubeCluster, SimNode
 
 from reconciler.charts import ChartCache
+from reconciler.desired import DesiredDeployment
 from reconciler.drivers.helm import HelmDriver
 from reconciler.errors import ApplyError
-from reconciler.planner import plan
+from reconciler.planner import Action, Step, plan
 from reconciler.releases import (
     LABEL_DEPLOYMENT,
     LABEL_MANAGED_BY,
+    LABEL_SPEC,
     MANAGER,
     ReleaseState,
     release_name,
@@ -521,3 +524,48 @@ def test_components_install_in_order_across_namespaces(driver: HelmDriver, kube:
     assert kube.admin.find("Deployment", name, "site-c") is not None
     assert actions(converge(driver, [second])) == ["remove:hello-world"]
     assert kube.admin.find("Deployment", name, "site-c") is None
+
+
+class RacedDriver(HelmDriver):
+    """A test double for a fault the driver's own call cannot see: right after each install
+    or upgrade returns, and before the driver reads it back, another Helm client upgrades
+    the same release and is killed in the middle (`kill_during`), so the Helm engine leaves
+    the release `pending-upgrade` in its storage."""
+
+    def __init__(self, *args: Any, race: Callable[[], None], **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.race = race
+
+    def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        super().apply(step, deployment)
+        if step.action is not Action.REMOVE:
+            self.race()
+
+
+def test_a_release_left_pending_by_the_engine_fails_the_read_back(
+        device_kubeconfig: Path, charts: ChartCache, kube: KubeCluster, tmp_path: Path,
+        repos: dict[str, str]) -> None:
+    """Without the read-back, this install would be reported installed (`converge` returns);
+    with it, the step fails naming what Helm's storage holds instead of what was applied."""
+    driver = RacedDriver(charts, kubeconfig=device_kubeconfig, race=lambda: kill_during(
+        kube, tmp_path, device_kubeconfig, repos["hungry"], "pending-upgrade"))
+    desired = greeter(repos["greeter"], "1.0.0", wait=True)
+    try:
+        with pytest.raises(ApplyError) as caught:
+            converge(driver, [desired])
+    finally:
+        driver.close()
+    assert caught.value.code == "READBACK_MISMATCH"
+    assert caught.value.retryable
+    assert caught.value.message.startswith(
+        f"release edge/{RELEASE} in Helm's storage is not what was applied: status: expected "
+        "deployed, found pending-upgrade; revision: expected 1, found 2; chart: expected "
+        "greeter 1.0.0, found hungry 1.0.0; "), caught.value.message
+    assert f"label {LABEL_SPEC}: expected " in caught.value.message  # the other package
+    # The next pass finds the crashed upgrade and recovers from it.
+    helm_driver = HelmDriver(charts, kubeconfig=device_kubeconfig)
+    try:
+        assert actions(converge(helm_driver, [desired])) == ["recover:greeter"]
+        assert helm_driver.installed()[0].chart_version == "1.0.0"
+    finally:
+        helm_driver.close()

@@ -17,7 +17,9 @@ from kits.chartkit import (
     write_chart,
 )
 
+from margo.digests import digest_of
 from reconciler.charts import ChartCache
+from reconciler.desired import DesiredDeployment
 from reconciler.drivers.render import LEDGER_NAME, RenderDriver
 from reconciler.errors import ApplyError
 from reconciler.planner import Action, Step, plan
@@ -347,3 +349,50 @@ def test_a_ledger_from_before_digests_is_read_and_gets_them_on_the_next_render(
     assert actions(converge(driver, [desired])) == ["reconfigure:greeter"]
     assert sorted(ledger(driver)[f"edge/{RELEASE}"]["files"]) == [
         "greeter/templates/configmap.yaml"]
+
+
+class FaultyDisk(RenderDriver):
+    """A test double for a fault, not something the real driver does: right after each
+    step's files are written, and before they are read back, the disk changes one of
+    them (a failing disk, or another process writing into the output directory)."""
+
+    def apply(self, step: Step, deployment: DesiredDeployment | None) -> None:
+        super().apply(step, deployment)
+        if step.action is not Action.REMOVE:
+            tamper(self)
+
+
+def test_files_that_differ_from_what_was_written_fail_the_read_back(
+        tmp_path: Path, charts: ChartCache, repository: str) -> None:
+    """Without the read-back, this step would be reported installed (`converge` returns);
+    with it, the step fails naming each file, the digest written and the one found."""
+    driver = FaultyDisk(tmp_path / "out", charts)
+    desired = greeter(repository, "1.0.0", greeting="Hello")
+    with pytest.raises(ApplyError) as caught:
+        converge(driver, [desired])
+    written = ledger(driver)[f"edge/{RELEASE}"]["files"]
+    found = {name: digest_of(data) for name, data in release_files(driver).items()}
+    edited, deleted, added = (f"greeter/templates/{name}.yaml"
+                              for name in ("configmap", "deployment", "extra"))
+    assert caught.value.code == "READBACK_MISMATCH"
+    assert caught.value.retryable
+    assert caught.value.message == (
+        f"the rendered release edge/{RELEASE} is not what was applied: "
+        f"file {edited}: expected {written[edited]}, found {found[edited]}; "
+        f"file {deleted}: expected {written[deleted]}, found nothing; "
+        f"file {added}: expected nothing, found {found[added]}")
+    # The next pass sees the same files as drift and writes them again (a sound disk).
+    assert actions(converge(RenderDriver(tmp_path / "out", charts), [desired])) == [
+        "repair:greeter"]
+
+
+def test_a_removal_is_read_back_as_gone(driver: RenderDriver, repository: str) -> None:
+    converge(driver, [greeter(repository, "2.0.0")])
+    [remove] = plan([], driver.installed()).changes
+    driver.apply(remove, None)
+    driver.confirm(remove, None)
+    (driver.output_dir / "edge" / RELEASE).mkdir(parents=True)  # left behind: not gone
+    with pytest.raises(ApplyError) as caught:
+        driver.confirm(remove, None)
+    assert caught.value.message == (f"the rendered release edge/{RELEASE} is not what was "
+                                    "applied: directory: expected nothing, found present")

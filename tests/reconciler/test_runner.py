@@ -55,7 +55,8 @@ def deployment(*components: str, namespace: str = "edge", revision: str = "1.0.0
 @dataclass
 class FakeDriver:
     """An engine in memory: `releases` by component; `fail` maps a component to the
-    error its next applies raise (popped when `once`)."""
+    error its next applies raise (popped when `once`); `misread` to the error reading it
+    back (`confirm`) raises after each apply: the engine then holds it `failed`."""
 
     profile_types: tuple[str, ...] = ("helm",)
     name: str = "fake"
@@ -64,6 +65,8 @@ class FakeDriver:
     once: bool = True
     applied: list[tuple[str, str]] = field(default_factory=list)
     extra: list[InstalledRelease] = field(default_factory=list)
+    misread: dict[str, ApplyError] = field(default_factory=dict)
+    confirmed: list[tuple[str, str]] = field(default_factory=list)
 
     def installed(self) -> list[InstalledRelease]:
         return [*self.releases.values(), *self.extra]
@@ -86,6 +89,14 @@ class FakeDriver:
         self.releases[step.component] = release_from_labels(
             labels, release_name=step.release_name, namespace=step.namespace,
             state=ReleaseState.DEPLOYED)
+
+    def confirm(self, step: Step, desired: DesiredDeployment | None) -> None:
+        self.confirmed.append((str(step.action), step.component))
+        error = self.misread.get(step.component)
+        if error is not None:
+            found = self.releases[step.component]
+            self.releases[step.component] = replace(found, state=ReleaseState.FAILED)
+            raise error
 
     def close(self) -> None:
         pass
@@ -155,6 +166,7 @@ def test_components_go_in_listed_order_and_each_transition_is_reported(world: Wo
     result = world.runner.cycle()
     assert result.converged
     assert world.driver.applied == [("install", "db"), ("install", "web"), ("install", "worker")]
+    assert world.driver.confirmed == world.driver.applied  # each read back before reported
     assert world.states("web") == ["pending", "installing", "installed"]
     assert world.runner.cycle().steps == []  # nothing changed: nothing applied or reported
     assert world.states("web") == ["pending", "installing", "installed"]
@@ -283,3 +295,25 @@ def test_a_profile_the_driver_does_not_run_fails_every_component(world: World) -
     assert world.driver.applied == []
     assert world.last("web")["error"]["code"] == "UNSUPPORTED_TYPE"
     assert any("does not run compose" in f for f in result.failures)
+
+
+def test_what_the_engine_is_read_to_hold_decides_installed(world: World) -> None:
+    """A step the driver applied but whose result reads back otherwise (the engine's record
+    left `failed`, a container gone, a file changed) is reported `failed` with the
+    read-back's error, never `installed`; later components wait, and the next cycle plans
+    against what the engine holds (here `failed`: upgraded)."""
+    world.driver.misread["web"] = ApplyError(
+        ErrorCode.READBACK_MISMATCH, "release edge/web is not what was applied: status: "
+        "expected deployed, found failed")
+    world.source.publish(deployment("db", "web", "worker"))
+    assert not world.runner.cycle().converged
+    assert world.driver.applied == [("install", "db"), ("install", "web")]
+    assert world.states("web") == ["pending", "installing", "failed"]
+    assert world.last("web")["error"] == {
+        "code": "READBACK_MISMATCH", "source": "web", "message": "release edge/web is not "
+        "what was applied: status: expected deployed, found failed"}
+    del world.driver.misread["web"]
+    assert world.runner.cycle().converged
+    assert world.driver.applied[2:] == [("upgrade", "web"), ("install", "worker")]
+    assert world.states("web") == ["pending", "installing", "failed", "installing",
+                                   "installed"]

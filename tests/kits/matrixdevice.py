@@ -92,11 +92,15 @@ class MatrixDevice:
                           lambda: f"{len(self.cycles())} cycle(s) so far")
 
     def wait_quiet_cycle(self) -> int:
-        """Until the client's latest cycle took no step and converged (what came before it
-        is over); how many cycles it has finished then."""
+        """Until the client's latest cycle took no step and converged, and came after a
+        cycle that took steps (what came before it is over); how many cycles it has
+        finished then. The cycle that applied a change is printed when it ends, after its
+        reports: the read API can say `installed` while that cycle still runs, and the
+        quiet cycle before it must not count."""
         def quiet() -> int | None:
             found = self.cycles()
-            return len(found) if found and not found[-1]["steps"] and \
+            stepped = any(cycle["steps"] for cycle in found)
+            return len(found) if stepped and not found[-1]["steps"] and \
                 found[-1]["converged"] else None
 
         return self._wait("a cycle with no step", quiet,

@@ -27,10 +27,10 @@ from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
 from margo_cli.fleetclient import call
+from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 
 __all__ = ["STATE_FILE", "register", "run_compile", "run_explain", "run_plan"]
 
-EXIT_OK, EXIT_ERRORS, EXIT_BAD_INPUT = 0, 1, 2
 STATE_FILE = "compiler-state.sqlite"
 
 
@@ -79,16 +79,13 @@ def register(commands: Any) -> None:
     explain_parser.set_defaults(run=run_explain)
 
 
-class _BadInput(Exception):
-    pass
-
-
 def _open(args: argparse.Namespace, *, trusted: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """The fleet source and the capability snapshot; unusable ones are a `UsageError`."""
     try:
         return (load_source(args.source, ref=args.ref),
                 load_snapshot(args.capabilities, trusted=trusted))
     except (SourceError, SnapshotError) as exc:
-        raise _BadInput(str(exc)) from None
+        raise UsageError(f"margo {args.command}: {exc}") from None
 
 
 def _store(args: argparse.Namespace) -> tuple[DeviceStore, CompilerState]:
@@ -120,8 +117,17 @@ def _summary(report: CompileReport, elapsed: float) -> str:
 
 def _compile_once(args: argparse.Namespace, *, dry_run: bool,
                   diffs: dict[str, list[str]] | None = None) -> tuple[CompileReport, float]:
-    """One compile; with `diffs` (a dry run), each device's diff of what it would commit."""
+    """One compile; with `diffs` (a dry run), each device's diff of what it would commit.
+    A store that cannot be used is a `UsageError`, as unusable inputs are."""
     start = time.monotonic()
+    try:
+        return _compile_in(args, dry_run=dry_run, diffs=diffs, start=start)
+    except GitStoreError as exc:
+        raise UsageError(f"margo {args.command}: {exc}") from None
+
+
+def _compile_in(args: argparse.Namespace, *, dry_run: bool, diffs: dict[str, list[str]] | None,
+                start: float) -> tuple[CompileReport, float]:
     store, state = _store(args)
 
     def collect(commit: DeviceCommit) -> None:
@@ -140,18 +146,11 @@ def _compile_once(args: argparse.Namespace, *, dry_run: bool,
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    try:
-        report, elapsed = _compile_once(args, dry_run=False)
-        _print_compile(args, report, elapsed)
-        if args.watch:
-            return _watch(args)
-    except _BadInput as exc:
-        print(f"margo compile: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except GitStoreError as exc:
-        print(f"margo compile: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return EXIT_ERRORS if report.errors else EXIT_OK
+    report, elapsed = _compile_once(args, dry_run=False)
+    _print_compile(args, report, elapsed)
+    if args.watch:
+        return _watch(args)
+    return EXIT_FAILED if report.errors else EXIT_OK
 
 
 def _print_compile(args: argparse.Namespace, report: CompileReport, elapsed: float) -> None:
@@ -189,8 +188,8 @@ def _recompile(args: argparse.Namespace) -> None:
     try:
         report, elapsed = _compile_once(args, dry_run=False)
         _print_compile(args, report, elapsed)
-    except (_BadInput, GitStoreError) as exc:
-        print(f"margo compile: {exc}", file=sys.stderr, flush=True)
+    except UsageError as exc:
+        print(exc, file=sys.stderr, flush=True)
     finally:
         release_frozen()
 
@@ -218,11 +217,7 @@ def _still_waiting(args: argparse.Namespace, report: CompileReport) -> dict[str,
 
 def run_plan(args: argparse.Namespace) -> int:
     diffs: dict[str, list[str]] | None = {} if args.diff else None
-    try:
-        report, _ = _compile_once(args, dry_run=True, diffs=diffs)
-    except (_BadInput, GitStoreError) as exc:
-        print(f"margo plan: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    report, _ = _compile_once(args, dry_run=True, diffs=diffs)
     for device_id, notes in _still_waiting(args, report).items():
         report.results.append(DeviceResult(device_id, "unchanged", notes=notes))
     changed = [r for r in report.results if r.changes or r.status == "committed" or r.notes]
@@ -252,29 +247,22 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"    {line}")
         if not changed:
             print("no changes")
-    return EXIT_ERRORS if report.errors else EXIT_OK
+    return EXIT_FAILED if report.errors else EXIT_OK
 
 
 def run_explain(args: argparse.Namespace) -> int:
     if args.device is None and not (args.intent or args.app):
-        print("margo explain: name a --device, or an --intent or --app to explain on every "
-              "device", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UsageError("margo explain: name a --device, or an --intent or --app to explain "
+                         "on every device")
     if args.url is None and not (args.source and args.capabilities):
-        print("margo explain: give --source and --capabilities, or --url of a server",
-              file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UsageError("margo explain: give --source and --capabilities, or --url of a "
+                         "server")
     if args.device is None:
         return _explain_fleet(args)
     if args.url is not None:
-        print("margo explain: --url works fleet-wide (--intent/--app); for one device, "
-              "margo status --device ID shows the server's explanation", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        source, snapshot = _open(args)
-    except _BadInput as exc:
-        print(f"margo explain: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UsageError("margo explain: --url works fleet-wide (--intent/--app); for one "
+                         "device, margo status --device ID shows the server's explanation")
+    source, snapshot = _open(args)
     placements = None
     if args.repos and (Path(args.repos) / STATE_FILE).exists():
         state = CompilerState(Path(args.repos) / STATE_FILE)
@@ -287,8 +275,7 @@ def run_explain(args: argparse.Namespace) -> int:
                                       now=time.time())
     except KeyError as exc:
         what = "device" if exc.args[0] == args.device else "intent"
-        print(f"margo explain: no {what} {exc.args[0]!r} in the inputs", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UsageError(f"margo explain: no {what} {exc.args[0]!r} in the inputs") from None
     if args.json:
         print(json.dumps({"device": args.device,
                           "intents": [e.to_json() for e in explanations]}, ensure_ascii=False))
@@ -323,22 +310,16 @@ def _explain_fleet(args: argparse.Namespace) -> int:
         try:
             result = _server_explanation(args)
         except (RuntimeError, OSError, httpx.HTTPError) as exc:
-            print(f"margo explain: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise UsageError(f"margo explain: {exc}") from None
     else:
-        try:
-            source, snapshot = _open(args)
-        except _BadInput as exc:
-            print(f"margo explain: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        source, snapshot = _open(args)
         store = _branches(args)
         try:
             result = explain_fleet(
                 source, snapshot, intent=args.intent, application=args.app, now=time.time(),
                 placed_of=lambda device: _placed_files(store, device))
         except KeyError as exc:
-            print(f"margo explain: no intent {exc.args[0]!r} in the source", file=sys.stderr)
-            return EXIT_BAD_INPUT
+            raise UsageError(f"margo explain: no intent {exc.args[0]!r} in the source") from None
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:

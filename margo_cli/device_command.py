@@ -19,8 +19,8 @@ from typing import Any
 
 from margo.errors import DocumentError
 from margo_cli import doctor_command, plan_command
+from margo_cli.device_config import device_config
 from margo_cli.usage import UsageError
-from reconciler.config import DeviceConfig, load_config
 from reconciler.runner import CycleResult
 
 __all__ = ["describe", "register", "run", "run_capabilities"]
@@ -49,16 +49,6 @@ def register(commands: Any) -> None:
     show.set_defaults(run=run_capabilities)
 
 
-def _config(path: str) -> DeviceConfig:
-    """The validated configuration; `UsageError` (exit 2) saying why it is unusable."""
-    try:
-        return load_config(path)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
-    except DocumentError as exc:
-        raise UsageError("\n".join(problem.format() for problem in exc.problems)) from None
-
-
 def run_capabilities(args: argparse.Namespace) -> int:
     """What would be reported now, as JSON: for checking a provider's mapping by eye, or
     for sending the cluster proposal's manifest to a server that takes it."""
@@ -66,7 +56,7 @@ def run_capabilities(args: argparse.Namespace) -> int:
     from reconciler.assembly import capability_provider
     from reconciler.kubernetes.provider import KubernetesProvider
 
-    config = _config(args.config)
+    config = device_config(args.config)
 
     class _Types:  # the driver's profile types, without starting an engine
         profile_types = ("compose",) if config.driver == "compose" else ("helm",)
@@ -112,7 +102,7 @@ def _as_json(result: CycleResult) -> str:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
-    config = _config(args.config)
+    config = device_config(args.config)
     from reconciler.assembly import open_reconciler
     from reconciler.datadir import BusyError
     from reconciler.identity import IdentityError

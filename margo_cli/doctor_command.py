@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from margo.errors import DocumentError
+from margo_cli.device_config import device_config
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 from reconciler.config import DeviceConfig
 from reconciler.datadir import LocalClient, probe_data_dir
@@ -87,14 +87,7 @@ def _implicit(context: str | None, environ: Mapping[str, str]) -> Target:
 
 
 def _from_config(path: str, environ: Mapping[str, str]) -> Target:
-    from reconciler.config import load_config
-
-    try:
-        config = load_config(path)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except DocumentError as exc:
-        raise UsageError("\n".join(p.format() for p in exc.problems)) from None
+    config = device_config(path)
     local = probe_data_dir(config.data_dir)
     if config.kubernetes is not None:
         return Target(config.kubernetes["kubeconfig"], config.kubernetes["context"], local)

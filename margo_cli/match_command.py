@@ -21,14 +21,16 @@ from margo.kinds import Kind
 from margo.loading import load_path
 from margo.models import ApplicationDescription, DeviceCapabilities
 from margo.validation import validate_loaded, validate_value
+from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 
 __all__ = ["BadInput", "BatchMatcher", "register", "run"]
 
-EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_ELIGIBLE, EXIT_NOT_ELIGIBLE = EXIT_OK, EXIT_FAILED
 
 
 class BadInput(Exception):
-    """Input that cannot be matched at all (exit 2)."""
+    """Input that cannot be matched at all: a batch line's error answer; in `run`, the
+    shared `UsageError` (exit 2)."""
 
 
 def register(commands: Any) -> None:
@@ -174,5 +176,4 @@ def run(args: argparse.Namespace) -> int:
             return _run_batch(args.batch)
         return _run_single(args)
     except BadInput as exc:
-        print(f"margo match: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise UsageError(f"margo match: {exc}") from None

@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from margo_cli.device_config import device_config
 from margo_cli.usage import EXIT_OK, UsageError
 
 __all__ = ["format_preview", "register", "run"]
@@ -47,12 +48,11 @@ def format_preview(preview: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from margo_cli.device_command import _config
     from reconciler.errors import ApplyError
     from reconciler.preview import preview
     from reconciler.state import StateError
 
-    config = _config(args.config)
+    config = device_config(args.config)
     try:
         found = preview(config)
     except (StateError, ApplyError) as exc:

@@ -38,13 +38,13 @@ DEVICES = [f"d{i:02d}" for i in range(12)]
 POINTS = {
     "streaming commits to fast-import": """
         import compiler.gitstore as g
-        real, calls = g._commit_command, []
+        real, calls = g.commit_command, []
         def command(*args, **kwargs):
             calls.append(1)
             if len(calls) == 5:
                 die()
             return real(*args, **kwargs)
-        g._commit_command = command
+        g.commit_command = command
     """,
     "objects written, refs not moved": """
         import compiler.gitstore as g

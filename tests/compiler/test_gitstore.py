@@ -655,11 +655,11 @@ def test_stored_trees_read_the_raw_format_as_pygit2_does(store: DeviceStore) -> 
 
 @pytest.mark.parametrize("raw", [b"100644 a", b"100644 a\0" + b"\1" * 5, b"100644a\0" + b"\1" * 20])
 def test_a_malformed_tree_object_is_an_error(raw: bytes) -> None:
-    from compiler.gitstore import _plain_files
+    from compiler.gitformat import plain_files
 
     with pytest.raises(GitStoreError, match="malformed tree"):
-        _plain_files(raw, 20)
-    assert _plain_files(b"100644 a\0" + b"\1" * 20, 20) == ({"a": "01" * 20}, False)
+        plain_files(raw, 20)
+    assert plain_files(b"100644 a\0" + b"\1" * 20, 20) == ({"a": "01" * 20}, False)
 
 
 def test_a_commit_on_the_parents_tree_writes_only_the_difference(store: DeviceStore) -> None:

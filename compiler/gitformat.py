@@ -1,0 +1,342 @@
+"""What the fleet-state store computes without touching a repository (`compiler.gitstore`):
+device ids <-> branch names, Git's ids of blobs and trees, the plain files of a raw tree
+object, the validation of a `DeviceCommit`, and the ``git fast-import`` commands that write
+one.
+
+Pure functions of their arguments, so the compiler can compute the tree id of what it
+commits, and a commit is rejected before anything is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import urllib.parse
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pygit2
+
+from margo.errors import short_repr
+from margo.identifiers import branch_component, device_id_problem
+
+__all__ = [
+    "DEVICE_ID_PATTERN",
+    "DEVICE_REF_PREFIX",
+    "FULL_OID_RE",
+    "SCRATCH_REF",
+    "DeviceCommit",
+    "GitStoreError",
+    "InvalidCommitError",
+    "blob_id",
+    "branch_problem",
+    "check_commit",
+    "commit_command",
+    "device_id_from_ref",
+    "device_ref",
+    "plain_files",
+    "read_marks",
+    "tree_id_of",
+]
+
+DEVICE_REF_PREFIX = "refs/heads/devices/"
+DEVICE_ID_PATTERN = r"[A-Za-z0-9._~-]+(?:/[A-Za-z0-9._~-]+)*"
+
+_DEVICE_ID_RE = re.compile(DEVICE_ID_PATTERN)
+# What an encoded device id may look like: kept characters and upper-case %XX escapes only.
+_ENCODED_RE = re.compile(r"(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+")
+FULL_OID_RE = re.compile(r"[0-9a-f]{40}")
+# fast-import builds every commit on this branch but never writes it (`compiler.gitstore`).
+SCRATCH_REF = "refs/margo-gitops/fast-import-scratch"
+_FILE_MODE = b"100644"
+
+
+class GitStoreError(RuntimeError):
+    """The fleet-state repository could not be opened, locked, read or written."""
+
+
+class InvalidCommitError(GitStoreError, ValueError):
+    """A `DeviceCommit` is malformed; raised before anything is written."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCommit:
+    """One new commit on a device branch.
+
+    `files` plus `kept` is the COMPLETE new tree: files absent from both are removed. `files`
+    maps flat names to content; `kept` maps names to the ids of blobs already stored in the
+    repository (e.g. from `tree_ids`), so files a compile leaves as they are need not be read
+    or sent again. `message` is written verbatim (UTF-8), `timestamp` is the author and
+    committer time (UTC).
+
+    With `parent_known`, `parent` is the branch tip the caller computed this tree from
+    (None: the device had no branch) and the commit builds on it; otherwise the store reads
+    the tip itself. Either way the branch moves only if it still points there.
+
+    With `on_parent` (which needs a known `parent`), the commit is a change to the parent's
+    tree instead: `files` and `kept` are written into it and the names in `removed` are
+    deleted; everything else stays as it is. Why: a compile that re-renders one intent
+    changes one file of a device's tree, and sending only that costs less than the tree.
+
+    With `branch_lost` (which needs a known `parent`), the device's branch is gone (its ref
+    lost from the repository) and `parent` is the commit it was last left at, still stored:
+    the commit builds on it and the branch is created (it must not exist). Why: a rebuilt
+    branch that continues its history is a fast-forward for a device following it over
+    Git, whose rollback protection would refuse a new history.
+    """
+
+    device_id: str
+    files: Mapping[str, bytes]
+    message: str
+    timestamp: int
+    kept: Mapping[str, str] = field(default_factory=dict)
+    parent: str | None = None
+    parent_known: bool = False
+    on_parent: bool = False
+    removed: Collection[str] = ()
+    branch_lost: bool = False
+
+
+# --- device ids <-> ref names -------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=32_768)  # a fleet's ids are looked up again and again
+def device_ref(device_id: str) -> str:
+    """The branch of `device_id`: ``refs/heads/devices/<encoded>``.
+
+    The whole id becomes ONE ref component (`margo.identifiers.branch_component` has the
+    encoding), so a gateway ``gw`` and its child ``gw/child`` can both have branches.
+    Everything Git forbids in a ref name is thereby avoided. Any id of the standard's
+    syntax has a name; the store only writes and reads the branches of ids that are also
+    within `margo.identifiers.DEVICE_ID`'s bounds (see `branch_problem`).
+    """
+    if not isinstance(device_id, str) or not _DEVICE_ID_RE.fullmatch(device_id):
+        raise ValueError(f"not a Margo device id (expected {DEVICE_ID_PATTERN}): "
+                         f"{short_repr(device_id)}")
+    return DEVICE_REF_PREFIX + branch_component(device_id)
+
+
+def branch_problem(device_id: object) -> str | None:
+    """Why the store can hold no branch for `device_id`, or None: it must be a valid
+    `margo.identifiers.DEVICE_ID`, whose bounds keep the branch name a file a clone can
+    write (``<component>.lock``) and a ref libgit2 can look up (1,024 bytes at most)."""
+    if not isinstance(device_id, str):
+        return f"a device id must be a string, found {type(device_id).__name__}"
+    return device_id_problem(device_id)
+
+
+def device_id_from_ref(ref: str) -> str | None:
+    """The device id a ref belongs to, or None for refs that are not device branches.
+
+    Only the exact encoding `device_ref` produces is accepted (so ``%2f`` or a needless
+    ``%41`` is not a device branch): every device has exactly one branch name.
+    """
+    if not ref.startswith(DEVICE_REF_PREFIX):
+        return None
+    encoded = ref[len(DEVICE_REF_PREFIX):]
+    if not _ENCODED_RE.fullmatch(encoded):
+        return None
+    try:
+        device_id = urllib.parse.unquote(encoded, errors="strict")
+    except UnicodeDecodeError:
+        return None
+    if not _DEVICE_ID_RE.fullmatch(device_id) or branch_component(device_id) != encoded:
+        return None
+    return device_id
+
+
+def blob_id(data: bytes) -> str:
+    """The Git blob id of `data`, computed without writing anything.
+
+    Compare ``{name: blob_id(content)}`` with `DeviceStore.tree_ids` to skip unchanged trees.
+    """
+    return str(pygit2.hash(data))
+
+
+def tree_id_of(ids: Mapping[str, str]) -> str:
+    """The id of the tree `DeviceStore.write` stores for flat files with these blob ids
+    (name -> `blob_id`), computed without writing anything.
+
+    Why: a compile learns the tree ids of the trees it commits without reading 10,000 refs
+    back after the write. Entries are ordered by the bytes of their names, as Git orders
+    the entries of a tree of plain files (names are validated flat: no ``/``).
+    """
+    entries = sorted((name.encode("utf-8"), oid) for name, oid in ids.items())
+    body = b"".join(b"100644 %s\0%s" % (name, bytes.fromhex(oid)) for name, oid in entries)
+    return hashlib.sha1(b"tree %d\0%s" % (len(body), body), usedforsecurity=False).hexdigest()
+
+
+# --- validation -------------------------------------------------------------------------
+
+
+_BLOB_MODE = b"100644"
+
+
+def plain_files(tree: bytes, oid_size: int) -> tuple[dict[str, str], bool]:
+    """Name -> blob id of the plain files of a raw tree object, and whether it holds
+    anything else (subtrees, executables, links, names a compile cannot write: not UTF-8,
+    or with a newline).
+
+    Why not pygit2's `Tree`: it builds an object per entry, three times the cost of
+    reading the format, and a compile reads one tree per device. The format is Git's
+    documented one: entries of ``<octal mode> <name>\\0<binary object id>``.
+    """
+    ids: dict[str, str] = {}
+    foreign = False
+    position, end = 0, len(tree)
+    while position < end:
+        space, nul = tree.find(b" ", position), tree.find(b"\0", position)
+        oid_end = nul + 1 + oid_size
+        if not 0 <= space < nul or oid_end > end:
+            raise GitStoreError(f"malformed tree object (entry at byte {position})")
+        if tree[position:space] == _BLOB_MODE:
+            try:
+                name = tree[space + 1:nul].decode("utf-8")
+            except UnicodeDecodeError:
+                name = ""
+            if name and _file_name_problem(name) is None:
+                ids[name] = tree[nul + 1:oid_end].hex()
+            else:
+                foreign = True  # a name no compile writes (nor could send back to Git)
+        else:
+            foreign = True
+        position = oid_end
+    return ids, foreign
+
+
+def check_commit(commit: DeviceCommit) -> None:
+    """Reject what Git or a device's checkout could not represent faithfully."""
+    try:
+        device_ref(commit.device_id)
+    except (ValueError, TypeError) as exc:
+        raise InvalidCommitError(str(exc)) from None
+    problem = branch_problem(commit.device_id)
+    if problem is not None:  # a branch nobody could fetch or look up again
+        raise InvalidCommitError(f"no branch for device {short_repr(commit.device_id)}: "
+                                 f"{problem}")
+    where = f"device {commit.device_id!r}"
+    if isinstance(commit.timestamp, bool) or not isinstance(commit.timestamp, int):
+        raise InvalidCommitError(f"{where}: timestamp must be an int, got {commit.timestamp!r}")
+    if commit.timestamp < 0:
+        raise InvalidCommitError(f"{where}: timestamp must not be negative")
+    if not isinstance(commit.message, str):
+        raise InvalidCommitError(f"{where}: message must be a str")
+    _check_utf8(commit.message, f"{where}: message")
+    if not isinstance(commit.files, Mapping):
+        raise InvalidCommitError(f"{where}: files must be a mapping of name -> bytes")
+    for name, content in commit.files.items():
+        _check_file_name(name, where)
+        if not isinstance(content, bytes):
+            raise InvalidCommitError(f"{where}: content of {name!r} must be bytes, "
+                                     f"got {type(content).__name__}")
+    if commit.parent_known and commit.parent is not None and (
+            not isinstance(commit.parent, str) or not FULL_OID_RE.fullmatch(commit.parent)):
+        raise InvalidCommitError(f"{where}: parent must be a full commit id or None, "
+                                 f"got {commit.parent!r}")
+    if commit.branch_lost and (not commit.parent_known or commit.parent is None):
+        raise InvalidCommitError(f"{where}: restoring a lost branch needs the commit it "
+                                 "was at as a known parent")
+    if commit.on_parent and (not commit.parent_known or commit.parent is None):
+        raise InvalidCommitError(f"{where}: a change on the parent's tree needs a known parent")
+    if not commit.on_parent and commit.removed:
+        raise InvalidCommitError(f"{where}: removed names need on_parent (otherwise files "
+                                 "and kept are the whole tree)")
+    if isinstance(commit.removed, str | bytes):
+        raise InvalidCommitError(f"{where}: removed must be a collection of file names")
+    for name in commit.removed:
+        _check_file_name(name, where)
+        if name in commit.files or name in commit.kept:
+            raise InvalidCommitError(f"{where}: {name!r} is both removed and written")
+    if not isinstance(commit.kept, Mapping):
+        raise InvalidCommitError(f"{where}: kept must be a mapping of name -> blob id")
+    for name, oid in commit.kept.items():
+        _check_file_name(name, where)
+        if name in commit.files:
+            raise InvalidCommitError(f"{where}: {name!r} is both written and kept")
+        if not isinstance(oid, str) or not FULL_OID_RE.fullmatch(oid):
+            raise InvalidCommitError(f"{where}: kept {name!r} must name a full blob id, "
+                                     f"got {oid!r}")
+
+
+def _check_file_name(name: object, where: str) -> None:
+    """Flat names only; no names Git stores badly or a device's checkout would refuse."""
+    if not isinstance(name, str) or not name:
+        raise InvalidCommitError(f"{where}: file names must be non-empty strings, got {name!r}")
+    problem = _file_name_problem(name)
+    if problem is not None:
+        raise InvalidCommitError(f"{where}: {problem}")
+
+
+@functools.lru_cache(maxsize=4096)  # a fleet's trees reuse a few dozen names
+def _file_name_problem(name: str) -> str | None:
+    """What is wrong with a non-empty file name, or None."""
+    bad = sorted({c for c in name if c in "/\0\n"})
+    if bad:
+        return f"file name {name!r} contains {bad!r}"
+    if name in (".", "..") or name.lower() == ".git":
+        return f"{name!r} cannot be a file name"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"file name {name!r} is not encodable as UTF-8: {exc}"
+    return None
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Lone surrogates cannot be encoded; catch them before a half-written stream."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidCommitError(f"{what} is not encodable as UTF-8: {exc}") from None
+
+
+# --- fast-import commands -----------------------------------------------------------------
+
+
+def commit_command(commit: DeviceCommit, mark: int, parent: str | None,
+                    author: tuple[str, str], *, on_parent: bool = False) -> bytes:
+    """One commit whose tree is exactly ``commit.files`` plus ``commit.kept`` (``deleteall``
+    first), or with `on_parent` the parent's tree changed by them and by deleting
+    ``commit.removed``: one inline file per written name, every payload framed by its byte
+    length so any bytes round-trip, one blob reference per kept name."""
+    ident = f"{author[0]} <{author[1]}> {commit.timestamp} +0000"
+    message = commit.message.encode("utf-8")
+    parts = [
+        f"reset {SCRATCH_REF}\ncommit {SCRATCH_REF}\nmark :{mark}\n"
+        f"author {ident}\ncommitter {ident}\ndata {len(message)}\n".encode(),
+        message, b"\n",
+    ]
+    if parent is not None:
+        parts.append(f"from {parent}\n".encode())
+    if not on_parent:
+        parts.append(b"deleteall\n")  # files + kept are the whole tree
+    for name in sorted(commit.files):
+        content = commit.files[name]
+        parts += [b"M ", _FILE_MODE, b" inline ", _fast_import_path(name),
+                  b"\ndata %d\n" % len(content), content, b"\n"]
+    for name in sorted(commit.kept):  # fast-import checks that each blob exists
+        parts += [b"M ", _FILE_MODE, b" ", commit.kept[name].encode(), b" ",
+                  _fast_import_path(name), b"\n"]
+    if on_parent:
+        for name in sorted(commit.removed):
+            parts += [b"D ", _fast_import_path(name), b"\n"]
+    parts.append(b"\n")
+    return b"".join(parts)
+
+
+def _fast_import_path(name: str) -> bytes:
+    """fast-import reads a path starting with a double quote as a C-style quoted string."""
+    if name.startswith('"'):
+        name = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return name.encode("utf-8")
+
+
+def read_marks(path: Path) -> dict[int, str]:
+    """Parse an ``--export-marks`` file (``:<mark> <object id>`` per line)."""
+    marks: dict[int, str] = {}
+    for line in path.read_text("ascii").splitlines():
+        mark, oid = line.split()
+        marks[int(mark.lstrip(":"))] = oid
+    return marks

@@ -26,7 +26,7 @@ ONBOARDING_MODES = ("open", "closed")  # wfm.identity.ONBOARDING_MODES
 #: Connections served at once by default: a fleet of 10,000 devices polling every 15 s on
 #: keep-alive connections (closed after 5 s idle) holds about 3,500.
 DEFAULT_MAX_CONNECTIONS = 8192
-DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000  # wfm.api.DEFAULT_MAX_DEVICES_PER_CLIENT
+DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000  # wfm.http.device_api.DEFAULT_MAX_DEVICES_PER_CLIENT
 
 
 def register(commands: Any) -> None:

@@ -26,7 +26,6 @@ from starlette.routing import Mount, Route
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm import records
-from wfm.api import DEFAULT_MAX_DEVICES_PER_CLIENT, MAX_BODY, Api, routes
 from wfm.authority import ensure_ca, ensure_shared_ca
 from wfm.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
 from wfm.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimmer
@@ -42,6 +41,9 @@ from wfm.fleetmetrics import FleetCollector
 from wfm.freshness import STALE_POLLS
 from wfm.gcpolicy import tune_for_serving
 from wfm.githttp import MAX_REQUEST_BYTES, git_app
+from wfm.http.device_api import DEFAULT_MAX_DEVICES_PER_CLIENT, Api
+from wfm.http.device_routes import DeviceEdge, routes
+from wfm.http.request_parts import MAX_BODY
 from wfm.identity import Identity, IdentitySettings, SignatureMiddleware
 from wfm.leadtime import LeadTimes
 from wfm.metrics import HttpStats, MetricsEndpoint, MetricsMiddleware, RouteMiddleware
@@ -206,6 +208,7 @@ class _Late:
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
     api = Api()
+    edge = DeviceEdge(api)
     stats, late = HttpStats(), _Late()
     metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token, config.admin_token))
 
@@ -282,7 +285,7 @@ def create_app(config: ServerConfig) -> Starlette:
                 lock.release()
 
     return Starlette(
-        routes=[*routes(api), Route("/healthz", _livez, methods=["GET"]),
+        routes=[*routes(edge), Route("/healthz", _livez, methods=["GET"]),
                 Route("/livez", _livez, methods=["GET"]),
                 Route("/readyz", _readyz, methods=["GET"]),
                 Route("/metrics", metrics.serve, methods=["GET"]), *fleet.routes(),
@@ -291,8 +294,8 @@ def create_app(config: ServerConfig) -> Starlette:
                     config.hosted_source, config.admin_token, pushed,
                     replicas=lambda: api.coordinator))]
                   if config.host_source else []),
-                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME, api.may_fetch,
-                                          lost=api.lost_branch,
+                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
+                                          edge.callers.may_fetch, lost=api.lost_branch,
                                           delivered=api.git_delivered))],
         lifespan=lifespan,
         # Requests are counted outermost (refusals too); then body limits and budgets:

@@ -24,7 +24,7 @@ when the request's handling ends.
 The limits are per path prefix (`BodyLimit`): the hosted fleet source takes pushes up to
 `wfm.sourcehost.MAX_PUSH_BYTES`, device Git requests up to `wfm.githttp.MAX_REQUEST_BYTES`,
 the push hook what GitHub may send (`wfm.webhooks.MAX_BODY_BYTES`), and everything else the
-Margo API's `wfm.api.MAX_BODY`. The handlers keep their own checks as a second line.
+Margo API's `wfm.http.request_parts.MAX_BODY`. The handlers keep their own checks as a second line.
 
 Before any of that, uvicorn must have a complete request head, and it sets no deadline
 for one: `HeadDeadline` (installed by `margo serve` as uvicorn's protocol class) closes a

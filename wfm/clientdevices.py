@@ -2,9 +2,9 @@
 and manifest poll.
 
 On one server (SQLite, `wfm.datalock`) this process is the only writer of the `devices`
-table: every registration and deletion goes through `wfm.api`, which says so here, so the
-answer can be remembered until it changes. That took two indexed reads off the event
-loop per status report, about a sixth of what the server spent on one. With replicas
+table: every registration and deletion goes through `wfm.http.capabilities`, which says
+so here, so the answer can be remembered until it changes. That took two indexed reads
+off the event loop per status report, about a sixth of what the server spent on one. With replicas
 another process registers and forgets devices, and a stale answer would serve a state
 without a device another replica just registered: every lookup reads.
 """

@@ -9,7 +9,6 @@ When the server has an operator token (`--admin-token`), these endpoints require
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -25,11 +24,10 @@ from compiler.explain_fleet import explain_fleet
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm import records
-from wfm.api import Api
 from wfm.compiles import SourceConfig
 from wfm.credentials import same_secret
-from wfm.database import Connection
 from wfm.freshness import STALE_POLLS, Freshness, device_freshness
+from wfm.http.device_api import Api
 from wfm.leadtime import LeadTimes
 from wfm.metrics import WEBHOOKS
 from wfm.problems import ProblemError
@@ -39,15 +37,6 @@ from wfm.sources import RemoteSource, fetch_source
 from wfm.webhooks import WebhookError, check_headers, verify_push
 
 __all__ = ["FleetApi"]
-
-
-def _statuses(conn: Connection) -> dict[str, dict[str, Any]]:
-    rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at, "
-                        "adopted_manifest_version, client_id, applied_digest, applied_via "
-                        "FROM statuses")
-    return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
-                   "reportedAt": r[4], "adopted": r[5], "clientId": r[6], "applied": r[7],
-                   "appliedVia": r[8]} for r in rows}
 
 
 def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
@@ -97,7 +86,7 @@ class FleetApi:
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         """Every deployment's last reported status, by deployment id."""
-        return self.api.db.read(_statuses)
+        return self.api.db.read(records.statuses_by_deployment)
 
     def device_row(self, device_id: str) -> records.DeviceRow | None:
         return self.api.db.read(lambda c: records.device_row(c, device_id))

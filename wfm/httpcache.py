@@ -1,4 +1,4 @@
-"""HTTP caching and content negotiation for the device API (`wfm.api`): which media types
+"""HTTP caching and content negotiation for the device API (`wfm.http`): which media types
 an `Accept` header allows, `If-None-Match` against an ETag, and the answer for a document
 addressed by its digest (immutable: cached by the device for a year, 304 when it has it).
 """

@@ -22,7 +22,8 @@ __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HIST
            "device_documents", "device_owner", "device_row", "device_rows", "device_time",
            "forget_device", "git_handout", "manifest_contents", "manifest_contents_of",
            "manifest_version", "record_git_handouts", "record_polls", "report_meaning",
-           "status_device", "status_history", "store_capabilities", "store_status",
+           "rollout_progressing", "status_device", "status_history", "statuses_by_deployment",
+           "store_capabilities", "store_status",
            "trim_capability_history", "trim_status_history"]
 
 
@@ -460,3 +461,19 @@ def status_history(conn: Connection, deployment_ids: Iterable[str],
         found[deployment_id] = [{"state": r[0], "reportedAt": r[1], "deviceTime": r[2]}
                                 for r in rows]
     return found
+
+
+def statuses_by_deployment(conn: Connection) -> dict[str, dict[str, Any]]:
+    """The last status of every deployment, by deployment id, as the read API shows it."""
+    rows = conn.execute("SELECT deployment_id, device_id, state, document, reported_at, "
+                        "adopted_manifest_version, client_id, applied_digest, applied_via "
+                        "FROM statuses")
+    return {r[0]: {"deviceId": r[1], "state": r[2], "document": json.loads(r[3]),
+                   "reportedAt": r[4], "adopted": r[5], "clientId": r[6], "applied": r[7],
+                   "appliedVia": r[8]} for r in rows}
+
+
+def rollout_progressing(conn: Connection) -> bool:
+    """Whether any staged rollout is progressing (`wfm.rollouts` stores their state)."""
+    return bool(conn.execute("SELECT COUNT(*) FROM rollouts WHERE state LIKE ?",
+                             ('%"status": "progressing"%',)).fetchone()[0])

@@ -53,7 +53,7 @@ from test_fleet_api import fleet_repository
 
 from margo import jsonstrict
 from tools.polling import poll_until
-from wfm.api import MAX_BODY
+from wfm.http.request_parts import MAX_BODY
 
 SECRET = "s3cret"
 STATUS_DEVICE = "k8s-cluster-gpu"  # site-a's: its deployment takes the status reports

@@ -1,0 +1,117 @@
+"""The device API in its three generations, one behaviour: what its surfaces share.
+
+rc.3 (`/api/v1/...`), rc.2 (`/api/v1/clients/{clientId}/...` plus onboarding) and the
+Oct-2024 Preview Release 1 (`/device/{deviceId}/...` plus the OAuth2 token endpoint) all
+land in the same handlers; only status codes and path shapes differ where the generations
+differ (rc.3 capabilities answer 201 created / 200 updated, rc.2 and Oct-2024 always 201).
+The caller is always the authenticated client, and every resource is scoped to it.
+
+`Api` holds the resources every surface uses (the store, the client registry, the served
+desired state, the compile trigger, replicas' coordination) and the reads they share: a
+client's devices and its state at the generation this replica serves. The surfaces
+themselves (`wfm.http.callers`, `.capabilities`, `.statuses`, `.manifests`,
+`.onboarding`) are bound to routes by `wfm.http.device_routes`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+
+from wfm.attribution import Attribution
+from wfm.clientdevices import ClientDevices
+from wfm.clients import Client, ClientRegistry
+from wfm.compiles import CompileService
+from wfm.credentialcache import CredentialCache
+from wfm.database import Database
+from wfm.desired import DesiredState
+from wfm.identity import Identity, IdentitySettings
+from wfm.lastseen import PollClock
+
+if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
+    from wfm.coordination import Coordinator
+    from wfm.leadtime import LeadTimes
+
+__all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
+
+#: The most devices one client may hold unless `margo serve --max-devices-per-client` says
+#: otherwise: far above a site's gateway, far below what fills a disk with histories.
+DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000
+
+
+class Api:
+    """The device API's resources; routes are bound when the app is built, resources when
+    it starts (`open`)."""
+
+    db: Database
+    clients: ClientRegistry
+    desired: DesiredState
+    compiles: CompileService
+    ca_certificate: str | None = None  # PEM, served to rc.2 onboarding
+    #: The most devices one client may hold (None: no limit); `margo serve
+    #: --max-devices-per-client`.
+    max_devices: int | None = None
+    identity: Identity
+    coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.coordination)
+    lead_times: LeadTimes | None = None  # told of each stored status (wfm.leadtime)
+
+    def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
+             compiles: CompileService, ca_certificate: str | None = None,
+             identity: Identity | None = None, coordinator: Coordinator | None = None) -> None:
+        self.db, self.clients, self.desired, self.compiles = db, clients, desired, compiles
+        self.coordinator = coordinator
+        self.ca_certificate = ca_certificate
+        self.identity = identity or Identity(IdentitySettings())
+        self.identity.open(clients)
+        #: Polls dominate the traffic: per (client, URL prefix), the manifest served at a
+        #: generation (`wfm.http.manifests`).
+        self.served_manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
+        self.credentials = CredentialCache(
+            lambda: db.offload(clients.credentials_epoch),
+            lambda token: db.offload(clients.token_lookup, token))
+        self.devices = ClientDevices(db, sole_writer=coordinator is None)
+        self.polls = PollClock(db)
+        self.attribution = Attribution(db, desired.deployments_at,
+                                       sole_writer=coordinator is None)
+
+    # --- for Git hosting ---------------------------------------------------------------
+
+    def git_delivered(self, device_id: str, commit: str) -> None:
+        """Git hosting handed the device its branch at `commit`: its reports that name no
+        adopted state are about that commit from now on (`wfm.attribution`)."""
+        self.attribution.handouts.delivered(device_id, commit)
+
+    def lost_branch(self, device_id: str) -> str | None:
+        """Git hosting, for a device without a branch in the served repository: why that is
+        lost state, as the REST manifest would say it (None: no desired state yet)."""
+        lost = self.desired.missing_branch(device_id)
+        return None if lost is None else lost.detail
+
+    # --- shared reads ------------------------------------------------------------------
+
+    async def devices_of(self, client: Client) -> tuple[str, ...]:
+        return await self.devices.of(client.client_id)
+
+    async def served_state(self, client: Client) -> tuple[int, Any]:
+        """The fleet generation this replica serves and the client's state at it, read
+        together (a sync moves the repository under the coordinator's lock, held here only
+        while the state is computed from the repository, never across a database read)."""
+        devices = await self.devices_of(client)
+        if self.coordinator is None:
+            return 0, self.desired.client_state(client.client_id, devices)
+        with self.coordinator.lock:
+            return (self.coordinator.generation,
+                    self.desired.client_state(client.client_id, devices))
+
+    async def catch_up(self) -> None:
+        """With replicas: serve the newest published generation before answering (the read
+        API must not show a device's older state than what another replica served it)."""
+        await self.caught_up()
+
+    async def caught_up(self) -> bool:
+        """With replicas: sync to the newest published generation; whether that moved
+        anything (a miss may be a manifest another replica served from a newer one)."""
+        if self.coordinator is None:
+            return False
+        return bool(await run_in_threadpool(self.coordinator.sync))

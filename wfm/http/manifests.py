@@ -1,0 +1,123 @@
+"""Desired state for devices: the client's manifest, each deployment's document and the
+bundle, as the device API serves them.
+
+The manifest's `manifestVersion` is 1 for a client's first state and grows by one whenever
+the served state changes; it is persisted, so it never goes back (restarts and replicas
+included). Documents and bundles are addressed by digest, so they are immutable.
+"""
+
+from __future__ import annotations
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from margo.digests import digest_of
+from wfm import records
+from wfm.clients import Client
+from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
+from wfm.http.callers import Callers
+from wfm.http.device_api import Api
+from wfm.http.request_parts import header
+from wfm.httpcache import accepts, etag_matches, immutable
+from wfm.problems import ProblemError
+
+__all__ = ["MANIFEST_MEDIA_TYPE", "Manifests"]
+
+MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
+
+
+class Manifests:
+    """`GET .../deployments`, `.../deployments/{id}/{digest}` and `.../bundles/{digest}`."""
+
+    def __init__(self, api: Api, callers: Callers) -> None:
+        self.api, self.callers = api, callers
+
+    async def get_manifest(self, request: Request) -> Response:
+        client, prefix = await self.callers.scoped(request)
+        if not accepts(header(request, b"accept"), MANIFEST_MEDIA_TYPE):
+            raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
+                               margo_type="server-cannot-generate-response")
+        self.api.polls.seen(client.client_id)
+        cached = self.api.served_manifests.get((client.client_id, prefix))
+        if cached is not None and cached[0] == self.api.desired.generation and \
+                await self._still_current(client, cached[3]):
+            body, etag = cached[1], cached[2]
+        else:
+            body, etag = await self._fresh_manifest(client, prefix)
+        headers = {"ETag": etag, "Cache-Control": "private"}
+        if etag_matches(header(request, b"if-none-match"), etag):
+            return Response(status_code=304, headers=headers)
+        return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
+
+    async def get_deployment(self, request: Request) -> Response:
+        client, _ = await self.callers.scoped(request)
+        deployment_id, digest = request.path_params["deploymentId"], request.path_params["digest"]
+        for _ in range(2):
+            await self.api.served_state(client)
+            for state in self.api.desired.recent_states(client.client_id):
+                found = state.find(deployment_id, digest)
+                if found is not None:
+                    return immutable(request, found.data, "application/yaml", digest)
+            if not await self.api.caught_up():
+                break
+        devices = await self.api.devices_of(client)
+        data = await run_in_threadpool(self.api.desired.find_in_history, devices,
+                                       deployment_id, digest)
+        if data is not None:  # named by a manifest this replica never computed
+            return immutable(request, data, "application/yaml", digest)
+        raise ProblemError(404, f"no deployment {deployment_id} with digest {digest} for this "
+                           "client", margo_type="deployment-not-found")
+
+    async def get_bundle(self, request: Request) -> Response:
+        client, _ = await self.callers.scoped(request)
+        digest = request.path_params["digest"]
+        for _ in range(2):
+            await self.api.served_state(client)
+            for state in self.api.desired.recent_states(client.client_id):
+                if state.bundle is not None and state.bundle_digest == digest:
+                    return immutable(request, state.bundle, BUNDLE_MEDIA_TYPE, digest)
+            if not await self.api.caught_up():
+                break
+        raise ProblemError(404, f"no bundle with digest {digest} for this client",
+                           margo_type="invalid-bundle")
+
+    async def _manifest_version(self, client: Client, state: ClientState,
+                                generation: int) -> int | None:
+        """The client's manifestVersion for this state: 1 for the first, +1 whenever the
+        served state changes; persisted, so it never goes back (restarts included). None
+        when another replica already gave the client a newer generation's state."""
+        state_digest = state.state_digest
+        current = await self.api.db.aread(
+            lambda conn: records.manifest_version(conn, client.client_id))
+        if current is not None and current[0] > 0 and current[1] == state_digest:
+            return current[0]
+        contents = {d.deployment_id: d.digest for d in state.deployments}
+        return await self.api.db.write(lambda conn: records.advance_manifest_version(
+            conn, client.client_id, state_digest, generation, contents))
+
+    async def _still_current(self, client: Client, version: int) -> bool:
+        """Whether a cached manifest is still the client's newest. One process knows (its
+        cache moves with its compiles); a replica asks the database, since another replica
+        may have given the client a newer version from a generation this one has not synced
+        yet, and serving the cached one would take the client back."""
+        if self.api.coordinator is None:
+            return True
+        current = await self.api.db.aread(
+            lambda conn: records.manifest_version(conn, client.client_id))
+        return current is not None and current[0] == version
+
+    async def _fresh_manifest(self, client: Client, prefix: str) -> tuple[bytes, str]:
+        for _ in range(3):
+            local = self.api.desired.generation
+            generation, state = await self.api.served_state(client)
+            version = await self._manifest_version(client, state, generation)
+            if version is None:  # behind another replica: catch up, then answer
+                await run_in_threadpool(self.api.coordinator.sync)  # type: ignore[union-attr]
+                continue
+            body = manifest_body(version, state, prefix)
+            etag = '"' + digest_of(body) + '"'
+            self.api.served_manifests[(client.client_id, prefix)] = (local, body, etag, version)
+            return body, etag
+        raise ProblemError(503, "the fleet's newest desired state is not here yet",
+                           retry_after=1)

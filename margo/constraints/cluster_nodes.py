@@ -53,7 +53,8 @@ class NodeAmount:
     def amount(self, node: Mapping[str, Any]) -> Decimal | int | float | None:
         value = member(node.get("available"), self.field)
         if type(value) in (int, float) and not self.quantity:
-            return value
+            plain: int | float = value  # a plain number of cores or devices, as reported
+            return plain
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             parsed = reported_bytes(value)  # also reads "1500m" cores
             return parsed if isinstance(parsed, Decimal) else None

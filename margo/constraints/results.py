@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Final
+from typing import Any, Final, TypeGuard
 
 __all__ = ["ELIGIBLE", "Failure", "MatchResult", "display_number", "is_number", "kind_of",
            "show"]
@@ -105,6 +105,6 @@ def display_number(value: int | float) -> int | float:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """A JSON number: an int or a float, never a boolean."""
     return isinstance(value, int | float) and not isinstance(value, bool)

@@ -15,6 +15,7 @@ from margo_cli import (
     conformance_command,
     device_command,
     identity_command,
+    init_command,
     lint_chart_command,
     match_command,
     rollout_command,
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="margo-gitops: Margo documents, fleet compiler, fleet server and device "
                     "reconciler.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    init_command.register(commands)
     validate_command.register(commands)
     match_command.register(commands)
     compile_command.register(commands)

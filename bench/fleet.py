@@ -75,9 +75,9 @@ from serve import Connection, capabilities  # noqa: E402
 
 from tools.postgres import running_postgres  # noqa: E402
 from tools.processes import die_with_parent  # noqa: E402
-from wfm.clients import ClientRegistry  # noqa: E402
-from wfm.database import Database  # noqa: E402
-from wfm.db import open_database  # noqa: E402
+from wfm.identity.clients import ClientRegistry  # noqa: E402
+from wfm.store.database import Database  # noqa: E402
+from wfm.store.opening import open_database  # noqa: E402
 
 MANIFEST_PATH = "/api/v1/deployments"
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"

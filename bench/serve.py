@@ -38,8 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and t
 
 from kits.serverkit import running_server  # noqa: E402
 
-from wfm.clients import ClientRegistry  # noqa: E402
-from wfm.sqlitedb import SqliteDatabase  # noqa: E402
+from wfm.identity.clients import ClientRegistry  # noqa: E402
+from wfm.store.sqlitedb import SqliteDatabase  # noqa: E402
 
 
 class Connection:
@@ -302,7 +302,7 @@ async def _scenario(port: int, tokens: list[str], args: argparse.Namespace) -> N
 
 
 def git_polls(base: str, token: str, polls: int) -> None:
-    from wfm.githttp import git_app  # noqa: F401 - the server must host Git
+    from wfm.git.githttp import git_app  # noqa: F401 - the server must host Git
 
     work = Path(tempfile.mkdtemp(prefix="margo-bench-git-"))
     url = base.replace("http://", f"http://device-0000:{token}@") + "/git/devices/device-0000.git"

@@ -107,10 +107,10 @@ class _Registry:
     """The client registry of a data directory, closed on exit."""
 
     def __init__(self, args: argparse.Namespace):
-        from wfm.clients import ClientRegistry
-        from wfm.database import DatabaseUnavailable
-        from wfm.db import open_database
-        from wfm.sqlitedb import DatabaseDamaged
+        from wfm.identity.clients import ClientRegistry
+        from wfm.store.database import DatabaseUnavailable
+        from wfm.store.opening import open_database
+        from wfm.store.sqlitedb import DatabaseDamaged
 
         try:
             self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")
@@ -139,7 +139,7 @@ def _check_client_id(verb: str, client_id: str) -> None:
 
 
 def run_clients_add(args: argparse.Namespace) -> int:
-    from wfm.clients import ClientRetired
+    from wfm.identity.clients import ClientRetired
 
     _check_client_id("add", args.client_id)
     with _Registry(args) as clients:
@@ -331,7 +331,7 @@ def _import_svid(args: argparse.Namespace, cert: Any) -> int:
 
 
 def _import_rc2_key(args: argparse.Namespace, data: bytes) -> int:
-    from wfm.signatures import OnboardingError, onboarding_key
+    from wfm.identity.signatures import OnboardingError, onboarding_key
 
     try:
         key = onboarding_key({"certificate": data.decode("ascii", "replace")})

@@ -12,17 +12,17 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wfm.compiles import SourceConfig
+from wfm.fleet.compiles import SourceConfig
 
 __all__ = ["CLIENT_CERT_MODES", "ONBOARDING_MODES", "identity_settings", "register", "run_serve"]
 
 if TYPE_CHECKING:  # the server's modules load only when it runs: `margo --help` stays fast
     from margo.spiffe import SpiffeId
-    from wfm.identity import IdentitySettings
-    from wfm.tls import TlsSettings
+    from wfm.identity.proofs import IdentitySettings
+    from wfm.identity.tls import TlsSettings
 
-CLIENT_CERT_MODES = ("required", "optional", "none")  # wfm.tls.CLIENT_CERT_MODES
-ONBOARDING_MODES = ("open", "closed")  # wfm.identity.ONBOARDING_MODES
+CLIENT_CERT_MODES = ("required", "optional", "none")  # wfm.identity.tls.CLIENT_CERT_MODES
+ONBOARDING_MODES = ("open", "closed")  # wfm.identity.proofs.ONBOARDING_MODES
 #: Connections served at once by default: a fleet of 10,000 devices polling every 15 s on
 #: keep-alive connections (closed after 5 s idle) holds about 3,500.
 DEFAULT_MAX_CONNECTIONS = 8192
@@ -91,7 +91,7 @@ def register(commands: Any) -> None:
     serve.set_defaults(run=run_serve)
 
 
-#: `margo serve --budget-*` defaults, MiB (wfm.budgets.BudgetSettings).
+#: `margo serve --budget-*` defaults, MiB (wfm.admission.budgets.BudgetSettings).
 BUDGET_DEFAULTS = {"webhook": 64, "anonymous": 16, "device": 128, "push": 128, "git": 128,
                    "per-address": 32}
 _BUDGET_HELP = {
@@ -156,10 +156,10 @@ def _identity_options(serve: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from wfm.app import ServerConfig, create_app
-    from wfm.bodylimit import head_deadline_protocol
-    from wfm.datalock import DataDirBusy, DataDirLock
-    from wfm.tls import ServerContexts, TlsHttpProtocol
+    from wfm.admission.bodylimit import head_deadline_protocol
+    from wfm.identity.tls import ServerContexts, TlsHttpProtocol
+    from wfm.server.app import ServerConfig, create_app
+    from wfm.server.datalock import DataDirBusy, DataDirLock
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -193,7 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
-    # uvicorn has no deadline for a request's head; this protocol adds one (wfm.bodylimit).
+    # uvicorn has no deadline for a request's head; this protocol adds one
+    # (wfm.admission.bodylimit).
     protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
     if protocol is not None:
         transport["http"] = protocol
@@ -211,8 +212,8 @@ def identity_settings(args: argparse.Namespace,
                       data: Path) -> tuple[TlsSettings | None, IdentitySettings]:
     """TLS and identity settings from the options, checked against each other: the trust
     domain and WFM id default to those of the WFM's own SVID and must agree with it."""
-    from wfm.identity import IdentitySettings
-    from wfm.tls import TlsSettings
+    from wfm.identity.proofs import IdentitySettings
+    from wfm.identity.tls import TlsSettings
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -285,9 +286,9 @@ def _used_before(data: Path) -> tuple[str, ...]:
 
 
 def _check_database(path: Path, used_before: tuple[str, ...]) -> None:
-    """Refuse to start on a damaged or lost SQLite database (`wfm.sqlitedb.check_sqlite_file`)
+    """Refuse to start on a damaged or lost SQLite database (`wfm.store.sqlitedb.check_sqlite_file`)
     with what happened and what to do, before anything else opens it."""
-    from wfm.sqlitedb import DatabaseDamaged, check_sqlite_file
+    from wfm.store.sqlitedb import DatabaseDamaged, check_sqlite_file
 
     try:
         check_sqlite_file(path, used_before=used_before)
@@ -296,7 +297,7 @@ def _check_database(path: Path, used_before: tuple[str, ...]) -> None:
 
 
 def _database(url: str | None) -> str | None:
-    from wfm.db import is_url
+    from wfm.store.opening import is_url
 
     if url is not None and not is_url(url):
         raise SystemExit(f"margo serve: --database must be a postgresql:// URL (SQLite is "
@@ -312,8 +313,8 @@ def _otlp(url: str | None) -> str | None:
 
 
 def _budgets(args: argparse.Namespace) -> Any:
-    """The `--budget-*` options as `wfm.budgets.BudgetSettings` (in bytes)."""
-    from wfm.budgets import MIB, BudgetSettings
+    """The `--budget-*` options as `wfm.admission.budgets.BudgetSettings` (in bytes)."""
+    from wfm.admission.budgets import MIB, BudgetSettings
 
     try:
         return BudgetSettings(

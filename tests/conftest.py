@@ -14,8 +14,8 @@ import pytest
 from kits.pgkit import fresh_database, shared_postgres
 
 from tools.postgres import PostgresServer
-from wfm.database import Database
-from wfm.db import open_database
+from wfm.store.database import Database
+from wfm.store.opening import open_database
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"

@@ -167,7 +167,7 @@ def test_the_refs_are_what_git_update_ref_gives(tmp_path_factory: pytest.TempPat
 
 
 def test_a_ref_is_deleted_in_the_same_rewrite_only_where_it_was_expected(repo: Path) -> None:
-    """new None deletes (a device branch deleted on purpose, `wfm.replication`): with the
+    """new None deletes (a device branch deleted on purpose, `wfm.fleet.replication`): with the
     other moves, all or nothing, and only if the ref is still where the caller read it."""
     a, b, c = commits(repo, 3)
     move_refs(repo, {"refs/heads/devices/x": (None, a), "refs/heads/devices/y": (None, b)})

@@ -30,7 +30,7 @@ from conformance.runner import (
     SuiteError,
     load_suite,
 )
-from wfm.signatures import SignatureError, public_key_pem, verify_request
+from wfm.identity.signatures import SignatureError, public_key_pem, verify_request
 
 WRONG_DIGEST = "sha-256=:" + base64.b64encode(bytes(32)).decode() + ":"  # not the body's
 

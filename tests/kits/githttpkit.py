@@ -1,4 +1,4 @@
-"""Test kit: the Git smart-HTTP app (`wfm.githttp`) under a real uvicorn on loopback, and
+"""Test kit: the Git smart-HTTP app (`wfm.git.githttp`) under a real uvicorn on loopback, and
 the pieces of Git's wire protocol the tests speak to it by hand.
 
     app = Starlette(routes=[Mount("/git", app=git_app(repo, basic_authorizer(TOKENS)))])

@@ -9,7 +9,7 @@ from typing import Any
 
 import psycopg
 
-from wfm.schema import MIGRATIONS
+from wfm.store.schema import MIGRATIONS
 
 
 def database_at(dialect: str, target: str, version: int) -> tuple[Any, str]:

@@ -2,7 +2,7 @@
 `current` once its deployment is installed, and again once a reconfiguration (which leaves
 the old `installed` report about other bytes) is installed. rc.2 and Oct-2024 reports carry
 no adoptedManifestVersion field: the server attributes them to what the device adopted
-(wfm.attribution; issue 28's first defect, when they never counted)."""
+(wfm.fleet.attribution; issue 28's first defect, when they never counted)."""
 
 from __future__ import annotations
 

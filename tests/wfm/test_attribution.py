@@ -1,4 +1,4 @@
-"""Which bytes a status report is about, for every kind of device (wfm.attribution): a real
+"""Which bytes a status report is about, for every kind of device (wfm.fleet.attribution): a real
 `margo serve` watching its fleet source; reports sent as each generation's devices send
 them, with and without saying what they adopted; devices that follow their Git branch
 fetch it with stock `git`.

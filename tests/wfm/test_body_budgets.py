@@ -1,6 +1,6 @@
 """Request bodies in flight are bounded per route class and per client address
-(`wfm.budgets`), against a real `margo serve` on loopback over raw sockets, and what can be
-authenticated is authenticated before a body is read.
+(`wfm.admission.budgets`), against a real `margo serve` on loopback over raw sockets, and
+what can be authenticated is authenticated before a body is read.
 
 Each test starts its own server with small budgets (`--budget-webhook 4 --budget-anonymous 2
 --budget-per-address 2`, MiB), so what one test holds open never reaches another. Clients

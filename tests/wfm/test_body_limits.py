@@ -1,4 +1,4 @@
-"""Request bodies are limited while they stream and must arrive in time (`wfm.bodylimit`),
+"""Request bodies are limited while they stream and must arrive in time (`wfm.admission.bodylimit`),
 against a real `margo serve` on loopback, over raw sockets: a declared Content-Length over
 the limit is refused unread, a chunked body is cut off once past it (the server's memory
 does not grow with it), and half-sent bodies are answered 408 and their connections closed

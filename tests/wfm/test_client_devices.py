@@ -1,4 +1,4 @@
-"""`wfm.clientdevices`: remembered per client while this process is the only writer, read
+"""`wfm.fleet.clientdevices`: remembered per client while this process is the only writer, read
 every time otherwise, and never remembering an answer a concurrent change made stale."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from wfm import records
-from wfm.clientdevices import ClientDevices
-from wfm.sqlitedb import SqliteDatabase
+from wfm.fleet.clientdevices import ClientDevices
+from wfm.store import records
+from wfm.store.sqlitedb import SqliteDatabase
 
 
 def register(db: SqliteDatabase, client_id: str, device_id: str) -> None:

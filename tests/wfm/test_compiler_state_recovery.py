@@ -16,7 +16,7 @@ from kits.fleetkit import Fleet, app, device, intent
 from kits.serverkit import add_client, running_server
 
 from tools.polling import poll_until
-from wfm.compiles import CompileService, SourceConfig
+from wfm.fleet.compiles import CompileService, SourceConfig
 
 
 def _aside(repos: Path) -> list[Path]:

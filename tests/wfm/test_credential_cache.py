@@ -1,4 +1,4 @@
-"""Remembered token lookups (`wfm.credentialcache`): a running server keeps answering from
+"""Remembered token lookups (`wfm.identity.credentialcache`): a running server keeps answering from
 what it remembers, and still refuses a retired client or a replaced token within about a
 second of the write that changed it, whichever process made that write (here `margo
 clients`, beside the running server). test_credential_cache_replicas.py runs the server test
@@ -16,10 +16,10 @@ import pytest
 from kits.serverkit import add_client, margo, running_server, store_args
 
 from tools.polling import poll_until
-from wfm import credentialcache
-from wfm.clients import ClientRegistry, TokenLookup, token_hash
-from wfm.credentialcache import CredentialCache
-from wfm.sqlitedb import SqliteDatabase
+from wfm.identity import credentialcache
+from wfm.identity.clients import ClientRegistry, TokenLookup, token_hash
+from wfm.identity.credentialcache import CredentialCache
+from wfm.store.sqlitedb import SqliteDatabase
 
 
 def _status(base: str, token: str) -> int:

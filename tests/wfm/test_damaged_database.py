@@ -1,6 +1,6 @@
 """A damaged or lost server database is refused, never started over silently (issue 15:
 "a 0-byte or deleted server database starts silently with no clients"). SQLite takes a
-0-byte file, or none, for a new empty database; `wfm.sqlitedb.check_sqlite_file` and the real
+0-byte file, or none, for a new empty database; `wfm.store.sqlitedb.check_sqlite_file` and the real
 `margo serve` refuse them with what happened and what to do, as they refuse a file that is
 not a database or fails `PRAGMA quick_check`. `--new-database` starts over on purpose."""
 
@@ -17,7 +17,7 @@ import pytest
 from kits.processkit import free_port
 from kits.serverkit import ROOT, add_client, running_server
 
-from wfm.sqlitedb import DatabaseDamaged, SqliteDatabase, check_sqlite_file
+from wfm.store.sqlitedb import DatabaseDamaged, SqliteDatabase, check_sqlite_file
 
 
 def _database(path: Path, rows: int = 3000) -> None:

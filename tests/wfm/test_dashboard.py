@@ -20,7 +20,8 @@ from kits.serverkit import ROOT, add_client, running_server
 from markupsafe import escape
 
 from tools.polling import poll_until
-from wfm.dashboard import (
+from wfm.fleet.sourcecondition import SourceCondition
+from wfm.http.dashboard import (
     COOKIE_NAME,
     STATES,
     AppInfo,
@@ -37,8 +38,7 @@ from wfm.dashboard import (
     render_page,
     session_value,
 )
-from wfm.records import DeviceRow
-from wfm.sourcecondition import SourceCondition
+from wfm.store.records import DeviceRow
 
 CAPS = ROOT / "examples" / "capabilities"
 OPERATOR = "operator-token"

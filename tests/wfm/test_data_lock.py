@@ -14,7 +14,7 @@ import pytest
 from kits.processkit import free_port
 from kits.serverkit import ROOT, add_client, killable_server, running_server
 
-from wfm.datalock import DataDirBusy, DataDirLock
+from wfm.server.datalock import DataDirBusy, DataDirLock
 
 
 def serve(data: Path) -> subprocess.CompletedProcess[str]:

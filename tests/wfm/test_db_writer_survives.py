@@ -30,12 +30,12 @@ from kits.serverkit import ROOT, add_client, running_server
 
 from tools.polling import poll_until
 from tools.postgres import PostgresServer
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.database import DatabaseUnavailable
-from wfm.db import open_database
-from wfm.lastseen import PollClock
-from wfm.sqlitedb import SqliteDatabase
+from wfm.fleet.lastseen import PollClock
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.database import DatabaseUnavailable
+from wfm.store.opening import open_database
+from wfm.store.sqlitedb import SqliteDatabase
 
 #: How long a test waits for any answer: far more than the busy timeouts used here, far
 #: less than "forever" (the defect).

@@ -1,4 +1,4 @@
-"""A device deletion published by any replica (`wfm.coordination.publish_deletion`) against
+"""A device deletion published by any replica (`wfm.fleet.coordination.publish_deletion`) against
 the compiling replica's side of it: a compile that raced the deletion publishes nothing of
 the deleted branch, an idle holder drops the branch and what its compiler state remembers of
 the device before it compiles again, and neither the served copy nor a later publication
@@ -16,16 +16,16 @@ import pytest
 from compiler.gitstore import REPOSITORY_NAME, device_ref
 from compiler.state import CompilerState
 from tools.polling import poll_until
-from wfm.db import open_database
-from wfm.pgdb import PostgresDatabase
+from wfm.store.opening import open_database
+from wfm.store.pgdb import PostgresDatabase
 
 if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
-    from wfm.coordination import Coordinator
+    from wfm.fleet.coordination import Coordinator
 
 
 @pytest.fixture
 def holder(pg_url: str, tmp_path: Path) -> Iterator[tuple[PostgresDatabase, object]]:
-    from wfm.coordination import Coordinator
+    from wfm.fleet.coordination import Coordinator
 
     db = open_database(pg_url)
     assert isinstance(db, PostgresDatabase)
@@ -87,7 +87,7 @@ def first_generation(coordinator: Coordinator) -> tuple[Path, str, str]:
 
 def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch(
         holder: tuple[PostgresDatabase, object]) -> None:
-    from wfm.coordination import Coordinator, publish_deletion
+    from wfm.fleet.coordination import Coordinator, publish_deletion
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)
@@ -126,7 +126,7 @@ def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch
 
 def test_an_idle_holder_drops_the_branch_and_forgets_the_device_before_it_compiles(
         holder: tuple[PostgresDatabase, object]) -> None:
-    from wfm.coordination import Coordinator, publish_deletion
+    from wfm.fleet.coordination import Coordinator, publish_deletion
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)

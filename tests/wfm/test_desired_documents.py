@@ -16,7 +16,7 @@ from margo.emit import deployment_yaml
 from margo.kinds import Shape
 from margo.models import ApplicationDeployment
 from margo.validation import validate_document
-from wfm.desired import _Document
+from wfm.fleet.desired import _Document
 
 OCT_2024 = {"apiVersion": "application.margo.org/v1alpha1", "kind": "ApplicationDeployment",
             "metadata": {"annotations": {"id": "a3e2f5dc-912e-494f-8395-52cf3769bc06",

@@ -17,10 +17,10 @@ import pytest
 from kits.pgkit import database_for
 from kits.serverkit import ROOT, STORE, add_client, running_server
 
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.database import Database
-from wfm.db import open_database
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.database import Database
+from wfm.store.opening import open_database
 
 CAPS = ROOT / "examples" / "capabilities"
 LIMIT = 2

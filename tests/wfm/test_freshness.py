@@ -1,4 +1,5 @@
-"""Device freshness (wfm.freshness) and the poll clock behind last-seen (wfm.lastseen)."""
+"""Device freshness (wfm.fleet.freshness) and the poll clock behind last-seen
+(wfm.fleet.lastseen)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.freshness import MIN_STALE, STALE_AFTER, device_freshness
-from wfm.lastseen import PollClock
-from wfm.sqlitedb import SqliteDatabase
+from wfm.fleet.freshness import MIN_STALE, STALE_AFTER, device_freshness
+from wfm.fleet.lastseen import PollClock
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.sqlitedb import SqliteDatabase
 
 NOW = 1_900_000_000.0
 HELD = {"d1": "sha256:new", "d2": "sha256:same"}

@@ -1,4 +1,4 @@
-"""The server's collector policy (`wfm.gcpolicy`), checked in a process of its own (it
+"""The server's collector policy (`wfm.server.gcpolicy`), checked in a process of its own (it
 changes process-wide state). What it buys is measured by `bench/serve.py`, not here."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import sys
 
 from kits.serverkit import ROOT
 
-from wfm.gcpolicy import SERVING_THRESHOLDS
+from wfm.server.gcpolicy import SERVING_THRESHOLDS
 
 _PROBE = """
 import gc, json
 from compiler.gcpause import collection_paused, release_frozen, freeze_survivors
-from wfm.gcpolicy import tune_for_serving
+from wfm.server.gcpolicy import tune_for_serving
 built = [{"device": i} for i in range(1000)]  # what start-up built
 tune_for_serving()
 after_start = gc.get_freeze_count()

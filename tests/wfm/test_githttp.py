@@ -1,4 +1,4 @@
-"""Git smart-HTTP hosting (`wfm.githttp`) under a real uvicorn server, driven by the real `git`
+"""Git smart-HTTP hosting (`wfm.git.githttp`) under a real uvicorn server, driven by the real `git`
 CLI and by pygit2 (libgit2, protocol v0): each device sees and fetches only its own branch of
 the shared fleet-state repository."""
 
@@ -27,8 +27,8 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceCommit, DeviceStore, device_ref
-from wfm import githttp
-from wfm.githttp import git_app
+from wfm.git import githttp
+from wfm.git.githttp import git_app
 
 TOKENS = {"dev-a": "token-a", "dev-b": "token-b", "gw1/child": "token-c", "dev-z": "token-z"}
 FILES = {

@@ -1,4 +1,4 @@
-"""What a device can learn about OTHER devices' state through the Git endpoint (`wfm.githttp`):
+"""What a device can learn about OTHER devices' state through the Git endpoint (`wfm.git.githttp`):
 nothing. Attacks with crafted upload-pack requests against a real uvicorn server, and a
 hypothesis fuzz of the protocol lines; every pack that comes back is parsed here, its deltas
 resolved, and each object and delta base checked against the caller's own branch."""
@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from compiler.gitstore import DeviceCommit, DeviceStore
-from wfm.githttp import git_app
+from wfm.git.githttp import git_app
 
 TOKENS = {"dev-a": "token-a", "dev-b": "token-b"}
 #: Git's INFINITE_DEPTH: "deepen" with it asks the server to unshallow completely.

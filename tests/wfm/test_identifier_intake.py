@@ -30,11 +30,11 @@ from compiler.gitstore import DEVICE_ID_PATTERN, device_ref
 from margo.digests import data_digest
 from margo.identifiers import DEVICE_ID
 from tools.polling import poll_until
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.db import open_database
-from wfm.identity import Identity, IdentitySettings
+from wfm.identity.clients import ClientRegistry
+from wfm.identity.proofs import Identity, IdentitySettings
 from wfm.problems import ProblemError
+from wfm.store import records
+from wfm.store.opening import open_database
 
 OPERATOR = "operator-secret"
 LONG = "a" * 1005

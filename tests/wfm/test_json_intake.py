@@ -23,7 +23,7 @@ from test_fleet_api import fleet_repository, git
 from margo import jsonstrict
 from reconciler.sources.rest_source import IntegrityError, _parse_manifest
 from tools.polling import poll_until
-from wfm.webhooks import WebhookError, verify_push
+from wfm.http.webhooks import WebhookError, verify_push
 
 CAPS = ROOT / "examples" / "capabilities"
 NON_FINITE = ["NaN", "Infinity", "-Infinity", "1e999", "-1e400", "2.5E+400"]

@@ -147,7 +147,7 @@ def test_views_for_people_and_rollouts_never_stop_the_rebuilding_compile(
     from kits.fleetkit import Fleet, app, device, intent
 
     from compiler.gitstore import DeviceStore
-    from wfm.desired import DesiredState, StateLost
+    from wfm.fleet.desired import DesiredState, StateLost
 
     fleet = Fleet(tmp_path)
     fleet.apps["com-example-app"] = app()
@@ -173,7 +173,7 @@ def test_a_branch_naming_a_missing_commit_is_lost_state_too(tmp_path: Path) -> N
     from kits.fleetkit import Fleet, app, device, intent
 
     from compiler.gitstore import DeviceStore
-    from wfm.desired import DesiredState, StateLost
+    from wfm.fleet.desired import DesiredState, StateLost
 
     fleet = Fleet(tmp_path)
     fleet.apps["com-example-app"] = app()

@@ -29,8 +29,8 @@ from test_fleet_api import fleet_repository, git
 from margo.digests import data_digest
 from tools.polling import poll_until
 from tools.postgres import running_postgres
-from wfm import records
-from wfm.pgdb import PostgresDatabase
+from wfm.store import records
+from wfm.store.pgdb import PostgresDatabase
 
 CAPS = ROOT / "examples" / "capabilities"
 INTENT = Path("deployments") / "hello-everywhere.yaml"
@@ -56,7 +56,7 @@ class Replica:
 
     @property
     def name(self) -> str:
-        """The name it holds the compile lease under (`wfm.coordination`)."""
+        """The name it holds the compile lease under (`wfm.fleet.coordination`)."""
         assert self.process is not None
         return f"{socket.gethostname()}:{self.process.pid}"
 
@@ -327,7 +327,7 @@ def test_postgresql_restarted_under_load_answers_503_then_recovers(tmp_path: Pat
             poll_until("503 answers", lambda: answers.get("503", 0) >= 8, timeout=30)
             acknowledged_while_down = len(acknowledged)
             # A scrape still answers, with the process's own figures: the alerts about an
-            # unreachable database need them (wfm/fleetmetrics.py).
+            # unreachable database need them (wfm/fleet/fleetmetrics.py).
             scraped = httpx.get(f"{started[0].base}/metrics", timeout=30)
             assert scraped.status_code == 200, scraped.text
             assert "margo_http_requests_total{" in scraped.text

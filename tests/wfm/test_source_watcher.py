@@ -6,7 +6,7 @@ import threading
 import time
 from pathlib import Path
 
-from wfm.sources import SourceWatcher
+from wfm.fleet.sources import SourceWatcher
 
 
 def _wait(event: threading.Event, path: Path, text: str, timeout: float = 20.0) -> bool:

@@ -8,8 +8,8 @@ import asyncio
 
 import uvloop
 
-from wfm.githttp import write_to_backend
-from wfm.sourcehost import _communicate
+from wfm.git.githttp import write_to_backend
+from wfm.git.sourcehost import _communicate
 
 
 async def _answer_of_a_backend_that_has_exited(feed) -> bytes:  # type: ignore[no-untyped-def]

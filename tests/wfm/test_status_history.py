@@ -1,5 +1,5 @@
 """Status history keeps the device's own time of each report next to the server's receive
-time (`wfm.records.device_time`, migration 7): read from the report's
+time (`wfm.store.records.device_time`, migration 7): read from the report's
 `x-margo-gitops-extensions.observedAt`, stored as NULL when missing or unreadable (never an
 error), on SQLite and on a real PostgreSQL server, and shown by the read API
 (`GET /api/fleet/devices/{id}`, each deployment's `statusHistory`)."""
@@ -18,11 +18,11 @@ from kits.schemakit import database_at
 from kits.serverkit import add_client, running_server
 
 from tools.polling import poll_until
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.database import Database
-from wfm.db import open_database
-from wfm.schema import MIGRATIONS, schema_version
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.database import Database
+from wfm.store.opening import open_database
+from wfm.store.schema import MIGRATIONS, schema_version
 
 WHEN = "2025-03-01T12:00:00+01:00"
 WHEN_EPOCH = dt.datetime(2025, 3, 1, 11, 0, tzinfo=dt.UTC).timestamp()

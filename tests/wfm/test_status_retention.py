@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from kits.schemakit import database_at
 
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.database import Database
-from wfm.db import open_database
-from wfm.schema import MIGRATIONS, schema_version
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.database import Database
+from wfm.store.opening import open_database
+from wfm.store.schema import MIGRATIONS, schema_version
 
 BOUND = records.STATUS_HISTORY + records._STATUS_TRIM_EVERY
 

@@ -11,13 +11,13 @@ import psycopg
 import pytest
 
 from tools.postgres import PostgresServer
-from wfm import records
-from wfm.clients import ClientRegistry
-from wfm.database import Database, DatabaseUnavailable
-from wfm.db import open_database
-from wfm.pgdb import translate
-from wfm.schema import MIGRATIONS, SchemaTooNew, schema_version
-from wfm.sqlitedb import SqliteDatabase
+from wfm.identity.clients import ClientRegistry
+from wfm.store import records
+from wfm.store.database import Database, DatabaseUnavailable
+from wfm.store.opening import open_database
+from wfm.store.pgdb import translate
+from wfm.store.schema import MIGRATIONS, SchemaTooNew, schema_version
+from wfm.store.sqlitedb import SqliteDatabase
 
 DOC = {"properties": {"id": "edge-1", "vendor": "Example"}}
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from wfm import webhooks
-from wfm.webhooks import MAX_BODY_BYTES, PushEvent, WebhookError, verify_push
+from wfm.http import webhooks
+from wfm.http.webhooks import MAX_BODY_BYTES, PushEvent, WebhookError, verify_push
 
 SECRET = "It's a Secret to Everybody"
 WRONG_SECRET = "It's a secret to everybody"

@@ -1,7 +1,7 @@
 """Who is calling the device API, and what the caller may reach.
 
 Every device-API request starts here: `authenticate` finds the client from the first proof
-the request presents (`wfm.identity` has the rules and the policy), `scoped` also checks
+the request presents (`wfm.identity.proofs` has the rules and the policy), `scoped` also checks
 that an rc.2 path names the caller's own client id, and `may_fetch` answers Git hosting
 whether the caller may read a device's repository.
 """
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from wfm import records
-from wfm.clients import Client
-from wfm.credentials import parse_basic, same_secret
 from wfm.http.device_api import Api
 from wfm.http.request_parts import header
+from wfm.identity.clients import Client
+from wfm.identity.credentials import parse_basic, same_secret
 from wfm.problems import RETIRED, ProblemError
+from wfm.store import records
 
 __all__ = ["Callers"]
 
@@ -28,7 +28,7 @@ class Callers:
 
     async def authenticate(self, request: Request) -> Client:
         """The caller, from the first proof it presents: an SVID (rc.3), an rc.2 signature,
-        then (when enabled) a token. `wfm.identity` has the rules and the policy."""
+        then (when enabled) a token. `wfm.identity.proofs` has the rules and the policy."""
         identity = self.api.identity
         client = identity.svid_caller(request) or identity.signature_caller(request)
         if client is None and identity.settings.bearer_tokens:

@@ -29,13 +29,13 @@ from margo.identifiers import DEVICE_ID, LABEL_KEY, label_value_problem
 from margo.kinds import Kind
 from margo.models import DeviceCapabilities
 from margo.validation import validate_value
-from wfm import records
-from wfm.clients import Client
-from wfm.database import Connection
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
 from wfm.http.request_parts import check_identifier, json_body
+from wfm.identity.clients import Client
 from wfm.problems import ProblemError, semantic_error
+from wfm.store import records
+from wfm.store.database import Connection
 
 __all__ = ["CapabilityIntake"]
 

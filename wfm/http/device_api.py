@@ -19,19 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
-from wfm.attribution import Attribution
-from wfm.clientdevices import ClientDevices
-from wfm.clients import Client, ClientRegistry
-from wfm.compiles import CompileService
-from wfm.credentialcache import CredentialCache
-from wfm.database import Database
-from wfm.desired import DesiredState
-from wfm.identity import Identity, IdentitySettings
-from wfm.lastseen import PollClock
+from wfm.fleet.attribution import Attribution
+from wfm.fleet.clientdevices import ClientDevices
+from wfm.fleet.compiles import CompileService
+from wfm.fleet.desired import DesiredState
+from wfm.fleet.lastseen import PollClock
+from wfm.identity.clients import Client, ClientRegistry
+from wfm.identity.credentialcache import CredentialCache
+from wfm.identity.proofs import Identity, IdentitySettings
+from wfm.store.database import Database
 
 if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
-    from wfm.coordination import Coordinator
-    from wfm.leadtime import LeadTimes
+    from wfm.fleet.coordination import Coordinator
+    from wfm.fleet.leadtime import LeadTimes
 
 __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
 
@@ -53,8 +53,8 @@ class Api:
     #: --max-devices-per-client`.
     max_devices: int | None = None
     identity: Identity
-    coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.coordination)
-    lead_times: LeadTimes | None = None  # told of each stored status (wfm.leadtime)
+    coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.fleet.coordination)
+    lead_times: LeadTimes | None = None  # told of each stored status (wfm.fleet.leadtime)
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
              compiles: CompileService, ca_certificate: str | None = None,
@@ -79,7 +79,7 @@ class Api:
 
     def git_delivered(self, device_id: str, commit: str) -> None:
         """Git hosting handed the device its branch at `commit`: its reports that name no
-        adopted state are about that commit from now on (`wfm.attribution`)."""
+        adopted state are about that commit from now on (`wfm.fleet.attribution`)."""
         self.attribution.handouts.delivered(device_id, commit)
 
     def lost_branch(self, device_id: str) -> str | None:

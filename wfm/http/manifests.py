@@ -13,14 +13,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from margo.digests import digest_of
-from wfm import records
-from wfm.clients import Client
-from wfm.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
+from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
+from wfm.http.httpcache import accepts, etag_matches, immutable
 from wfm.http.request_parts import header
-from wfm.httpcache import accepts, etag_matches, immutable
+from wfm.identity.clients import Client
 from wfm.problems import ProblemError
+from wfm.store import records
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Manifests"]
 

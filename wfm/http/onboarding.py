@@ -13,11 +13,11 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from wfm.credentials import parse_basic
 from wfm.http.device_api import Api
 from wfm.http.request_parts import json_body
+from wfm.identity.credentials import parse_basic
+from wfm.identity.signatures import OnboardingError, onboarding_key
 from wfm.problems import RETIRED, ProblemError
-from wfm.signatures import OnboardingError, onboarding_key
 
 __all__ = ["Onboarding"]
 

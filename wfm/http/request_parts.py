@@ -23,8 +23,8 @@ MAX_BODY = 1024 * 1024
 async def json_body(request: Request) -> dict[str, Any]:
     """The body as a JSON object, parsed strictly (`margo.jsonstrict`): what is stored must
     serialize again, so NaN or 1e999 is a 400 now rather than a 500 on every read. The size
-    check is a second line: `wfm.bodylimit` stops a larger body while it streams, before it
-    is buffered here."""
+    check is a second line: `wfm.admission.bodylimit` stops a larger body while it streams,
+    before it is buffered here."""
     body = await request.body()
     if len(body) > MAX_BODY:
         raise ProblemError(413, f"request bodies are limited to {MAX_BODY} bytes")

@@ -2,7 +2,7 @@
 
 A report is checked whole before anything is stored (the document, its ids, that the
 deployment was assigned to one of the caller's devices), attributed to the bytes it is
-about (`wfm.attribution`), stored durably, and only then answered; a stored report may
+about (`wfm.fleet.attribution`), stored durably, and only then answered; a stored report may
 settle a staged rollout's wave, so it may trigger a compile.
 """
 
@@ -21,14 +21,14 @@ from margo.identifiers import DEPLOYMENT_ID, DEVICE_ID
 from margo.kinds import Kind, Shape
 from margo.models import DeploymentStatus
 from margo.validation import validate_value
-from wfm import records
-from wfm.attribution import claim_of
-from wfm.clients import Client
-from wfm.database import Connection
+from wfm.fleet.attribution import claim_of
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
 from wfm.http.request_parts import check_identifier, generation, json_body
+from wfm.identity.clients import Client
 from wfm.problems import ProblemError, semantic_error
+from wfm.store import records
+from wfm.store.database import Connection
 
 __all__ = ["MAX_MANIFEST_VERSION", "StatusIntake"]
 
@@ -97,7 +97,7 @@ class StatusIntake:
 
     async def _rollout_moving(self) -> bool:
         """Whether a staged rollout moves (read at most every second: asked per status; the
-        rollout is also evaluated every `wfm.rollouts.RECHECK_SECONDS` while it moves)."""
+        rollout is also evaluated every `wfm.fleet.rollouts.RECHECK_SECONDS` while it moves)."""
         now = time.monotonic()
         if now - self._rollouts_checked > 1:
             self._rollouts_checked = now

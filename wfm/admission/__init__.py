@@ -1,0 +1,4 @@
+"""Admission: what a request may bring in before anyone reads it. Each body is
+capped while it streams, and budgets bound the bytes of all bodies in flight together,
+per route class and per client address.
+"""

@@ -1,0 +1,493 @@
+"""Fleet server replicas on one PostgreSQL database: who compiles, and what each serves.
+
+Every replica answers every device request; exactly one compiles at a time (docs/
+operations.md has the whole design):
+
+* **The compile lease** is a PostgreSQL session advisory lock, held on a connection of its
+  own. A replica that gets it bumps `fleet_state.lease_epoch` and compiles; when its process
+  dies (even by SIGKILL) or loses the database, PostgreSQL ends the session and releases the
+  lock, and another replica takes it within a poll interval. Publishing is fenced by the
+  epoch, so a holder that lost the lease without noticing cannot publish over its successor.
+* **Compile requests** from any replica (a capability change, a source push) increment
+  `fleet_state.compile_requests`; the holder compiles when the count moves.
+* **Generations**: the holder compiles into a work repository of its own, then publishes the
+  new Git objects and refs under the next generation (`wfm.fleet.replication`). Every replica,
+  the holder too, syncs the repository it serves to the newest generation, under a lock that
+  the manifest handler also takes, so what it computes a client's state from and the
+  generation it says it served always agree.
+
+The compiler's own state (`compiler.state`) is a cache per replica: valid only while this
+replica was the last to publish (a sidecar records the generation it compiled and the lease
+epoch it held), else dropped, which costs one full compile that commits nothing.
+
+**Deleting a device** (`publish_deletion`) is a publication of its own: the replica that
+answers the DELETE writes the branch's ref as deleted (a `git_refs` row without a target)
+under the next generation, in the same transaction as the device's rows, so every replica
+removes the branch when it syncs, a repair or a replica built from scratch never brings it
+back, and the compiling replica drops the branch and what its state remembers of the device
+before it compiles again (`prepare`), or before it publishes a compile that raced the
+deletion (`publish`), so a re-registered id starts from an empty history everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
+from compiler.state import CompilerState
+from margo.files import write_atomically
+from wfm.fleet.replication import (
+    COMPACT_AFTER,
+    COUNTERS,
+    Published,
+    RepoReplica,
+    publish_rows,
+    read_snapshot,
+)
+from wfm.store import records
+from wfm.store.database import DatabaseUnavailable
+from wfm.store.pgdb import PgConnection, PostgresDatabase
+from wfm.telemetry.metrics import GIT_SECONDS
+
+__all__ = ["Coordinator", "LeaseLost", "SourceUpdate", "deletion_generation", "publish_deletion"]
+
+log = logging.getLogger("margo.wfm.replicas")
+
+#: The advisory lock key of the compile lease ("compile" in ASCII, as a bigint).
+LEASE_KEY = 0x636F6D70696C65
+#: The advisory lock under which replicas take turns updating the fleet source ("source").
+SOURCE_KEY = 0x736F75726365
+REPO = "devices"
+#: Seconds between two repairs of the served repository (`request_repair`).
+REPAIR_EVERY = 5.0
+#: How often a compile's publication starts over after devices were deleted meanwhile.
+_PUBLISH_ATTEMPTS = 5
+_STATE_FILE = "compiler-state.sqlite"
+_STATE_GENERATION = "compiler-state.generation"
+_ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
+
+
+class LeaseLost(RuntimeError):
+    """Another replica took the compile lease: this one's compile is not published."""
+
+
+class _DeletedMeanwhile(RuntimeError):
+    """Devices were deleted (`publish_deletion`) after the compile's `prepare`: the work
+    repository must drop their branches before anything of this compile is published."""
+
+
+def publish_deletion(conn: Any, device_ids: list[str]) -> int:
+    """Publish that these devices' branches are deleted, under the next generation, in the
+    caller's transaction (the one that deletes the devices' rows): every replica removes
+    the refs when it syncs to it, and no later sync, repair or compaction restores them
+    (a ref row without a target is what every replica applies as "no such branch"). The
+    generation it published."""
+    row = conn.execute("SELECT generation FROM fleet_state WHERE id = 1 FOR UPDATE").fetchone()
+    generation = int(row[0]) + 1
+    refs: dict[str, str | None] = {}
+    for device_id in device_ids:
+        with contextlib.suppress(ValueError):  # an id that cannot have a branch has none
+            refs[device_ref(device_id)] = None
+    publish_rows(conn, REPO, generation, b"", refs, compact=False)
+    conn.execute("UPDATE fleet_state SET generation = ? WHERE id = 1", (generation,))
+    return generation
+
+
+def deletion_generation(conn: Any, device_id: str) -> int | None:
+    """The generation that published the device's branch as deleted (None: it was not, or
+    a later compile gave the id a branch again)."""
+    try:
+        name = device_ref(device_id)
+    except ValueError:
+        return None
+    row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
+                       "target IS NULL", (REPO, name)).fetchone()
+    return None if row is None else int(row[0])
+
+
+class Coordinator:
+    def __init__(self, db: PostgresDatabase, data: Path, *, poll: float = 0.25,
+                 name: str | None = None, source_repo: Path | None = None) -> None:
+        """`source_repo`: the hosted or mirrored fleet source, replicated too (a source
+        directory given with --source is each replica's own)."""
+        self.db, self.poll = db, poll
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.serving = RepoReplica(REPO, Path(data) / "repos" / REPOSITORY_NAME)
+        self.compile_dir = Path(data) / "compile"
+        self.working = RepoReplica(REPO, self.compile_dir / REPOSITORY_NAME)
+        self.source = None if source_repo is None else RepoReplica("source", source_repo)
+        self._source_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._repair = threading.Event()
+        self._repaired = -REPAIR_EVERY
+        #: Held while the served repository moves (and by readers that must not see it move).
+        self.lock = threading.RLock()
+        self.on_synced: Callable[[], None] = lambda: None
+        self.on_compile_due: Callable[[], None] = lambda: None
+        self._lease: PgConnection | None = None
+        #: The lease is not taken again before this (monotonic clock): after a compile that
+        #: failed here, another replica gets its turn (`give_up_lease`).
+        self._lease_cooldown = 0.0
+        self.epoch: int | None = None
+        self._requests_seen: int | None = None
+        self._before: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="margo-replica", daemon=True)
+
+    def start(self) -> None:
+        with contextlib.suppress(*_ERRORS):
+            self.sync()  # serve what is published before answering anyone
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=30)
+        self._release()
+
+    @property
+    def holding(self) -> bool:
+        return self._lease is not None
+
+    @property
+    def generation(self) -> int:
+        """The generation this replica serves."""
+        return max(self.serving.generation, 0)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.wait(self.poll):
+            try:
+                self._tick()
+            except _ERRORS as exc:
+                log.warning("replica coordination: %s", exc)
+            except Exception:  # anything else: say so in full, and keep coordinating
+                log.exception("replica coordination failed; trying again")
+
+    def _tick(self) -> None:
+        self._repair_if_asked()
+        self._keep_lease()
+        generation, requests = self.db.read(lambda c: c.execute(
+            "SELECT generation, compile_requests FROM fleet_state WHERE id = 1").fetchone())
+        if int(generation) > self.serving.generation:
+            self.sync()
+        if self.holding and requests != self._requests_seen:
+            self._requests_seen = requests
+            self.on_compile_due()
+
+    def request_compile(self) -> None:
+        """Ask the holder (whichever replica it is) to compile; does not wait."""
+        self.db.submit(lambda c: c.execute(
+            "UPDATE fleet_state SET compile_requests = compile_requests + 1 WHERE id = 1"))
+
+    # --- the lease ---------------------------------------------------------------------
+
+    def _keep_lease(self) -> None:
+        if self._lease is not None:
+            try:
+                self._lease.execute("SELECT 1").fetchone()
+                return
+            except Exception as exc:
+                log.warning("%s lost the compile lease: %s", self.name, exc)
+                self._release()
+        if time.monotonic() < self._lease_cooldown:
+            return
+        conn = self.db.connect()
+        try:
+            got = conn.execute("SELECT pg_try_advisory_lock(?)", (LEASE_KEY,)).fetchone()[0]
+            if not got:
+                conn.close()
+                return
+            self.epoch = int(conn.execute(
+                "UPDATE fleet_state SET lease_epoch = lease_epoch + 1, lease_holder = ?, "
+                "lease_since = ? WHERE id = 1 RETURNING lease_epoch",
+                (self.name, time.time())).fetchone()[0])
+        except BaseException:
+            conn.close()
+            raise
+        self._lease = conn
+        self._requests_seen = None  # compile once now: requests may have gone unanswered
+        log.info("%s holds the compile lease (epoch %d)", self.name, self.epoch)
+        self.on_compile_due()
+
+    def give_up_lease(self, *, cooldown: float) -> None:
+        """After a compile that failed here: release the compile lease and leave it to the
+        other replicas for `cooldown` seconds, asking the next holder to compile. A broken
+        replica (a damaged disk, a lock it cannot take) must not hold the lease and stop
+        the fleet; when every replica fails, they take turns."""
+        if self._lease is None:
+            return
+        log.warning("%s gives up the compile lease for %.0f s after a failed compile",
+                    self.name, cooldown)
+        self._lease_cooldown = time.monotonic() + cooldown
+        self._release()
+        with contextlib.suppress(*_ERRORS):
+            self.request_compile()
+
+    @staticmethod
+    def lost_lease(exc: BaseException) -> bool:
+        """Whether a compile failed only because another replica took the lease."""
+        return isinstance(exc, LeaseLost)
+
+    def _release(self) -> None:
+        lease, self._lease, self.epoch = self._lease, None, None
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                lease.close()
+
+    # --- serving -----------------------------------------------------------------------
+
+    def sync(self) -> bool:
+        """Bring the served repository to the newest published generation."""
+        return self._sync(full=False)
+
+    def published_branch(self, device_id: str) -> str | None:
+        """The commit the published state had for the device's branch at the generation
+        this replica serves (None: no branch by then). The served copy is derived from the
+        published state, so a branch missing here that was published by this generation
+        is LOST here (`wfm.fleet.desired`), not absent. One published later is only not synced
+        yet: absent until then, as on any replica behind (and the manifest versions'
+        generation guard keeps a client from being handed that older state once it saw a
+        newer one)."""
+        name = device_ref(device_id)
+        row = self.db.read(lambda c: c.execute(
+            "SELECT target, generation FROM git_refs WHERE repo = ? AND name = ?",
+            (REPO, name)).fetchone())
+        if row is None or row[0] is None or int(row[1]) > self.serving.generation:
+            return None
+        return str(row[0])
+
+    def request_repair(self, device_id: str) -> None:
+        """A served branch is lost (its ref deleted, `packed-refs` emptied): the loop
+        applies the whole published state again, at most every `REPAIR_EVERY` seconds."""
+        if not self._repair.is_set():
+            log.error("%s: device %r's branch is lost from the served repository; "
+                      "applying the published state again", self.name, device_id)
+        self._repair.set()
+
+    def _repair_if_asked(self) -> None:
+        if self._repair.is_set() and time.monotonic() - self._repaired >= REPAIR_EVERY:
+            self._repair.clear()
+            self._repaired = time.monotonic()
+            self._sync(full=True)
+
+    def _sync(self, *, full: bool) -> bool:
+        with self._sync_lock:  # one sync at a time; readers wait only for the refs
+            since = -1 if full else self.serving.generation
+            snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
+                                                            dialect=self.db.dialect))
+            if snapshot.generation <= self.serving.generation and not snapshot.packs:
+                return False
+            with GIT_SECONDS.labels("sync").time():
+                self.serving.add_objects(snapshot)
+                with self.lock:
+                    moved = self.serving.move_to(snapshot)
+        if moved:
+            self.on_synced()
+        return moved
+
+    # --- deleting a device (any replica) -----------------------------------------------
+
+    @staticmethod
+    def forget_device(conn: Any, client_id: str, device_id: str) -> bool:
+        """`records.forget_device` and the publication of the deleted devices' branches
+        (`publish_deletion`), in the caller's transaction: a deletion the database holds is
+        one every replica applies. False (nothing changed) when the client has no such
+        device."""
+        family = [d for d in records.client_devices(conn, client_id)
+                  if d == device_id or d.startswith(device_id + "/")]
+        if not family:
+            return False
+        publish_deletion(conn, family)
+        return records.forget_device(conn, client_id, device_id)
+
+    @staticmethod
+    def registered(conn: Any, client_id: str, device_id: str) -> None:
+        """A device was just registered (the caller's transaction): if its id was deleted
+        before, no replica that has not synced the deletion may give this client a new
+        manifest (it would still hold the previous owner's branch), which the manifest
+        versions' generation guard (`records.advance_manifest_version`) enforces."""
+        generation = deletion_generation(conn, device_id)
+        if generation is not None:
+            conn.execute("UPDATE clients SET manifest_generation = ? WHERE client_id = ? AND "
+                         "manifest_generation < ?", (generation, client_id, generation))
+
+    # --- compiling (the holder) --------------------------------------------------------
+
+    def prepare(self) -> Path | None:
+        """Before a compile: the directory to compile into, with its repository at the
+        newest generation and the compiler's state dropped unless it belongs to that
+        generation (and the fleet source as the replicas last published it); None when this
+        replica does not hold the lease."""
+        if not self.holding:
+            return None
+        self.sync_source()
+        self._catch_up_working()
+        self._before = self.working.refs()
+        return self.compile_dir
+
+    def _catch_up_working(self, *, compiled: bool = False) -> None:
+        """Bring the work repository to the newest generation, and keep the compiler's
+        state only if it belongs to that generation. Generations published since this
+        replica's last one while it kept the lease without a break (the same epoch: nobody
+        else could publish a compile) are deletions (`publish_deletion`): the state is kept,
+        without what it remembered of the deleted devices. `compiled`: the state is the
+        one a compile just left in the work repository (deletions raced its publication)."""
+        since = self.working.generation
+        snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
+                                                        dialect=self.db.dialect))
+        self.working.apply(snapshot)
+        deleted = sorted(i for i in (device_id_from_ref(n) for n, t in snapshot.refs.items()
+                                     if t is None) if i is not None)
+        mark = _state_mark(self.compile_dir)
+        state = self.compile_dir / _STATE_FILE
+        valid = compiled or (mark is not None and (
+            mark[0] == snapshot.generation
+            or (mark[0] == since and self.epoch is not None and mark[1] == self.epoch)))
+        if not valid or not state.exists():
+            with contextlib.suppress(FileNotFoundError):
+                state.unlink()
+            return
+        if deleted:
+            kept = CompilerState(state)
+            try:
+                kept.forget(deleted)
+            finally:
+                kept.close()
+        if not compiled and mark != (snapshot.generation, self.epoch):
+            _write_state_generation(self.compile_dir, snapshot.generation, self.epoch)
+
+    def publish(self) -> Published | None:
+        """After a compile: publish what moved under the next generation (None: nothing
+        moved). `LeaseLost` when another replica holds the lease now."""
+        epoch = self.epoch
+        if epoch is None:
+            raise LeaseLost(f"{self.name} no longer holds the compile lease")
+        for _ in range(_PUBLISH_ATTEMPTS):
+            try:
+                published = self._publish(self.working, self._before, epoch=epoch)
+                break
+            except _DeletedMeanwhile:
+                # What this compile wrote for a device deleted meanwhile is dropped with its
+                # branch (a compile asked for by the deletion follows); the rest is
+                # published on top of the deletion.
+                self._catch_up_working(compiled=True)
+                after = self.working.refs()
+                self._before = {n: t for n, t in self._before.items() if n in after}
+        else:
+            raise RuntimeError("devices kept being deleted while the compile was published; "
+                               "compiling again")
+        # The state is what this compile left, in the work repository as published now.
+        _write_state_generation(self.compile_dir, self.working.generation, epoch)
+        self._before = self.working.refs()
+        self.sync()
+        return published
+
+    def _publish(self, replica: RepoReplica, before: dict[str, str], *,
+                 epoch: int | None) -> Published | None:
+        """Publish what moved in `replica` since `before` under its next generation; with
+        `epoch`, only while the compile lease still has it."""
+        after = replica.refs()
+        moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
+        moved.update({n: None for n in before if n not in after})
+        if not moved:
+            return None
+        counter = COUNTERS[replica.repo]
+        current = self.db.read(lambda c: int(c.execute(
+            f"SELECT {counter} FROM fleet_state WHERE id = 1").fetchone()[0]))
+        compact = (current + 1) % COMPACT_AFTER == 0
+        pack = (replica.full_pack() if compact else
+                replica.pack({n: t for n, t in moved.items() if t is not None},
+                             before.values()))
+
+        def write(conn: Any) -> int:
+            row = conn.execute(f"SELECT {counter}, lease_epoch FROM fleet_state WHERE id = 1 "
+                               "FOR UPDATE").fetchone()
+            if epoch is not None and int(row[1]) != epoch:
+                raise LeaseLost(f"the compile lease moved to epoch {row[1]}")
+            if epoch is not None and int(row[0]) != replica.generation:
+                # The lease never left this replica, so only deletions were published.
+                raise _DeletedMeanwhile(f"generation {row[0]} was published meanwhile")
+            generation = int(row[0]) + 1
+            publish_rows(conn, replica.repo, generation, pack, after if compact else moved,
+                         compact=compact)
+            conn.execute(f"UPDATE fleet_state SET {counter} = ? WHERE id = 1", (generation,))
+            return generation
+
+        generation = self.db.write_sync(write)
+        replica.mark_generation(generation)
+        return Published(generation, len(moved), len(pack))
+
+    # --- the fleet source (hosted, or mirrored from a remote) --------------------------
+
+    def sync_source(self) -> bool:
+        """Bring the local copy of the fleet source to what the replicas published."""
+        if self.source is None:
+            return False
+        with self._source_lock:
+            since = self.source.generation
+            snapshot = self.db.read(lambda c: read_snapshot(c, "source", since,
+                                                            dialect=self.db.dialect))
+            return self.source.apply(snapshot)
+
+    def source_update(self) -> SourceUpdate:
+        """Replicas take turns changing the fleet source (a push, a fetch): `begin()` waits
+        for the turn and brings the copy up to date, `finish()` publishes what changed."""
+        return SourceUpdate(self)
+
+
+class SourceUpdate:
+    """One replica's turn at the fleet source (see `Coordinator.source_update`)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+        self._conn: PgConnection | None = None
+        self._before: dict[str, str] = {}
+
+    def begin(self) -> None:
+        source = self._coordinator.source
+        assert source is not None
+        conn = self._coordinator.db.connect()
+        try:
+            conn.execute("SET statement_timeout = 120000")
+            conn.execute("SELECT pg_advisory_lock(?)", (SOURCE_KEY,))
+            self._coordinator.sync_source()
+        except BaseException:
+            conn.close()
+            raise
+        self._conn, self._before = conn, source.refs()
+
+    def finish(self, *, publish: bool = True) -> Published | None:
+        """Publish what the turn changed (unless `publish` is false) and end the turn."""
+        conn, self._conn = self._conn, None
+        try:
+            source = self._coordinator.source
+            if not publish or source is None:
+                return None
+            return self._coordinator._publish(source, self._before, epoch=None)
+        finally:
+            if conn is not None:
+                conn.close()  # ends the session: the advisory lock goes with it
+
+
+def _state_mark(directory: Path) -> tuple[int, int | None] | None:
+    """(the generation the compiler's state belongs to, the lease epoch it was written
+    under; None when an older server wrote only the generation), or None: no sidecar."""
+    try:
+        words = (directory / _STATE_GENERATION).read_text().split()
+        return int(words[0]), (int(words[1]) if len(words) > 1 else None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _write_state_generation(directory: Path, generation: int, epoch: int | None) -> None:
+    write_atomically(directory / _STATE_GENERATION,
+                     f"{generation}\n" if epoch is None else f"{generation} {epoch}\n")

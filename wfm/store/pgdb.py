@@ -1,0 +1,134 @@
+"""The fleet server's store on PostgreSQL (psycopg 3, a connection pool).
+
+The record functions are written once, with `?` placeholders; `PgConnection` hands psycopg
+the same statements with `%s` (and a literal `%` doubled). Reads borrow a pooled connection
+in autocommit mode; durable writes go through the group-commit writer of `wfm.store.database` on a
+connection of their own, reconnecting after the server was lost. While PostgreSQL cannot be
+reached every read and write raises `DatabaseUnavailable` (503 with `Retry-After` for the
+caller), and the pool reconnects by itself once it is back; until a write succeeds again,
+readiness probes the server through the pool (and asks whether it is a standby). Pooled
+connections are not checked at every checkout (that was a second query per read, and most
+of the time a replica's event loop spent blocked under load): one that broke while
+PostgreSQL was away fails its next read with a 503 and the pool replaces it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from wfm.store.database import Database, DatabaseUnavailable
+from wfm.store.schema import migrate
+
+__all__ = ["PgConnection", "PostgresDatabase", "translate"]
+
+T = TypeVar("T")
+log = logging.getLogger("margo.wfm.db")
+_CONNECT_TIMEOUT = 5
+#: Readiness probes answer within this (Kubernetes' default probe timeout is 1 s).
+_PROBE_TIMEOUT = 2
+
+
+@functools.lru_cache(maxsize=1024)
+def translate(statement: str) -> str:
+    """`?` placeholders outside quoted text become `%s`; a literal `%` becomes `%%`."""
+    out: list[str] = []
+    quote: str | None = None
+    for char in statement:
+        if quote is not None:
+            out.append("%%" if char == "%" else char)
+            if char == quote:
+                quote = None
+        elif char in ("'", '"'):
+            quote = char
+            out.append(char)
+        elif char == "?":
+            out.append("%s")
+        elif char == "%":
+            out.append("%%")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+class PgConnection:
+    """A psycopg connection that speaks the record functions' SQL."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.raw = conn
+
+    def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any]:
+        return self.raw.execute(translate(sql), tuple(parameters))
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+class PostgresDatabase(Database):
+    dialect = "postgresql"
+    begin = "BEGIN"
+    remote_reads = True
+    #: ReadOnlySqlTransaction: a standby (after a failover, the old primary): nothing can
+    #: be stored here now, the writer reconnects for the next batch.
+    unavailable = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,
+                   psycopg.errors.ReadOnlySqlTransaction)
+
+    def __init__(self, url: str, *, pool_size: int = 8):
+        self.url = url
+        try:
+            with psycopg.connect(url, autocommit=True,
+                                 connect_timeout=_CONNECT_TIMEOUT) as conn:
+                migrate(PgConnection(conn), self.dialect)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(f"cannot open {_redacted(url)}: {exc}") from exc
+        self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True,
+                                    kwargs={"autocommit": True,
+                                            "connect_timeout": _CONNECT_TIMEOUT},
+                                    timeout=5,
+                                    reconnect_timeout=0, name="margo-wfm")
+        super().__init__()
+
+    def _write_connection(self) -> PgConnection:
+        return PgConnection(psycopg.connect(self.url, autocommit=True,
+                                            connect_timeout=_CONNECT_TIMEOUT))
+
+    def read(self, fn: Callable[[Any], T]) -> T:
+        try:
+            with self._pool.connection() as conn:
+                return fn(PgConnection(conn))
+        except self.unavailable as exc:
+            raise DatabaseUnavailable(f"the database is unavailable: {exc}") from exc
+
+    def _probe(self) -> None:
+        """A pooled connection within a second or two, to a server that takes writes."""
+        with self._pool.connection(timeout=_PROBE_TIMEOUT) as conn:
+            if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+                raise DatabaseUnavailable("PostgreSQL is a standby (read-only)")
+
+    def connect(self) -> PgConnection:
+        """A connection of its own (autocommit), for what holds a session: the compile
+        lease's advisory lock. The caller closes it."""
+        try:
+            return PgConnection(psycopg.connect(self.url, autocommit=True,
+                                                connect_timeout=_CONNECT_TIMEOUT))
+        except self.unavailable as exc:
+            raise DatabaseUnavailable(f"the database is unavailable: {exc}") from exc
+
+    def close(self) -> None:
+        super().close()
+        self._pool.close()
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        credentials, _, host = rest.rpartition("@")
+        user = credentials.split(":", 1)[0]
+        rest = f"{user}@{host}"
+    return f"{scheme}{sep}{rest}"

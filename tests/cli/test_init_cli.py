@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import helm_python as helm
@@ -82,15 +81,3 @@ def test_init_refuses_and_overwrites_nothing(tmp_path: Path, args: list[str],
     assert message in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
 
-
-def test_the_wheel_carries_the_scaffolds(tmp_path: Path) -> None:
-    """An installed `margo init` reads templates/ as margo_cli's package data."""
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
-                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    [wheel] = tmp_path.glob("margo_gitops-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {"margo_cli/scaffolds/" + p.relative_to(ROOT / "templates").as_posix()
-                for p in (ROOT / "templates").rglob("*") if p.is_file()}
-    assert expected and expected <= names, sorted(expected - names)

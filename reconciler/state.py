@@ -189,6 +189,21 @@ def _ordered(records: Mapping[str, ComponentRecord], order: Sequence[str]) -> li
     return [(n, records[n].state, records[n].error) for n in names]
 
 
+def _merged(before: Mapping[str, ComponentRecord], updates: Mapping[str, StateUpdate],
+            keep: Collection[str] | None, now: float) -> dict[str, ComponentRecord]:
+    """The stored component states with `updates` applied (a component whose state and
+    error did not change keeps its record and time), less those not in `keep`."""
+    merged = dict(before) if keep is None else {
+        name: record for name, record in before.items() if name in keep}
+    for name, (state, error) in updates.items():
+        code, message = _error_pair(error)
+        old = merged.get(name)
+        if old is None or (old.state, old.error_code, old.error_message) != (
+                state, code, message):
+            merged[name] = ComponentRecord(str(state), code, message, now)
+    return merged
+
+
 class DeviceState:
     """The device's durable state in one SQLite file (see the module docstring).
 
@@ -495,16 +510,7 @@ class DeviceState:
         with self._transaction() as conn:
             before = self._states_in(conn, deployment_id)
             now = self._clock()
-            merged = dict(before)
-            if keep is not None:
-                merged = {name: rec for name, rec in merged.items() if name in keep}
-            for name, (state, error) in component_states.items():
-                code, message = _error_pair(error)
-                old = merged.get(name)
-                if old is not None and (old.state, old.error_code, old.error_message) == (
-                        state, code, message):
-                    continue
-                merged[name] = ComponentRecord(str(state), code, message, now)
+            merged = _merged(before, component_states, keep, now)
             reported = conn.execute("SELECT about FROM reported WHERE deployment_id = ?",
                                     (deployment_id,)).fetchone()
             moved = about is not None and (reported is None or reported[0] != about)

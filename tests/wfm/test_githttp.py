@@ -27,7 +27,7 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceCommit, DeviceStore, device_ref
-from wfm.git import githttp
+from wfm.git import backend, upload_gate
 from wfm.git.githttp import git_app
 
 TOKENS = {"dev-a": "token-a", "dev-b": "token-b", "gw1/child": "token-c", "dev-z": "token-z"}
@@ -321,7 +321,7 @@ def test_large_legitimate_requests_stream_through(fleet: Fleet, encoding: str | 
 
 
 def test_oversized_requests_are_refused(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(githttp, "MAX_REQUEST_BYTES", 4096)
+    monkeypatch.setattr(upload_gate, "MAX_REQUEST_BYTES", 4096)
     haves = [f"have {i:040x}" for i in range(200)]
     body = gzip.compress(v2_request(f"want {fleet.tips['dev-a']}", *haves, "done"))
     response = post_upload_pack(fleet, "dev-a", body, headers={"Content-Encoding": "gzip"})
@@ -587,7 +587,7 @@ def fake_git(tmp_path: Path, script: str) -> tuple[str, Path]:
 def test_git_running_too_long_is_killed(fleet: Fleet, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     program, pid_file = fake_git(tmp_path, "exec sleep 60")
-    monkeypatch.setattr(githttp, "PROCESS_TIMEOUT", 0.5)
+    monkeypatch.setattr(backend, "PROCESS_TIMEOUT", 0.5)
     with serving(make_app(fleet.store.path, git=program)) as base:
         response = httpx.get(f"{base}/git/devices/dev-a.git/info/refs?service=git-upload-pack",
                              auth=("dev-a", TOKENS["dev-a"]), timeout=10)

@@ -8,7 +8,7 @@ import asyncio
 
 import uvloop
 
-from wfm.git.githttp import write_to_backend
+from wfm.git.backend import write_to_backend
 from wfm.git.sourcehost import _communicate
 
 

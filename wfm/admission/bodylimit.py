@@ -23,7 +23,7 @@ when the request's handling ends.
 
 The limits are per path prefix (`BodyLimit`): the hosted fleet source takes pushes up to
 `wfm.git.sourcehost.MAX_PUSH_BYTES`, device Git requests up to
-`wfm.git.githttp.MAX_REQUEST_BYTES`, the push hook what GitHub may send
+`wfm.git.upload_gate.MAX_REQUEST_BYTES`, the push hook what GitHub may send
 (`wfm.http.webhooks.MAX_BODY_BYTES`), and everything else the Margo API's
 `wfm.http.request_parts.MAX_BODY`. The handlers keep their own checks as a second line.
 

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp
 from compiler.stalelocks import recover_stale_locks
 from margo.files import write_atomically
 from wfm.fleet.sources import git_environment
-from wfm.git.githttp import BACKEND_GONE, write_to_backend
+from wfm.git.backend import BACKEND_GONE, write_to_backend
 from wfm.git.receivehook import HOOK_NAME, hook_script
 from wfm.identity.credentials import parse_basic, same_secret
 from wfm.problems import ProblemError, problem_response
@@ -107,7 +107,7 @@ async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> byte
     reading its input (a request it answers at once, such as a refusal) is no error: its
     output says what happened. (With uvloop, writing to a pipe whose reader has exited
     raises RuntimeError, which `communicate` lets through as a server error: see
-    `wfm.git.githttp.BACKEND_GONE`.)"""
+    `wfm.git.backend.BACKEND_GONE`.)"""
     stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
     assert stdin is not None and stdout is not None and stderr is not None
 

@@ -35,8 +35,9 @@ from wfm.fleet.leadtime import LeadTimes
 from wfm.fleet.rollouts import RolloutController, served_from
 from wfm.fleet.sourcecondition import store_condition
 from wfm.fleet.sources import RemoteSource, SourceWatcher, fetch_source
-from wfm.git.githttp import MAX_REQUEST_BYTES, git_app
+from wfm.git.githttp import git_app
 from wfm.git.sourcehost import MAX_PUSH_BYTES, ensure_repository, source_app
+from wfm.git.upload_gate import MAX_REQUEST_BYTES
 from wfm.http.dashboard import dashboard_routes
 from wfm.http.device_api import DEFAULT_MAX_DEVICES_PER_CLIENT, Api
 from wfm.http.device_routes import DeviceEdge, routes

@@ -93,9 +93,9 @@ def keep_steady(dev: DeviceRound) -> set[str]:
             kept[fname] = new_ids[fname] = ids[fname]
         placements.append(record)
     for fname in ids:
-        name = dev.ctx.steady_files.get(fname)
-        if name is not None and name not in previous:
-            settled.discard(name)
+        steady_name = dev.ctx.steady_files.get(fname)
+        if steady_name is not None and steady_name not in previous:
+            settled.discard(steady_name)
     return settled
 
 

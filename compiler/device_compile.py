@@ -222,12 +222,9 @@ def decide_intent(dev: DeviceRound, name: str, *, reuse: bool) -> NewPlacement |
 def _capacity_round(dev: DeviceRound, new: list[NewPlacement]) -> None:
     """Upgrades that raise what a placement takes, and new placements, each decided in
     what the device has left (`compiler.holding`)."""
-    ctx, out, current = dev.ctx, dev.out, dev.current
-    upgrades = take_back_upgrades(ctx, out, current, dev.capacity) if out.changes else []
+    upgrades = take_back_upgrades(dev) if dev.out.changes else []
     if new or upgrades:
-        decide_in_order(ctx, out, dev.capacity(), current, new, upgrades,
-                        lambda intent, app, placement: place_eligible(dev, intent, app,
-                                                                      placement))
+        decide_in_order(dev, new, upgrades)
 
 
 def _commit_for(ctx: CompileContext, device: Device, outcome: DeviceOutcome,

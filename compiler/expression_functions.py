@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from decimal import ROUND_CEILING, Decimal
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from jinja2.filters import FILTERS, make_attrgetter
 from jinja2.tests import TESTS
@@ -40,7 +40,8 @@ def _strict_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
     if value == "true" or value == "false":
-        return value == "true"
+        answer: bool = value == "true"
+        return answer
     raise ValueError(f"bool expects true or false, found {value!r}")
 
 
@@ -111,7 +112,8 @@ def _round(value: Any, precision: Any = 0, method: str = "common") -> float:
         raise TypeError(f"round precision must be an integer, found {precision!r}")
     if abs(precision) > MAX_ROUND_DIGITS:
         raise ValueError(f"round precision must be within +-{MAX_ROUND_DIGITS}")
-    return FILTERS["round"](value, precision, method)
+    rounded: float = FILTERS["round"](value, precision, method)
+    return rounded
 
 
 def _json_default(value: Any) -> Any:
@@ -198,7 +200,8 @@ def build_filters() -> dict[str, Callable[..., Any]]:
 def build_tests() -> dict[str, Callable[..., Any]]:
     """Every allowed test by name, guarded and metered."""
     return {
-        name: _guarded(TESTS[name], undefined_ok=name in ("defined", "undefined"))
+        name: _guarded(cast(Callable[..., Any], TESTS[name]),
+                       undefined_ok=name in ("defined", "undefined"))
         for name in TEST_NAMES
     }
 

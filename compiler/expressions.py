@@ -70,7 +70,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import lru_cache
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from jinja2 import nodes
 from jinja2.exceptions import (
@@ -251,7 +251,7 @@ def _make_environment() -> _Environment:
         cache_size=0,
     )
     env.filters = build_filters()
-    env.tests = build_tests()
+    env.tests = cast(Any, build_tests())  # (typeshed types them as plain functions)
     env.globals.clear()
     env.globals.update(GLOBALS)
     return env
@@ -359,7 +359,7 @@ def _single_expression(tree: nodes.Template) -> nodes.Expr | None:
         return None
     parts = [
         node
-        for node in tree.body[0].nodes
+        for node in cast(nodes.Output, tree.body[0]).nodes
         if not (isinstance(node, nodes.TemplateData) and not node.data.strip())
     ]
     if len(parts) == 1 and not isinstance(parts[0], nodes.TemplateData):

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, ClassVar
+from typing import IO, ClassVar, cast
 
 import pygit2
 
@@ -268,7 +268,7 @@ class DeviceStore:
         commit = self._tip_commit(device_id)
         if commit is None:
             return None
-        return {entry.name: str(entry.id) for entry in commit.tree}
+        return {cast(str, entry.name): str(entry.id) for entry in commit.tree}
 
     def tree(self, device_id: str) -> StoredTree | None:
         """The tip's tree id and blob ids, with contents read on demand (None without a
@@ -325,7 +325,7 @@ class DeviceStore:
         if tip is None:
             return None
         target = tip if commit is None else self._commit_on_branch(device_id, tip, commit)
-        return {entry.name: entry.data for entry in target.tree
+        return {cast(str, entry.name): entry.data for entry in target.tree
                 if isinstance(entry, pygit2.Blob)}
 
     def history(self, device_id: str, limit: int = 50) -> list[CommitInfo]:

@@ -22,12 +22,11 @@ at what its intent's profile takes now, and a change of it is never held.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from compiler.capacity import DeviceCapacity
 from compiler.context import CompileContext
-from compiler.gitstore import StoredTree
+from compiler.decisions import DeviceRound, place_eligible
 from compiler.intents import Intent
 from compiler.outcome import DeviceOutcome
 from compiler.placement import Placement
@@ -39,9 +38,6 @@ from margo.constraints import Demand, Failure
 __all__ = ["Upgrade", "decide_in_order", "grows", "held_note", "take_back_upgrades"]
 
 _SUFFIX = ".yaml"
-
-#: Places a new placement that fits (`compiler.decisions.place_eligible`, bound to the device).
-Place = Callable[[Intent, AppVersion, Placement], None]
 
 
 def grows(old: Demand, new: Demand) -> bool:
@@ -79,11 +75,11 @@ class Upgrade:
     move: tuple[str, str] | None  # the rollout move it makes, if it moves on
 
 
-def take_back_upgrades(ctx: CompileContext, out: DeviceOutcome, current: StoredTree,
-                       capacity: Callable[[], DeviceCapacity]) -> list[Upgrade]:
+def take_back_upgrades(dev: DeviceRound) -> list[Upgrade]:
     """The updates of this compile that raise what a placed deployment takes, each taken
-    back out of the new tree (the device keeps its file meanwhile). `capacity` gives the
-    device's accounting (made only when some update needs it)."""
+    back out of the new tree (the device keeps its file meanwhile). The device's
+    accounting is made only when some update needs it."""
+    ctx, out, current = dev.ctx, dev.out, dev.current
     records = {r.intent: r for r in out.placements}
     upgrades = []
     for change in out.changes:
@@ -98,7 +94,7 @@ def take_back_upgrades(ctx: CompileContext, out: DeviceOutcome, current: StoredT
         compiled = ctx.stored.constraints(current.read(fname))
         if profile is None or compiled is None:
             continue
-        device = capacity()
+        device = dev.capacity()
         new = device.demand_now(intent, app, profile)
         if not grows(device.file_demand(intent.name, intent, compiled), new):
             continue
@@ -122,11 +118,11 @@ def _is_fresh(out: DeviceOutcome, record: PlacementRecord | None) -> bool:
             and record.ineligible_since is None and record.intent not in out.stale)
 
 
-def hold_tree(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCapacity,
-              current: StoredTree) -> None:
+def hold_tree(dev: DeviceRound, capacity: DeviceCapacity) -> None:
     """Every file the new tree holds so far takes its share of the device, in placement
     order: what its intent takes now when the file is what it renders now, else what the
     file itself says it takes."""
+    ctx, out, current = dev.ctx, dev.out, dev.current
     records = {r.intent: r for r in out.placements}
     names = [f[: -len(_SUFFIX)] for f in out.ids if f.endswith(_SUFFIX)]
     for name in sorted(names, key=lambda n: (-_priority(ctx, n), n)):
@@ -164,16 +160,16 @@ def _hold_as_recorded(ctx: CompileContext, capacity: DeviceCapacity, name: str,
         capacity.hold_frozen(name, app, profile)
 
 
-def decide_in_order(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCapacity,
-                    current: StoredTree, new: list[tuple[Intent, AppVersion, Placement]],
-                    upgrades: list[Upgrade], place: Place) -> None:
+def decide_in_order(dev: DeviceRound, new: list[tuple[Intent, AppVersion, Placement]],
+                    upgrades: list[Upgrade]) -> None:
     """The round: the tree's files take their shares, then new placements and upgrades
     are decided one after another (highest priority, then name), in passes until a pass
     decides nothing more: an upgrade that goes through may free what an earlier one in
     the order needed (more storage, less memory), and the next compile of the same inputs
     must not find anything left to do. A new placement that does not fit then waits; an
     upgrade that does not fit is held; both say why in numbers."""
-    hold_tree(ctx, out, capacity, current)
+    capacity = dev.capacity()
+    hold_tree(dev, capacity)
     pending: list[tuple[Intent, AppVersion, Placement | Upgrade]] = sorted(
         [*new, *((u.intent, u.app, u) for u in upgrades)],
         key=lambda e: (-e[0].priority, e[0].name))
@@ -181,8 +177,8 @@ def decide_in_order(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCap
     while pending:
         left = []
         for intent, app, item in pending:
-            short = (_try_upgrade(out, capacity, item) if isinstance(item, Upgrade)
-                     else _try_new(out, capacity, intent, app, item, place))
+            short = (_try_upgrade(dev.out, capacity, item) if isinstance(item, Upgrade)
+                     else _try_new(dev, capacity, intent, app, item))
             if short:
                 short_of[intent.name] = short
                 left.append((intent, app, item))
@@ -191,19 +187,19 @@ def decide_in_order(ctx: CompileContext, out: DeviceOutcome, capacity: DeviceCap
         pending = left
     for intent, _app, item in pending:
         if isinstance(item, Upgrade):
-            _hold(ctx, out, current, item, short_of[intent.name])
+            _hold(dev, item, short_of[intent.name])
         else:
-            _wait(out, capacity.device.id, intent, short_of[intent.name])
+            _wait(dev.out, capacity.device.id, intent, short_of[intent.name])
 
 
-def _try_new(out: DeviceOutcome, capacity: DeviceCapacity, intent: Intent, app: AppVersion,
-             placement: Placement, place: Place) -> tuple[Failure, ...]:
+def _try_new(dev: DeviceRound, capacity: DeviceCapacity, intent: Intent, app: AppVersion,
+             placement: Placement) -> tuple[Failure, ...]:
     """Place a new placement if it fits (nothing returned), else say why."""
     placement, short = capacity.admit(intent, app, placement)
     if short:
         return short
-    place(intent, app, placement)
-    if file_name(intent.name) not in out.ids:  # it could not be rendered: nothing to hold
+    place_eligible(dev, intent, app, placement)
+    if file_name(intent.name) not in dev.out.ids:  # it could not be rendered: nothing to hold
         capacity.ledger.release(intent.name)
     return ()
 
@@ -231,9 +227,9 @@ def _try_upgrade(out: DeviceOutcome, capacity: DeviceCapacity,
     return ()
 
 
-def _hold(ctx: CompileContext, out: DeviceOutcome, current: StoredTree, upgrade: Upgrade,
-          short: tuple[Failure, ...]) -> None:
+def _hold(dev: DeviceRound, upgrade: Upgrade, short: tuple[Failure, ...]) -> None:
     """The device keeps the file it runs; the record says held, a note says why."""
+    ctx, out, current = dev.ctx, dev.out, dev.current
     name, fname = upgrade.intent.name, file_name(upgrade.intent.name)
     out.changes = [c for c in out.changes if c.intent != name]
     out.placements = [r._replace(waiting=True) if r.intent == name else r

@@ -1,8 +1,9 @@
 """What compiling one device decides: its new tree, what the state records of it, the
 changes and notes people read, and the problems of intents that could not be rendered.
 
-Kept apart from `compiler.compilation` so that the parts of a device's compile that live in
-their own modules (`compiler.holding`: the capacity round) work on the same object.
+Kept apart from `compiler.device_compile` so that the parts of a device's compile that live
+in their own modules (`compiler.decisions`: one intent's decision; `compiler.holding`: the
+capacity round) work on the same object.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from compiler.device_compile import DeviceJob, DeviceWork
@@ -55,7 +55,8 @@ class CompileOutcomes:
 
 
 def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: CompileReport,
-                    outcomes: CompileOutcomes, now: float) -> Iterator[DeviceCommit]:
+                    outcomes: CompileOutcomes, now: float,
+                    ) -> Generator[DeviceCommit, None, None]:
     """The commits of the compiled devices, in device order, accounting every device in
     `report` and `outcomes` as its result arrives (consume it fully before reading them)."""
     for job, work in zip(jobs, works, strict=True):

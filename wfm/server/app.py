@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm.admission.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
@@ -212,12 +212,6 @@ def create_app(config: ServerConfig) -> Starlette:
     edge = DeviceEdge(api)
     stats, late = HttpStats(), _Late()
     metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token, config.admin_token))
-
-    def pushed(arrived: float) -> None:
-        if late.lead is not None:
-            late.lead.received("push", arrived)
-        api.compiles.trigger()
-
     api.max_devices = config.max_devices_per_client
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
@@ -226,78 +220,15 @@ def create_app(config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        config.data.mkdir(parents=True, exist_ok=True)
-        lock = config.data_lock or DataDirLock(config.data)
-        if not lock.held:
-            lock.acquire()  # DataDirBusy: another server runs on this directory
-        db = open_database(config.database)
-        if config.host_source:
-            ensure_repository(config.hosted_source, config.source_branch)
-        coordinator = _coordinator(db, config)
-        desired = DesiredState(DeviceStore(config.repos)) if coordinator is None else \
-            DesiredState(DeviceStore(config.repos), recorded=coordinator.published_branch,
-                         on_lost=coordinator.request_repair)
-        rollouts = RolloutController(db, served_from(desired, db))
-        tracing = Tracing(config.otlp_endpoint,
-                          instance=coordinator.name if coordinator is not None else None)
-        lead = LeadTimes(db, desired, tracing,
-                         handout=lambda device_id: api.attribution.handouts.when(device_id),
-                         catch_up=coordinator.sync if coordinator is not None else None)
-        compiles = CompileService(
-            config.repos, config.effective_source, lambda: db.read(records.device_documents),
-            (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
-            debounce=config.debounce, coordinator=coordinator,
-            on_condition=lambda condition: db.submit(
-                lambda conn: store_condition(conn, condition)), rollouts=rollouts,
-            lead_times=lead)
-        ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
-        api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
-                 ca_certificate=ca, identity=identity, coordinator=coordinator)
-        api.lead_times = fleet.lead = late.lead = lead
-        late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
-                                     coordinator=coordinator)
-        if coordinator is not None:
-            coordinator.on_synced = desired.bump
-            coordinator.start()
+        running = _start(config, api, identity, fleet, late)
         app.state.api = api
-        tune_for_serving()  # few collections, none over what start-up built (wfm.server.gcpolicy)
-        watcher = None
-        if config.watch_source and config.source.path is not None:
-            watcher = SourceWatcher(config.source.path, compiles.trigger)
-        if config.remote is not None:
-            threading.Thread(target=_initial_fetch, args=(config.remote, compiles,
-                                                          coordinator), daemon=True).start()
-        else:
-            compiles.trigger()
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.stop()
-            compiles.stop()
-            if coordinator is not None:
-                coordinator.stop()
-            lead.stop()
-            tracing.close()
-            api.polls.flush()
-            api.attribution.handouts.flush()
-            db.close()
-            if config.data_lock is None:
-                lock.release()
+            running.stop()
 
     return Starlette(
-        routes=[*routes(edge), Route("/healthz", _livez, methods=["GET"]),
-                Route("/livez", _livez, methods=["GET"]),
-                Route("/readyz", _readyz, methods=["GET"]),
-                Route("/metrics", metrics.serve, methods=["GET"]), *fleet.routes(),
-                *dashboard_routes(fleet),
-                *([Mount("/git/source.git", app=source_app(
-                    config.hosted_source, config.admin_token, pushed,
-                    replicas=lambda: api.coordinator))]
-                  if config.host_source else []),
-                Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
-                                          edge.callers.may_fetch, lost=api.lost_branch,
-                                          delivered=api.git_delivered))],
+        routes=_routes(config, edge, fleet, metrics, late),
         lifespan=lifespan,
         # Requests are counted outermost (refusals too); then body limits and budgets:
         # nothing below (signature checks buffer bodies) sees more.
@@ -310,6 +241,117 @@ def create_app(config: ServerConfig) -> Starlette:
                             DatabaseUnavailable: _unavailable_handler,
                             ClientDisconnect: _gone_handler, Exception: _crash_handler},
     )
+
+
+def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
+            metrics: MetricsEndpoint, late: _Late) -> list[BaseRoute]:
+    """Every route of the server: the device API, health, metrics, the read API and the
+    dashboard, the hosted source (when asked for) and Git hosting of the device branches."""
+    api = edge.api
+
+    def pushed(arrived: float) -> None:
+        if late.lead is not None:
+            late.lead.received("push", arrived)
+        api.compiles.trigger()
+
+    hosted: list[BaseRoute] = [Mount("/git/source.git", app=source_app(
+        config.hosted_source, config.admin_token, pushed,
+        replicas=lambda: api.coordinator))] if config.host_source else []
+    return [*routes(edge), Route("/healthz", _livez, methods=["GET"]),
+            Route("/livez", _livez, methods=["GET"]),
+            Route("/readyz", _readyz, methods=["GET"]),
+            Route("/metrics", metrics.serve, methods=["GET"]), *fleet.routes(),
+            *dashboard_routes(fleet), *hosted,
+            Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
+                                      edge.callers.may_fetch, lost=api.lost_branch,
+                                      delivered=api.git_delivered))]
+
+
+@dataclass
+class _Running:
+    """What a started server holds, closed in the reverse order of opening."""
+
+    config: ServerConfig
+    api: Api
+    lock: DataDirLock
+    db: Database
+    coordinator: Coordinator | None
+    compiles: CompileService
+    lead: LeadTimes
+    tracing: Tracing
+    watcher: SourceWatcher | None = None
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.compiles.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+        self.lead.stop()
+        self.tracing.close()
+        self.api.polls.flush()
+        self.api.attribution.handouts.flush()
+        self.db.close()
+        if self.config.data_lock is None:
+            self.lock.release()
+
+
+def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
+           late: _Late) -> _Running:
+    """Open the server's resources (data lock, store, fleet control, identity) and start
+    compiling; what is open is returned, to be stopped when the server stops."""
+    config.data.mkdir(parents=True, exist_ok=True)
+    lock = config.data_lock or DataDirLock(config.data)
+    if not lock.held:
+        lock.acquire()  # DataDirBusy: another server runs on this directory
+    db = open_database(config.database)
+    if config.host_source:
+        ensure_repository(config.hosted_source, config.source_branch)
+    coordinator = _coordinator(db, config)
+    desired, compiles, lead, tracing = _fleet_control(config, api, db, coordinator)
+    running = _Running(config, api, lock, db, coordinator, compiles, lead, tracing)
+    ca = ensure_ca(config.data / "ca") if coordinator is None else ensure_shared_ca(db)
+    api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
+             ca_certificate=ca, identity=identity, coordinator=coordinator)
+    api.lead_times = fleet.lead = late.lead = lead
+    late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
+                                 coordinator=coordinator)
+    if coordinator is not None:
+        coordinator.on_synced = desired.bump
+        coordinator.start()
+    tune_for_serving()  # few collections, none over what start-up built (wfm.server.gcpolicy)
+    if config.watch_source and config.source.path is not None:
+        running.watcher = SourceWatcher(config.source.path, compiles.trigger)
+    if config.remote is not None:
+        threading.Thread(target=_initial_fetch, args=(config.remote, compiles,
+                                                      coordinator), daemon=True).start()
+    else:
+        compiles.trigger()
+    return running
+
+
+def _fleet_control(config: ServerConfig, api: Api, db: Database,
+                   coordinator: Coordinator | None
+                   ) -> tuple[DesiredState, CompileService, LeadTimes, Tracing]:
+    """The desired state served, the compile service (with its rollouts) and the lead
+    times with their traces, on the opened store."""
+    desired = DesiredState(DeviceStore(config.repos)) if coordinator is None else \
+        DesiredState(DeviceStore(config.repos), recorded=coordinator.published_branch,
+                     on_lost=coordinator.request_repair)
+    rollouts = RolloutController(db, served_from(desired, db))
+    tracing = Tracing(config.otlp_endpoint,
+                      instance=coordinator.name if coordinator is not None else None)
+    lead = LeadTimes(db, desired, tracing,
+                     handout=lambda device_id: api.attribution.handouts.when(device_id),
+                     catch_up=coordinator.sync if coordinator is not None else None)
+    compiles = CompileService(
+        config.repos, config.effective_source, lambda: db.read(records.device_documents),
+        (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
+        debounce=config.debounce, coordinator=coordinator,
+        on_condition=lambda condition: db.submit(
+            lambda conn: store_condition(conn, condition)), rollouts=rollouts,
+        lead_times=lead)
+    return desired, compiles, lead, tracing
 
 
 #: The shortest deadline for a Git request's body: a 64 MiB push at 256 KiB/s.

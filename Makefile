@@ -105,14 +105,14 @@ demo: venv
 	@PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/demo.sh
 
 bench: venv
-	$(BIN)/python bench/validate.py
-	$(BIN)/python bench/compile.py
-	$(BIN)/python bench/serve.py
-	$(BIN)/python bench/bodies.py
-	$(BIN)/python bench/reconcile.py
-	$(BIN)/python bench/kube.py
-	$(BIN)/python bench/kube_nodes.py
-	$(BIN)/python bench/fleet.py
+	$(BIN)/python -m bench.validate
+	$(BIN)/python -m bench.compile
+	$(BIN)/python -m bench.serve
+	$(BIN)/python -m bench.bodies
+	$(BIN)/python -m bench.reconcile
+	$(BIN)/python -m bench.kube
+	$(BIN)/python -m bench.kube_nodes
+	$(BIN)/python -m bench.fleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -25,17 +25,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
+from tools.margoserver import running_margo
 
-from kits.serverkit import running_server  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MIB = 1024 * 1024
 PIECE = 256 * 1024
@@ -171,7 +170,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="margo-bench-bodies-") as tmp:
             root = Path(tmp)
             (root / "secret").write_text("bench-secret\n")
-            with running_server(root / "data", "--webhook-secret-file", str(root / "secret"),
+            with running_margo(root / "data", "--webhook-secret-file", str(root / "secret"),
                                 "--source-url", str(root / "no-such-repository"),
                                 *args.serve_args) as base:
                 port = int(base.rsplit(":", 1)[1])

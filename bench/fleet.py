@@ -66,18 +66,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.serve import Connection, capabilities
+from tools.margoserver import MargoServer, margo_server
+from tools.postgres import running_postgres
+from tools.processes import stop
+from wfm.identity.clients import ClientRegistry
+from wfm.store.database import Database
+from wfm.store.opening import open_database
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
-
-import httpx  # noqa: E402
-from kits.processkit import free_port, stop, wait_until_ready  # noqa: E402
-from serve import Connection, capabilities  # noqa: E402
-
-from tools.postgres import running_postgres  # noqa: E402
-from tools.processes import die_with_parent  # noqa: E402
-from wfm.identity.clients import ClientRegistry  # noqa: E402
-from wfm.store.database import Database  # noqa: E402
-from wfm.store.opening import open_database  # noqa: E402
 
 MANIFEST_PATH = "/api/v1/deployments"
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
@@ -398,20 +395,9 @@ def bundle_documents(payload: bytes) -> dict[str, bytes]:
 
 # --- the servers' side -------------------------------------------------------------------
 
-@dataclass
-class Server:
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
 @contextlib.contextmanager
 def running_servers(data_dirs: list[Path], extra: list[str], logs: Path,
-                    args: argparse.Namespace) -> Iterator[list[Server]]:
+                    args: argparse.Namespace) -> Iterator[list[MargoServer]]:
     """One `margo serve` per data directory (hosting the fleet source), stopped at the end."""
     env = dict(os.environ)
     if args.compile_workers:
@@ -421,27 +407,12 @@ def running_servers(data_dirs: list[Path], extra: list[str], logs: Path,
                for data in data_dirs]
 
 
-@contextlib.contextmanager
 def running_server(data: Path, extra: list[str], logs: Path,
-                   env: dict[str, str]) -> Iterator[Server]:
-    port = free_port()
-    log_path = logs / f"server-{port}.log"
+                   env: dict[str, str]) -> contextlib.AbstractContextManager[MargoServer]:
     token_file = logs / "operator-token"
     token_file.write_text(OPERATOR_TOKEN)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
-             str(data), "--log-level", "warning", "--host-source", "--admin-token-file",
-             str(token_file), *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-            preexec_fn=die_with_parent)
-        server = Server(port, process, log_path)
-        try:
-            wait_until_ready(process, lambda: httpx.get(f"{server.url}/healthz", timeout=1)
-                             .status_code == 200, "server", log_path)
-            yield server
-        finally:
-            stop_server(server)
+    return margo_server(data, "--host-source", "--admin-token-file", str(token_file), *extra,
+                        log_dir=logs, cwd=ROOT, env=env, stopping=stop_server)
 
 
 def register_clients(db: Database, count: int) -> list[str]:
@@ -458,7 +429,7 @@ def git(*args: str, cwd: Path) -> None:
                         "GIT_TERMINAL_PROMPT": "0"})
 
 
-def source_url(server: Server) -> str:
+def source_url(server: MargoServer) -> str:
     return f"http://operator:{OPERATOR_TOKEN}@127.0.0.1:{server.port}/git/source.git"
 
 
@@ -478,7 +449,7 @@ def commit_edit(work: Path) -> None:
     git("commit", "-q", "-am", "greet again", cwd=work)
 
 
-def push(work: Path, server: Server) -> float:
+def push(work: Path, server: MargoServer) -> float:
     """`git push` to the server's hosted source; how long it took."""
     start = time.monotonic()
     git("push", "-q", source_url(server), "main", cwd=work)
@@ -555,7 +526,7 @@ def connections_note(args: argparse.Namespace, servers: int) -> str:
     return f"{max(1, args.connections // servers)} keep-alive connections per server{workers}"
 
 
-def measure(store: str, servers: list[Server], postgres_pid: int | None, tokens: list[str],
+def measure(store: str, servers: list[MargoServer], postgres_pid: int | None, tokens: list[str],
             work: Path, args: argparse.Namespace, note: str) -> Result:
     push(work, servers[0])  # the fleet's first source
     result = run_loop(measure_async(store, servers, postgres_pid, tokens, work, args, note))
@@ -567,12 +538,12 @@ def measure(store: str, servers: list[Server], postgres_pid: int | None, tokens:
     return result
 
 
-def stop_all(servers: list[Server]) -> None:
+def stop_all(servers: list[MargoServer]) -> None:
     for server in servers:
         stop_server(server)
 
 
-def stop_server(server: Server) -> None:
+def stop_server(server: MargoServer) -> None:
     """SIGTERM (SIGKILL after 20 s), and SIGKILL for its compile workers still alive then:
     a worker stuck in a compile outlives its server otherwise (see the report's notes)."""
     if server.process.poll() is not None:
@@ -592,7 +563,7 @@ def run_loop(coroutine: Any) -> Result:
     return uvloop.run(coroutine)  # type: ignore[no-any-return]
 
 
-async def measure_async(store: str, servers: list[Server], postgres_pid: int | None,
+async def measure_async(store: str, servers: list[MargoServer], postgres_pid: int | None,
                         tokens: list[str], work: Path, args: argparse.Namespace,
                         note: str) -> Result:
     stats = Stats()
@@ -618,7 +589,7 @@ async def measure_async(store: str, servers: list[Server], postgres_pid: int | N
 
 
 async def wait_for_steady_state(fleet: Fleet, tasks: list[asyncio.Task[None]],
-                                servers: list[Server], timeout: float) -> None:
+                                servers: list[MargoServer], timeout: float) -> None:
     """Until every device installed its first deployment (the steady state before the push)."""
     deadline = time.monotonic() + timeout
     while fleet.ready < len(fleet.devices):
@@ -639,7 +610,7 @@ async def wait_for_steady_state(fleet: Fleet, tasks: list[asyncio.Task[None]],
         await asyncio.sleep(0.2)
 
 
-async def push_and_wait(store: str, fleet: Fleet, servers: list[Server],
+async def push_and_wait(store: str, fleet: Fleet, servers: list[MargoServer],
                         postgres_pid: int | None, work: Path, args: argparse.Namespace,
                         note: str, setup_seconds: float) -> Result:
     cpu_before = [cpu_seconds(s.process.pid) for s in servers]

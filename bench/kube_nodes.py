@@ -18,8 +18,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from tools.kube.controlplane import ControlPlane
 from tools.kube.realnode import RealNode, RealNodes, tree
 

@@ -27,19 +27,16 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from tools.margoserver import running_margo
+from wfm.identity.clients import ClientRegistry
+from wfm.store.sqlitedb import SqliteDatabase
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the repository's tools/ and test kits
-
-from kits.serverkit import running_server  # noqa: E402
-
-from wfm.identity.clients import ClientRegistry  # noqa: E402
-from wfm.store.sqlitedb import SqliteDatabase  # noqa: E402
 
 
 class Connection:
@@ -353,7 +350,7 @@ def main() -> None:
         db.close()
         # One connection per device in the open-loop phase, besides the shared ones.
         connections = max(8192, args.devices + args.concurrency + 16)
-        with running_server(data, "--source", str(root / "fleet"),
+        with running_margo(data, "--source", str(root / "fleet"),
                             "--max-connections", str(connections)) as base:
             port = int(base.rsplit(":", 1)[1])
             asyncio.run(scenario(port, tokens, args))

@@ -35,13 +35,11 @@ import yaml
 
 from margo.archive import deterministic_targz
 from reconciler.oci import OciClient
+from tools.docker.dockerengine import DockerEngine, running_engine, why_unavailable
+from tools.docker.testimages import greeter_image, push_image
+from tools.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tools/ (docker engine, polling)
-
-from tools.docker.dockerengine import DockerEngine, running_engine, why_unavailable  # noqa: E402
-from tools.docker.testimages import greeter_image, push_image  # noqa: E402
-from tools.polling import poll_until  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
 EXAMPLE_REGISTRY = "127.0.0.1:5000"

@@ -4,4 +4,4 @@
 #   DEMO_EXIT=1   stop after the scenario; exit 0 only if every step converged
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python examples/demo.py
+exec python -m examples.demo

@@ -31,7 +31,8 @@ from referencing.jsonschema import DRAFT202012
 from compiler.gitstore import REPOSITORY_NAME
 from kits.balancer import balancing
 from kits.pgkit import database_for
-from kits.processkit import free_port, stop, wait_until_ready
+from kits.processkit import free_port
+from tools.margoserver import running_margo
 from tools.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,22 +134,8 @@ def replica_client(replicas: dict[str, Any], name: str, replica: int) -> httpx.C
 
 @contextmanager
 def _one_server(data: Path, *extra: str, log_dir: Path | None = None) -> Iterator[str]:
-    port = free_port()
-    log_dir = log_dir or data.parent
-    data.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"server-{port}.log", "w")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(port), "--data",
-         str(data), "--log-level", LOG_LEVEL, *extra],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(process, lambda: httpx.get(f"{base}/healthz", timeout=1)
-                         .status_code == 200, "server", log_dir / f"server-{port}.log")
+    with running_margo(data, *extra, log_dir=log_dir, log_level=LOG_LEVEL, cwd=ROOT) as base:
         yield base
-    finally:
-        stop(process)
-        log.close()
 
 
 @contextmanager

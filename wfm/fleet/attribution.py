@@ -137,10 +137,7 @@ class Handouts:
             pending = self._pending.get(device_id)
         if pending is not None:
             return pending
-        row = self._db.read(lambda conn: conn.execute(
-            "SELECT commit_id, handed_at FROM git_handouts WHERE device_id = ?",
-            (device_id,)).fetchone())
-        return None if row is None else (str(row[0]), float(row[1]))
+        return self._db.read(lambda conn: records.git_handout_at(conn, device_id))
 
     async def last(self, device_id: str) -> str | None:
         with self._lock:

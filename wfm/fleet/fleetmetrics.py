@@ -31,9 +31,8 @@ from margo.kinds import Shape
 from margo.models import DeploymentState
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.freshness import STALE_POLLS, device_freshness
-from wfm.fleet.rollouts import load_rollouts
 from wfm.fleet.sourcecondition import load_condition
-from wfm.store import records
+from wfm.store import fleet_rows, records
 from wfm.store.database import Connection, Database
 
 if TYPE_CHECKING:
@@ -60,16 +59,13 @@ def _label(value: str) -> str:
 def _fleet_rows(conn: Connection) -> dict[str, Any]:
     """Everything the gauges need, in one read (lean columns: no documents)."""
     return {
-        "devices": conn.execute("SELECT device_id, client_id, shape, reported_at FROM "
-                                "devices").fetchall(),
-        "statuses": {r[0]: (r[1], r[2], r[3]) for r in conn.execute(
-            "SELECT deployment_id, state, applied_digest, reported_at FROM statuses")},
+        "devices": fleet_rows.gauge_devices(conn),
+        "statuses": fleet_rows.gauge_statuses(conn),
         "polls": records.client_polls(conn),
-        "rollouts": load_rollouts(conn),
+        "rollouts": fleet_rows.load_rollouts(conn),
         "condition": load_condition(conn),
-        "generation": int(conn.execute("SELECT generation FROM fleet_state WHERE id = 1")
-                          .fetchone()[0]),
-        "in_flight": int(conn.execute("SELECT COUNT(*) FROM lead_marks").fetchone()[0]),
+        "generation": fleet_rows.fleet_generation(conn),
+        "in_flight": fleet_rows.lead_marks_in_flight(conn),
     }
 
 
@@ -203,8 +199,7 @@ class FleetCollector:
                                 "server always does).", value=1 if holding else 0)
         lag = 0
         if coordinator is not None:
-            published = self._db.read(lambda c: int(c.execute(
-                "SELECT generation FROM fleet_state WHERE id = 1").fetchone()[0]))
+            published = self._db.read(fleet_rows.fleet_generation)
             lag = max(0, published - coordinator.generation)
         yield GaugeMetricFamily("margo_replica_generation_lag", "Published generations "
                                 "this replica does not serve yet.", value=lag)

@@ -44,8 +44,8 @@ from compiler.compilation import CompileReport
 from compiler.render import deployment_id
 from wfm.fleet.attribution import Claim, claim_of
 from wfm.fleet.desired import DesiredState
-from wfm.fleet.rollouts import load_rollouts
 from wfm.store.database import Connection, Database
+from wfm.store.fleet_rows import load_rollouts
 from wfm.store.records import Applied
 from wfm.telemetry.metrics import LEAD_TIME, LEAD_TIME_DROPPED
 from wfm.telemetry.tracing import OpenSpan, Tracing

@@ -54,9 +54,9 @@ from wfm.fleet.desired import DesiredState
 from wfm.fleet.freshness import status_for_current
 from wfm.store import records
 from wfm.store.database import Connection, Database
+from wfm.store.fleet_rows import load_rollouts, save_rollout, status_verdicts
 
-__all__ = ["ACTIVE", "RolloutController", "RolloutError", "Served", "load_rollouts",
-           "served_from"]
+__all__ = ["ACTIVE", "RolloutController", "RolloutError", "Served", "served_from"]
 
 #: Rollout states in which waves still move (status reports matter, timers are set).
 ACTIVE = ("progressing",)
@@ -91,17 +91,6 @@ def served_from(desired: DesiredState, db: Database) -> Callable[[str, str], Ser
         return None
 
     return served
-
-
-def load_rollouts(conn: Connection) -> dict[str, dict[str, Any]]:
-    return {row[0]: json.loads(row[1]) for row in conn.execute(
-        "SELECT intent, state FROM rollouts ORDER BY intent")}
-
-
-def _save(conn: Connection, name: str, state: dict[str, Any]) -> None:
-    conn.execute("INSERT INTO rollouts (intent, state) VALUES (?, ?) ON CONFLICT (intent) "
-                 "DO UPDATE SET state = excluded.state",
-                 (name, json.dumps(state, sort_keys=True)))
 
 
 class RolloutController:
@@ -149,7 +138,7 @@ class RolloutController:
                     state.get("reason", ""),
                     admitted=None if capped is None else frozenset(state.get("admitted", {})))
         if changed:
-            self._db.write_sync(lambda conn: [_save(conn, n, s) for n, s in changed.items()])
+            self._db.write_sync(lambda conn: [save_rollout(conn, n, s) for n, s in changed.items()])
         self._given = plans
         return plans
 
@@ -175,7 +164,7 @@ class RolloutController:
                     moved = set(state["moved"])
                     moved.update(d for d, w in waves.items() if plan.is_open(w, d))
                     state["moved"] = sorted(moved)
-                _save(conn, name, state)
+                save_rollout(conn, name, state)
 
         self._db.write_sync(update)
 
@@ -234,8 +223,7 @@ class RolloutController:
     def _statuses(self) -> dict[str, tuple[str, str | None]]:
         """Every stored status (state, the digest it is about) by deployment id, read once
         per evaluation rather than once per device."""
-        return self._db.read(lambda c: {r[0]: (r[1], r[2]) for r in c.execute(
-            "SELECT deployment_id, state, applied_digest FROM statuses")})
+        return self._db.read(status_verdicts)
 
     def _verdict(self, device: str, state: dict[str, Any], now: float, deadline: float,
                  wave: int, statuses: dict[str, tuple[str, str | None]], *,
@@ -338,7 +326,7 @@ class RolloutController:
             if action == "abort":
                 state["reason"] = "aborted by an operator"
             state["updatedAt"] = now
-            _save(conn, name, state)
+            save_rollout(conn, name, state)
             return state
 
         result: dict[str, Any] = self._db.write_sync(change)

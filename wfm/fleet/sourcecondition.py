@@ -10,12 +10,12 @@ dashboard.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from compiler.compilation import CompileReport
+from wfm.store import fleet_rows
 from wfm.store.database import Connection
 
 __all__ = ["MAX_PROBLEMS", "SourceCondition", "load_condition", "store_condition"]
@@ -64,13 +64,10 @@ class SourceCondition:
 
 
 def store_condition(conn: Connection, condition: SourceCondition) -> None:
-    conn.execute("UPDATE fleet_state SET source_condition = ? WHERE id = 1",
-                 (json.dumps(condition.to_json(), sort_keys=True),))
+    fleet_rows.save_source_condition(conn, condition.to_json())
 
 
 def load_condition(conn: Connection) -> SourceCondition | None:
     """The stored condition (None before the first compile)."""
-    row = conn.execute("SELECT source_condition FROM fleet_state WHERE id = 1").fetchone()
-    if row is None or not row[0]:
-        return None
-    return SourceCondition.from_json(json.loads(row[0]))
+    stored = fleet_rows.source_condition(conn)
+    return None if stored is None else SourceCondition.from_json(stored)

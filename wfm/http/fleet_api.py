@@ -26,7 +26,7 @@ from compiler.source import SourceError, load_source
 from wfm.fleet.compiles import SourceConfig
 from wfm.fleet.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.fleet.leadtime import LeadTimes
-from wfm.fleet.rollouts import RolloutController, RolloutError, load_rollouts, served_from
+from wfm.fleet.rollouts import RolloutController, RolloutError, served_from
 from wfm.fleet.sourcecondition import load_condition
 from wfm.fleet.sources import RemoteSource, fetch_source
 from wfm.http.device_api import Api
@@ -34,6 +34,7 @@ from wfm.http.webhooks import WebhookError, check_headers, verify_push
 from wfm.identity.credentials import same_secret
 from wfm.problems import ProblemError
 from wfm.store import records
+from wfm.store.fleet_rows import load_rollouts
 from wfm.telemetry.metrics import WEBHOOKS
 
 __all__ = ["FleetApi"]

@@ -1,5 +1,6 @@
 """The store: the database engines and the rows the device API reads and writes.
 `database` is the engine-neutral writer (durable group commit) both engines implement
 (`sqlitedb`, `pgdb`); `opening` picks one; `schema` holds the numbered migrations;
-`records` the rows devices report and the reads the HTTP edge makes.
+`records` the rows devices report and the reads the HTTP edge makes; `fleet_rows` the
+fleet's own rows (rollouts, the source's condition, the generation, the gauges' reads).
 """

@@ -20,8 +20,9 @@ __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HIST
            "DeviceRow",
            "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
            "device_documents", "device_owner", "device_row", "device_rows", "device_time",
-           "forget_device", "git_handout", "manifest_contents", "manifest_contents_of",
-           "manifest_version", "record_git_handouts", "record_polls", "report_meaning",
+           "forget_device", "git_handout", "git_handout_at", "manifest_contents",
+           "manifest_contents_of", "manifest_version", "record_git_handouts", "record_polls",
+           "report_meaning",
            "rollout_progressing", "status_device", "status_history", "statuses_by_deployment",
            "store_capabilities", "store_status",
            "trim_capability_history", "trim_status_history"]
@@ -172,6 +173,13 @@ def git_handout(conn: Connection, device_id: str) -> str | None:
     row = conn.execute("SELECT commit_id FROM git_handouts WHERE device_id = ?",
                        (device_id,)).fetchone()
     return None if row is None else str(row[0])
+
+
+def git_handout_at(conn: Connection, device_id: str) -> tuple[str, float] | None:
+    """The commit the device was last handed over Git and when (Unix time)."""
+    row = conn.execute("SELECT commit_id, handed_at FROM git_handouts WHERE device_id = ?",
+                       (device_id,)).fetchone()
+    return None if row is None else (str(row[0]), float(row[1]))
 
 
 def status_device(conn: Connection, deployment_id: str,

@@ -1,0 +1,72 @@
+"""The fleet's own rows: staged rollouts' state, the fleet source's condition, the
+published generation, and the lean reads behind the fleet's gauges.
+
+Fleet control (`wfm.fleet.rollouts`, `.sourcecondition`, `.fleetmetrics`) decides what
+these rows mean; the SQL that reads and writes them is here, so the store is the one place
+that knows the tables. Functions run inside the database's reader or writer threads.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from wfm.store.database import Connection
+
+__all__ = ["fleet_generation", "gauge_devices", "gauge_statuses", "lead_marks_in_flight",
+           "load_rollouts", "save_rollout", "save_source_condition", "source_condition",
+           "status_verdicts"]
+
+
+def load_rollouts(conn: Connection) -> dict[str, dict[str, Any]]:
+    """Every staged rollout's state, by intent."""
+    return {row[0]: json.loads(row[1]) for row in conn.execute(
+        "SELECT intent, state FROM rollouts ORDER BY intent")}
+
+
+def save_rollout(conn: Connection, name: str, state: dict[str, Any]) -> None:
+    conn.execute("INSERT INTO rollouts (intent, state) VALUES (?, ?) ON CONFLICT (intent) "
+                 "DO UPDATE SET state = excluded.state",
+                 (name, json.dumps(state, sort_keys=True)))
+
+
+def status_verdicts(conn: Connection) -> dict[str, tuple[str, str | None]]:
+    """Every stored status (state, the digest it is about) by deployment id."""
+    return {r[0]: (r[1], r[2]) for r in conn.execute(
+        "SELECT deployment_id, state, applied_digest FROM statuses")}
+
+
+def save_source_condition(conn: Connection, condition: dict[str, Any]) -> None:
+    conn.execute("UPDATE fleet_state SET source_condition = ? WHERE id = 1",
+                 (json.dumps(condition, sort_keys=True),))
+
+
+def source_condition(conn: Connection) -> dict[str, Any] | None:
+    """The stored condition of the fleet source (None before the first compile)."""
+    row = conn.execute("SELECT source_condition FROM fleet_state WHERE id = 1").fetchone()
+    if row is None or not row[0]:
+        return None
+    condition: dict[str, Any] = json.loads(row[0])
+    return condition
+
+
+def fleet_generation(conn: Connection) -> int:
+    """The newest fleet generation published (replicas serve up to it)."""
+    return int(conn.execute("SELECT generation FROM fleet_state WHERE id = 1").fetchone()[0])
+
+
+def gauge_devices(conn: Connection) -> list[Any]:
+    """(device_id, client_id, shape, reported_at) of every device: no documents."""
+    return conn.execute("SELECT device_id, client_id, shape, reported_at FROM "
+                        "devices").fetchall()
+
+
+def gauge_statuses(conn: Connection) -> dict[str, tuple[Any, Any, Any]]:
+    """(state, applied digest, reported_at) of every deployment's status: no documents."""
+    return {r[0]: (r[1], r[2], r[3]) for r in conn.execute(
+        "SELECT deployment_id, state, applied_digest, reported_at FROM statuses")}
+
+
+def lead_marks_in_flight(conn: Connection) -> int:
+    """How many compiled changes still wait for their installed report (lead times)."""
+    return int(conn.execute("SELECT COUNT(*) FROM lead_marks").fetchone()[0])

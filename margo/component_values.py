@@ -174,8 +174,11 @@ def format_helm_pointer(path: HelmPath) -> str:
 
 # --------------------------------------------------------------------------- Helm values
 
+#: A map or a list of a Helm values tree.
+_Container = dict[Any, Any] | list[Any]
 
-def _slot(node: dict | list, part: str | int) -> Any:
+
+def _slot(node: _Container, part: str | int) -> Any:
     """Current value at `part` of `node` (None when missing); pads lists like Helm does."""
     if isinstance(node, list):
         assert isinstance(part, int)
@@ -189,10 +192,10 @@ def _container_name(kind: type) -> str:
     return "a list" if kind is list else "a map"
 
 
-def _descend(node: dict | list, part: str | int, kind: type, pointer: str,
-             where: HelmPath) -> dict | list:
+def _descend(node: _Container, part: str | int, kind: type, pointer: str,
+             where: HelmPath) -> _Container:
     """The child container at `part`, created as `kind` when missing."""
-    current = _slot(node, part)
+    current: _Container | None = _slot(node, part)
     if current is None:
         current = kind()
         node[part] = current  # type: ignore[index]
@@ -203,7 +206,7 @@ def _descend(node: dict | list, part: str | int, kind: type, pointer: str,
     return current
 
 
-def set_helm_value(tree: dict, pointer: str, value: Any) -> None:
+def set_helm_value(tree: dict[str, Any], pointer: str, value: Any) -> None:
     """Set `value` (deep-copied, typed) at `pointer` in `tree`, creating dicts and lists.
 
     Replacing an existing scalar is allowed (as a repeated `--set` would); replacing or
@@ -211,7 +214,7 @@ def set_helm_value(tree: dict, pointer: str, value: Any) -> None:
     where a map is needed, a map or list by a different value) raises ValueError.
     """
     path = parse_helm_pointer(pointer)
-    node: dict | list = tree
+    node: _Container = tree
     for depth in range(len(path) - 1):
         kind = list if isinstance(path[depth + 1], int) else dict
         node = _descend(node, path[depth], kind, pointer, path[: depth + 1])
@@ -282,7 +285,7 @@ def _targets_for(name: str, parameter: Mapping[str, Any], component: str) -> Ite
             yield target["pointer"]
 
 
-def _assignments(parameters: Mapping[str, Mapping], component: str
+def _assignments(parameters: Mapping[str, Mapping[str, Any]], component: str
                  ) -> Iterator[tuple[str, str, Any]]:
     """(parameter name, pointer, value) for `component`, in sorted parameter order."""
     for name in sorted(parameters):
@@ -293,9 +296,10 @@ def _assignments(parameters: Mapping[str, Mapping], component: str
             yield name, pointer, parameter["value"]
 
 
-def helm_values(parameters: Mapping[str, Mapping], component: str) -> dict:
+def helm_values(parameters: Mapping[str, Mapping[str, Any]], component: str
+                ) -> dict[str, Any]:
     """The values tree that the parameters targeting Helm `component` produce."""
-    tree: dict = {}
+    tree: dict[str, Any] = {}
     claims = _Claims()
     for name, pointer, value in _assignments(parameters, component):
         try:
@@ -345,7 +349,8 @@ def env_string(value: Any) -> str:
     return text
 
 
-def compose_environment(parameters: Mapping[str, Mapping], component: str) -> dict[str, str]:
+def compose_environment(parameters: Mapping[str, Mapping[str, Any]], component: str
+                        ) -> dict[str, str]:
     """Environment variables (sorted by name) the parameters give Compose `component`."""
     env: dict[str, str] = {}
     owners: dict[str, str] = {}

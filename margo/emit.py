@@ -163,7 +163,7 @@ def status_document(status: m.DeploymentStatus) -> dict[str, Any]:
 
 def manifest_document(manifest: m.StateManifest) -> dict[str, Any]:
     """UnsignedAppStateManifest; serialize with `manifest_json` for the ETag'd body."""
-    bundle = None
+    bundle: dict[str, Any] | None = None
     if manifest.bundle is not None:
         bundle = {"mediaType": manifest.bundle.media_type, "digest": manifest.bundle.digest,
                   "url": manifest.bundle.url}

@@ -85,11 +85,15 @@ def _description_shape(doc: dict[str, Any]) -> Shape:
     return Shape.RC2
 
 
+def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
+    """`doc[key]` when it is an object, else an empty one: shapes are told from what is there."""
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _deployment_shape(doc: dict[str, Any]) -> Shape:
-    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    spec = doc.get("spec") if isinstance(doc.get("spec"), dict) else {}
-    annotations = metadata.get("annotations")
-    annotations = annotations if isinstance(annotations, dict) else {}
+    metadata, spec = _object(doc, "metadata"), _object(doc, "spec")
+    annotations = _object(metadata, "annotations")
     if "applicationId" in spec or ("deviceId" in metadata and "applicationId" not in annotations):
         return Shape.RC3
     if "id" in doc:
@@ -100,7 +104,7 @@ def _deployment_shape(doc: dict[str, Any]) -> Shape:
 
 
 def _capabilities_shape(doc: dict[str, Any]) -> Shape:
-    properties = doc.get("properties") if isinstance(doc.get("properties"), dict) else {}
+    properties = _object(doc, "properties")
     if "roles" in properties or "resources" in properties:
         return Shape.OCT_2024
     custom = any(

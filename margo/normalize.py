@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from margo import models as m
 from margo.constraints import ARCHITECTURE_ALIASES
@@ -110,8 +110,8 @@ def _deployment(doc: Mapping[str, Any], shape: Shape) -> m.ApplicationDeployment
     metadata = doc["metadata"]
     spec = doc["spec"]
     annotations = dict(metadata.get("annotations") or {})
-    deployment_id = doc.get("id") or annotations.get("id")
-    application_id = spec.get("applicationId") or annotations.get("applicationId")
+    deployment_id = cast(str, doc.get("id") or annotations.get("id"))
+    application_id = cast(str, spec.get("applicationId") or annotations.get("applicationId"))
     annotations.pop("id", None)
     annotations.pop("applicationId", None)
     return m.ApplicationDeployment(

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from decimal import Decimal
 from functools import lru_cache
 from typing import Any, Final
@@ -368,7 +368,7 @@ def _check_kind_fields(rule: Mapping[str, Any], path: Path) -> list[Problem]:
     return problems
 
 
-def check_schema_rule(rule: Mapping[str, Any], *, path: tuple = ()) -> list[Problem]:
+def check_schema_rule(rule: Mapping[str, Any], *, path: Path = ()) -> list[Problem]:
     """Every reason the configuration schema rule `rule` is not usable, paths under `path`.
 
     Checks: known dataType; no unknown fields (besides `x-...-extensions`); no fields that
@@ -403,6 +403,10 @@ def is_empty(value: Any, rule: Mapping[str, Any], *, lenient_strings: bool = Fal
     return False
 
 
+#: (rule field, whether a value's measure is too far for the field's bound, "least"/"most").
+_Bounds = tuple[tuple[str, Callable[[Any], bool], str], ...]
+
+
 def _type_problem(value: Any, expected: str, path: Path) -> Problem:
     found = short_repr(value)
     return Problem(path=path, message=f"expected {expected}, found {found}",
@@ -412,8 +416,9 @@ def _type_problem(value: Any, expected: str, path: Path) -> Problem:
 def _check_text(value: str, rule: Mapping[str, Any], path: Path) -> list[Problem]:
     problems: list[Problem] = []
     length = len(value)
-    for field, too_far, word in (("minLength", lambda n: length < n, "least"),
-                                 ("maxLength", lambda n: length > n, "most")):
+    bounds: _Bounds = (("minLength", lambda n: length < n, "least"),
+                       ("maxLength", lambda n: length > n, "most"))
+    for field, too_far, word in bounds:
         if field in rule and too_far(rule[field]):
             expected = f"at {word} {_plural(rule[field], 'character')}"
             problems.append(Problem(path=path, message=f"must be {expected}, found {length}",
@@ -450,8 +455,9 @@ def _check_precision(value: int | float, rule: Mapping[str, Any],
                      path: Path) -> list[Problem]:
     digits = precision(value)
     problems: list[Problem] = []
-    for field, too_far, word in (("minPrecision", lambda n: digits < n, "least"),
-                                 ("maxPrecision", lambda n: digits > n, "most")):
+    bounds: _Bounds = (("minPrecision", lambda n: digits < n, "least"),
+                       ("maxPrecision", lambda n: digits > n, "most"))
+    for field, too_far, word in bounds:
         if field in rule and too_far(rule[field]):
             expected = f"at {word} {_plural(rule[field], 'digit')} after the decimal point"
             problems.append(Problem(
@@ -527,7 +533,7 @@ def _validate_array(value: Any, rule: Mapping[str, Any], path: Path,
     return problems
 
 
-def validate_value(value: Any, rule: Mapping[str, Any], *, path: tuple = (),
+def validate_value(value: Any, rule: Mapping[str, Any], *, path: Path = (),
                    lenient_strings: bool = False) -> list[Problem]:
     """Every way `value` violates `rule` (empty list when it is valid), paths under `path`.
 
@@ -554,7 +560,7 @@ def validate_value(value: Any, rule: Mapping[str, Any], *, path: tuple = (),
 
 
 def check_immutable(previous: Mapping[str, Any], new: Mapping[str, Any],
-                    immutable_parameters: Iterable[str], *, path: tuple = ()) -> list[Problem]:
+                    immutable_parameters: Iterable[str], *, path: Path = ()) -> list[Problem]:
     """Immutable parameters whose value changed since installation (spec: MUST NOT change).
 
     `previous`/`new` map parameter name -> value. A parameter without a previous value

@@ -39,7 +39,8 @@ class RSA_PSS_SHA256(algorithms.RSA_PSS_SHA512):
 
     def __init__(self, public_key: Any = None, private_key: Any = None,
                  password: bytes | None = None) -> None:
-        super().__init__(public_key=public_key, private_key=private_key, password=password)
+        super().__init__(  # type: ignore[no-untyped-call]
+            public_key=public_key, private_key=private_key, password=password)
         self.padding = padding.PSS(mgf=padding.MGF1(hashes.SHA256()),
                                    salt_length=padding.PSS.DIGEST_LENGTH)
         self.hash_algorithm = hashes.SHA256()

@@ -210,7 +210,8 @@ def _manifest(doc: Doc, shape: Shape) -> list[Problem]:
                                 found="an object"))
     problems += _duplicates(((("deployments", i, "deploymentId"), d["deploymentId"])
                              for i, d in enumerate(deployments)), "deploymentId")
-    refs = [(("bundle",), bundle, "/bundles/{digest}")] if bundle else []
+    refs: list[tuple[Path, Any, str]] = (
+        [(("bundle",), bundle, "/bundles/{digest}")] if bundle else [])
     refs += [(("deployments", i), d, f"/deployments/{d['deploymentId']}/{{digest}}")
              for i, d in enumerate(deployments)]
     for path, ref, suffix in refs:

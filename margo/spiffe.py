@@ -27,7 +27,6 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509 import verification
-from cryptography.x509.oid import ExtensionOID
 
 __all__ = [
     "SpiffeId",
@@ -168,8 +167,9 @@ def svid_spiffe_id(cert: x509.Certificate) -> SpiffeId:
         basic = None
     if basic is not None and basic.ca:
         raise SvidError("a leaf SVID must not be a CA (basicConstraints cA=true)")
+    usage: x509.KeyUsage | None
     try:
-        usage = cert.extensions.get_extension_for_oid(ExtensionOID.KEY_USAGE).value
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
     except x509.ExtensionNotFound:
         usage = None
     if usage is not None and (usage.key_cert_sign or usage.crl_sign):

@@ -117,8 +117,10 @@ def _closest_branch(context: list[ValidationError]) -> list[ValidationError]:
 def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
     path: Path = tuple(error.absolute_path)
     validator = error.validator
-    instance = error.instance
-    value = error.validator_value
+    # The instance and the keyword's value are the document's and the schema's JSON (never
+    # jsonschema's Unset, which only stands in for errors built by hand).
+    instance: Any = error.instance
+    value: Any = error.validator_value
     if validator in ("anyOf", "oneOf") and error.context:
         if path and path[0] == "labels":
             return [(Problem(path, "a label value must be a string, number, boolean, or a list "
@@ -148,7 +150,7 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
                          expected=allowed, found=short_repr(instance)), False)]
     if validator == "type":
         types = value if isinstance(value, list) else [value]
-        expected = " or ".join(_TYPE_NAMES.get(t, t) for t in types)
+        expected = " or ".join(str(_TYPE_NAMES.get(t, t)) for t in types)
         found = _TYPE_NAMES.get(_json_type(instance), _json_type(instance))
         return [(Problem(path, f"expected {expected}, found {found} ({short_repr(instance)})",
                          expected=expected, found=short_repr(instance)), False)]

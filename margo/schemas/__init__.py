@@ -48,7 +48,7 @@ def python_patterns(schema: Any) -> Any:
     gate and a trailing newline is an error in both.
     """
     if isinstance(schema, dict):
-        out = {}
+        out: dict[str, Any] = {}
         for key, value in schema.items():
             if key == "pattern" and isinstance(value, str):
                 out[key] = _DOLLAR.sub(r"\\Z", value)

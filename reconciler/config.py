@@ -331,7 +331,7 @@ def _compose_cli(driver: dict[str, Any], base: Path, found: list[Problem]) -> st
     """`auto`, `plugin`, or the absolute path of a standalone Compose v2 binary that exists."""
     value = driver.get("compose", "auto")
     if value in ("auto", "plugin"):
-        return value
+        return str(value)
     path = _path(base, value)
     if not path.is_file() or not os.access(path, os.X_OK):
         found.append(Problem(("driver", "compose"), "not an executable file",

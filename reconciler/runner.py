@@ -193,7 +193,7 @@ class Reconciler:
     # --- status ---------------------------------------------------------------------------
 
     def _report(self, deployment_id: str, name: str,
-                changes: dict[str, tuple[str, dict[str, str] | None]], *,
+                changes: Mapping[str, tuple[str, dict[str, str] | None]], *,
                 force: bool = False, extensions: Mapping[str, Any] | None = None) -> None:
         """Record component transitions and journal the deployment's full status, naming
         what the device had adopted (manifestVersion, or the commit of its Git branch) and
@@ -202,7 +202,8 @@ class Reconciler:
         commit = version if source == "git" else None
         target = self.target
 
-        def body(components: list[tuple[str, str, dict[str, str] | None]]) -> tuple[str, dict]:
+        def body(components: list[tuple[str, str, dict[str, str] | None]]
+                 ) -> tuple[str, dict[str, Any]]:
             return (status_path(target.generation, deployment_id=deployment_id,
                                 device_id=target.device_id, client_id=target.client_id),
                     status_body(target.generation, deployment_id=deployment_id,

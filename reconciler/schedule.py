@@ -112,10 +112,10 @@ def parse_window(text: str, *, one_off: bool = False) -> Window:
     if not match:
         raise ValueError(f"{text!r} is not a window: use 'HH:MM-HH:MM', 'Mon-Fri HH:MM-HH:MM'"
                          + (" or an ISO interval 'START/END'" if one_off else ""))
-    start, end = _clock(match["start"]), _clock(match["end"])
-    if start == end:
+    opens, closes = _clock(match["start"]), _clock(match["end"])
+    if opens == closes:
         raise ValueError(f"{text!r} is empty (start equals end)")
-    return RecurringWindow(text, _days(match["days"]), start, end)
+    return RecurringWindow(text, _days(match["days"]), opens, closes)
 
 
 @dataclass(frozen=True)

@@ -291,7 +291,7 @@ class ComposeDriver:
     `ps` and the probes. The caller owns `oci`."""
 
     name = "compose"
-    profile_types = ("compose",)
+    profile_types: tuple[str, ...] = ("compose",)
 
     def __init__(self, work_dir: Path, oci: OciClient, *, docker: str = "docker",
                  compose: str = "auto", docker_host: str | None = None,

@@ -211,7 +211,7 @@ class HelmDriver:
     The `ChartCache` belongs to the caller, who closes it."""
 
     name = "helm"
-    profile_types = ("helm",)
+    profile_types: tuple[str, ...] = ("helm",)
 
     def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
                  kube_context: str | None = None, storage_driver: str = "secret",

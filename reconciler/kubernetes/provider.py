@@ -28,10 +28,11 @@ from typing import Any
 
 from margo.cluster import EXTENSION_KEY
 from margo.quantity import parse_quantity
+from reconciler.datadir import LocalClient
 from reconciler.kubernetes.client import KubeClient
 from reconciler.kubernetes.cluster_documents import capabilities_document
 from reconciler.kubernetes.discovery import discover, helm_engine_version
-from reconciler.kubernetes.doctor import LocalClient, check_cluster, doctor_labels
+from reconciler.kubernetes.doctor import check_cluster, doctor_labels
 
 __all__ = ["KubernetesProvider", "significant_change"]
 

@@ -160,9 +160,9 @@ class Ledger:
             peripheral.holder = None
         matched = match_claims([p.value for p in self.peripherals],
                                [claim.matches for _, claim in self._claims])
-        for (name, _), index in zip(self._claims, matched, strict=True):
-            if index is not None:
-                self.peripherals[index].holder = name
+        for (name, _), holder in zip(self._claims, matched, strict=True):
+            if holder is not None:
+                self.peripherals[holder].holder = name
         self._counted = True
 
     def take(self, name: str, demand: Demand) -> None:
@@ -181,7 +181,9 @@ class Ledger:
         """Give back everything `name` holds (a placed deployment whose change is checked
         as the device would be without it); returns what it held, for `restore`."""
         held: list[tuple[list[Any], int, Any]] = []
-        for taken in (self._cores, self._claims, self.memory.taken, self.storage.taken):
+        every: tuple[list[Any], ...] = (self._cores, self._claims, self.memory.taken,
+                                        self.storage.taken)
+        for taken in every:
             held += [(taken, i, entry) for i, entry in enumerate(taken) if entry[0] == name]
             taken[:] = [entry for entry in taken if entry[0] != name]
         self._counted = False

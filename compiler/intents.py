@@ -24,7 +24,7 @@ from compiler.expressions import CompiledValue, ExpressionError, compile_value
 from compiler.rollout import PERCENT, POSITIVE_PERCENT, RolloutSpec, Wave
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
-from margo.errors import DocumentError, Problem, short_repr
+from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.identifiers import DEVICE_ID as DEVICE_ID_NAME
 from margo.identifiers import DNS_LABEL as DNS_LABEL_NAME
 from margo.kinds import Shape
@@ -196,7 +196,7 @@ def _compile_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, Compil
     return compiled, problems
 
 
-def _compile_optional(raw: Any, path: tuple[str, ...]) -> tuple[CompiledConstraints | None,
+def _compile_optional(raw: Any, path: Path) -> tuple[CompiledConstraints | None,
                                                                  list[Problem]]:
     if raw is None:
         return None, []

@@ -79,7 +79,8 @@ def _run_range(bounds: tuple[int, int]) -> list[Any]:
 def _run_keyed(names: list[str]) -> dict[str, Any]:
     if _stopping is not None and _stopping.is_set():
         return {}
-    return _INHERITED["keyed"](names)
+    computed: dict[str, Any] = _INHERITED["keyed"](names)
+    return computed
 
 
 #: The signals that end a worker (what stopping the server sends its process group).
@@ -145,7 +146,8 @@ def split_in_two(names: list[str]) -> dict[str, Any]:
     """`keyed(names)`, half of the names computed in a forked process meanwhile."""
     keyed = _INHERITED["keyed"]
     if len(names) < 2:
-        return keyed(names)
+        computed: dict[str, Any] = keyed(names)
+        return computed
     with _pool(1) as pool:
         pending = pool.apply_async(_run_keyed, (names[1::2],))
         mine = keyed(names[0::2])

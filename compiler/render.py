@@ -229,7 +229,7 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
         values[name] = p.value if p.has_value else EMPTY
         keys[name] = cache.literal_key(app.digest, name, values[name])
     problems: list[Problem] = []
-    expressions: list[tuple[str, Any]] = []
+    expressions: list[tuple[str, CompiledValue, ReadOrder | None]] = []
     for name, compiled in intent.parameters.items():
         if name not in description.parameters:
             problems.append(intent.locate(Problem(
@@ -379,8 +379,9 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
 
 
 #: Where each output shape holds the deployment id and the device id.
-_SLOT_PATHS = {Shape.RC3: {"id": ("id",), "device": ("metadata", "deviceId")},
-               Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
+_SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
+    Shape.RC3: {"id": ("id",), "device": ("metadata", "deviceId")},
+    Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
 
 
 def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,

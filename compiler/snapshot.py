@@ -399,7 +399,8 @@ def _member_spans(text: str) -> dict[str, tuple[int, int]] | None:
     while True:
         if text[position:position + 1] != '"':
             return None
-        name, position = json.decoder.scanstring(text, position + 1)
+        name, position = json.decoder.scanstring(  # type: ignore[attr-defined]
+            text, position + 1)
         position = _JSON_SPACE.match(text, position).end()  # type: ignore[union-attr]
         if text[position:position + 1] != ":" or name in spans:
             return None

@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import cast
 
 import pygit2
 
@@ -95,17 +96,17 @@ def _git_files(repo_path: Path, ref: str) -> tuple[str, Iterator[tuple[str, byte
         raise SourceError(f"{repo_path}: cannot resolve {ref!r}: {exc}") from None
 
     def walk(tree: pygit2.Tree, prefix: str) -> Iterator[tuple[str, bytes]]:
-        for entry in sorted(tree, key=lambda e: e.name):
+        for entry in sorted(tree, key=lambda e: e.name or ""):  # a tree entry has a name
             rel = f"{prefix}{entry.name}"
             if entry.type_str == "tree":
-                yield from walk(repo[entry.id], rel + "/")
+                yield from walk(cast(pygit2.Tree, repo[entry.id]), rel + "/")
             elif entry.type_str == "blob" and _is_source_file(rel):
-                yield rel, repo[entry.id].data
+                yield rel, cast(pygit2.Blob, repo[entry.id]).data
 
     def files() -> Iterator[tuple[str, bytes]]:
         for top in ("apps", "deployments"):
             if top in commit.tree:
-                yield from walk(repo[commit.tree[top].id], top + "/")
+                yield from walk(cast(pygit2.Tree, repo[commit.tree[top].id]), top + "/")
 
     return f"git:{commit.id}", files()
 

@@ -309,6 +309,7 @@ class _Walker:
     def volume(self, file: str, where: str, volume: Any, bases: tuple[str, ...]) -> None:
         """A bind-mount source written as a relative path names package content; a host
         path (absolute, `~`, interpolated) is the operator's grant and is left alone."""
+        source: Any
         if isinstance(volume, str):
             source, separator, _ = volume.partition(":")
             if not separator:

@@ -445,7 +445,7 @@ def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None
     identity = doc.get("identity", {})
     svid, rc2 = "svid" in identity, "rc2" in identity
 
-    def problem(path: tuple[str, ...], message: str, **extra: Any) -> None:
+    def problem(path: tuple[str | int, ...], message: str, **extra: Any) -> None:
         found.append(Problem(path, message, **extra))
 
     if svid and (api != Shape.RC3 or source != "margo-rest"):

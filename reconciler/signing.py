@@ -215,7 +215,8 @@ def onboard(client: httpx.Client, *, certificate: Path, key: DeviceKey,
                            "key: the server would verify our signatures with the wrong key")
     try:
         # auth=None: unsigned (see the module docstring), whatever the client's default is.
-        response = client.post(ONBOARDING_PATH, json=onboarding_body(cert), auth=None)
+        response = client.post(ONBOARDING_PATH, json=onboarding_body(cert),
+                               auth=None)  # type: ignore[arg-type]  # httpx accepts None
     except httpx.HTTPError as exc:
         raise OnboardingError(f"onboarding: {type(exc).__name__}: {exc}") from None
     if response.status_code == 400:

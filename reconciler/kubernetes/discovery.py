@@ -107,7 +107,8 @@ def _read_ownership(client: KubeClient, facts: ClusterFacts) -> Ownership | None
     what = "resources.nodes.workloads"
     lists: dict[str, list[dict[str, Any]]] = {}
     for path in sorted({*_OWNER_LISTS.values(), *_TOP_LISTS.values()}):
-        found = _attempt(facts, what, lambda p=path: client.list(p, metadata_only=True))
+        found = _attempt(facts, what,
+                         lambda p=path: client.list(p, metadata_only=True))  # type: ignore[misc]
         if found is None:
             return None
         lists[path] = found

@@ -100,7 +100,7 @@ class ReleaseObjects:
         """Descriptions of the objects that are gone ("Deployment edge/web"), in order."""
         gone: list[str] = []
         for ref in refs:
-            where = ref.namespace or release_namespace
+            where: str | None = ref.namespace or release_namespace
             try:
                 found = self._path(ref, release_namespace)
                 if found is None:

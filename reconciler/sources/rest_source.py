@@ -216,7 +216,7 @@ def _read_capped(response: httpx.Response, what: str) -> bytes:
 def _verified_etag(response: _Response) -> str:
     """The manifest's ETag as sent (quotes included), after checking that it is the digest
     of the exact body: it is what the next poll sends back, so it must name these bytes."""
-    etag = response.headers.get("etag")
+    etag: str | None = response.headers.get("etag")
     if etag is None:
         raise IntegrityError(ErrorCode.DIGEST_MISMATCH, "the manifest came without an ETag; its "
                              "digest cannot be checked")

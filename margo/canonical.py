@@ -145,7 +145,8 @@ def _yaml_string_slow(text: str) -> str:
         and ": " not in text
         and not text.startswith(("...", "---"))
         and isinstance(resolve_plain_scalar_safe(text), str)
-        and _YAML11.resolve(yaml.ScalarNode, text, (True, False)) == "tag:yaml.org,2002:str"
+        and _YAML11.resolve(  # type: ignore[no-untyped-call]
+            yaml.ScalarNode, text, (True, False)) == "tag:yaml.org,2002:str"
     ):
         return text
     quoted = json.dumps(text, ensure_ascii=False)
@@ -226,7 +227,7 @@ def _emit(value: Any, indent: str, out: list[str]) -> None:
                 out.append(head + "\n")
                 _emit(item, indent + "  ", out)
             elif type(item) is Slot:
-                out.extend((head + " ", item, "\n"))
+                out.extend((head + " ", item, "\n"))  # type: ignore[arg-type]  # a Slot
             else:
                 out.append(f"{head} {_inline(item)}\n")
     else:
@@ -238,7 +239,7 @@ def _emit(value: Any, indent: str, out: list[str]) -> None:
                 out.append(f"{indent}- {nested[0][len(indent) + 2:]}")
                 out.extend(nested[1:])
             elif type(item) is Slot:
-                out.extend((f"{indent}- ", item, "\n"))
+                out.extend((f"{indent}- ", item, "\n"))  # type: ignore[arg-type]  # a Slot
             else:
                 out.append(f"{indent}- {_inline(item)}\n")
 
@@ -312,7 +313,7 @@ class YamlTemplate:
             if not isinstance(value, str):
                 raise TypeError(f"slot {parts[index]!r} needs a string, found {value!r}")
             out.append(_yaml_string(value).encode("utf-8"))
-            out.append(parts[index + 1])  # type: ignore[arg-type]
+            out.append(parts[index + 1])
         return b"".join(out)  # type: ignore[arg-type]
 
 

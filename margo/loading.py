@@ -105,7 +105,7 @@ def _explicit_scalar(tag: str, text: str) -> Any:
     if tag == _STR_TAG:
         return text
     value = resolve_plain_scalar(text)
-    expected = {
+    expected: Any = {  # a type, or a tuple of types
         "tag:yaml.org,2002:int": int,
         "tag:yaml.org,2002:float": (int, float),
         "tag:yaml.org,2002:bool": bool,
@@ -240,7 +240,7 @@ def _build_from_events(
                             mark.line + 1, mark.column + 1)
 
     for event in yaml.parse(text, Loader=_Parser):
-        mark = event.start_mark
+        mark: Any = event.start_mark  # a parsed event always has one
         if isinstance(event, yaml.DocumentEndEvent):
             documents.extend(root)
             root.clear()

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -191,13 +192,17 @@ async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], byte
     and with `GET /metrics` scraped every `--scrape-every` s, `--scrape-rounds` times each:
     alternating on one server, so load from elsewhere on the machine hits both alike, in
     the order without, with, with, without, ... (ABBA), so a drift over the run (the
-    database grows with every report) weighs on both alike too."""
+    database grows with every report) weighs on both alike too. Besides the rate, the
+    server's own CPU time per report (from /proc): what scraping costs the server itself,
+    which other load on a shared machine disturbs less than throughput."""
     figures: dict[bool, list[float]] = {False: [], True: []}
+    cpu: dict[bool, list[float]] = {False: [], True: []}
     for round_ in range(2 * args.scrape_rounds):
         scraped = round_ % 4 in (1, 2)
         scrapes: list[tuple[float, int]] = []
         scraper = (asyncio.create_task(scraping(port, args.scrape_every, scrapes))
                    if scraped else None)
+        before = _cpu_seconds(args.server_pid)
         latencies, elapsed = await run_load(port, jobs, args.concurrency, args.scrape_seconds,
                                             {200, 201})
         if scraper is not None:
@@ -205,11 +210,33 @@ async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], byte
             with contextlib.suppress(asyncio.CancelledError):
                 await scraper
         figures[scraped].append(len(latencies) / elapsed)
+        cpu[scraped].append((_cpu_seconds(args.server_pid) - before) / len(latencies) * 1e6)
     without, with_ = (statistics.median(figures[k]) for k in (False, True))
     print(f"status reports, {args.scrape_rounds} x {args.scrape_seconds:g} s each, ABBA: "
           f"without scraping {without:,.0f} req/s (median; {_rates(figures[False])}), "
           f"scraped every {args.scrape_every:g} s {with_:,.0f} req/s ({_rates(figures[True])}):"
           f" {100 * (with_ - without) / without:+.1f} %")
+    without, with_ = (statistics.median(cpu[k]) for k in (False, True))
+    print(f"server CPU per status report: without scraping {without:,.0f} µs (median; "
+          f"{_rates(cpu[False])}), scraped {with_:,.0f} µs ({_rates(cpu[True])}): "
+          f"{100 * (with_ - without) / without:+.1f} %")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_pid(data: Path) -> int:
+    """The `margo serve` process on `data` (its command line names the directory)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                command = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"serve" in command and str(data).encode() in command:
+                    return int(proc.name)
+    raise RuntimeError(f"no margo serve process on {data}")
 
 
 def _rates(values: list[float]) -> str:
@@ -353,6 +380,7 @@ def main() -> None:
         with running_margo(data, "--source", str(root / "fleet"),
                             "--max-connections", str(connections)) as base:
             port = int(base.rsplit(":", 1)[1])
+            args.server_pid = _server_pid(data)
             asyncio.run(scenario(port, tokens, args))
             try:
                 git_polls(base, tokens[0], args.git_polls)

@@ -368,7 +368,7 @@ class Manifest:
 
 def rendered_manifests(rendered: Mapping[str, str]) -> list[Manifest]:
     """Parse rendered output; unparsable YAML is left to Helm's own lint to report."""
-    out = []
+    out: list[Manifest] = []
     for key in sorted(rendered):
         text = rendered[key]
         if key.endswith("NOTES.txt") or not text.strip():

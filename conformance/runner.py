@@ -498,9 +498,10 @@ class Runner:
                   state: _ScenarioState) -> StepResult:
         given = step.get("expected_status")
         expected = 200 if given is None else int(given)
-        base = {"scenario": str(scenario.get("id", "?")), "step": str(step.get("id", "?")),
-                "name": str(step.get("name", "")), "expected": expected,
-                "cr_ids": tuple(step.get("crIds") or scenario.get("crIds") or ())}
+        base: dict[str, Any] = {
+            "scenario": str(scenario.get("id", "?")), "step": str(step.get("id", "?")),
+            "name": str(step.get("name", "")), "expected": expected,
+            "cr_ids": tuple(step.get("crIds") or scenario.get("crIds") or ())}
         problem = self._precondition(step)
         if problem is not None:
             verdict, reason = problem

@@ -21,28 +21,28 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
+from bench.benchkit import HELLO_INTENT, memory_kib, p90, timed
+from reconciler.assembly import open_reconciler
+from reconciler.config import load_config
+from tools.charts import publish_example_charts
+from tools.fleetserver import FleetServer, fleet_server, write_fleet
+from tools.kube.controlplane import ControlPlane
+from tools.kube.kubebuild import binaries
+from tools.kube.kubenodes import THREE_NODES, apply_nodes
+from tools.registry import running_registry
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the test kits it still borrows (issue 30)
-
-import yaml  # noqa: E402
-from kits.chartkit import publish_example_charts  # noqa: E402
-from kits.fleetserver import FleetServer, fleet_server, write_fleet  # noqa: E402
-from kits.kubekit import DEVICE_RBAC, THREE_NODES  # noqa: E402
-from kits.registrykit import running_registry  # noqa: E402
-
-from bench.benchkit import HELLO_INTENT, memory_kib, p90, timed  # noqa: E402
-from reconciler.assembly import open_reconciler  # noqa: E402
-from reconciler.config import load_config  # noqa: E402
-from tools.kube.controlplane import ControlPlane  # noqa: E402
-from tools.kube.kubebuild import binaries  # noqa: E402
-from tools.kube.kubenodes import apply_nodes  # noqa: E402
+DEVICE_RBAC = ROOT / "examples" / "kubernetes" / "device-rbac.yaml"
 
 DEVICE = "bench-cluster"
+
+
 def device_config(work: Path, server: FleetServer, kubeconfig: Path) -> Path:
     home = work / DEVICE
     home.mkdir()

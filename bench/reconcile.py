@@ -40,24 +40,23 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
+from bench.benchkit import HELLO_INTENT, digests, memory_kib, p90, timed
+from margo.archive import deterministic_targz
+from reconciler.assembly import open_reconciler
+from reconciler.config import load_config
+from reconciler.oci import OciClient
+from reconciler.runner import Reconciler
+from tools.charts import publish_example_charts
+from tools.docker.dockerengine import running_engine, why_unavailable
+from tools.docker.testimages import push_image, web_image
+from tools.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from tools.otel.collector import running_collector
+from tools.processes import unanswered_port
+from tools.registry import running_registry
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the test kits it still borrows (issue 30)
-
-import yaml  # noqa: E402
-from kits.chartkit import publish_example_charts  # noqa: E402
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet  # noqa: E402
-from kits.netkit import unanswered_port  # noqa: E402
-from kits.otelkit import running_collector  # noqa: E402
-from kits.registrykit import running_registry  # noqa: E402
-
-from bench.benchkit import HELLO_INTENT, digests, memory_kib, p90, timed  # noqa: E402
-from margo.archive import deterministic_targz  # noqa: E402
-from reconciler.assembly import open_reconciler  # noqa: E402
-from reconciler.config import load_config  # noqa: E402
-from reconciler.oci import OciClient  # noqa: E402
-from reconciler.runner import Reconciler  # noqa: E402
-from tools.docker.dockerengine import running_engine, why_unavailable  # noqa: E402
-from tools.docker.testimages import push_image, web_image  # noqa: E402
 
 COMPOSE_APP = """\
 apiVersion: margo.org/v1-alpha1
@@ -229,9 +228,9 @@ def telemetry_overhead(work: Path, server: FleetServer, n: int, cycles: int) -> 
         print(f"device client's own telemetry, render driver, {n} deployments, a process per "
               "mode (metrics every 1 s, log records as they come)")
         for mode, config in configs.items():
-            done = subprocess.run([sys.executable, __file__, "--child", str(config),
-                                   "--cycles", str(cycles)], capture_output=True, text=True,
-                                  check=True)
+            done = subprocess.run([sys.executable, "-m", "bench.reconcile", "--child",
+                                   str(config), "--cycles", str(cycles)], cwd=ROOT,
+                                  capture_output=True, text=True, check=True)
             found = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"  [telemetry {mode}] first cycle {found['first']:.2f} s; unchanged cycle "
                   f"median {found['median']:.1f} ms wall (p90 {found['p90']:.1f}), "

@@ -10,14 +10,15 @@ import ctypes
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from tools.polling import poll_until
 
-__all__ = ["die_with_parent", "free_port", "stop", "wait_until_ready"]
+__all__ = ["die_with_parent", "free_port", "stop", "unanswered_port", "wait_until_ready"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,3 +61,17 @@ def stop(process: subprocess.Popen[bytes], *, timeout: float = 20) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose connection attempts time out: its listener has a backlog of
+    one, already taken by a connection nobody accepts, so the kernel drops every further
+    SYN (as a router does for a host that is gone)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        filler.close()
+        listener.close()

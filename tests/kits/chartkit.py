@@ -10,20 +10,21 @@ tests exercise the same path a device takes.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import helm_python as helm
 import yaml
 
 from reconciler.desired import DesiredDeployment, parse_deployment
 from reconciler.drivers.base import Driver
 from reconciler.planner import Plan, plan
+from tools.charts import EXAMPLE_CHARTS, chart_digest, publish_chart, publish_example_charts
+
+__all__ = ["EXAMPLE_CHARTS", "actions", "chart_digest", "converge", "greeter", "make_deployment",
+           "publish_chart", "publish_example_charts", "write_chart"]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE_CHARTS = sorted((ROOT / "examples" / "fleet" / "apps").glob("*/charts/*/Chart.yaml"))
 
 DEPLOYMENT_ID = "5f0c7a52-7f5e-4c1e-9d43-0b5a1d9e2a10"
 
@@ -108,34 +109,6 @@ def write_chart(root: Path, name: str = "greeter", version: str = "1.0.0", *,
     if broken:
         (templates / "broken.yaml").write_text(BROKEN)
     return chart
-
-
-def publish_chart(registry: str, chart_dir: Path, *, repo_path: str = "charts") -> str:
-    """Package `chart_dir` and push it to `registry` (plain HTTP); return the `oci://`
-    repository of the chart (`oci://<registry>/<repo_path>/<chart name>`)."""
-    name = yaml.safe_load((chart_dir / "Chart.yaml").read_text())["name"]
-    with tempfile.TemporaryDirectory() as scratch:
-        archive = helm.package(chart_dir, destination=scratch)
-        helm.push(archive, f"oci://{registry}/{repo_path}", plain_http=True)
-    return f"oci://{registry}/{repo_path}/{name}"
-
-
-def publish_example_charts(registry: str) -> dict[str, tuple[str, str]]:
-    """Push every chart of the example fleet (`examples/fleet/apps/*/charts/*`) under
-    `charts/`, as the example descriptions expect; chart name -> (`oci://` repository,
-    chart version)."""
-    out: dict[str, tuple[str, str]] = {}
-    for chart_yaml in EXAMPLE_CHARTS:
-        meta = yaml.safe_load(chart_yaml.read_text())
-        out[meta["name"]] = (publish_chart(registry, chart_yaml.parent), str(meta["version"]))
-    return out
-
-
-def chart_digest(registry: str, repository: str, version: str) -> str:
-    """The manifest digest the registry holds for `repository:version`."""
-    with helm.RegistryClient(plain_http=True) as client:
-        ref = repository.removeprefix("oci://") + f":{version}"
-        return str(client.resolve(ref)["digest"])
 
 
 def make_deployment(components: Mapping[str, tuple[str, str]], *,

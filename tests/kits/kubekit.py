@@ -34,28 +34,21 @@ from websockets.sync.client import connect
 
 from tools.kube.controlplane import ControlPlane
 from tools.kube.kubeadmin import KubeAdmin, NotFound, tls_context
-from tools.kube.kubenodes import SimNode, apply_nodes
+from tools.kube.kubenodes import CONTROL_PLANE_TAINT, THREE_NODES, SimNode, apply_nodes
 from tools.kube.nodeimages import Image, serve_http
 from tools.kube.realnode import RealNode, RealNodes
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["DEVICE_RBAC", "GPU_WORKER", "REAL_NODES", "REAL_TEST_IMAGES", "SINGLE_NODE",
-           "THREE_NODES", "ControlPlane", "KubeAdmin", "KubeCluster", "RealCluster", "RealNode",
-           "RealNodes", "SimNode"]
+__all__ = ["CONTROL_PLANE_TAINT", "DEVICE_RBAC", "GPU_WORKER", "REAL_NODES", "REAL_TEST_IMAGES",
+           "SINGLE_NODE", "THREE_NODES", "ControlPlane", "KubeAdmin", "KubeCluster",
+           "RealCluster", "RealNode", "RealNodes", "SimNode"]
 
 DEVICE_RBAC = ROOT / "examples" / "kubernetes" / "device-rbac.yaml"
 #: Namespaces that exist in every cluster (and the one the RBAC file creates).
 SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", "margo-system"}
 
-CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
 SINGLE_NODE = (SimNode("edge-0", cpu="4", memory="8Gi", roles=("control-plane",)),)
-THREE_NODES = (
-    SimNode("cp-0", cpu="2", memory="4Gi", roles=("control-plane",), zone="zone-a",
-            taints=(CONTROL_PLANE_TAINT,)),
-    SimNode("worker-a", cpu="4", memory="8Gi", zone="zone-a"),
-    SimNode("worker-b", cpu="4", memory="8Gi", zone="zone-b"),
-)
 GPU_WORKER = SimNode("gpu-worker", cpu="8", memory="32Gi", zone="zone-b", gpus=1,
                      gpu_product="Tesla-T4")
 #: The real nodes' cluster: two nodes in two zones, untainted (no simulated node shares

@@ -19,6 +19,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tools.processes import unanswered_port
+
 __all__ = ["CuttableProxy", "cuttable_proxy", "unanswered_port"]
 
 
@@ -118,17 +120,3 @@ def cuttable_proxy(upstream_port: int) -> Iterator[CuttableProxy]:
         yield proxy
     finally:
         proxy.close()
-
-
-@contextmanager
-def unanswered_port() -> Iterator[int]:
-    """A loopback port whose connection attempts time out: its listener has a backlog of
-    one, already taken by a connection nobody accepts, so the kernel drops every further
-    SYN (as a router does for a host that is gone)."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
-    filler = socket.create_connection(listener.getsockname(), timeout=5)
-    try:
-        yield int(listener.getsockname()[1])
-    finally:
-        filler.close()
-        listener.close()

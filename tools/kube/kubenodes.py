@@ -20,7 +20,7 @@ from typing import Any
 
 from tools.kube.kubeadmin import KubeAdmin
 
-__all__ = ["SimNode", "apply_nodes", "node_ready"]
+__all__ = ["CONTROL_PLANE_TAINT", "THREE_NODES", "SimNode", "apply_nodes", "node_ready"]
 
 KWOK_ANNOTATION = {"kwok.x-k8s.io/node": "fake"}
 
@@ -118,3 +118,14 @@ def apply_nodes(admin: KubeAdmin, nodes: Iterable[SimNode], *, server_version: s
         n["metadata"]["name"] for n in admin.list("Node")
         if (n["metadata"].get("annotations") or {}).get("kwok.x-k8s.io/node") == "fake"}
         == set(wanted), timeout=timeout)
+
+
+#: The taint that keeps workloads off a control-plane node.
+CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
+#: A small cluster: a tainted control-plane node and two workers in two zones.
+THREE_NODES = (
+    SimNode("cp-0", cpu="2", memory="4Gi", roles=("control-plane",), zone="zone-a",
+            taints=(CONTROL_PLANE_TAINT,)),
+    SimNode("worker-a", cpu="4", memory="8Gi", zone="zone-a"),
+    SimNode("worker-b", cpu="4", memory="8Gi", zone="zone-b"),
+)

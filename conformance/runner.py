@@ -16,8 +16,8 @@ README section 2.3 with the same semantics:
 * identity per step: `mtls` presents the X.509-SVID (`svid-cert.pem`/`svid-key.pem`),
   `svid_source: "refreshed"` a rotated one (`svid-refreshed-cert.pem`/`-key.pem`; the
   kit's runner has no such source and reuses the current SVID, and so do we, saying so, when
-  the files are absent); every other HTTP step is signed the rc.2 way (RFC 9421, by
-  `reconciler.signing`) with the negative-case knobs `skip_signing`, `skip_content_digest`,
+  the files are absent); every other HTTP step is signed the rc.2 way (RFC 9421,
+  `conformance.signing` over `reconciler.signing`) with the negative-case knobs `skip_signing`, `skip_content_digest`,
   `tamper_signature`, `fresh_cert`, `skip_certificate_injection`;
 * `expect_transport_error`: the step passes only when the connection fails (a WFM must
   refuse a TLS handshake without a client certificate);
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import hashlib
 import json
 import os
 import ssl
@@ -50,22 +49,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from http_message_signatures import (
-    HTTPMessageSignaturesException,
-    HTTPMessageSigner,
-    MappingKeyResolver,
-)
 
 from conformance.checks import Response, field_value, substitute, validate
 from conformance.registry import RegistryClient, RegistryError, RegistryRef
-from margo.rfc9421 import ALGORITHMS, key_id
+from conformance.signing import apply_rc2_signing
+from margo.rfc9421 import key_id
 from reconciler.signing import (
-    COVERED_COMPONENTS,
-    SIGNATURE_LABEL,
     DeviceKey,
     SigningError,
     load_device_key,
-    sign_request,
 )
 
 __all__ = [
@@ -321,88 +313,6 @@ class SuiteReport:
                 "scenarios": scenarios, "results": [r.as_dict() for r in self.results]}
 
 
-# --- rc.2 signing with the negative-case knobs -------------------------------------------------
-
-
-@dataclass
-class _Message:
-    """A request as the signature library reads it."""
-
-    method: str
-    url: str
-    headers: httpx.Headers
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-def _content_digest(body: bytes) -> str:
-    return "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode("ascii") + ":"
-
-
-def _sign_without_digest(request: httpx.Request, key: DeviceKey) -> None:
-    """Sign only "@method" "@target-uri" "@authority", as the kit does for a request that
-    carries no Content-Digest: sign a bodiless twin, copy its signature headers."""
-    twin = httpx.Request(request.method, request.url)
-    sign_request(twin, key, created=_now())
-    request.headers.pop("content-digest", None)
-    for name in ("signature-input", "signature"):
-        request.headers[name] = twin.headers[name]
-
-
-def _sign_with_given_digest(request: httpx.Request, key: DeviceKey, digest: str) -> None:
-    """A step that sets its own Content-Digest (a deliberately wrong one) gets it covered
-    as sent, not replaced by the correct one `sign_request` would compute. A value too
-    malformed for the signature library to cover is sent uncovered."""
-    signer = HTTPMessageSigner(
-        signature_algorithm=ALGORITHMS[key.algorithm],
-        key_resolver=MappingKeyResolver(public_keys={}, private_keys={key.key_id:
-                                                                      key.private_key}))
-    request.headers["content-digest"] = digest
-    try:
-        signer.sign(_Message(request.method, str(request.url), request.headers),
-                    key_id=key.key_id, created=dt.datetime.fromtimestamp(_now(), dt.UTC),
-                    label=SIGNATURE_LABEL, include_alg=False, use_existing_digest=True,
-                    covered_component_ids=(*COVERED_COMPONENTS, "content-digest"))
-    except HTTPMessageSignaturesException:
-        _sign_without_digest(request, key)
-        request.headers["content-digest"] = digest
-
-
-def _tamper(request: httpx.Request) -> None:
-    """Flip one character in the middle of the signature bytes: well-formed headers whose
-    signature does not verify (the kit's `tamper_signature`)."""
-    value = request.headers.get("signature", "")
-    head, sep, rest = value.partition(":")
-    encoded, sep2, tail = rest.partition(":")
-    if not (sep and sep2 and encoded):
-        return
-    middle = len(encoded) // 2
-    flipped = "B" if encoded[middle] == "A" else "A"
-    encoded = encoded[:middle] + flipped + encoded[middle + 1:]
-    request.headers["signature"] = f"{head}:{encoded}:{tail}"
-
-
-def _apply_rc2_signing(request: httpx.Request, step: Mapping[str, Any], key: DeviceKey,
-                       given_digest: str | None) -> None:
-    has_body = bool(request.content)
-    if step.get("skip_signing"):  # unsigned, but (like the kit) with the body's digest
-        if has_body and not step.get("skip_content_digest") and given_digest is None:
-            request.headers["content-digest"] = _content_digest(request.content)
-        return
-    if step.get("skip_content_digest") or not has_body or given_digest == "":
-        _sign_without_digest(request, key)
-        if given_digest == "" and has_body and not step.get("skip_content_digest"):
-            request.headers["content-digest"] = ""
-    elif given_digest is not None:
-        _sign_with_given_digest(request, key, given_digest)
-    else:
-        sign_request(request, key, created=_now())
-    if step.get("tamper_signature"):
-        _tamper(request)
-
-
 # --- running -----------------------------------------------------------------------------------
 
 
@@ -622,7 +532,7 @@ class Runner:
         self._strip_default_headers(request, headers)
         if not step.get("mtls"):
             given = next((v for k, v in headers.items() if k.lower() == "content-digest"), None)
-            _apply_rc2_signing(request, step, identity.key, given)
+            apply_rc2_signing(request, step, identity.key, given)
         return self._send(client, request, endpoint)
 
     @staticmethod

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import os
 import re
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any, Final
 import helm_python as helm
 import yaml
 
+from authoring.values import as_list, dig, schema_allows, suggest_key, values_define
 from margo.component_values import helm_values, parse_helm_pointer, set_helm_value
 from margo.models import ApplicationDescription, Component, ProfileType
 
@@ -218,19 +218,6 @@ def _line_of(text: str, pattern: re.Pattern[str] | str) -> int | None:
     return text.count("\n", 0, match.start()) + 1 if match else None
 
 
-def _get(node: Any, *keys: str) -> Any:
-    """`node[k1][k2]...`, or None when any step is missing or not a mapping."""
-    for key in keys:
-        if not isinstance(node, Mapping):
-            return None
-        node = node.get(key)
-    return node
-
-
-def _list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 # --------------------------------------------------------------------------- chart metadata
 
 
@@ -345,21 +332,21 @@ class Manifest:
 
     @property
     def name(self) -> str:
-        return str(_get(self.doc, "metadata", "name") or "?")
+        return str(dig(self.doc, "metadata", "name") or "?")
 
     def pod_spec(self) -> Mapping[str, Any] | None:
         if self.kind == "Pod":
             spec = self.doc.get("spec")
         elif self.kind == "CronJob":
-            spec = _get(self.doc, "spec", "jobTemplate", "spec", "template", "spec")
+            spec = dig(self.doc, "spec", "jobTemplate", "spec", "template", "spec")
         elif self.kind in POD_TEMPLATE_KINDS:
-            spec = _get(self.doc, "spec", "template", "spec")
+            spec = dig(self.doc, "spec", "template", "spec")
         else:
             return None
         return spec if isinstance(spec, Mapping) else None
 
     def replicas(self) -> int:
-        value = _get(self.doc, "spec", "replicas")
+        value = dig(self.doc, "spec", "replicas")
         try:
             return 1 if value is None else int(value)
         except (TypeError, ValueError):
@@ -383,11 +370,11 @@ def rendered_manifests(rendered: Mapping[str, str]) -> list[Manifest]:
 
 
 def _hostname_terms(terms: Any) -> bool:
-    for term in _list(terms):
-        expressions = _list(_get(term, "matchExpressions"))
-        fields = _list(_get(term, "matchFields"))
-        if any(_get(e, "key") == HOSTNAME_LABEL for e in expressions) or any(
-                _get(f, "key") == "metadata.name" for f in fields):
+    for term in as_list(terms):
+        expressions = as_list(dig(term, "matchExpressions"))
+        fields = as_list(dig(term, "matchFields"))
+        if any(dig(e, "key") == HOSTNAME_LABEL for e in expressions) or any(
+                dig(f, "key") == "metadata.name" for f in fields):
             return True
     return False
 
@@ -399,11 +386,11 @@ def node_pinning(pod: Mapping[str, Any]) -> str | None:
     selector = pod.get("nodeSelector")
     if isinstance(selector, Mapping) and HOSTNAME_LABEL in selector:
         return f"has a nodeSelector on {HOSTNAME_LABEL}"
-    affinity = _get(pod, "affinity", "nodeAffinity")
-    required = _get(affinity, "requiredDuringSchedulingIgnoredDuringExecution",
+    affinity = dig(pod, "affinity", "nodeAffinity")
+    required = dig(affinity, "requiredDuringSchedulingIgnoredDuringExecution",
                     "nodeSelectorTerms")
-    preferred = [_get(p, "preference")
-                 for p in _list(_get(affinity, "preferredDuringSchedulingIgnoredDuringExecution"))]
+    preferred = [dig(p, "preference")
+                 for p in as_list(dig(affinity, "preferredDuringSchedulingIgnoredDuringExecution"))]
     if _hostname_terms(required) or _hostname_terms(preferred):
         return "has a node affinity on node names"
     return None
@@ -422,7 +409,7 @@ def manifest_checks(loaded: LoadedChart, manifests: Iterable[Manifest], why: str
     for manifest in manifests:
         file = loaded.file(manifest.rel)
         label = f"{manifest.kind} {manifest.name!r}"
-        annotations = _get(manifest.doc, "metadata", "annotations")
+        annotations = dig(manifest.doc, "metadata", "annotations")
         if isinstance(annotations, Mapping) and "helm.sh/hook" in annotations:
             out.append(Finding(file, _template_line(loaded, manifest.rel, _HOOK.pattern),
                                "error", "hook",
@@ -502,103 +489,6 @@ def _chart_components(chart: helm.Chart, app: ApplicationDescription
     return out
 
 
-def values_define(values: Any, path: tuple[str | int, ...]) -> bool:
-    """Does values.yaml define `path`? Below a key whose default is null or an empty map or
-    list (`resources: {}`, `nodeSelector: {}`), anything is allowed: that is how charts
-    declare free-form settings."""
-    node = values
-    for depth, part in enumerate(path):
-        if depth and (node is None or node == {} or node == []):
-            return True
-        if isinstance(part, int):
-            if not isinstance(node, list) or not node:
-                return False
-            node = node[part] if part < len(node) else node[0]
-        else:
-            if not isinstance(node, Mapping) or part not in node:
-                return False
-            node = node[part]
-    return True
-
-
-def _resolve(schema: Any, root: Mapping[str, Any]) -> Any:
-    """Follow local `$ref`s (`#/definitions/x`, `#/$defs/x`), a bounded number of times."""
-    for _ in range(32):
-        ref = schema.get("$ref") if isinstance(schema, Mapping) else None
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            return schema
-        node: Any = root
-        for part in [p for p in ref[1:].split("/") if p]:
-            node = _get(node, part.replace("~1", "/").replace("~0", "~"))
-        schema = node
-    return schema
-
-
-def _schema_children(schema: Mapping[str, Any], part: str | int) -> list[Any]:
-    """Subschemas that explicitly allow `part` below `schema`."""
-    if isinstance(part, int):
-        items = schema.get("items")
-        prefix = _list(schema.get("prefixItems"))
-        return [prefix[part]] if part < len(prefix) else [items] if items is not None else []
-    out = []
-    properties = schema.get("properties")
-    if isinstance(properties, Mapping) and part in properties:
-        out.append(properties[part])
-    patterns = schema.get("patternProperties")
-    if isinstance(patterns, Mapping):
-        out.extend(sub for pattern, sub in patterns.items() if _matches(pattern, part))
-    additional = schema.get("additionalProperties")
-    if isinstance(additional, Mapping) or additional is True:
-        out.append(additional)
-    return out
-
-
-def _matches(pattern: str, text: str) -> bool:
-    try:
-        return re.search(pattern, text) is not None
-    except re.error:
-        return False
-
-
-def schema_allows(schema: Any, path: tuple[str | int, ...], root: Mapping[str, Any] | None = None,
-                  depth: int = 0) -> bool:
-    """Does values.schema.json explicitly allow `path` (properties, patternProperties, an
-    additionalProperties schema, items)? A schema that merely omits `additionalProperties`
-    does not count: otherwise every typo would pass."""
-    root = schema if root is None else root
-    schema = _resolve(schema, root)
-    if not path or schema is True:
-        return True
-    if not isinstance(schema, Mapping) or depth > 64:
-        return False
-    branches = [schema] + [b for key in ("allOf", "anyOf", "oneOf") for b in _list(schema.get(key))]
-    for branch in branches:
-        branch = _resolve(branch, root)
-        if not isinstance(branch, Mapping):
-            continue
-        for child in _schema_children(branch, path[0]):
-            if schema_allows(child, path[1:], root, depth + 1):
-                return True
-    return False
-
-
-def _suggestion(values: Any, path: tuple[str | int, ...]) -> str:
-    """` (did you mean 'a.b'?)` from the keys next to the one that is missing."""
-    node = values
-    for part in path[:-1]:
-        if isinstance(part, int) and isinstance(node, list) and node:
-            node = node[min(part, len(node) - 1)]
-        elif isinstance(part, str) and isinstance(node, Mapping) and part in node:
-            node = node[part]
-        else:
-            break
-    last = path[-1]
-    if not isinstance(node, Mapping) or not isinstance(last, str):
-        return ""
-    close = difflib.get_close_matches(last, [str(k) for k in node], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _raw_parameters(app: ApplicationDescription) -> dict[str, dict[str, Any]]:
     """The description's parameters in the document form `helm_values` reads."""
     out: dict[str, dict[str, Any]] = {}
@@ -648,7 +538,7 @@ def check_pointers(loaded: LoadedChart, app: AppInput, names: set[str]) -> list[
         where = "values.yaml" + (" or values.schema.json" if schema is not None else "")
         out.append(Finding(app.file, line, "error", "parameter-pointer",
                            f"{subject}, which chart {loaded.chart.name!r} does not define in "
-                           f"{where}{_suggestion(values, path)}: Helm would ignore it"))
+                           f"{where}{suggest_key(values, path)}: Helm would ignore it"))
     return out
 
 

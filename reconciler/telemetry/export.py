@@ -35,24 +35,40 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reconciler.telemetry import TelemetryConfig
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
 
-    from reconciler.runner import CycleResult
     from reconciler.state import DeviceState
 
-__all__ = ["DEPLOYMENT_ATTRIBUTE", "DEVICE_ATTRIBUTE", "SERVICE_NAME", "DeviceTelemetry"]
+__all__ = ["DEPLOYMENT_ATTRIBUTE", "DEVICE_ATTRIBUTE", "SERVICE_NAME", "CycleOutcome",
+           "DeviceTelemetry"]
 
 SERVICE_NAME = "margo-device"
 DEVICE_ATTRIBUTE = "margo.device.id"
 DEPLOYMENT_ATTRIBUTE = "margo.deployment.id"
 _LOGGER = "margo.device"
 _VERSION = "0.1.0"
+
+
+class CycleOutcome(Protocol):
+    """What `DeviceTelemetry.observe` reads of a cycle: `reconciler.runner.CycleResult`,
+    which this module does not import (the runner imports the telemetry, not back)."""
+
+    @property
+    def contacted(self) -> bool: ...
+    @property
+    def converged(self) -> bool: ...
+    @property
+    def fetched(self) -> str: ...
+    @property
+    def steps(self) -> Sequence[tuple[str, str, str, str]]: ...
+    @property
+    def pending_reports(self) -> int: ...
 
 
 class _DeviceAttribute(logging.Filter):
@@ -137,7 +153,7 @@ class DeviceTelemetry:
         meter.create_observable_gauge("margo.device.sync.last_success", [last_sync], unit="s",
                                       description="when the server last answered a fetch")
 
-    def observe(self, result: CycleResult, seconds: float, state: DeviceState) -> None:
+    def observe(self, result: CycleOutcome, seconds: float, state: DeviceState) -> None:
         """Record one finished cycle (called in the cycle's thread)."""
         if not result.contacted:
             outcome = "skipped"

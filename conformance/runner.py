@@ -17,8 +17,9 @@ README section 2.3 with the same semantics:
   `svid_source: "refreshed"` a rotated one (`svid-refreshed-cert.pem`/`-key.pem`; the
   kit's runner has no such source and reuses the current SVID, and so do we, saying so, when
   the files are absent); every other HTTP step is signed the rc.2 way (RFC 9421,
-  `conformance.signing` over `reconciler.signing`) with the negative-case knobs `skip_signing`, `skip_content_digest`,
-  `tamper_signature`, `fresh_cert`, `skip_certificate_injection`;
+  `conformance.signing` over `reconciler.signing`) with the negative-case knobs
+  `skip_signing`, `skip_content_digest`, `tamper_signature`, `fresh_cert`,
+  `skip_certificate_injection`;
 * `expect_transport_error`: the step passes only when the connection fails (a WFM must
   refuse a TLS handshake without a client certificate);
 * `oras` steps read the OCI registry named by `oras.ref`, `RunnerOptions.registry_ref` or

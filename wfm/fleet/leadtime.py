@@ -44,6 +44,7 @@ from compiler.compilation import CompileReport
 from compiler.render import deployment_id
 from wfm.fleet.attribution import Claim, claim_of
 from wfm.fleet.desired import DesiredState
+from wfm.store import lead_rows
 from wfm.store.database import Connection, Database
 from wfm.store.fleet_rows import load_rollouts
 from wfm.store.records import Applied
@@ -55,8 +56,6 @@ __all__ = ["QUEUE", "CompileOrigin", "LeadTimes"]
 log = logging.getLogger("margo.wfm.leadtime")
 #: Installed reports waiting to be checked, at most.
 QUEUE = 10_000
-#: Marks written per statement (each row is 7 parameters).
-_CHUNK = 400
 _CHANGED = ("add", "update", "reconfigure")
 
 
@@ -98,10 +97,8 @@ class _Report:
 
 
 def _origins(conn: Connection) -> tuple[list[_Origin], int]:
-    rows = conn.execute("SELECT id, trigger, received_at, trace FROM change_origins "
-                        "ORDER BY id LIMIT 1000").fetchall()
-    return [_Origin(r[1], float(r[2]), r[3]) for r in rows], max((int(r[0]) for r in rows),
-                                                                  default=0)
+    rows = lead_rows.pending_origins(conn)
+    return [_Origin(r[1], r[2], r[3]) for r in rows], max((r[0] for r in rows), default=0)
 
 
 class LeadTimes:
@@ -131,9 +128,7 @@ class LeadTimes:
         start = now if started is None else started
         trace = self._tracing.record(f"margo.source.{trigger}", start=start, end=now,
                                      attributes={"margo.trigger": trigger})
-        self._db.submit(lambda conn: conn.execute(
-            "INSERT INTO change_origins (trigger, received_at, trace) VALUES (?, ?, ?)",
-            (trigger, start, trace)))
+        self._db.submit(lambda conn: lead_rows.record_origin(conn, trigger, start, trace))
 
     # --- compiles (the compiling replica) ---------------------------------------------
 
@@ -179,24 +174,9 @@ class LeadTimes:
                                       compile.span.context)
         rows, last_id = list(marked.values()), compile.last_id
 
-        def write(conn: Connection) -> None:
-            for start in range(0, len(rows), _CHUNK):
-                chunk = rows[start:start + _CHUNK]
-                conn.execute(
-                    "INSERT INTO lead_marks (deployment_id, device_id, commit_id, "
-                    "received_at, compiled_at, trigger, trace) VALUES "
-                    + ", ".join("(?, ?, ?, ?, ?, ?, ?)" for _ in chunk)
-                    + " ON CONFLICT (deployment_id) DO UPDATE SET device_id = "
-                    "excluded.device_id, commit_id = excluded.commit_id, received_at = "
-                    "excluded.received_at, compiled_at = excluded.compiled_at, trigger = "
-                    "excluded.trigger, trace = excluded.trace",
-                    tuple(value for row in chunk for value in row))
-            if last_id:
-                conn.execute("DELETE FROM change_origins WHERE id <= ?", (last_id,))
-
         if rows or last_id:
             try:
-                self._db.write_sync(write)
+                self._db.write_sync(lambda conn: lead_rows.store_marks(conn, rows, last_id))
             except Exception as exc:  # a lead time is never worth a compile
                 log.warning("lead-time marks of %d deployment(s) not stored: %s", len(rows),
                             exc)
@@ -246,10 +226,7 @@ class LeadTimes:
     def _settle(self, batch: list[_Report]) -> None:
         """Observe the lead time of every report that installed its mark's bytes."""
         wanted = sorted({r.deployment_id for r in batch})
-        marks = self._db.read(lambda conn: {row[0]: row[1:] for row in conn.execute(
-            "SELECT deployment_id, device_id, commit_id, received_at, compiled_at, trigger, "
-            "trace FROM lead_marks WHERE deployment_id IN ("
-            + ", ".join("?" for _ in wanted) + ")", tuple(wanted))})
+        marks = self._db.read(lambda conn: lead_rows.marks_of(conn, wanted))
         matched: list[tuple[_Report, tuple[Any, ...]]] = []
         caught_up = False
         for report in batch:
@@ -266,12 +243,9 @@ class LeadTimes:
         if not matched:
             return
 
-        def consume(conn: Connection) -> list[bool]:
-            return [conn.execute("DELETE FROM lead_marks WHERE deployment_id = ? AND "
-                                 "commit_id = ?", (r.deployment_id, m[1])).rowcount == 1
-                    for r, m in matched]
-
-        for (report, mark), mine in zip(matched, self._db.write_sync(consume), strict=True):
+        taken = [(report.deployment_id, mark[1]) for report, mark in matched]
+        consumed = self._db.write_sync(lambda conn: lead_rows.consume_marks(conn, taken))
+        for (report, mark), mine in zip(matched, consumed, strict=True):
             if mine:  # another replica may have taken the same mark: counted once
                 LEAD_TIME.labels(mark[4]).observe(max(0.0, report.reported_at - mark[2]))
                 if self._tracing.enabled:
@@ -301,10 +275,10 @@ class LeadTimes:
         version it names (when that version was first served), or its Git fetch."""
         claim = report.claim
         if claim.manifest_version is not None:
-            row = self._db.read(lambda conn: conn.execute(
-                "SELECT created_at FROM manifest_history WHERE client_id = ? AND version = ?",
-                (report.client_id, claim.manifest_version)).fetchone())
-            return None if row is None else ("manifest", float(row[0]))
+            version = claim.manifest_version
+            served = self._db.read(lambda conn: lead_rows.manifest_served_at(
+                conn, report.client_id, version))
+            return None if served is None else ("manifest", served)
         handed = self._handout(report.device_id)
         if handed is None or (claim.commit is not None and handed[0] != claim.commit):
             return None

@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from margo.files import write_atomically
+from wfm.store import identity_rows
 from wfm.store.database import Connection, Database
 
 __all__ = ["ensure_ca", "ensure_shared_ca"]
@@ -69,9 +70,7 @@ def ensure_shared_ca(db: Database, *, common_name: str = "margo-gitops WFM CA") 
     if found is not None:
         return found
     pem, key_pem = _new_ca(common_name)
-    db.write_sync(lambda conn: conn.execute(
-        "INSERT INTO authority (name, certificate, key) VALUES (?, ?, ?) "
-        "ON CONFLICT (name) DO NOTHING", (_ONBOARDING, pem, key_pem)))
+    db.write_sync(lambda conn: identity_rows.offer_ca(conn, _ONBOARDING, pem, key_pem))
     stored = db.read(_read_ca)
     assert stored is not None
     return stored
@@ -81,9 +80,7 @@ _ONBOARDING = "onboarding"
 
 
 def _read_ca(conn: Connection) -> str | None:
-    row = conn.execute("SELECT certificate FROM authority WHERE name = ?",
-                       (_ONBOARDING,)).fetchone()
-    return None if row is None else str(row[0])
+    return identity_rows.ca_certificate(conn, _ONBOARDING)
 
 
 def _write_key(path: Path, key_pem: str) -> None:

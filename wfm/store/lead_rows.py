@@ -1,0 +1,74 @@
+"""The rows lead times are measured with: the changes received and not compiled yet
+(`change_origins`), the marks a compile leaves for each deployment it changed
+(`lead_marks`), and when a manifest version was first served.
+
+`wfm.fleet.leadtime` decides what they mean; the SQL is here. Functions run inside the
+database's reader or writer threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from wfm.store.database import Connection
+
+__all__ = ["consume_marks", "manifest_served_at", "marks_of", "pending_origins",
+           "record_origin", "store_marks"]
+
+#: Marks written per statement (each row is 7 parameters).
+_CHUNK = 400
+
+
+def record_origin(conn: Connection, trigger: str, received_at: float, trace: Any) -> None:
+    conn.execute("INSERT INTO change_origins (trigger, received_at, trace) VALUES (?, ?, ?)",
+                 (trigger, received_at, trace))
+
+
+def pending_origins(conn: Connection) -> list[tuple[int, str, float, Any]]:
+    """(id, trigger, received_at, trace) of the oldest changes not compiled yet (at most
+    1,000: what one compile takes up)."""
+    rows = conn.execute("SELECT id, trigger, received_at, trace FROM change_origins "
+                        "ORDER BY id LIMIT 1000").fetchall()
+    return [(int(r[0]), r[1], float(r[2]), r[3]) for r in rows]
+
+
+def store_marks(conn: Connection, rows: Sequence[tuple[Any, ...]], last_origin: int) -> None:
+    """Upsert the marks (deployment_id, device_id, commit_id, received_at, compiled_at,
+    trigger, trace) and drop the origins a compile took up (ids up to `last_origin`)."""
+    for start in range(0, len(rows), _CHUNK):
+        chunk = rows[start:start + _CHUNK]
+        conn.execute(
+            "INSERT INTO lead_marks (deployment_id, device_id, commit_id, "
+            "received_at, compiled_at, trigger, trace) VALUES "
+            + ", ".join("(?, ?, ?, ?, ?, ?, ?)" for _ in chunk)
+            + " ON CONFLICT (deployment_id) DO UPDATE SET device_id = "
+            "excluded.device_id, commit_id = excluded.commit_id, received_at = "
+            "excluded.received_at, compiled_at = excluded.compiled_at, trigger = "
+            "excluded.trigger, trace = excluded.trace",
+            tuple(value for row in chunk for value in row))
+    if last_origin:
+        conn.execute("DELETE FROM change_origins WHERE id <= ?", (last_origin,))
+
+
+def marks_of(conn: Connection, deployment_ids: Sequence[str]) -> dict[str, tuple[Any, ...]]:
+    """By deployment id: (device_id, commit_id, received_at, compiled_at, trigger, trace)."""
+    return {row[0]: tuple(row[1:]) for row in conn.execute(
+        "SELECT deployment_id, device_id, commit_id, received_at, compiled_at, trigger, "
+        "trace FROM lead_marks WHERE deployment_id IN ("
+        + ", ".join("?" for _ in deployment_ids) + ")", tuple(deployment_ids))}
+
+
+def consume_marks(conn: Connection, marks: Iterable[tuple[str, str]]) -> list[bool]:
+    """Delete each (deployment_id, commit_id) mark; whether this call took it (another
+    replica may have taken the same mark: it is counted once)."""
+    return [conn.execute("DELETE FROM lead_marks WHERE deployment_id = ? AND commit_id = ?",
+                         (deployment_id, commit)).rowcount == 1
+            for deployment_id, commit in marks]
+
+
+def manifest_served_at(conn: Connection, client_id: str, version: int) -> float | None:
+    """When the client's manifest version was first served (Unix time)."""
+    row = conn.execute("SELECT created_at FROM manifest_history WHERE client_id = ? AND "
+                       "version = ?", (client_id, version)).fetchone()
+    return None if row is None else float(row[0])

@@ -203,19 +203,133 @@ def _build_from_events(
     key_positions: dict[Path, tuple[int, int]] | None,
 ) -> list[Any]:
     """Build plain Python values from YAML events without recursion; return all documents."""
-    documents: list[Any] = []
-    stack: list[_Frame] = []
-    anchors: dict[str, tuple[Any, int]] = {}
-    alias_budget = limits.max_alias_nodes
-    root: list[Any] = []
-    last_path: Path = ()
+    builder = _Builder(limits, positions, key_positions)
+    for event in yaml.parse(text, Loader=_Parser):
+        builder.take(event)
+    builder.documents.extend(builder.root)
+    return builder.documents
 
-    def attach(value: Any, mark: Any, nodes: int) -> Path:
+
+class _Builder:
+    """The values of a YAML stream, built one event at a time on an explicit stack (no
+    recursion, so nesting is bounded by `limits.max_depth` and not by Python's stack), with
+    the positions of values and keys by path, and every limit checked as it is reached."""
+
+    def __init__(self, limits: Limits, positions: dict[Path, tuple[int, int]] | None,
+                 key_positions: dict[Path, tuple[int, int]] | None) -> None:
+        self.limits, self.positions, self.key_positions = limits, positions, key_positions
+        self.documents: list[Any] = []
+        self.stack: list[_Frame] = []
+        self.anchors: dict[str, tuple[Any, int]] = {}
+        self.alias_budget = limits.max_alias_nodes
+        self.root: list[Any] = []
+        self.last_path: Path = ()
+
+    def take(self, event: yaml.Event) -> None:
+        """One event: the end of a document or a collection, a mapping key, or a value."""
+        mark: Any = event.start_mark  # a parsed event always has one
+        if isinstance(event, yaml.DocumentEndEvent):
+            self.documents.extend(self.root)
+            self.root.clear()
+            self.anchors.clear()
+        elif isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent,
+                                yaml.DocumentStartEvent)):
+            return
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            self.end_collection(mark)
+        elif self.expecting_key():
+            self.key(event, mark)
+        else:
+            self.value(event, mark)
+
+    def expecting_key(self) -> bool:
+        return bool(self.stack) and isinstance(self.stack[-1].container, dict) and (
+            self.stack[-1].pending_key is None)
+
+    def end_collection(self, mark: Any) -> None:
+        frame = self.stack.pop()
+        if frame.anchor is not None:
+            self.anchors[frame.anchor] = (frame.container, frame.nodes)
+        self.attach(frame.container, frame.nodes)
+
+    def key(self, event: yaml.Event, mark: Any) -> None:
+        """A mapping key: a plain string, new in its mapping."""
+        frame = self.stack[-1]
+        if not isinstance(event, yaml.ScalarEvent):
+            raise self.fail("mapping keys must be plain strings, not collections or aliases",
+                            mark, frame.path)
+        if event.tag not in (None, "!", _STR_TAG):
+            raise self.fail(f"mapping key has unsupported tag {event.tag}", mark, frame.path)
+        key = event.value
+        if key == "<<" and event.style in (None, ""):
+            raise self.fail("YAML merge keys (<<) are not supported; write the keys out",
+                            mark, frame.path)
+        assert isinstance(frame.container, dict)
+        if key in frame.container:
+            raise self.fail(f"duplicate key {key!r}", mark, (*frame.path, key))
+        frame.pending_key = key
+        self.last_path = (*frame.path, key)
+        if self.key_positions is not None:
+            self.key_positions[self.last_path] = (mark.line + 1, mark.column + 1)
+
+    def value(self, event: yaml.Event, mark: Any) -> None:
+        """A value where the stack expects one: an alias, a scalar or a new collection."""
+        path = self.child_path()
+        self.last_path = path
+        if self.positions is not None:
+            self.positions[path] = (mark.line + 1, mark.column + 1)
+        if isinstance(event, yaml.AliasEvent):
+            self.alias(event, mark)
+        elif isinstance(event, yaml.ScalarEvent):
+            self.scalar(event, mark)
+        elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            self.start_collection(event, mark, path)
+
+    def alias(self, event: yaml.AliasEvent, mark: Any) -> None:
+        if event.anchor not in self.anchors:
+            raise self.fail(f"unknown alias *{event.anchor}", mark)
+        value, nodes = self.anchors[event.anchor]
+        self.alias_budget -= nodes
+        if self.alias_budget < 0:
+            raise self.fail(
+                f"aliases expand to more than {self.limits.max_alias_nodes} nodes "
+                "(an alias bomb?)", mark)
+        self.attach(copy.deepcopy(value), nodes)
+
+    def scalar(self, event: yaml.ScalarEvent, mark: Any) -> None:
+        tag = event.tag
+        try:
+            if tag in (None, "!") and event.implicit[0] and not event.style:
+                value = resolve_plain_scalar(event.value)
+            elif tag in (None, "!"):
+                value = event.value
+            elif tag in _KNOWN_TAGS:
+                value = _explicit_scalar(tag, event.value)
+            else:
+                raise ValueError(f"unsupported YAML tag {tag}")
+        except ValueError as exc:
+            raise self.fail(str(exc), mark) from None
+        if event.anchor is not None:
+            self.anchors[event.anchor] = (value, 1)
+        self.attach(value, 1)
+
+    def start_collection(self, event: yaml.CollectionStartEvent, mark: Any,
+                         path: Path) -> None:
+        if event.tag not in (None, "!", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"):
+            raise self.fail(f"unsupported YAML tag {event.tag}", mark)
+        if len(self.stack) >= self.limits.max_depth:
+            raise self.fail(f"nesting deeper than {self.limits.max_depth} levels", mark)
+        container: dict[str, Any] | list[Any] = (
+            {} if isinstance(event, yaml.MappingStartEvent) else []
+        )
+        self.stack.append(_Frame(container, path, event.anchor))
+
+    def attach(self, value: Any, nodes: int) -> Path:
         """Place a finished value in its parent; return the path it got."""
-        if not stack:
-            root.append(value)
+        if not self.stack:
+            self.root.append(value)
             return ()
-        frame = stack[-1]
+        frame = self.stack[-1]
         frame.nodes += nodes
         if isinstance(frame.container, list):
             path = (*frame.path, len(frame.container))
@@ -227,96 +341,17 @@ def _build_from_events(
         frame.pending_key = None
         return (*frame.path, key)
 
-    def child_path() -> Path:
-        if not stack:
+    def child_path(self) -> Path:
+        if not self.stack:
             return ()
-        frame = stack[-1]
+        frame = self.stack[-1]
         if isinstance(frame.container, list):
             return (*frame.path, len(frame.container))
         return (*frame.path, frame.pending_key or "")
 
-    def fail(message: str, mark: Any, path: Path | None = None) -> _LoadFailure:
-        return _LoadFailure(path if path is not None else last_path, message,
+    def fail(self, message: str, mark: Any, path: Path | None = None) -> _LoadFailure:
+        return _LoadFailure(path if path is not None else self.last_path, message,
                             mark.line + 1, mark.column + 1)
-
-    for event in yaml.parse(text, Loader=_Parser):
-        mark: Any = event.start_mark  # a parsed event always has one
-        if isinstance(event, yaml.DocumentEndEvent):
-            documents.extend(root)
-            root.clear()
-            anchors.clear()
-            continue
-        if isinstance(event, (yaml.StreamStartEvent, yaml.StreamEndEvent, yaml.DocumentStartEvent)):
-            continue
-        expecting_key = bool(stack) and isinstance(stack[-1].container, dict) and (
-            stack[-1].pending_key is None
-        )
-        if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            frame = stack.pop()
-            if frame.anchor is not None:
-                anchors[frame.anchor] = (frame.container, frame.nodes)
-            attach(frame.container, mark, frame.nodes)
-            continue
-        if expecting_key:
-            frame = stack[-1]
-            if not isinstance(event, yaml.ScalarEvent):
-                raise fail("mapping keys must be plain strings, not collections or aliases",
-                           mark, frame.path)
-            if event.tag not in (None, "!", _STR_TAG):
-                raise fail(f"mapping key has unsupported tag {event.tag}", mark, frame.path)
-            key = event.value
-            if key == "<<" and event.style in (None, ""):
-                raise fail("YAML merge keys (<<) are not supported; write the keys out",
-                           mark, frame.path)
-            assert isinstance(frame.container, dict)
-            if key in frame.container:
-                raise fail(f"duplicate key {key!r}", mark, (*frame.path, key))
-            frame.pending_key = key
-            last_path = (*frame.path, key)
-            if key_positions is not None:
-                key_positions[last_path] = (mark.line + 1, mark.column + 1)
-            continue
-        path = child_path()
-        last_path = path
-        if positions is not None:
-            positions[path] = (mark.line + 1, mark.column + 1)
-        if isinstance(event, yaml.AliasEvent):
-            if event.anchor not in anchors:
-                raise fail(f"unknown alias *{event.anchor}", mark)
-            value, nodes = anchors[event.anchor]
-            alias_budget -= nodes
-            if alias_budget < 0:
-                raise fail(
-                    f"aliases expand to more than {limits.max_alias_nodes} nodes "
-                    "(an alias bomb?)", mark)
-            attach(copy.deepcopy(value), mark, nodes)
-        elif isinstance(event, yaml.ScalarEvent):
-            tag = event.tag
-            try:
-                if tag in (None, "!") and event.implicit[0] and not event.style:
-                    value = resolve_plain_scalar(event.value)
-                elif tag in (None, "!"):
-                    value = event.value
-                elif tag in _KNOWN_TAGS:
-                    value = _explicit_scalar(tag, event.value)
-                else:
-                    raise ValueError(f"unsupported YAML tag {tag}")
-            except ValueError as exc:
-                raise fail(str(exc), mark) from None
-            if event.anchor is not None:
-                anchors[event.anchor] = (value, 1)
-            attach(value, mark, 1)
-        elif isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            if event.tag not in (None, "!", "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"):
-                raise fail(f"unsupported YAML tag {event.tag}", mark)
-            if len(stack) >= limits.max_depth:
-                raise fail(f"nesting deeper than {limits.max_depth} levels", mark)
-            container: dict[str, Any] | list[Any] = (
-                {} if isinstance(event, yaml.MappingStartEvent) else []
-            )
-            stack.append(_Frame(container, path, event.anchor))
-    documents.extend(root)
-    return documents
 
 
 def _decode(data: bytes, limits: Limits) -> str:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from wfm.identity.credentials import same_secret
+from wfm.store import client_rows
 from wfm.store.database import Connection, Database
 
 __all__ = ["Client", "ClientKey", "ClientRegistry", "ClientRetired", "TokenLookup",
-           "bump_credentials_epoch", "read_credentials_epoch", "token_hash"]
+           "token_hash"]
 
 ACCESS_TOKEN_SECONDS = 3600
 
@@ -46,25 +47,6 @@ class TokenLookup:
     expires_at: float | None = None
 
 
-def bump_credentials_epoch(conn: Connection) -> None:
-    """In the transaction of every write that can change what a token proves (a client
-    retired or accepted again, its token replaced): servers forget the lookups they
-    remember when it moves (`wfm.identity.credentialcache`)."""
-    conn.execute("UPDATE fleet_state SET credentials_epoch = credentials_epoch + 1 "
-                 "WHERE id = 1")
-
-
-def _was_retired(conn: Connection, client_id: str) -> bool:
-    row = conn.execute("SELECT retired FROM clients WHERE client_id = ?",
-                       (client_id,)).fetchone()
-    return row is not None and bool(row[0])
-
-
-def read_credentials_epoch(conn: Connection) -> int:
-    row = conn.execute("SELECT credentials_epoch FROM fleet_state WHERE id = 1").fetchone()
-    return int(row[0]) if row is not None else 0
-
-
 @dataclass(frozen=True, slots=True)
 class ClientKey:
     """An rc.2 onboarded public key (PEM) and the client it signs for."""
@@ -84,13 +66,13 @@ class ClientRetired(Exception):
 
 
 class ClientRegistry:
+    """The clients and what proves each, over the store's rows (`wfm.store.client_rows`)."""
+
     def __init__(self, db: Database):
         self._db = db
 
     def get(self, client_id: str) -> Client | None:
-        return self._client(self._db.read(lambda conn: conn.execute(
-            "SELECT client_id, retired FROM clients WHERE client_id = ?",
-            (client_id,)).fetchone()))
+        return self._client(self._db.read(lambda conn: client_rows.client_row(conn, client_id)))
 
     def ensure(self, client_id: str) -> Client:
         """The client row for an identity proven by certificate (no token): created on first
@@ -98,9 +80,8 @@ class ClientRegistry:
         existing = self.get(client_id)
         if existing is not None:
             return existing
-        self._db.write_sync(lambda conn: conn.execute(
-            "INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
-            "ON CONFLICT (client_id) DO NOTHING", (client_id, time.time())))
+        now = time.time()
+        self._db.write_sync(lambda conn: client_rows.ensure_client(conn, client_id, now))
         return self.get(client_id) or Client(client_id, False)
 
     def register_identity(self, client_id: str, *, spiffe_id: str, certificate: str,
@@ -110,15 +91,11 @@ class ClientRegistry:
         now = time.time()
 
         def write(conn: Connection) -> None:
-            if _was_retired(conn, client_id):
-                bump_credentials_epoch(conn)
-            conn.execute("INSERT INTO clients (client_id, created_at) VALUES (?, ?) "
-                         "ON CONFLICT (client_id) DO UPDATE SET retired = 0", (client_id, now))
-            conn.execute(
-                "INSERT INTO client_identities VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT "
-                "(client_id) DO UPDATE SET spiffe_id = excluded.spiffe_id, certificate = "
-                "excluded.certificate, not_after = excluded.not_after, source = excluded.source",
-                (client_id, spiffe_id, certificate, not_after, source, now))
+            if client_rows.is_retired(conn, client_id):
+                client_rows.bump_credentials_epoch(conn)
+            client_rows.accept_identity(conn, client_id, spiffe_id=spiffe_id,
+                                        certificate=certificate, not_after=not_after,
+                                        source=source, now=now)
 
         self._db.write_sync(write)
 
@@ -129,41 +106,24 @@ class ClientRegistry:
         now = time.time()
 
         def write(conn: Connection) -> str:
-            row = conn.execute("SELECT client_id FROM client_keys WHERE key_id = ?",
-                               (key_id,)).fetchone()
-            if row is not None:
-                return str(row[0])
-            conn.execute("INSERT INTO clients (client_id, certificate, created_at) "
-                         "VALUES (?, ?, ?) ON CONFLICT (client_id) DO NOTHING",
-                         (client_id, certificate, now))
-            conn.execute("INSERT INTO client_keys VALUES (?, ?, ?, ?, ?)",
-                         (key_id, client_id, public_key, certificate, now))
+            owner = client_rows.key_owner(conn, key_id)
+            if owner is not None:
+                return owner
+            client_rows.add_key(conn, client_id, key_id=key_id, public_key=public_key,
+                                certificate=certificate, now=now)
             return client_id
 
         return self._db.write_sync(write)
 
     def by_key_id(self, key_id: str) -> ClientKey | None:
-        row = self._db.read(lambda conn: conn.execute(
-            "SELECT c.client_id, c.retired, k.public_key FROM client_keys k JOIN clients c "
-            "ON c.client_id = k.client_id WHERE k.key_id = ?", (key_id,)).fetchone())
+        row = self._db.read(lambda conn: client_rows.key_row(conn, key_id))
         if row is None:
             return None
-        return ClientKey(Client(row[0], bool(row[1])), key_id, row[2])
+        return ClientKey(Client(row[0], row[1]), key_id, row[2])
 
     def describe(self) -> list[dict[str, Any]]:
         """Every client with what proves it, for `margo clients list`."""
-        def read(conn: Connection) -> list[dict[str, Any]]:
-            rows = conn.execute(
-                "SELECT c.client_id, c.retired, c.created_at, c.token_hash IS NOT NULL, "
-                "i.spiffe_id, i.not_after, i.source, "
-                "(SELECT COUNT(*) FROM client_keys k WHERE k.client_id = c.client_id) "
-                "FROM clients c LEFT JOIN client_identities i ON i.client_id = c.client_id "
-                "ORDER BY c.client_id").fetchall()
-            return [{"clientId": r[0], "retired": bool(r[1]), "createdAt": r[2],
-                     "token": bool(r[3]), "spiffeId": r[4], "svidNotAfter": r[5],
-                     "svidSource": r[6], "signingKeys": int(r[7])} for r in rows]
-
-        return self._db.read(read)
+        return self._db.read(client_rows.describe_clients)
 
     def add(self, client_id: str | None = None, *, certificate: str | None = None,
             reactivate: bool = False) -> tuple[str, str]:
@@ -175,32 +135,26 @@ class ClientRegistry:
         token = secrets.token_urlsafe(32)
 
         def write(conn: Connection) -> None:
-            row = conn.execute("SELECT retired FROM clients WHERE client_id = ?",
-                               (client_id,)).fetchone()
-            if row is not None and row[0] and not reactivate:
+            retired = client_rows.is_retired(conn, client_id)
+            if retired and not reactivate:
                 raise ClientRetired(client_id)
-            if row is not None:
-                bump_credentials_epoch(conn)  # its old token stops, or it is accepted again
-            conn.execute(
-                "INSERT INTO clients (client_id, token_hash, certificate, created_at) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (client_id) DO UPDATE SET "
-                "token_hash = excluded.token_hash, retired = 0",
-                (client_id, token_hash(token), certificate, time.time()))
+            if retired is not None:  # its old token stops, or it is accepted again
+                client_rows.bump_credentials_epoch(conn)
+            client_rows.set_token(conn, client_id, token_hash(token), certificate, time.time())
 
         self._db.write_sync(write)
         return client_id, token
 
     def retire(self, client_id: str) -> bool:
         def write(conn: Connection) -> int:
-            retired = conn.execute("UPDATE clients SET retired = 1 WHERE client_id = ?",
-                                   (client_id,)).rowcount
-            bump_credentials_epoch(conn)
+            retired = client_rows.retire(conn, client_id)
+            client_rows.bump_credentials_epoch(conn)
             return retired
 
         return bool(self._db.write_sync(write))
 
-    def _client(self, row: tuple[str, int] | None) -> Client | None:
-        return None if row is None else Client(row[0], bool(row[1]))
+    def _client(self, row: tuple[str, bool] | None) -> Client | None:
+        return None if row is None else Client(row[0], row[1])
 
     def by_token(self, token: str) -> Client | None:
         return self.token_lookup(token).client
@@ -211,22 +165,18 @@ class ClientRegistry:
         digest = token_hash(token)
 
         def read(conn: Connection) -> TokenLookup:
-            row = conn.execute("SELECT client_id, retired FROM clients WHERE token_hash = ?",
-                               (digest,)).fetchone()
+            row = client_rows.token_client(conn, digest)
             if row is not None:
                 return TokenLookup(self._client(row))
-            row = conn.execute(
-                "SELECT c.client_id, c.retired, t.expires_at FROM access_tokens t JOIN "
-                "clients c ON c.client_id = t.client_id WHERE t.token_hash = ? AND "
-                "t.expires_at > ?", (digest, time.time())).fetchone()
-            if row is None:
+            access = client_rows.access_token_client(conn, digest, time.time())
+            if access is None:
                 return TokenLookup(None)
-            return TokenLookup(Client(row[0], bool(row[1])), float(row[2]))
+            return TokenLookup(Client(access[0], access[1]), access[2])
 
         return self._db.read(read)
 
     def credentials_epoch(self) -> int:
-        return self._db.read(read_credentials_epoch)
+        return self._db.read(client_rows.credentials_epoch)
 
     def by_basic(self, client_id: str, token: str) -> Client | None:
         client = self.by_token(token)
@@ -235,17 +185,11 @@ class ClientRegistry:
         return client
 
     def exists(self, client_id: str) -> bool:
-        return self._db.read(lambda conn: conn.execute(
-            "SELECT 1 FROM clients WHERE client_id = ?", (client_id,)).fetchone()) is not None
+        return self._db.read(lambda conn: client_rows.client_exists(conn, client_id))
 
     async def issue_access_token(self, client: Client) -> tuple[str, int]:
         token = secrets.token_urlsafe(32)
         expires = time.time() + ACCESS_TOKEN_SECONDS
-
-        def write(conn: Connection) -> None:
-            conn.execute("DELETE FROM access_tokens WHERE expires_at < ?", (time.time(),))
-            conn.execute("INSERT INTO access_tokens VALUES (?, ?, ?)",
-                         (token_hash(token), client.client_id, expires))
-
-        await self._db.write(write)
+        await self._db.write(lambda conn: client_rows.store_access_token(
+            conn, token_hash(token), client.client_id, expires, time.time()))
         return token, ACCESS_TOKEN_SECONDS

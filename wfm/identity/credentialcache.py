@@ -8,7 +8,7 @@ the event loop, and each wave stalled every request for ~150 ms (p99 123 ms; 69 
 the waves).
 
 So the database counts the writes that can make a remembered lookup wrong:
-`wfm.identity.clients.bump_credentials_epoch` runs in the same transaction as retiring a client,
+`wfm.store.client_rows.bump_credentials_epoch` runs in the same transaction as retiring a client,
 replacing its token or accepting it again (`wfm.identity.clients.ClientRegistry`), whichever
 process writes it (a server, a replica, `margo clients` beside a running server). A server
 reads the counter at most every `EPOCH_CHECK_SECONDS` (one small query, however many

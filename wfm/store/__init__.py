@@ -1,7 +1,9 @@
-"""The store: the database engines and the rows the device API reads and writes.
-`database` is the engine-neutral writer (durable group commit) both engines implement
-(`sqlitedb`, `pgdb`); `opening` picks one; `schema` holds the numbered migrations;
-`records` the rows devices report and the reads the HTTP edge makes; `fleet_rows` the
-fleet's own rows (rollouts, the source's condition, the generation, the gauges' reads);
-`lead_rows` what lead times are measured with; `identity_rows` the CA replicas share.
+"""The store: the database engines, and the SQL of the server's tables, one module per
+concern. `database` is the engine-neutral writer (durable group commit) both engines
+implement (`sqlitedb`, `pgdb`); `opening` picks one; `schema` holds the numbered
+migrations; `records` the rows devices report and the reads the HTTP edge makes;
+`fleet_rows` the fleet's own rows (rollouts, the source's condition, the generation, the
+gauges' reads); `lead_rows` what lead times are measured with; `identity_rows` the CA
+replicas share; `client_rows` the client registry's rows. (Replicas' coordination and
+replication still keep their SQL in `wfm.fleet`.)
 """

@@ -207,16 +207,29 @@ def plain_files(tree: bytes, oid_size: int) -> tuple[dict[str, str], bool]:
 
 
 def check_commit(commit: DeviceCommit) -> None:
-    """Reject what Git or a device's checkout could not represent faithfully."""
+    """Reject what Git or a device's checkout could not represent faithfully (the first
+    problem found, in this order: the branch, the commit's own fields, the files written,
+    the parent, the names removed and kept)."""
+    _check_branch(commit.device_id)
+    where = f"device {commit.device_id!r}"
+    _check_header(commit, where)
+    _check_written(commit, where)
+    _check_parent(commit, where)
+    _check_removed(commit, where)
+    _check_kept(commit, where)
+
+
+def _check_branch(device_id: str) -> None:
     try:
-        device_ref(commit.device_id)
+        device_ref(device_id)
     except (ValueError, TypeError) as exc:
         raise InvalidCommitError(str(exc)) from None
-    problem = branch_problem(commit.device_id)
+    problem = branch_problem(device_id)
     if problem is not None:  # a branch nobody could fetch or look up again
-        raise InvalidCommitError(f"no branch for device {short_repr(commit.device_id)}: "
-                                 f"{problem}")
-    where = f"device {commit.device_id!r}"
+        raise InvalidCommitError(f"no branch for device {short_repr(device_id)}: {problem}")
+
+
+def _check_header(commit: DeviceCommit, where: str) -> None:
     if isinstance(commit.timestamp, bool) or not isinstance(commit.timestamp, int):
         raise InvalidCommitError(f"{where}: timestamp must be an int, got {commit.timestamp!r}")
     if commit.timestamp < 0:
@@ -224,6 +237,9 @@ def check_commit(commit: DeviceCommit) -> None:
     if not isinstance(commit.message, str):
         raise InvalidCommitError(f"{where}: message must be a str")
     _check_utf8(commit.message, f"{where}: message")
+
+
+def _check_written(commit: DeviceCommit, where: str) -> None:
     if not isinstance(commit.files, Mapping):
         raise InvalidCommitError(f"{where}: files must be a mapping of name -> bytes")
     for name, content in commit.files.items():
@@ -231,6 +247,9 @@ def check_commit(commit: DeviceCommit) -> None:
         if not isinstance(content, bytes):
             raise InvalidCommitError(f"{where}: content of {name!r} must be bytes, "
                                      f"got {type(content).__name__}")
+
+
+def _check_parent(commit: DeviceCommit, where: str) -> None:
     if commit.parent_known and commit.parent is not None and (
             not isinstance(commit.parent, str) or not FULL_OID_RE.fullmatch(commit.parent)):
         raise InvalidCommitError(f"{where}: parent must be a full commit id or None, "
@@ -240,6 +259,9 @@ def check_commit(commit: DeviceCommit) -> None:
                                  "was at as a known parent")
     if commit.on_parent and (not commit.parent_known or commit.parent is None):
         raise InvalidCommitError(f"{where}: a change on the parent's tree needs a known parent")
+
+
+def _check_removed(commit: DeviceCommit, where: str) -> None:
     if not commit.on_parent and commit.removed:
         raise InvalidCommitError(f"{where}: removed names need on_parent (otherwise files "
                                  "and kept are the whole tree)")
@@ -249,6 +271,9 @@ def check_commit(commit: DeviceCommit) -> None:
         _check_file_name(name, where)
         if name in commit.files or name in commit.kept:
             raise InvalidCommitError(f"{where}: {name!r} is both removed and written")
+
+
+def _check_kept(commit: DeviceCommit, where: str) -> None:
     if not isinstance(commit.kept, Mapping):
         raise InvalidCommitError(f"{where}: kept must be a mapping of name -> blob id")
     for name, oid in commit.kept.items():

@@ -440,51 +440,69 @@ def _check_urls(doc: dict[str, Any], found: list[Problem]) -> None:
 
 
 def _check_identity(doc: dict[str, Any], api: str, found: list[Problem]) -> None:
-    """Combinations of identity, API generation, source and credentials that cannot work."""
-    server, source = doc["server"], doc["source"]["type"]
+    """Combinations of identity, API generation, source and credentials that cannot work
+    (each kind in turn: the identity chosen, the server URLs it needs, the credentials)."""
     identity = doc.get("identity", {})
+    _check_identity_kind(identity, api, doc["source"]["type"], found)
+    _check_identity_urls(identity, doc["server"], found)
+    _check_credentials(identity, doc["server"], doc["source"]["type"], found)
+
+
+def _check_identity_kind(identity: dict[str, Any], api: str, source: str,
+                         found: list[Problem]) -> None:
     svid, rc2 = "svid" in identity, "rc2" in identity
-
-    def problem(path: tuple[str | int, ...], message: str, **extra: Any) -> None:
-        found.append(Problem(path, message, **extra))
-
     if svid and (api != Shape.RC3 or source != "margo-rest"):
-        problem(("identity", "svid"), "an SVID is the rc.3 identity: use server.api rc.3 with "
-                "the margo-rest source (the Git source keeps its per-device token: libgit2 "
-                "has no client certificates)", found=f"{api}, {source}")
+        found.append(Problem(("identity", "svid"), "an SVID is the rc.3 identity: use "
+                             "server.api rc.3 with the margo-rest source (the Git source keeps "
+                             "its per-device token: libgit2 has no client certificates)",
+                             found=f"{api}, {source}"))
     if rc2 and (api != Shape.RC2 or source != "margo-rest"):
-        problem(("identity", "rc2"), "rc.2 onboarding and request signing need server.api rc.2 "
-                "with the margo-rest source", found=f"{api}, {source}")
+        found.append(Problem(("identity", "rc2"), "rc.2 onboarding and request signing need "
+                             "server.api rc.2 with the margo-rest source",
+                             found=f"{api}, {source}"))
     if svid and rc2:
-        problem(("identity",), "give either svid (rc.3) or rc2, not both")
+        found.append(Problem(("identity",), "give either svid (rc.3) or rc2, not both"))
     if svid and "trustBundle" not in identity:
-        problem(("identity",), "an SVID needs identity.trustBundle: the WFM's SVID must chain "
-                "to it (there is no trust on first use)")
+        found.append(Problem(("identity",), "an SVID needs identity.trustBundle: the WFM's "
+                             "SVID must chain to it (there is no trust on first use)"))
+
+
+def _check_identity_urls(identity: dict[str, Any], server: dict[str, Any],
+                         found: list[Problem]) -> None:
+    """Mutual TLS and a trust bundle both need https:// server URLs."""
     for where, url in _server_urls(server):
         if url.startswith("https://"):
             continue
-        if svid:
-            problem(where, "mutual TLS needs an https:// server URL", found=url)
+        if "svid" in identity:
+            found.append(Problem(where, "mutual TLS needs an https:// server URL", found=url))
         elif "trustBundle" in identity:
-            problem(("identity", "trustBundle") if where == ("server", "url") else where,
-                    "a trust bundle checks the server's certificate, which a plain http:// "
-                    "server URL does not have", found=url)
+            found.append(Problem(
+                ("identity", "trustBundle") if where == ("server", "url") else where,
+                "a trust bundle checks the server's certificate, which a plain http:// "
+                "server URL does not have", found=url))
+
+
+def _check_credentials(identity: dict[str, Any], server: dict[str, Any], source: str,
+                       found: list[Problem]) -> None:
+    """What proves the client: the identity, or else a client id and a bearer token."""
+    svid, rc2 = "svid" in identity, "rc2" in identity
     for key in ("trustDomain", "wfmId"):
         if key in identity and not svid:
-            problem(("identity", key), "only used with identity.svid (it names the WFM's SPIFFE "
-                    "ID)")
+            found.append(Problem(("identity", key), "only used with identity.svid (it names "
+                                 "the WFM's SPIFFE ID)"))
     if (svid or rc2) and "clientId" in server:
-        problem(("server", "clientId"), "the identity supplies the client id (the SVID's "
-                "SPIFFE ID, or rc.2 onboarding); remove server.clientId")
+        found.append(Problem(("server", "clientId"), "the identity supplies the client id (the "
+                             "SVID's SPIFFE ID, or rc.2 onboarding); remove server.clientId"))
     if (svid or rc2) and source != "git" and "tokenFile" in server:
-        problem(("server", "tokenFile"), "bearer tokens are for development: with an identity "
-                "the REST source sends none; remove server.tokenFile")
+        found.append(Problem(("server", "tokenFile"), "bearer tokens are for development: with "
+                             "an identity the REST source sends none; remove server.tokenFile"))
     if not (svid or rc2) or source == "git":
         missing = [key for key in ("clientId", "tokenFile") if key not in server]
         if missing:
-            problem(("server",), f"{' and '.join(missing)} required: without identity.svid or "
-                    "identity.rc2 the client authenticates with a bearer token (and the Git "
-                    "source always does)", expected=", ".join(missing))
+            found.append(Problem(("server",), f"{' and '.join(missing)} required: without "
+                                 "identity.svid or identity.rc2 the client authenticates with "
+                                 "a bearer token (and the Git source always does)",
+                                 expected=", ".join(missing)))
 
 
 def _api_generation(server: dict[str, Any], source: dict[str, Any],

@@ -44,15 +44,8 @@ from typing import Any
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.state import CompilerState
 from margo.files import write_atomically
-from wfm.fleet.replication import (
-    COMPACT_AFTER,
-    COUNTERS,
-    Published,
-    RepoReplica,
-    publish_rows,
-    read_snapshot,
-)
-from wfm.store import records
+from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
+from wfm.store import records, replica_rows
 from wfm.store.database import DatabaseUnavailable
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
@@ -90,14 +83,13 @@ def publish_deletion(conn: Any, device_ids: list[str]) -> int:
     the refs when it syncs to it, and no later sync, repair or compaction restores them
     (a ref row without a target is what every replica applies as "no such branch"). The
     generation it published."""
-    row = conn.execute("SELECT generation FROM fleet_state WHERE id = 1 FOR UPDATE").fetchone()
-    generation = int(row[0]) + 1
+    generation = replica_rows.lock_device_generation(conn) + 1
     refs: dict[str, str | None] = {}
     for device_id in device_ids:
         with contextlib.suppress(ValueError):  # an id that cannot have a branch has none
             refs[device_ref(device_id)] = None
-    publish_rows(conn, REPO, generation, b"", refs, compact=False)
-    conn.execute("UPDATE fleet_state SET generation = ? WHERE id = 1", (generation,))
+    replica_rows.publish_rows(conn, REPO, generation, b"", refs, compact=False)
+    replica_rows.set_counter(conn, REPO, generation)
     return generation
 
 
@@ -108,9 +100,7 @@ def deletion_generation(conn: Any, device_id: str) -> int | None:
         name = device_ref(device_id)
     except ValueError:
         return None
-    row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
-                       "target IS NULL", (REPO, name)).fetchone()
-    return None if row is None else int(row[0])
+    return replica_rows.deleted_at(conn, REPO, name)
 
 
 class Coordinator:
@@ -175,9 +165,8 @@ class Coordinator:
     def _tick(self) -> None:
         self._repair_if_asked()
         self._keep_lease()
-        generation, requests = self.db.read(lambda c: c.execute(
-            "SELECT generation, compile_requests FROM fleet_state WHERE id = 1").fetchone())
-        if int(generation) > self.serving.generation:
+        generation, requests = self.db.read(replica_rows.compile_state)
+        if generation > self.serving.generation:
             self.sync()
         if self.holding and requests != self._requests_seen:
             self._requests_seen = requests
@@ -185,15 +174,14 @@ class Coordinator:
 
     def request_compile(self) -> None:
         """Ask the holder (whichever replica it is) to compile; does not wait."""
-        self.db.submit(lambda c: c.execute(
-            "UPDATE fleet_state SET compile_requests = compile_requests + 1 WHERE id = 1"))
+        self.db.submit(replica_rows.request_compile)
 
     # --- the lease ---------------------------------------------------------------------
 
     def _keep_lease(self) -> None:
         if self._lease is not None:
             try:
-                self._lease.execute("SELECT 1").fetchone()
+                replica_rows.lease_alive(self._lease)
                 return
             except Exception as exc:
                 log.warning("%s lost the compile lease: %s", self.name, exc)
@@ -202,14 +190,10 @@ class Coordinator:
             return
         conn = self.db.connect()
         try:
-            got = conn.execute("SELECT pg_try_advisory_lock(?)", (LEASE_KEY,)).fetchone()[0]
-            if not got:
+            if not replica_rows.try_advisory_lock(conn, LEASE_KEY):
                 conn.close()
                 return
-            self.epoch = int(conn.execute(
-                "UPDATE fleet_state SET lease_epoch = lease_epoch + 1, lease_holder = ?, "
-                "lease_since = ? WHERE id = 1 RETURNING lease_epoch",
-                (self.name, time.time())).fetchone()[0])
+            self.epoch = replica_rows.take_lease(conn, self.name, time.time())
         except BaseException:
             conn.close()
             raise
@@ -258,12 +242,10 @@ class Coordinator:
         generation guard keeps a client from being handed that older state once it saw a
         newer one)."""
         name = device_ref(device_id)
-        row = self.db.read(lambda c: c.execute(
-            "SELECT target, generation FROM git_refs WHERE repo = ? AND name = ?",
-            (REPO, name)).fetchone())
-        if row is None or row[0] is None or int(row[1]) > self.serving.generation:
+        row = self.db.read(lambda c: replica_rows.published_ref(c, REPO, name))
+        if row is None or row[0] is None or row[1] > self.serving.generation:
             return None
-        return str(row[0])
+        return row[0]
 
     def request_repair(self, device_id: str) -> None:
         """A served branch is lost (its ref deleted, `packed-refs` emptied): the loop
@@ -282,7 +264,7 @@ class Coordinator:
     def _sync(self, *, full: bool) -> bool:
         with self._sync_lock:  # one sync at a time; readers wait only for the refs
             since = -1 if full else self.serving.generation
-            snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
+            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, REPO, since,
                                                             dialect=self.db.dialect))
             if snapshot.generation <= self.serving.generation and not snapshot.packs:
                 return False
@@ -317,8 +299,7 @@ class Coordinator:
         versions' generation guard (`records.advance_manifest_version`) enforces."""
         generation = deletion_generation(conn, device_id)
         if generation is not None:
-            conn.execute("UPDATE clients SET manifest_generation = ? WHERE client_id = ? AND "
-                         "manifest_generation < ?", (generation, client_id, generation))
+            records.raise_manifest_generation(conn, client_id, generation)
 
     # --- compiling (the holder) --------------------------------------------------------
 
@@ -342,7 +323,7 @@ class Coordinator:
         without what it remembered of the deleted devices. `compiled`: the state is the
         one a compile just left in the work repository (deletions raced its publication)."""
         since = self.working.generation
-        snapshot = self.db.read(lambda c: read_snapshot(c, REPO, since,
+        snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, REPO, since,
                                                         dialect=self.db.dialect))
         self.working.apply(snapshot)
         deleted = sorted(i for i in (device_id_from_ref(n) for n, t in snapshot.refs.items()
@@ -400,26 +381,23 @@ class Coordinator:
         moved.update({n: None for n in before if n not in after})
         if not moved:
             return None
-        counter = COUNTERS[replica.repo]
-        current = self.db.read(lambda c: int(c.execute(
-            f"SELECT {counter} FROM fleet_state WHERE id = 1").fetchone()[0]))
+        current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
         pack = (replica.full_pack() if compact else
                 replica.pack({n: t for n, t in moved.items() if t is not None},
                              before.values()))
 
         def write(conn: Any) -> int:
-            row = conn.execute(f"SELECT {counter}, lease_epoch FROM fleet_state WHERE id = 1 "
-                               "FOR UPDATE").fetchone()
-            if epoch is not None and int(row[1]) != epoch:
-                raise LeaseLost(f"the compile lease moved to epoch {row[1]}")
-            if epoch is not None and int(row[0]) != replica.generation:
+            published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
+            if epoch is not None and lease_epoch != epoch:
+                raise LeaseLost(f"the compile lease moved to epoch {lease_epoch}")
+            if epoch is not None and published != replica.generation:
                 # The lease never left this replica, so only deletions were published.
-                raise _DeletedMeanwhile(f"generation {row[0]} was published meanwhile")
-            generation = int(row[0]) + 1
-            publish_rows(conn, replica.repo, generation, pack, after if compact else moved,
-                         compact=compact)
-            conn.execute(f"UPDATE fleet_state SET {counter} = ? WHERE id = 1", (generation,))
+                raise _DeletedMeanwhile(f"generation {published} was published meanwhile")
+            generation = published + 1
+            replica_rows.publish_rows(conn, replica.repo, generation, pack,
+                                      after if compact else moved, compact=compact)
+            replica_rows.set_counter(conn, replica.repo, generation)
             return generation
 
         generation = self.db.write_sync(write)
@@ -434,7 +412,7 @@ class Coordinator:
             return False
         with self._source_lock:
             since = self.source.generation
-            snapshot = self.db.read(lambda c: read_snapshot(c, "source", since,
+            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, "source", since,
                                                             dialect=self.db.dialect))
             return self.source.apply(snapshot)
 
@@ -457,8 +435,7 @@ class SourceUpdate:
         assert source is not None
         conn = self._coordinator.db.connect()
         try:
-            conn.execute("SET statement_timeout = 120000")
-            conn.execute("SELECT pg_advisory_lock(?)", (SOURCE_KEY,))
+            replica_rows.wait_advisory_lock(conn, SOURCE_KEY, timeout_ms=120000)
             self._coordinator.sync_source()
         except BaseException:
             conn.close()

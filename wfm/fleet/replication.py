@@ -22,16 +22,14 @@ import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pygit2
 
 from compiler.packedrefs import LooseRefsError, move_refs
 from margo.files import write_atomically
-from wfm.store.database import Connection
+from wfm.store.replica_rows import Snapshot
 
-__all__ = ["COMPACT_AFTER", "COUNTERS", "Published", "RepoReplica", "Snapshot", "publish_rows",
-           "read_snapshot"]
+__all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
 
 COMPACT_AFTER = 64
 _GENERATION_FILE = "margo-generation"
@@ -39,49 +37,10 @@ _GIT = ("git", "-c", "core.warnAmbiguousRefs=false")
 
 
 @dataclass(frozen=True, slots=True)
-class Snapshot:
-    """What the database holds for one repository up to one generation."""
-
-    generation: int
-    packs: list[tuple[int, bytes]]  # (generation, pack) newer than the replica's
-    refs: dict[str, str | None]  # name -> target (None: deleted) that moved since then
-
-
-@dataclass(frozen=True, slots=True)
 class Published:
     generation: int
     refs: int
     pack_bytes: int
-
-
-#: The `fleet_state` column counting each repository's generations.
-COUNTERS = {"devices": "generation", "source": "source_generation"}
-
-
-def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str) -> Snapshot:
-    """Everything of `repo` newer than generation `since`, from one consistent snapshot
-    (the refs of a generation are rewritten by later ones, so the reads must not straddle a
-    publication). Starts over from the newest compacted pack when `since` is older."""
-    if dialect == "postgresql":
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-    else:
-        conn.execute("BEGIN")
-    try:
-        generation = int(conn.execute(
-            f"SELECT {COUNTERS[repo]} FROM fleet_state WHERE id = 1").fetchone()[0])
-        oldest = conn.execute("SELECT MIN(generation) FROM git_packs WHERE repo = ?",
-                              (repo,)).fetchone()[0]
-        if oldest is not None and since < int(oldest) - 1:
-            since = -1  # what we have predates the oldest pack kept: start from it
-        packs = [(int(g), bytes(p)) for g, p in conn.execute(
-            "SELECT generation, pack FROM git_packs WHERE repo = ? AND generation > ? AND "
-            "generation <= ? ORDER BY generation", (repo, since, generation))]
-        refs = {str(n): (None if t is None else str(t)) for n, t in conn.execute(
-            "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
-            "generation <= ?", (repo, since, generation))}
-    finally:
-        conn.execute("COMMIT")
-    return Snapshot(generation, packs, refs)
 
 
 class RepoReplica:
@@ -182,18 +141,3 @@ class RepoReplica:
                 move_refs(self.path, updates)
         self.mark_generation(snapshot.generation)
         return True
-
-
-def publish_rows(conn: Connection, repo: str, generation: int, pack: bytes,
-                 refs: Mapping[str, str | None], *, compact: bool) -> None:
-    """The rows of one publication (the caller's transaction holds the fence)."""
-    if pack:
-        conn.execute("INSERT INTO git_packs (repo, generation, pack) VALUES (?, ?, ?)",
-                     (repo, generation, pack))
-    if compact:
-        conn.execute("DELETE FROM git_packs WHERE repo = ? AND generation < ?",
-                     (repo, generation))
-    for name, target in sorted(refs.items()):
-        conn.execute("INSERT INTO git_refs (repo, name, target, generation) VALUES (?, ?, ?, ?) "
-                     "ON CONFLICT (repo, name) DO UPDATE SET target = excluded.target, "
-                     "generation = excluded.generation", (repo, name, target, generation))

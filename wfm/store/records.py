@@ -21,8 +21,8 @@ __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HIST
            "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
            "device_documents", "device_owner", "device_row", "device_rows", "device_time",
            "forget_device", "git_handout", "git_handout_at", "manifest_contents",
-           "manifest_contents_of", "manifest_version", "record_git_handouts", "record_polls",
-           "report_meaning",
+           "manifest_contents_of", "manifest_version", "raise_manifest_generation",
+           "record_git_handouts", "record_polls", "report_meaning",
            "rollout_progressing", "status_device", "status_history", "statuses_by_deployment",
            "store_capabilities", "store_status",
            "trim_capability_history", "trim_status_history"]
@@ -485,3 +485,10 @@ def rollout_progressing(conn: Connection) -> bool:
     """Whether any staged rollout is progressing (`wfm.fleet.rollouts` stores their state)."""
     return bool(conn.execute("SELECT COUNT(*) FROM rollouts WHERE state LIKE ?",
                              ('%"status": "progressing"%',)).fetchone()[0])
+
+
+def raise_manifest_generation(conn: Connection, client_id: str, generation: int) -> None:
+    """No manifest for the client from a generation older than `generation` (a deletion of
+    an id it registers again was published there: `wfm.fleet.coordination`)."""
+    conn.execute("UPDATE clients SET manifest_generation = ? WHERE client_id = ? AND "
+                 "manifest_generation < ?", (generation, client_id, generation))

@@ -1,0 +1,147 @@
+"""The rows replicas share a repository through: Git packs and refs per generation, each
+repository's generation counter, compile requests, and the compile lease (its epoch, and
+the PostgreSQL advisory locks the lease and the source's turns are held with).
+
+`wfm.fleet.replication` makes the packs and applies them to a local repository, and
+`wfm.fleet.coordination` fences each publication; the SQL that stores and reads the rows is
+here. Functions run inside the database's reader or writer threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from wfm.store.database import Connection
+
+__all__ = ["COUNTERS", "Snapshot", "compile_state", "deleted_at", "lease_alive", "lock_counter",
+           "lock_device_generation", "publish_rows", "published_generation", "published_ref",
+           "read_snapshot", "request_compile", "set_counter", "take_lease", "try_advisory_lock",
+           "wait_advisory_lock"]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the database holds for one repository up to one generation."""
+
+    generation: int
+    packs: list[tuple[int, bytes]]  # (generation, pack) newer than the replica's
+    refs: dict[str, str | None]  # name -> target (None: deleted) that moved since then
+
+
+#: The `fleet_state` column counting each repository's generations.
+COUNTERS = {"devices": "generation", "source": "source_generation"}
+
+
+def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str) -> Snapshot:
+    """Everything of `repo` newer than generation `since`, from one consistent snapshot
+    (the refs of a generation are rewritten by later ones, so the reads must not straddle a
+    publication). Starts over from the newest compacted pack when `since` is older."""
+    if dialect == "postgresql":
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    else:
+        conn.execute("BEGIN")
+    try:
+        generation = int(conn.execute(
+            f"SELECT {COUNTERS[repo]} FROM fleet_state WHERE id = 1").fetchone()[0])
+        oldest = conn.execute("SELECT MIN(generation) FROM git_packs WHERE repo = ?",
+                              (repo,)).fetchone()[0]
+        if oldest is not None and since < int(oldest) - 1:
+            since = -1  # what we have predates the oldest pack kept: start from it
+        packs = [(int(g), bytes(p)) for g, p in conn.execute(
+            "SELECT generation, pack FROM git_packs WHERE repo = ? AND generation > ? AND "
+            "generation <= ? ORDER BY generation", (repo, since, generation))]
+        refs = {str(n): (None if t is None else str(t)) for n, t in conn.execute(
+            "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
+            "generation <= ?", (repo, since, generation))}
+    finally:
+        conn.execute("COMMIT")
+    return Snapshot(generation, packs, refs)
+
+
+def publish_rows(conn: Connection, repo: str, generation: int, pack: bytes,
+                 refs: Mapping[str, str | None], *, compact: bool) -> None:
+    """The rows of one publication (the caller's transaction holds the fence)."""
+    if pack:
+        conn.execute("INSERT INTO git_packs (repo, generation, pack) VALUES (?, ?, ?)",
+                     (repo, generation, pack))
+    if compact:
+        conn.execute("DELETE FROM git_packs WHERE repo = ? AND generation < ?",
+                     (repo, generation))
+    for name, target in sorted(refs.items()):
+        conn.execute("INSERT INTO git_refs (repo, name, target, generation) VALUES (?, ?, ?, ?) "
+                     "ON CONFLICT (repo, name) DO UPDATE SET target = excluded.target, "
+                     "generation = excluded.generation", (repo, name, target, generation))
+
+
+def lock_device_generation(conn: Connection) -> int:
+    """The devices' repository's published generation, its row locked for this transaction
+    (a deletion's publication takes the next one)."""
+    row = conn.execute("SELECT generation FROM fleet_state WHERE id = 1 FOR UPDATE").fetchone()
+    return int(row[0])
+
+
+def lock_counter(conn: Connection, repo: str) -> tuple[int, int]:
+    """(generation of `repo`, lease epoch), the row locked for this transaction: the fence
+    of one publication."""
+    row = conn.execute(f"SELECT {COUNTERS[repo]}, lease_epoch FROM fleet_state WHERE id = 1 "
+                       "FOR UPDATE").fetchone()
+    return int(row[0]), int(row[1])
+
+
+def set_counter(conn: Connection, repo: str, generation: int) -> None:
+    conn.execute(f"UPDATE fleet_state SET {COUNTERS[repo]} = ? WHERE id = 1", (generation,))
+
+
+def published_generation(conn: Connection, repo: str) -> int:
+    return int(conn.execute(f"SELECT {COUNTERS[repo]} FROM fleet_state WHERE id = 1")
+               .fetchone()[0])
+
+
+def deleted_at(conn: Connection, repo: str, name: str) -> int | None:
+    """The generation that published the ref `name` as deleted (None: it was not)."""
+    row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
+                       "target IS NULL", (repo, name)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def published_ref(conn: Connection, repo: str, name: str) -> tuple[str | None, int] | None:
+    """(target, generation) of a published ref (target None: published as deleted)."""
+    row = conn.execute("SELECT target, generation FROM git_refs WHERE repo = ? AND name = ?",
+                       (repo, name)).fetchone()
+    return None if row is None else (None if row[0] is None else str(row[0]), int(row[1]))
+
+
+def compile_state(conn: Connection) -> tuple[int, int]:
+    """(published generation, compile requests counted so far)."""
+    row = conn.execute("SELECT generation, compile_requests FROM fleet_state "
+                       "WHERE id = 1").fetchone()
+    return int(row[0]), int(row[1])
+
+
+def request_compile(conn: Connection) -> None:
+    conn.execute("UPDATE fleet_state SET compile_requests = compile_requests + 1 WHERE id = 1")
+
+
+def lease_alive(conn: Connection) -> None:
+    """A round trip on the lease's own session: raises when the session is gone."""
+    conn.execute("SELECT 1").fetchone()
+
+
+def try_advisory_lock(conn: Connection, key: int) -> bool:
+    """PostgreSQL's session advisory lock `key`, if free (never waits)."""
+    return bool(conn.execute("SELECT pg_try_advisory_lock(?)", (key,)).fetchone()[0])
+
+
+def take_lease(conn: Connection, holder: str, since: float) -> int:
+    """Record the new lease holder; the lease's new epoch (what fences publications)."""
+    return int(conn.execute(
+        "UPDATE fleet_state SET lease_epoch = lease_epoch + 1, lease_holder = ?, "
+        "lease_since = ? WHERE id = 1 RETURNING lease_epoch", (holder, since)).fetchone()[0])
+
+
+def wait_advisory_lock(conn: Connection, key: int, *, timeout_ms: int) -> None:
+    """PostgreSQL's session advisory lock `key`, waiting at most `timeout_ms`."""
+    conn.execute(f"SET statement_timeout = {timeout_ms}")
+    conn.execute("SELECT pg_advisory_lock(?)", (key,))

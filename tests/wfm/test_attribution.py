@@ -159,8 +159,10 @@ def test_a_report_naming_its_manifest_version_is_about_what_that_version_held(
     old = server.manifest()["manifestVersion"]
     deployment_id = server.deployment("rest-box")["deploymentId"]
     server.set_greeting("rest-box", "hallo")
-    new = server.manifest()["manifestVersion"]
-    assert new > old
+    # The branch moves before the compile publishes the client's next manifest version: a
+    # poll in between is served the previous one (a device would get it on its next poll).
+    new = poll_until("the next manifest version", lambda: (
+        version := server.manifest()["manifestVersion"]) > old and version, timeout=30)
     post_rc2(server, deployment_id, rc2_report(deployment_id, "installed",
                                                adoptedManifestVersion=old))
     assert server.freshness("rest-box") == "pending"

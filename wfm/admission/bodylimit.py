@@ -217,7 +217,7 @@ async def _answer(refusal: ProblemError, scope: MutableMapping[str, Any], send: 
         return {"type": "http.disconnect"}
 
     response = problem_response(refusal, instance=scope.get("path"))
-    await response(scope, no_body, send)  # type: ignore[arg-type]
+    await response(scope, no_body, send)
 
 
 # --- before the app: the request head ---------------------------------------------------------

@@ -79,7 +79,7 @@ class CompileService:
                  documents: Callable[[], dict[str, object]],
                  on_compiled: Callable[[CompileReport | None], None], *,
                  debounce: float = 0.3, coordinator: Coordinator | None = None,
-                 on_condition: Callable[[SourceCondition], None] = lambda condition: None,
+                 on_condition: Callable[[SourceCondition], object] = lambda condition: None,
                  rollouts: RolloutController | None = None,
                  lead_times: LeadTimes | None = None):
         """`lead_times`: told what each compile answers and changed (`wfm.fleet.leadtime`)."""

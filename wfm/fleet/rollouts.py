@@ -138,7 +138,7 @@ class RolloutController:
                     state.get("reason", ""),
                     admitted=None if capped is None else frozenset(state.get("admitted", {})))
         if changed:
-            self._db.write_sync(lambda conn: [save_rollout(conn, n, s) for n, s in changed.items()])
+            self._db.write_sync(lambda conn: _save_rollouts(conn, changed))
         self._given = plans
         return plans
 
@@ -358,3 +358,9 @@ def _started(state: dict[str, Any] | None, revision: str, now: float) -> dict[st
             "base": dict(state["base"]) if superseding else {}, "reason": "",
             "history": [], "startedAt": now, "moved": [], "admitted": {},
             "superseded": state["revision"] if superseding else None}
+
+
+def _save_rollouts(conn: Connection, changed: dict[str, dict[str, Any]]) -> None:
+    """Every intent's changed rollout state, in one write."""
+    for name, state in changed.items():
+        save_rollout(conn, name, state)

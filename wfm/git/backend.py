@@ -259,7 +259,7 @@ async def _feed(receive: Receive, stdin: asyncio.StreamWriter, cgi: CgiRequest) 
 async def _read_cgi_head(stdout: asyncio.StreamReader) -> tuple[int, list[tuple[bytes, bytes]]]:
     """Parse the CGI header block: ``Status:`` becomes the status code, the rest are passed
     on as response headers."""
-    status, headers = 200, []
+    status, headers = 200, list[tuple[bytes, bytes]]()
     while True:
         try:
             line = await stdout.readuntil(b"\n")

@@ -211,8 +211,10 @@ class NodeView:
 
 
 def _node_view(node: Mapping[str, Any]) -> NodeView:
-    available = node.get("available") if isinstance(node.get("available"), Mapping) else {}
-    allocatable = node.get("allocatable") if isinstance(node.get("allocatable"), Mapping) else {}
+    available: Mapping[str, Any] = node["available"] if isinstance(
+        node.get("available"), Mapping) else {}
+    allocatable: Mapping[str, Any] = node["allocatable"] if isinstance(
+        node.get("allocatable"), Mapping) else {}
 
     def of(key: str) -> str:
         have, total = available.get(key), allocatable.get(key)

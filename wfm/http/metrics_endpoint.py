@@ -50,7 +50,7 @@ def route_of(scope: Scope) -> str:
     path = getattr(route, "path", None)
     if path is None:
         return _UNMATCHED
-    return scope.get("root_path", "") + path
+    return str(scope.get("root_path", "")) + str(path)
 
 
 class RouteMiddleware:

@@ -210,11 +210,12 @@ class Identity:
         """The accepted-client policy for an SVID-proven client id (cached briefly)."""
         now = time.monotonic()
         cached = self._decisions.get(client_id)
+        decision: Client | ProblemError
         if cached is not None and cached[0] > now:
             decision = cached[1]
         else:
             try:
-                decision: Client | ProblemError = self._decide(client_id)
+                decision = self._decide(client_id)
             except ProblemError as exc:
                 decision = exc
             with self._lock:

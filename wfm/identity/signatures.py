@@ -70,8 +70,9 @@ class SignatureError(Exception):
 
 
 def public_key_pem(public_key: Any) -> str:
-    return public_key.public_bytes(serialization.Encoding.PEM,
-                                   serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    pem: bytes = public_key.public_bytes(serialization.Encoding.PEM,
+                                         serialization.PublicFormat.SubjectPublicKeyInfo)
+    return pem.decode()
 
 
 def algorithms_for(public_key: Any) -> list[type[HTTPSignatureAlgorithm]]:

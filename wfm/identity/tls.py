@@ -24,7 +24,7 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,10 +215,10 @@ class TlsHttpProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         super().connection_made(transport)
         extension = tls_extension(transport)
         if extension is not None:
-            self.app = _WithTls(self.app, extension)
+            self.app = _WithTls(self.app, extension)  # type: ignore[has-type]
 
 
-def peer_certificates(scope: dict[str, Any]) -> list[x509.Certificate]:
+def peer_certificates(scope: Mapping[str, Any]) -> list[x509.Certificate]:
     """The client certificate chain the TLS layer verified (leaf first); [] without one."""
     tls = (scope.get("extensions") or {}).get("tls") or {}
     chain = tls.get("client_cert_chain") or []

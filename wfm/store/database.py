@@ -46,7 +46,8 @@ log = logging.getLogger("margo.wfm.db")
 
 
 class Cursor(Protocol):
-    rowcount: int
+    @property
+    def rowcount(self) -> int: ...
 
     def fetchone(self) -> Any: ...
     def fetchall(self) -> list[Any]: ...
@@ -275,7 +276,8 @@ class Database:
                     outcome = "committed"
                 except Exception as exc:  # outside any one write: the batch fails, the
                     self._batch_failed(batch, exc)  # writer goes on, on a new connection
-                    conn = self._drop(conn)
+                    self._drop(conn)
+                    conn = None
                     outcome = "unavailable" if self._is_unavailable(exc) else "failed"
                 except BaseException as exc:
                     self._batch_failed(batch, exc)

@@ -107,7 +107,8 @@ class PostgresDatabase(Database):
     def _probe(self) -> None:
         """A pooled connection within a second or two, to a server that takes writes."""
         with self._pool.connection(timeout=_PROBE_TIMEOUT) as conn:
-            if conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]:
+            row = conn.execute("SELECT pg_is_in_recovery()").fetchone()
+            if row is None or row[0]:
                 raise DatabaseUnavailable("PostgreSQL is a standby (read-only)")
 
     def connect(self) -> PgConnection:

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from kits.matrixkit import Cell, MatrixDevice
 
 FEATURE = "freshness"
+#: In `make test`: every row on render (freshness follows what a row reports; the lifecycle
+#: feature's quick cells cover the engines and the replicas).
+QUICK = frozenset({"rc3-render-sqlite", "rc2-render-sqlite", "oct2024-render-sqlite"})
 
 
 def test_current_once_installed_and_again_after_a_reconfiguration(

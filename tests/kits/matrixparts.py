@@ -82,12 +82,7 @@ class FleetHost:
 
     def rollout(self, intent: str) -> dict[str, Any] | None:
         """`GET /api/fleet/rollouts/{intent}`; None while the intent has none."""
-        response = self.http.get(f"/api/fleet/rollouts/{intent}")
-        if response.status_code == 404:
-            return None
-        assert response.status_code == 200, response.text
-        found: dict[str, Any] = response.json()
-        return found
+        return self._found(f"/api/fleet/rollouts/{intent}")
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`margo <args> --url <this server>` (explain, rollout, status ...), as an operator
@@ -100,12 +95,16 @@ class FleetHost:
 
     def device_view(self, device_id: str) -> dict[str, Any] | None:
         """`GET /api/fleet/devices/{id}`; None while the server has not heard of it."""
-        response = self.http.get(f"/api/fleet/devices/{device_id}")
+        return self._found(f"/api/fleet/devices/{device_id}")
+
+    def _found(self, path: str) -> dict[str, Any] | None:
+        """The read API's answer at `path`: None on 404, else it must be 200."""
+        response = self.http.get(path)
         if response.status_code == 404:
             return None
         assert response.status_code == 200, response.text
-        view: dict[str, Any] = response.json()
-        return view
+        found: dict[str, Any] = response.json()
+        return found
 
 
 class MatrixParts:

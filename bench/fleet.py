@@ -69,7 +69,7 @@ from typing import Any
 from bench.serve import Connection, capabilities
 from tools.margoserver import MargoServer, margo_server
 from tools.postgres import running_postgres
-from tools.processes import stop
+from tools.processes import cpu_seconds, stop
 from wfm.identity.clients import ClientRegistry
 from wfm.store.database import Database
 from wfm.store.opening import open_database
@@ -91,7 +91,6 @@ TRANSPORT_ERRORS = (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitO
                     OSError)
 # The components of a deployment document (the canonical emitter's fixed indentation).
 COMPONENT = re.compile(rb"^      - name: (\S+)$", re.MULTILINE)
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class NotMeasured(RuntimeError):
@@ -118,15 +117,6 @@ class Stats:
     def reset(self) -> None:
         self.counts, self.latencies, self.errors = Counter(), {}, Counter()
         self.started = time.monotonic()
-
-
-def cpu_seconds(pid: int, *, children: bool = True) -> tuple[float, float]:
-    """(user, sys) CPU seconds of a process, with its waited-for children's by default."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    user, system = int(fields[11]), int(fields[12])
-    if children:
-        user, system = user + int(fields[13]), system + int(fields[14])
-    return user / TICKS, system / TICKS
 
 
 def child_pids(parent: int) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from tools.kube.controlplane import ControlPlane
 from tools.kube.realnode import RealNode, RealNodes, tree
+from tools.processes import cpu_seconds
 
 
 def rss_by_component(pid: int) -> dict[str, int]:
@@ -34,13 +34,12 @@ def rss_by_component(pid: int) -> dict[str, int]:
     return found
 
 
-def cpu_seconds(pid: int) -> float:
+def tree_cpu_seconds(pid: int) -> float:
     """User and system CPU time of a process tree (live processes only)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    total = 0.0
     for each in tree(pid):
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += sum(cpu_seconds(each, children=False))
     return total
 
 
@@ -77,10 +76,10 @@ def main() -> int:
             detail = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(
                 parts.items(), key=lambda kv: -kv[1]))
             print(f"{name}: {sum(parts.values()) / 2**20:.0f} MiB resident ({detail})")
-        before = {n: cpu_seconds(node.process.pid) for n, node in nodes.nodes.items()}
+        before = {n: tree_cpu_seconds(node.process.pid) for n, node in nodes.nodes.items()}
         time.sleep(args.idle)
         for name, node in nodes.nodes.items():
-            share = (cpu_seconds(node.process.pid) - before[name]) / args.idle
+            share = (tree_cpu_seconds(node.process.pid) - before[name]) / args.idle
             print(f"{name}: {share * 100:.1f} % of one core while idle (one pod running)")
         stopping = time.monotonic()
         nodes.stop()

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
 import statistics
@@ -33,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.margoserver import running_margo
+from tools.margoserver import margo_server
+from tools.processes import cpu_seconds
 from wfm.identity.clients import ClientRegistry
 from wfm.store.sqlitedb import SqliteDatabase
 
@@ -202,7 +202,7 @@ async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], byte
         scrapes: list[tuple[float, int]] = []
         scraper = (asyncio.create_task(scraping(port, args.scrape_every, scrapes))
                    if scraped else None)
-        before = _cpu_seconds(args.server_pid)
+        before = sum(cpu_seconds(args.server_pid, children=False))
         latencies, elapsed = await run_load(port, jobs, args.concurrency, args.scrape_seconds,
                                             {200, 201})
         if scraper is not None:
@@ -210,7 +210,8 @@ async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], byte
             with contextlib.suppress(asyncio.CancelledError):
                 await scraper
         figures[scraped].append(len(latencies) / elapsed)
-        cpu[scraped].append((_cpu_seconds(args.server_pid) - before) / len(latencies) * 1e6)
+        used = sum(cpu_seconds(args.server_pid, children=False)) - before
+        cpu[scraped].append(used / len(latencies) * 1e6)
     without, with_ = (statistics.median(figures[k]) for k in (False, True))
     print(f"status reports, {args.scrape_rounds} x {args.scrape_seconds:g} s each, ABBA: "
           f"without scraping {without:,.0f} req/s (median; {_rates(figures[False])}), "
@@ -220,23 +221,6 @@ async def scrape_cost(port: int, jobs: list[tuple[str, str, dict[str, str], byte
     print(f"server CPU per status report: without scraping {without:,.0f} µs (median; "
           f"{_rates(cpu[False])}), scraped {with_:,.0f} µs ({_rates(cpu[True])}): "
           f"{100 * (with_ - without) / without:+.1f} %")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User and system CPU time of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _server_pid(data: Path) -> int:
-    """The `margo serve` process on `data` (its command line names the directory)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):
-                command = (proc / "cmdline").read_bytes().split(b"\0")
-                if b"serve" in command and str(data).encode() in command:
-                    return int(proc.name)
-    raise RuntimeError(f"no margo serve process on {data}")
 
 
 def _rates(values: list[float]) -> str:
@@ -377,13 +361,12 @@ def main() -> None:
         db.close()
         # One connection per device in the open-loop phase, besides the shared ones.
         connections = max(8192, args.devices + args.concurrency + 16)
-        with running_margo(data, "--source", str(root / "fleet"),
-                            "--max-connections", str(connections)) as base:
-            port = int(base.rsplit(":", 1)[1])
-            args.server_pid = _server_pid(data)
-            asyncio.run(scenario(port, tokens, args))
+        with margo_server(data, "--source", str(root / "fleet"),
+                          "--max-connections", str(connections)) as server:
+            args.server_pid = server.process.pid  # the scrape rounds read its CPU time
+            asyncio.run(scenario(server.port, tokens, args))
             try:
-                git_polls(base, tokens[0], args.git_polls)
+                git_polls(server.url, tokens[0], args.git_polls)
             except (ImportError, subprocess.CalledProcessError) as exc:
                 print(f"Git no-change fetches: not measured ({exc})")
 

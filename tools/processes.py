@@ -1,12 +1,13 @@
 """Helpers for the real servers the tools, the test kits and the benchmarks start (etcd and
 Kubernetes, dockerd, PostgreSQL, `margo serve`, the OCI registry): children that die with
-the process that started them, free loopback ports, waiting until a server answers, and
-stopping it."""
+the process that started them, free loopback ports, waiting until a server answers,
+stopping it, and the CPU time it has used (the benchmarks' figures)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -18,7 +19,10 @@ import httpx
 
 from tools.polling import poll_until
 
-__all__ = ["die_with_parent", "free_port", "stop", "unanswered_port", "wait_until_ready"]
+__all__ = ["cpu_seconds", "die_with_parent", "free_port", "stop", "unanswered_port",
+           "wait_until_ready"]
+
+TICKS = os.sysconf("SC_CLK_TCK")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -75,3 +79,13 @@ def unanswered_port() -> Iterator[int]:
     finally:
         filler.close()
         listener.close()
+
+
+def cpu_seconds(pid: int, *, children: bool = True) -> tuple[float, float]:
+    """(user, sys) CPU seconds of a process (Linux /proc), with its waited-for children's
+    by default."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    user, system = int(fields[11]), int(fields[12])
+    if children:
+        user, system = user + int(fields[13]), system + int(fields[14])
+    return user / TICKS, system / TICKS

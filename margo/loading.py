@@ -236,7 +236,7 @@ class _Builder:
                                 yaml.DocumentStartEvent)):
             return
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            self.end_collection(mark)
+            self.end_collection()
         elif self.expecting_key():
             self.key(event, mark)
         else:
@@ -246,7 +246,7 @@ class _Builder:
         return bool(self.stack) and isinstance(self.stack[-1].container, dict) and (
             self.stack[-1].pending_key is None)
 
-    def end_collection(self, mark: Any) -> None:
+    def end_collection(self) -> None:
         frame = self.stack.pop()
         if frame.anchor is not None:
             self.anchors[frame.anchor] = (frame.container, frame.nodes)
@@ -324,22 +324,21 @@ class _Builder:
         )
         self.stack.append(_Frame(container, path, event.anchor))
 
-    def attach(self, value: Any, nodes: int) -> Path:
-        """Place a finished value in its parent; return the path it got."""
+    def attach(self, value: Any, nodes: int) -> None:
+        """Place a finished value in its parent (its path is `child_path()`, taken when
+        the value began)."""
         if not self.stack:
             self.root.append(value)
-            return ()
+            return
         frame = self.stack[-1]
         frame.nodes += nodes
         if isinstance(frame.container, list):
-            path = (*frame.path, len(frame.container))
             frame.container.append(value)
-            return path
+            return
         key = frame.pending_key
         assert key is not None
         frame.container[key] = value
         frame.pending_key = None
-        return (*frame.path, key)
 
     def child_path(self) -> Path:
         if not self.stack:

@@ -36,6 +36,7 @@ from compiler.gitstore import DeviceCommit, DeviceStore
 from compiler.planning import plan_compile
 from compiler.report import CompileReport, DeviceResult
 from compiler.rollout import RolloutPlan
+from compiler.secrets import FleetKey
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 from compiler.state import CompilerState
@@ -50,17 +51,21 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   state: CompilerState, *, now: float | None = None, dry_run: bool = False,
                   progress: Progress | None = None,
                   on_dry_commit: Callable[[DeviceCommit], None] | None = None,
-                  rollouts: Mapping[str, RolloutPlan] | None = None) -> CompileReport:
+                  rollouts: Mapping[str, RolloutPlan] | None = None,
+                  fleet_key: FleetKey | None = None) -> CompileReport:
     """Compile every device of the snapshot; commit (unless `dry_run`) and report.
     `on_dry_commit` sees each commit a dry run would have made (`margo plan --diff`).
     `rollouts`: the fleet server's plan for each intent under a staged rollout.
+    `fleet_key` opens the intents' secrets (`compiler.secrets`); without it an intent
+    that gives one is an error on every device it places.
 
     Commits stream to Git while later devices still render (`DeviceStore.write_objects`).
     The state is written before the branches move but committed only once they have moved,
     so it never claims a tree that a failed write did not commit.
     """
     plan = plan_compile(source, snapshot, store, state,
-                        now=time.time() if now is None else now, rollouts=rollouts or {})
+                        now=time.time() if now is None else now, rollouts=rollouts or {},
+                        fleet_key=fleet_key)
     report, outcomes = plan.report, CompileOutcomes()
     works = run_jobs(plan.context, store, plan.jobs, progress)
     commits = account_commits(plan.jobs, works, report, outcomes, plan.context.now)

@@ -146,10 +146,11 @@ class CompileContext:
             self._profiles[key] = found[0] if len(found) == 1 else None
         return self._profiles[key]
 
-    def has_immutable_settings(self, app: AppVersion) -> bool:
-        """Whether a deployment of `app` must be checked against the previous one."""
+    def needs_previous(self, intent: Intent, app: AppVersion) -> bool:
+        """Whether rendering `intent` with `app` reads the device's current document: to
+        check `immutable` settings, or to keep the envelopes of unchanged secrets."""
         found = self._immutable.get(app.digest)
         if found is None:
             found = self._immutable[app.digest] = any(
                 s.immutable for s in app.description.settings().values())
-        return found
+        return found or bool(self.renders.value_plan(intent, app).secrets)

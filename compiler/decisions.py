@@ -142,7 +142,7 @@ def place_eligible(dev: DeviceRound, intent: Intent, app: AppVersion,
     ctx, out, current, device = dev.ctx, dev.out, dev.current, dev.device
     fname = file_name(intent.name)
     old = None
-    if fname in current.ids and ctx.has_immutable_settings(app):
+    if fname in current.ids and ctx.needs_previous(intent, app):
         old = _parse_previous(current.read(fname))
     assert placement.profile is not None
     try:

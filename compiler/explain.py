@@ -23,6 +23,7 @@ from compiler.holding import grows
 from compiler.intents import Intent
 from compiler.placement import Attempt, Placement, ProfileConstraints, place
 from compiler.render import RenderCache, RenderError, render
+from compiler.secrets import FleetKey
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 from compiler.specdiff import classify
@@ -150,22 +151,22 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
                    intent_name: str | None = None,
                    placements: dict[str, PlacementRecord] | None = None,
                    placed: Collection[str] | Mapping[str, bytes] | None = None,
-                   now: float | None = None) -> list[IntentExplanation]:
+                   now: float | None = None, fleet_key: FleetKey | None = None
+                   ) -> list[IntentExplanation]:
     """Explain every intent (or one) for a device; raise KeyError for an unknown device.
-
-    `placed` names the intents the device's tree holds (by default those `placements` say
-    are deployed; none without either), or maps them to the files it holds: accounting
-    gives them their share first, and with the files a change that raises what a placed
-    deployment takes is decided (and explained as held) as the compiler decides it."""
+    `fleet_key` opens the intents' secrets as the compiler does. `placed` names the
+    intents the device's tree holds (by default those `placements` say are deployed; none
+    without either), or maps them to the files it holds: accounting gives them their
+    share first, and with the files a change that raises what a placed deployment takes is
+    decided (and explained as held) as the compiler decides it."""
     device = snapshot.devices[device_id]
     resolved = resolve_intents(source)
-    constraints = ProfileConstraints()
+    constraints, renders = ProfileConstraints(), RenderCache(fleet_key)
     names = sorted(set(resolved.usable) | resolved.frozen)
     if intent_name is not None and intent_name not in names:
         raise KeyError(intent_name)
-    if placed is None:
-        placed = {n for n, r in (placements or {}).items() if r.deployed}
     records = placements or {}
+    placed = {n for n, r in records.items() if r.deployed} if placed is None else placed
     capacity = DeviceCapacity(device, constraints)
     round_ = _Round(capacity, placed if isinstance(placed, Mapping) else {})
     cluster = is_cluster(device)
@@ -195,7 +196,7 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
         explanation = IntentExplanation(name, "eligible", app_label, str(profile.id),
                                         attempts=list(placement.attempts))
         try:
-            rendered: bytes | None = render(intent, app, profile, device).data
+            rendered: bytes | None = render(intent, app, profile, device, cache=renders).data
         except RenderError as exc:
             explanation.status, explanation.problems, rendered = "error", exc.problems, None
         out.append(explanation)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from compiler.explain import explain_device, held_reason
+from compiler.secrets import FleetKey
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 
@@ -23,7 +24,8 @@ def explain_fleet(source: FleetSource, snapshot: Snapshot, *, intent: str | None
                   application: str | None = None,
                   placed_of: Callable[[str], Collection[str] | Mapping[str, bytes] | None] = (
                       lambda device: None),
-                  now: float | None = None) -> dict[str, Any]:
+                  now: float | None = None,
+                  fleet_key: FleetKey | None = None) -> dict[str, Any]:
     """Every device's explanation of the intents matching `intent` or `application`
     (KeyError(intent) for an intent the source does not define). `placed_of(device)`: the
     intents that device's tree holds, or them and their files (capacity accounting counts
@@ -35,7 +37,8 @@ def explain_fleet(source: FleetSource, snapshot: Snapshot, *, intent: str | None
     for device_id in sorted(snapshot.devices):
         explanations = [e for e in explain_device(source, snapshot, device_id,
                                                   intent_name=intent,
-                                                  placed=placed_of(device_id), now=now)
+                                                  placed=placed_of(device_id), now=now,
+                                                  fleet_key=fleet_key)
                         if names is None or e.intent in names]
         if not explanations:
             continue

@@ -22,6 +22,7 @@ from jsonschema import Draft202012Validator
 
 from compiler.expressions import CompiledValue, ExpressionError, compile_value
 from compiler.rollout import PERCENT, POSITIVE_PERCENT, RolloutSpec, Wave
+from compiler.secrets import SECRET, is_secret, secret_problem
 from margo.constraints import CompiledConstraints, compile_constraints
 from margo.digests import data_digest
 from margo.errors import DocumentError, Path, Problem, short_repr
@@ -188,6 +189,9 @@ def _compile_parameters(parameters: Mapping[str, Any]) -> tuple[dict[str, Compil
     compiled: dict[str, CompiledValue] = {}
     problems: list[Problem] = []
     for name, value in parameters.items():
+        if is_secret(value) and (problem := secret_problem(value)) is not None:
+            problems.append(Problem(("spec", "parameters", name, SECRET), problem))
+            continue
         try:
             compiled[name] = compile_value(value)
         except ExpressionError as exc:

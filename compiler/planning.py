@@ -17,8 +17,10 @@ from compiler.context import COMPILER_VERSION, CompileContext, ResolvedIntents, 
 from compiler.device_compile import DeviceJob
 from compiler.gitstore import DeviceStore, branch_problem, device_ref
 from compiler.placement import ProfileConstraints
+from compiler.render import RenderCache
 from compiler.report import CompileReport, DeviceResult
 from compiler.rollout import RolloutPlan, assign_waves
+from compiler.secrets import FleetKey
 from compiler.snapshot import Device, Snapshot, SnapshotMemo
 from compiler.source import FleetSource
 from compiler.state import CompilerState, DeviceRecord, IntentRecord
@@ -48,7 +50,8 @@ class CompilePlan:
 
 def plan_compile(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                  state: CompilerState, *, now: float,
-                 rollouts: Mapping[str, RolloutPlan]) -> CompilePlan:
+                 rollouts: Mapping[str, RolloutPlan],
+                 fleet_key: FleetKey | None = None) -> CompilePlan:
     """Resolve the intents, find what changed, and list the devices to compile; binds
     `state` to `store` (a state of another repository is forgotten)."""
     intents = resolve_intents(source)
@@ -59,7 +62,7 @@ def plan_compile(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     gated = _gated_intents(intents, rollouts)
     changed |= set(gated)  # evaluated again on every device while the rollout moves
     ctx = CompileContext(source, intents, previous_intents, changed, ProfileConstraints(),
-                         now, TargetIndex(snapshot.devices))
+                         now, TargetIndex(snapshot.devices), RenderCache(fleet_key))
     report = CompileReport(source.revision, devices=len(snapshot.devices))
     _assign_waves(ctx, snapshot, gated, report)
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,

@@ -20,6 +20,8 @@ from typing import Any
 
 from compiler.expressions import CompiledValue, ExpressionError, device_context
 from compiler.intents import Intent
+from compiler.sealing import compare_previous, no_key_problem, redacted, seal_for, slot_name
+from compiler.secrets import SECRET, FleetKey, SecretError, is_secret
 from compiler.snapshot import Device
 from compiler.source import AppVersion
 from margo.canonical import Slot, YamlTemplate, yaml_template
@@ -28,6 +30,7 @@ from margo.errors import Problem
 from margo.kinds import Shape
 from margo.models import ApplicationDeployment, DeploymentProfile, Parameter, ParameterTarget
 from margo.parameters import EMPTY, check_immutable, validate_value
+from margo.sealing import device_recipient, is_sealed
 
 __all__ = ["INTENT_LABEL", "RenderCache", "RenderError", "Rendered", "deployment_id", "file_name",
            "previous_values", "render"]
@@ -122,6 +125,8 @@ class _ValuePlan:
     #: (name, value, what it reads of the device in a fixed order; None: all of it)
     expressions: tuple[tuple[str, CompiledValue, ReadOrder | None], ...]
     problems: tuple[Problem, ...]  # intent parameters the application does not have
+    #: Parameters given as secrets (`values` holds their plaintext: memory only).
+    secrets: frozenset[str] = frozenset()
 
 
 #: Entries a memo (templates, expression results) keeps per compile before starting over.
@@ -139,7 +144,9 @@ class RenderCache:
     skipping any check.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, secrets: FleetKey | None = None) -> None:
+        #: The fleet key, which opens the intents' secrets (None: none configured).
+        self.secrets = secrets
         self._device: tuple[str, dict[str, Any]] | None = None
         self._checked: dict[tuple[str, str, str], list[Problem]] = {}
         self._plans: dict[tuple[str, str | None], _ProfilePlan] = {}
@@ -230,12 +237,20 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
         keys[name] = cache.literal_key(app.digest, name, values[name])
     problems: list[Problem] = []
     expressions: list[tuple[str, CompiledValue, ReadOrder | None]] = []
+    secrets: set[str] = set()
+    sensitive = description.sensitive_parameters()
     for name, compiled in intent.parameters.items():
         if name not in description.parameters:
             problems.append(intent.locate(Problem(
                 ("spec", "parameters", name), f"application {description.id} "
                 f"{description.version} has no parameter {name!r}",
                 expected="one of " + ", ".join(sorted(description.parameters)))))
+        elif compiled.is_literal and is_secret(compiled.source):
+            problem = _open_secret(name, compiled.source, cache, values, keys)
+            problems += [intent.locate(problem)] if problem else []
+            secrets.add(name)
+        elif (problem := _plain_value_problem(name, compiled, sensitive)) is not None:
+            problems.append(intent.locate(problem))
         elif compiled.is_literal:
             values[name] = compiled.source
             keys[name] = cache.literal_key(intent.digest, name, compiled.source)
@@ -243,7 +258,41 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
             reads = compiled.reads
             expressions.append((name, compiled, None if reads is None else tuple(
                 sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")))))
-    return _ValuePlan(values, keys, tuple(expressions), tuple(problems))
+    return _ValuePlan(values, keys, tuple(expressions), tuple(problems), frozenset(secrets))
+
+
+def _open_secret(name: str, secret: Mapping[str, Any], cache: RenderCache,
+                 values: dict[str, Any], keys: dict[str, str]) -> Problem | None:
+    """Put a secret's plaintext in `values` (its key is the ciphertext's digest, so no
+    memo ever holds the plaintext as a key); a problem when it cannot be opened."""
+    path = ("spec", "parameters", name, SECRET)
+    if cache.secrets is None:
+        values[name] = EMPTY
+        return Problem(path, "this intent gives a secret, but no fleet key is configured to "
+                       "open it (margo serve --fleet-key, docs/secrets.md)")
+    try:
+        values[name] = cache.secrets.decrypt(secret[SECRET])
+    except SecretError as exc:
+        values[name] = EMPTY
+        return Problem(path, str(exc))
+    digest = hashlib.sha256(secret[SECRET].encode("utf-8")).hexdigest()
+    keys[name] = f"secret:{digest}"
+    return None
+
+
+def _plain_value_problem(name: str, compiled: CompiledValue,
+                         sensitive: frozenset[str]) -> Problem | None:
+    """A sensitive parameter given in clear, or a clear value that looks sealed (a device
+    would try to open it)."""
+    path = ("spec", "parameters", name)
+    if name in sensitive:
+        return Problem(path, f"parameter {name!r} is sensitive: give it as a secret "
+                       "({secret: <age file>}, margo secrets encrypt), never in clear",
+                       expected="a secret")
+    if compiled.is_literal and is_sealed(compiled.source):
+        return Problem(path, "a value starting with margo-sealed: is reserved for values "
+                       "the compiler seals")
+    return None
 
 
 def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
@@ -361,19 +410,30 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     cache = cache or RenderCache()
     plan = cache.plan(app, profile)
     values, keys, problems = _values(intent, app, device, cache)
+    secrets = sorted(n for n in cache.value_plan(intent, app).secrets
+                     if n in plan.targets and values[n] is not EMPTY)
+    before = previous_values(previous)
+    if secrets and cache.secrets is not None:
+        before = compare_previous(cache.secrets, device.id, values, secrets, before)
+        if device_recipient(device.capabilities.extensions) is None:
+            problems.append(intent.locate(no_key_problem(device.id, secrets)))
     # Everything the document holds but the two device-specific strings (its id and the
     # device id): the intent (name, namespace, shape: its digest), the application, the
     # profile and every parameter's value (also those the configuration rules check that
     # do not reach this profile: a known key means the rules passed these exact values).
     key = (intent.name, intent.digest, app.digest, profile.id, tuple(keys.values()))
     template = cache.templates.get(key)
-    problems += _check_values(values, keys, app, plan, device, previous_values(previous),
-                              intent, cache, checked=template is not None)
+    problems += redacted(_check_values(values, keys, app, plan, device, before, intent, cache,
+                                       checked=template is not None),
+                         cache.value_plan(intent, app).secrets, device.id)
     if problems:
         raise RenderError(problems)
     slots = {"id": deployment_id(intent.name, device.id), "device": device.id}
+    if secrets and cache.secrets is not None:
+        slots.update(seal_for(cache.secrets, device.id, device.capabilities.extensions,
+                              values, secrets, previous_values(previous)))
     if template is None:
-        template = _template(intent, app, profile.id, plan, values, keys)
+        template = _template(intent, app, profile.id, plan, values, keys, secrets)
         cache.remember(key, template)
     return Rendered(file_name(intent.name), template.fill(slots))
 
@@ -385,10 +445,13 @@ _SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,
-              values: Mapping[str, Any], keys: Mapping[str, str]) -> YamlTemplate:
-    """The document of (intent, application, profile, values) for any device, with its id
-    and device id open."""
-    parameters = {name: Parameter(name, targets, values[name], True)
+              values: Mapping[str, Any], keys: Mapping[str, str],
+              secrets: list[str]) -> YamlTemplate:
+    """The document of (intent, application, profile, values) for any device, with its id,
+    device id and sealed values open (a secret's plaintext never enters the template)."""
+    parameters = {name: Parameter(name, targets,
+                                  Slot(slot_name(name)) if name in secrets else values[name],
+                                  True)
                   for name, targets in plan.targets.items() if values[name] is not EMPTY}
     deployment = ApplicationDeployment(
         id="", name=intent.name,
@@ -396,7 +459,8 @@ def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _Pr
         application_id=app.description.id, profile=plan.profile, parameters=parameters,
         device_id="", labels={INTENT_LABEL: intent.name})
     spec_key = (app.digest, profile_id, tuple((name, keys[name]) for name in parameters))
-    document = deployment_document(deployment, shape=intent.output_shape, spec_key=spec_key)
+    document = deployment_document(deployment, shape=intent.output_shape,
+                                   spec_key=None if secrets else spec_key)
     for name, path in _SLOT_PATHS[intent.output_shape].items():
         *parents, last = path
         holder = document

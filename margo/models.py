@@ -96,6 +96,9 @@ class Parameter:
     targets: tuple[ParameterTarget, ...]
     value: JSON = None
     has_value: bool = False
+    #: `sensitive: true` (specification issue #145): the value is a secret, given by an
+    #: intent as ciphertext and sealed to each device (docs/secrets.md).
+    sensitive: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +151,14 @@ class ApplicationDescription:
     def settings(self) -> dict[str, Setting]:
         """Settings by parameter name."""
         return {s.parameter: s for section in self.sections for s in section.settings}
+
+    def sensitive_parameters(self) -> frozenset[str]:
+        """Parameters marked `sensitive: true`, or whose setting's schema entry is
+        (specification issue #145): their values are secrets (docs/secrets.md)."""
+        rules = {name for name, rule in self.schemas.items() if rule.get("sensitive") is True}
+        return frozenset({name for name, p in self.parameters.items() if p.sensitive}
+                         | {s.parameter for s in self.settings().values() if s.schema in rules
+                            and s.parameter in self.parameters})
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,8 @@ def _parameters(raw: Mapping[str, Any] | None) -> dict[str, m.Parameter]:
     for name, body in (raw or {}).items():
         targets = tuple(m.ParameterTarget(t["pointer"], tuple(t["components"]))
                         for t in body["targets"])
-        out[name] = m.Parameter(name, targets, body.get("value"), "value" in body)
+        out[name] = m.Parameter(name, targets, body.get("value"), "value" in body,
+                                sensitive=body.get("sensitive") is True)
     return out
 
 

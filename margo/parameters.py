@@ -98,7 +98,7 @@ class _Empty:
 #: `None`, `""` for string rules and `[]` for list-valued rules (see `is_empty`).
 EMPTY: Final = _Empty()
 
-_COMMON_FIELDS = frozenset({"name", "dataType", "allowEmpty"})
+_COMMON_FIELDS = frozenset({"name", "dataType", "allowEmpty", "sensitive"})  # sensitive: #145
 _FIELDS_BY_KIND: Final[Mapping[str, frozenset[str]]] = {
     "string": frozenset({"minLength", "maxLength", "regexMatch"}),
     "boolean": frozenset(),

@@ -147,7 +147,25 @@ def _description(doc: Doc, shape: Shape) -> list[Problem]:
         problems += _constraint_problems(profile, (*path, section))
     problems += _parameter_target_problems(doc.get("parameters") or {}, profiles, ("parameters",))
     problems += _configuration_problems(doc)
+    problems += _sensitive_problems(doc)
     return problems
+
+
+def _sensitive_problems(doc: Doc) -> list[Problem]:
+    """Specification issue #145: a sensitive parameter has no default (its `value` must be
+    empty); a setting whose schema entry is sensitive makes its parameter sensitive too."""
+    parameters = doc.get("parameters") or {}
+    configuration = doc.get("configuration") or {}
+    sensitive_rules = {rule["name"] for rule in configuration.get("schema", ())
+                       if rule.get("sensitive") is True}
+    sensitive = {name for name, body in parameters.items() if body.get("sensitive") is True}
+    sensitive |= {setting["parameter"] for section in configuration.get("sections", ())
+                  for setting in section["settings"] if setting["schema"] in sensitive_rules}
+    return [Problem(("parameters", name, "value"), "a sensitive parameter has no default "
+                    "value: intents supply it as a secret (docs/secrets.md)",
+                    expected="no value, or an empty one", found="a value")
+            for name in sorted(sensitive)
+            if name in parameters and parameters[name].get("value") not in (None, "", [])]
 
 
 def _deployment(doc: Doc, shape: Shape) -> list[Problem]:

@@ -23,6 +23,7 @@ from compiler.explain_fleet import explain_fleet, fleet_lines
 from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceCommit, DeviceStore, GitStoreError
 from compiler.plandiff import commit_diff
+from compiler.secrets import FleetKey, SecretError
 from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
@@ -44,6 +45,9 @@ def _inputs(parser: argparse.ArgumentParser, *, repos_required: bool = True,
                         help="directory of capability documents, or one file keyed by id")
     parser.add_argument("--repos", required=repos_required, metavar="DIR",
                         help="where fleet-state.git and the compiler state live")
+    parser.add_argument("--fleet-key", metavar="FILE",
+                        help="the fleet key (age identity file, mode 600) that opens the "
+                             "intents' secrets (docs/secrets.md)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -86,6 +90,17 @@ def _open(args: argparse.Namespace, *, trusted: dict[str, str] | None = None) ->
                 load_snapshot(args.capabilities, trusted=trusted))
     except (SourceError, SnapshotError) as exc:
         raise UsageError(f"margo {args.command}: {exc}") from None
+
+
+def _fleet_key(args: argparse.Namespace) -> FleetKey | None:
+    """The fleet key named by `--fleet-key`; an unusable one is a `UsageError`."""
+    path = getattr(args, "fleet_key", None)
+    if path is None:
+        return None
+    try:
+        return FleetKey.load(Path(path))
+    except (OSError, SecretError) as exc:
+        raise UsageError(f"margo {args.command}: --fleet-key: {exc}") from None
 
 
 def _store(args: argparse.Namespace) -> tuple[DeviceStore, CompilerState]:
@@ -138,7 +153,7 @@ def _compile_in(args: argparse.Namespace, *, dry_run: bool, diffs: dict[str, lis
         state.bind(store.identity)
         source, snapshot = _open(args, trusted=state.trusted_digests())
         report = compile_fleet(source, snapshot, store, state, dry_run=dry_run,
-                               progress=_progress,
+                               progress=_progress, fleet_key=_fleet_key(args),
                                on_dry_commit=collect if diffs is not None else None)
     finally:
         state.close()
@@ -272,7 +287,7 @@ def run_explain(args: argparse.Namespace) -> int:
         explanations = explain_device(source, snapshot, args.device, intent_name=args.intent,
                                       placements=placements,
                                       placed=_placed_files(_branches(args), args.device),
-                                      now=time.time())
+                                      now=time.time(), fleet_key=_fleet_key(args))
     except KeyError as exc:
         what = "device" if exc.args[0] == args.device else "intent"
         raise UsageError(f"margo explain: no {what} {exc.args[0]!r} in the inputs") from None
@@ -317,7 +332,8 @@ def _explain_fleet(args: argparse.Namespace) -> int:
         try:
             result = explain_fleet(
                 source, snapshot, intent=args.intent, application=args.app, now=time.time(),
-                placed_of=lambda device: _placed_files(store, device))
+                placed_of=lambda device: _placed_files(store, device),
+                fleet_key=_fleet_key(args))
         except KeyError as exc:
             raise UsageError(f"margo explain: no intent {exc.args[0]!r} in the source") from None
     if args.json:

@@ -39,16 +39,7 @@ def register(commands: Any) -> None:
                        help="postgresql://... : keep everything in PostgreSQL, shared by any "
                             "number of replicas (each with its own --data); default: "
                             "<data>/wfm.sqlite, one server (docs/operations.md)")
-    serve.add_argument("--source", metavar="SRC", help="fleet source directory or Git repo")
-    serve.add_argument("--ref", help="Git ref of the fleet source")
-    serve.add_argument("--watch-source", action="store_true",
-                       help="recompile when files under --source change (development)")
-    serve.add_argument("--source-url", metavar="URL",
-                       help="remote fleet source repository, fetched on verified push hooks")
-    serve.add_argument("--source-branch", default="main", metavar="BRANCH")
-    serve.add_argument("--host-source", action="store_true",
-                       help="host the fleet source at /git/source.git (push with the operator "
-                            "token); pushes to --source-branch recompile")
+    _source_options(serve)
     serve.add_argument("--webhook-secret-file", metavar="FILE",
                        help="file holding the shared secret of POST /hooks/git")
     serve.add_argument("--admin-token-file", metavar="FILE",
@@ -89,6 +80,23 @@ def register(commands: Any) -> None:
     _identity_options(serve)
     _budget_options(serve)
     serve.set_defaults(run=run_serve)
+
+
+def _source_options(serve: Any) -> None:
+    """Where the fleet source comes from, and the key that opens its secrets."""
+    serve.add_argument("--source", metavar="SRC", help="fleet source directory or Git repo")
+    serve.add_argument("--ref", help="Git ref of the fleet source")
+    serve.add_argument("--watch-source", action="store_true",
+                       help="recompile when files under --source change (development)")
+    serve.add_argument("--source-url", metavar="URL",
+                       help="remote fleet source repository, fetched on verified push hooks")
+    serve.add_argument("--source-branch", default="main", metavar="BRANCH")
+    serve.add_argument("--fleet-key", metavar="FILE",
+                       help="the fleet key (an age identity file, mode 600, outside every "
+                            "repository) that opens the intents' secrets (docs/secrets.md)")
+    serve.add_argument("--host-source", action="store_true",
+                       help="host the fleet source at /git/source.git (push with the operator "
+                            "token); pushes to --source-branch recompile")
 
 
 #: `margo serve --budget-*` defaults, MiB (wfm.admission.budgets.BudgetSettings).
@@ -165,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_devices_per_client < 1:
         raise SystemExit("margo serve: --max-devices-per-client must be at least 1")
-    source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref)
+    source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref,
+                          fleet_key=_fleet_key(args.fleet_key))
     data = Path(args.data).resolve()
     try:
         tls, identity = identity_settings(args, data)
@@ -323,6 +332,19 @@ def _budgets(args: argparse.Namespace) -> Any:
             git=args.budget_git * MIB, per_address=args.budget_per_address * MIB)
     except ValueError as exc:
         raise SystemExit(f"margo serve: {exc} (--budget-* are MiB)") from None
+
+
+def _fleet_key(path: str | None) -> Path | None:
+    """The fleet key's path, checked now so a missing or unsafe key stops the start."""
+    if path is None:
+        return None
+    from compiler.secrets import FleetKey, SecretError
+    resolved = Path(path).resolve()
+    try:
+        FleetKey.load(resolved)
+    except (OSError, SecretError) as exc:
+        raise SystemExit(f"margo serve: --fleet-key: {exc}") from None
+    return resolved
 
 
 def _secret(path: str | None) -> str | None:

@@ -247,7 +247,9 @@ PARAMETER_VALUE: Schema = {"type": ["string", "number", "boolean", "array", "nul
 DESCRIPTION_PARAMETERS: Schema = {
     "type": "object",
     "additionalProperties": closed({"value": PARAMETER_VALUE,
-                                    "targets": array(PARAMETER_TARGET, minItems=1)},
+                                    "targets": array(PARAMETER_TARGET, minItems=1),
+                                    # specification issue #145 (docs/spec-interpretation.md)
+                                    "sensitive": {"type": "boolean"}},
                                    ["targets"]),
 }
 SCHEMA_RULE: Schema = closed(
@@ -264,6 +266,7 @@ SCHEMA_RULE: Schema = closed(
         "maxPrecision": {"type": "integer", "minimum": 0},
         "multiselect": {"type": "boolean"},
         "options": array(SCALAR, minItems=1),
+        "sensitive": {"type": "boolean"},  # specification issue #145
     },
     ["name", "dataType"],
 )

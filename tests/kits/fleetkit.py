@@ -10,6 +10,7 @@ from typing import Any
 
 from compiler.compilation import CompileReport, compile_fleet
 from compiler.gitstore import DeviceStore
+from compiler.secrets import FleetKey
 from compiler.snapshot import load_snapshot
 from compiler.source import load_source
 from compiler.state import CompilerState
@@ -110,14 +111,15 @@ class Fleet:
             (self.source / rel).write_text(text)
 
     def compile(self, *, now: float = 1_000_000.0, dry_run: bool = False,
-                rollouts: dict[str, Any] | None = None) -> CompileReport:
+                rollouts: dict[str, Any] | None = None,
+                fleet_key: FleetKey | None = None) -> CompileReport:
         self.write()
         self.repos.mkdir(parents=True, exist_ok=True)
         state = CompilerState(self.repos / "compiler-state.sqlite")
         try:
             return compile_fleet(load_source(self.source), load_snapshot(self.caps),
                                  DeviceStore(self.repos), state, now=now, dry_run=dry_run,
-                                 rollouts=rollouts)
+                                 rollouts=rollouts, fleet_key=fleet_key)
         finally:
             state.close()
 

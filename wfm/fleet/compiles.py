@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from compiler.compilation import CompileReport, compile_fleet
 from compiler.gcpause import freeze_survivors, release_frozen
 from compiler.gitstore import DeviceStore
+from compiler.secrets import FleetKey
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState, is_damage, is_sound, set_aside
@@ -72,6 +73,9 @@ class CompileFailure:
 class SourceConfig:
     path: Path | None  # None: no fleet source yet, devices get empty desired state
     ref: str | None = None
+    #: The fleet key's identity file (docs/secrets.md), read again for every compile so a
+    #: rotated key takes effect without a restart; None: intents cannot give secrets.
+    fleet_key: Path | None = None
 
 
 class CompileService:
@@ -322,7 +326,8 @@ class CompileService:
             snapshot = snapshot_from_documents(self._documents(),
                                                trusted=state.trusted_digests())
             plans = self._rollouts.plans(source) if self._rollouts is not None else None
-            return compile_fleet(source, snapshot, store, state, rollouts=plans)
+            key = FleetKey.load(self._source.fleet_key) if self._source.fleet_key else None
+            return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key)
         finally:
             state.close()
             release_frozen()  # what the compile froze, back to the collector (see gcpause),

@@ -28,6 +28,7 @@ from margo.errors import DocumentError, Problem, short_repr
 from margo.identifiers import DEVICE_ID, LABEL_KEY, label_value_problem
 from margo.kinds import Kind
 from margo.models import DeviceCapabilities
+from margo.sealing import ENCRYPTION_KEY, EXTENSION, KEY_TYPE, device_recipient
 from margo.validation import validate_value
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
@@ -77,7 +78,7 @@ class CapabilityIntake:
             caps: DeviceCapabilities = validate_value(doc, expect=Kind.DEVICE_CAPABILITIES)
         except DocumentError as exc:
             raise semantic_error(exc.problems) from None
-        problems = _label_problems(doc)
+        problems = _label_problems(doc) + _key_problems(doc)
         if problems:
             raise semantic_error(problems)
         if caps.device_id != device_id:
@@ -195,6 +196,19 @@ def _reported_id(doc: dict[str, Any]) -> str:
     if not isinstance(device_id, str):
         raise ProblemError(400, f"{field}.id is required", margo_type="invalid-request")
     return check_identifier(DEVICE_ID, device_id, f"{field}.id")
+
+
+def _key_problems(doc: dict[str, Any]) -> list[Problem]:
+    """An `encryptionKey` the compiler could not seal to (docs/secrets.md): refused now,
+    rather than the device silently getting no sensitive values."""
+    ours = doc.get(EXTENSION)
+    if not isinstance(ours, dict) or ENCRYPTION_KEY not in ours:
+        return []
+    if device_recipient(doc) is not None:
+        return []
+    return [Problem((EXTENSION, ENCRYPTION_KEY), "an encryption key is "
+                    f"{{type: {KEY_TYPE}, recipient: age1...}} (an age X25519 recipient)",
+                    found=short_repr(ours[ENCRYPTION_KEY]))]
 
 
 def _label_problems(doc: dict[str, Any]) -> list[Problem]:

@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from compiler.explain import explain_device
 from compiler.explain_fleet import explain_fleet
+from compiler.secrets import FleetKey, SecretError
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
 from wfm.fleet.compiles import SourceConfig
@@ -146,10 +147,22 @@ class FleetApi:
         except SourceError as exc:
             return dict.fromkeys(ids, str(exc))
         snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
+        key = self._fleet_key()
         return {device_id: [e.to_json() for e in explain_device(
-                    source, snapshot, device_id, placed=self._placed(device_id))]
+                    source, snapshot, device_id, placed=self._placed(device_id),
+                    fleet_key=key)]
                 if device_id in snapshot.devices else "the device's capabilities are not valid"
                 for device_id in ids}
+
+    def _fleet_key(self) -> FleetKey | None:
+        """The fleet key the compiler uses, so explanations open secrets as it does; None
+        when none is configured or it cannot be read (explanations then say so)."""
+        if self.source.fleet_key is None:
+            return None
+        try:
+            return FleetKey.load(self.source.fleet_key)
+        except (OSError, SecretError):
+            return None
 
     def fleet_explanation(self, intent: str | None, application: str | None) -> dict[str, Any]:
         """One intent's or application's verdict on every device (`compiler.explain_fleet`).
@@ -163,7 +176,7 @@ class FleetApi:
         snapshot = snapshot_from_documents(self.api.db.read(records.device_documents))
         try:
             return explain_fleet(source, snapshot, intent=intent, application=application,
-                                 placed_of=self._placed)
+                                 placed_of=self._placed, fleet_key=self._fleet_key())
         except KeyError:
             raise ProblemError(404, f"no intent {intent!r} in the fleet source") from None
 

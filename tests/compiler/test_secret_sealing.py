@@ -1,0 +1,178 @@
+"""Secrets through the real compiler (issue 32): an intent's secret, encrypted to the fleet
+key, reaches each device sealed to that device's own key, and nowhere in clear: not in the
+Git objects of any branch, not in the compiler state, not in any problem. Determinism holds
+(the previous envelope is kept while plaintext and keys stay), and devices without a key,
+sensitive values given in clear and secrets the fleet key cannot open are located errors."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pyrage
+import pytest
+import yaml
+from kits.fleetkit import Fleet, app, device, intent
+
+from compiler.secrets import FleetKey, encrypt_secret, new_identity_text, write_identity_file
+from margo.sealing import EXTENSION, key_report, open_sealed, parse_sealed
+from margo.validation import validate_value
+
+APP = "com-example-app"
+PLAINTEXT = "s3cr3t-Pa55-for-the-db"
+PARAMETERS = {
+    "password": {"sensitive": True, "targets": [
+        {"pointer": "db.password", "components": ["web"]},
+        {"pointer": "DB_PASSWORD", "components": ["web-compose"]}]},
+    "greeting": {"value": "hello", "targets": [{"pointer": "config.greeting",
+                                                "components": ["web"]}]}}
+
+
+def fleet_key(tmp_path: Path, name: str = "fleet.key") -> FleetKey:
+    path = tmp_path / name
+    write_identity_file(path, new_identity_text())
+    return FleetKey.load(path)
+
+
+def with_key(doc: dict[str, Any], identity: pyrage.x25519.Identity) -> dict[str, Any]:
+    doc[EXTENSION] = key_report(str(identity.to_public()))
+    return doc
+
+
+def secret_fleet(tmp_path: Path, key: FleetKey, plaintext: str = PLAINTEXT,
+                 **intent_spec: Any) -> tuple[Fleet, dict[str, pyrage.x25519.Identity]]:
+    fleet = Fleet(tmp_path / "fleet")
+    fleet.apps[APP] = app(APP, parameters=PARAMETERS)
+    spec = {"parameters": {"password": {"secret": encrypt_secret(plaintext, [key.recipient])}},
+            **intent_spec}
+    fleet.intents["db"] = intent("db", APP, **spec)
+    identities = {name: pyrage.x25519.Identity.generate() for name in ("a", "b")}
+    for name, identity in identities.items():
+        fleet.devices[name] = with_key(device(name), identity)
+    return fleet, identities
+
+
+def sealed_value(fleet: Fleet, device_id: str, file: str = "db.yaml") -> str:
+    document = yaml.safe_load(fleet.tree(device_id)[file])
+    value: str = document["spec"]["parameters"]["password"]["value"]
+    return value
+
+
+def every_object(repos: Path) -> bytes:
+    """Every Git object of the device store, decompressed (`git cat-file --batch`)."""
+    git = repos / "fleet-state.git"
+    names = subprocess.run(["git", "-C", str(git), "cat-file", "--batch-all-objects",
+                            "--batch-check=%(objectname)"], check=True, capture_output=True,
+                           text=True).stdout
+    return subprocess.run(["git", "-C", str(git), "cat-file", "--batch"], input=names.encode(),
+                          check=True, capture_output=True).stdout
+
+
+def test_each_device_gets_the_secret_sealed_to_its_own_key(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, identities = secret_fleet(tmp_path, key)
+    report = fleet.compile(fleet_key=key)
+    assert report.errors == []
+    a, b = sealed_value(fleet, "a"), sealed_value(fleet, "b")
+    assert open_sealed(a, identities["a"]) == PLAINTEXT
+    assert open_sealed(b, identities["b"]) == PLAINTEXT
+    with pytest.raises(Exception, match="another device key"):
+        open_sealed(a, identities["b"])  # another device's key cannot open it
+    # Nothing holds the plaintext: Git objects, the compiler state, the report.
+    assert PLAINTEXT.encode() not in every_object(fleet.repos)
+    for path in fleet.repos.rglob("*"):
+        if path.is_file():
+            assert PLAINTEXT.encode() not in path.read_bytes(), path
+    assert PLAINTEXT not in repr(report)
+    # The served document is still a valid ApplicationDeployment.
+    validate_value(yaml.safe_load(fleet.tree("a")["db.yaml"]))
+
+
+def test_recompiles_keep_the_envelope_until_the_plaintext_or_a_key_changes(
+        tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, identities = secret_fleet(tmp_path, key)
+    fleet.compile(fleet_key=key, now=1_000)
+    first = fleet.tree("a")["db.yaml"]
+    # Re-encrypting the same plaintext in the source (new ciphertext) changes nothing.
+    fleet.intents["db"]["spec"]["parameters"]["password"]["secret"] = encrypt_secret(
+        PLAINTEXT, [key.recipient])
+    again = fleet.compile(fleet_key=key, now=2_000)
+    assert fleet.tree("a")["db.yaml"] == first, again
+    # A new plaintext: sealed anew, for both devices.
+    fleet.intents["db"]["spec"]["parameters"]["password"]["secret"] = encrypt_secret(
+        "another-one", [key.recipient])
+    fleet.compile(fleet_key=key, now=3_000)
+    assert open_sealed(sealed_value(fleet, "a"), identities["a"]) == "another-one"
+    # A device's key rotated: only that device's value is sealed again.
+    b_before = fleet.tree("b")["db.yaml"]
+    rotated = pyrage.x25519.Identity.generate()
+    fleet.devices["a"] = with_key(device("a"), rotated)
+    fleet.compile(fleet_key=key, now=4_000)
+    assert open_sealed(sealed_value(fleet, "a"), rotated) == "another-one"
+    assert fleet.tree("b")["db.yaml"] == b_before
+
+
+def test_a_device_without_a_key_gets_no_deployment_and_is_told_why(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key)
+    fleet.devices["plain"] = device("plain")
+    report = fleet.compile(fleet_key=key)
+    [(device_id, problem)] = report.errors
+    assert device_id == "plain"
+    assert "reported no encryption key" in problem.message and "password" in problem.message
+    assert "db.yaml" not in fleet.tree("plain")
+    assert PLAINTEXT not in repr(report)
+
+
+def test_a_sensitive_parameter_in_clear_is_a_located_error(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key)
+    fleet.intents["db"]["spec"]["parameters"] = {"password": "in-clear"}
+    report = fleet.compile(fleet_key=key)
+    problems = [p for _, p in report.errors]
+    assert problems and all("sensitive" in p.message for p in problems)
+    assert problems[0].file is not None and problems[0].file.endswith("deployments/db.yaml")
+    assert problems[0].json_path == "$.spec.parameters.password"
+
+
+def test_a_secret_the_fleet_key_cannot_open_names_the_intent_not_the_value(
+        tmp_path: Path) -> None:
+    key, other = fleet_key(tmp_path), fleet_key(tmp_path, "other.key")
+    fleet, _ = secret_fleet(tmp_path, other)  # encrypted to another fleet key
+    report = fleet.compile(fleet_key=key)
+    messages = {p.message for _, p in report.errors}
+    assert messages and all("does not decrypt with the fleet key" in m for m in messages)
+    # Without any fleet key configured.
+    report = fleet.compile(fleet_key=None)
+    assert any("no fleet key is configured" in p.message for _, p in report.errors)
+    assert all(fleet.tree(d) == {} for d in ("a", "b"))
+
+
+def test_rule_violations_on_a_secret_do_not_quote_it(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key, plaintext="short")
+    fleet.apps[APP] = app(APP, parameters=PARAMETERS, schema=[
+        {"name": "pw", "dataType": "string", "minLength": 12, "sensitive": True}],
+        settings=[{"parameter": "password", "name": "Password", "schema": "pw"}])
+    report = fleet.compile(fleet_key=key)
+    assert report.errors
+    for _, problem in report.errors:
+        assert "short" not in problem.message and problem.found is None
+        assert "secret value of password" in problem.message
+
+
+def test_oct_2024_documents_carry_the_envelope_too(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, identities = secret_fleet(tmp_path, key, outputShape="oct-2024")
+    assert fleet.compile(fleet_key=key).errors == []
+    assert open_sealed(sealed_value(fleet, "b"), identities["b"]) == PLAINTEXT
+    parse_sealed(sealed_value(fleet, "a"))
+
+
+def test_a_sensitive_parameter_with_a_default_is_refused() -> None:
+    doc = app(APP, parameters={"password": {**PARAMETERS["password"], "value": "default"}})
+    with pytest.raises(Exception, match="sensitive parameter has no default") as caught:
+        validate_value(doc)
+    assert "default" not in str(caught.value).replace("no default", "")

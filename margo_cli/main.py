@@ -19,6 +19,7 @@ from margo_cli import (
     lint_chart_command,
     match_command,
     rollout_command,
+    secrets_command,
     serve_command,
     status_command,
     validate_command,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     device_command.register(commands)
     lint_chart_command.register(commands)
     conformance_command.register(commands)
+    secrets_command.register(commands)
     return parser
 
 

@@ -107,17 +107,22 @@ class FleetKey:
         if mode & 0o077:
             raise SecretError(f"{path}: the fleet key must be readable by its owner only "
                               f"(chmod 600), found mode {oct(mode & 0o777)}")
+        return cls.from_text(path.read_text("utf-8"), str(path))
+
+    @classmethod
+    def from_text(cls, text: str, source: str = "") -> FleetKey:
+        """The identities of an identity file's text (`source` names it in errors)."""
         identities = []
-        for number, line in enumerate(path.read_text("utf-8").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
             try:
                 identities.append(pyrage.x25519.Identity.from_str(line))
             except pyrage.IdentityError:
-                raise SecretError(f"{path}:{number}: not an age identity "
+                raise SecretError(f"{source or 'the key'}:{number}: not an age identity "
                                   "(AGE-SECRET-KEY-1...)") from None
-        return cls(identities, str(path))
+        return cls(identities, source)
 
     @property
     def recipient(self) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import getpass
-import importlib
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -339,7 +338,7 @@ def run_rotate(args: argparse.Namespace) -> int:
     key_path = Path(args.key)
     old = _load_key("rotate-key", args.key)
     identity_text = new_identity_text()
-    new = FleetKey([_first_identity(identity_text)], "the new key")
+    new = FleetKey.from_text(identity_text, "the new key")
     rewrites, problems = [], []
     try:
         for path, text, loaded in _load_intents("rotate-key", args.source):
@@ -375,13 +374,6 @@ def run_rotate(args: argparse.Namespace) -> int:
           f"`margo secrets rotate-key --finish --key {key_path}` (and install the key "
           "wherever the server reads it)", file=sys.stderr)
     return EXIT_OK
-
-
-def _first_identity(text: str) -> Any:
-    """The identity of an identity file's text (pyrage has no type information: Any)."""
-    pyrage = importlib.import_module("pyrage")
-    line = next(line for line in text.splitlines() if line.startswith("AGE-SECRET-KEY-"))
-    return pyrage.x25519.Identity.from_str(line)
 
 
 def _finish(args: argparse.Namespace) -> int:

@@ -6,6 +6,11 @@ Every desired component carries two fingerprints. `spec_digest` covers what must
 *upgraded* when it changes (package repository and revision); `values_digest` covers what
 only needs a *reconfigure* (the values or environment the parameters produce). The planner
 compares them with the fingerprints stored on installed releases.
+
+Sealed parameter values (`margo.sealing`) stay sealed here: `values` holds the envelopes,
+which only a driver opens, in memory, just before applying (`reconciler.sealed_values`).
+`values_digest` covers each envelope by its mac, so sealing the same plaintext again (a new
+ciphertext after a key rotation) is no change; `sealed_digest` covers their exact text.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from margo.digests import data_digest, digest_of
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind
 from margo.validation import validate_document
+from reconciler.sealed_values import digest_form, envelopes
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "DesiredComponent", "DesiredDeployment",
            "DesiredState", "parse_deployment", "parse_duration"]
@@ -60,6 +66,10 @@ class DesiredComponent:
     spec_digest: str
     values_digest: str
     extensions: Mapping[str, Any] = field(default_factory=dict)
+    #: The digest of the sealed values' exact text ("" when none is sealed): what the
+    #: runner's retry key adds, so a value that could not be opened is tried again as soon
+    #: as the server sends another envelope (re-sealed to this device's current key).
+    sealed_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -122,11 +132,13 @@ def _component(component: m.Component, index: int, deployment: m.ApplicationDepl
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}: parameters: {exc}") from None
     spec = {"repository": repository, "revision": revision}
+    sealed = envelopes(values)
     return DesiredComponent(
         name=component.name, index=index, repository=repository, revision=revision,
         wait=props.wait is not False, timeout_seconds=timeout, values=values,
-        spec_digest=data_digest(spec), values_digest=data_digest(values),
-        extensions=dict(component.extensions))
+        spec_digest=data_digest(spec), values_digest=data_digest(digest_form(values)),
+        extensions=dict(component.extensions),
+        sealed_digest=data_digest(sealed) if sealed else "")
 
 
 def parse_deployment(data: bytes, *, file: str = "deployment.yaml") -> DesiredDeployment:

@@ -62,6 +62,10 @@ class ErrorCode(StrEnum):
     INVALID_BUNDLE = "INVALID_BUNDLE"
     INVALID_DOCUMENT = "INVALID_DOCUMENT"
     BAD_RESPONSE = "BAD_RESPONSE"
+    # Sealed parameter values (reconciler.sealed_values): malformed, tampered with, sealed to
+    # a key this device does not hold, or no key to open them with. The message names the
+    # component and where the value goes, never the value.
+    SECRET_UNREADABLE = "SECRET_UNREADABLE"
 
 
 class DeviceError(Exception):

@@ -242,9 +242,12 @@ class Reconciler:
     # --- apply ----------------------------------------------------------------------------
 
     def _retry_key(self, step: Step) -> str:
+        """What a failure is remembered against: a change resets the back-off, and lets a
+        step that is not retryable be tried again. The sealed values' exact text counts
+        too: one this device could not open is tried again once the server seals it anew."""
         desired = step.desired
-        return f"{step.action}:{desired.spec_digest}:{desired.values_digest}" if desired else \
-            f"{step.action}"
+        return f"{step.action}:{desired.spec_digest}:{desired.values_digest}:" \
+            f"{desired.sealed_digest}" if desired else f"{step.action}"
 
     def _may_try(self, step: Step) -> bool:
         retry = self._retries.get((step.deployment_id, step.component))

@@ -51,6 +51,15 @@ error; named volumes are kept), then the project's directory is deleted.
 What is installed is read from the engine (`compose_engine`). Compose has no namespaces:
 releases report namespace "".
 
+Sealed values (`reconciler.sealed_values`): the component's envelopes are opened with the
+device's key (`key`) before anything is pulled or written; a value that cannot be opened is
+`SECRET_UNREADABLE` and the running project is left as it was. Opened values never reach a
+file: they are left out of `margo.env` and given to the `pull`, `up` and `config --hash`
+calls in the process environment instead, which Compose's interpolation reads first
+(before any `--env-file`). Like any Compose value, the engine then holds them in the
+containers' configuration. Compose's output, as it appears in messages, loses every
+plaintext (`Opened.redacting`).
+
 Errors: a failing `docker compose` is `INSTALL_FAILED` / `UPGRADE_FAILED` (reconfigure
 too) / `UNINSTALL_FAILED` with the tail of its stderr and the last log lines of every
 container that is not running (a crash during start-up shows its own words), unless
@@ -73,7 +82,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +128,7 @@ from reconciler.releases import (
     InstalledRelease,
     ownership_labels,
 )
+from reconciler.sealed_values import Opened, Opener, open_values
 from reconciler.telemetry import Injection
 from reconciler.telemetry.inject import ServiceInjection, compose_injection
 
@@ -156,6 +166,9 @@ class _Prepared:
     images: list[str]
     labels: dict[str, str]
     compose: Mapping[str, Any]
+    #: The opened sealed variables, for the process environment of every Compose call on
+    #: this project (never written to a file).
+    sealed_env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,17 @@ def _dotenv_value(text: str) -> str:
     return f'"{escaped}"'
 
 
+def _checked_variable(name: str, value: Any) -> str:
+    """`value` as an environment variable's text; `ValueError` (never quoting the value)
+    for a name that is not a variable name or text no environment can hold."""
+    if not _VARIABLE.fullmatch(name):
+        raise ValueError(f"{name!r} is not an environment variable name")
+    text = value if isinstance(value, str) else env_string(value)
+    if "\x00" in text:
+        raise ValueError(f"{name}: environment values cannot contain NUL characters")
+    return text
+
+
 def env_file_text(values: Mapping[str, Any]) -> str:
     """The `--env-file` for a component's environment, sorted by name.
 
@@ -203,13 +227,7 @@ def env_file_text(values: Mapping[str, Any]) -> str:
     `margo.component_values.env_string` cannot render."""
     lines = ["# Written by margo-gitops from the deployment's parameters. Do not edit."]
     for name in sorted(values):
-        if not _VARIABLE.fullmatch(name):
-            raise ValueError(f"{name!r} is not an environment variable name")
-        value = values[name]
-        text = value if isinstance(value, str) else env_string(value)
-        if "\x00" in text:
-            raise ValueError(f"{name}: environment values cannot contain NUL characters")
-        lines.append(f"{name}={_dotenv_value(text)}")
+        lines.append(f"{name}={_dotenv_value(_checked_variable(name, values[name]))}")
     return "\n".join(lines) + "\n"
 
 
@@ -298,12 +316,13 @@ class ComposeDriver:
                  credentials: Sequence[RegistryCredential] = (),
                  env: Mapping[str, str] | None = None, grace_seconds: float = 30.0,
                  command_timeout: float = 120.0, drift: str = DEFAULT_DRIFT["compose"],
-                 injection: Injection | None = None) -> None:
+                 injection: Injection | None = None, key: Opener | None = None) -> None:
         if drift not in DRIFT_POLICIES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.work_dir = Path(work_dir)
         self.drift = drift
         self.injection = injection
+        self.key = key  # opens sealed values (reconciler.encryption_key.DeviceKey)
         self._unreadable: set[Path] = set()  # records already warned about
         self._oci = oci
         self._docker = docker
@@ -317,7 +336,7 @@ class ComposeDriver:
         self._grace = grace_seconds
         self._command_timeout = command_timeout
         #: Per project, what its last `up` was given (for `confirm`).
-        self._applied: dict[str, _Prepared] = {}
+        self._applied: dict[str, tuple[_Prepared, Opened]] = {}
 
     def close(self) -> None:
         """Nothing to release: every engine call is a short-lived process."""
@@ -381,16 +400,19 @@ class ComposeDriver:
             raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
         if deployment is None or step.desired is None:
             raise ValueError(f"{step.action} of {step.release_name} needs its deployment")
-        prepared = self._prepare(step, deployment, step.desired)
-        files = prepared.files
-        pull, up = compose_commands(step, compose=self._compose_command(), files=files)
-        self._pull(pull, step, prepared.images)
-        (files.project_dir / APPLIED_FILE).unlink(missing_ok=True)  # only a good `up` writes it
-        self._stop_paused(step)
-        self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace)
+        opened = open_values(step.desired.values, self.key, component=step.desired.name)
+        with opened.redacting():
+            prepared = self._prepare(step, deployment, step.desired, opened)
+            files = prepared.files
+            pull, up = compose_commands(step, compose=self._compose_command(), files=files)
+            self._pull(pull, step, prepared.images, prepared.sealed_env)
+            (files.project_dir / APPLIED_FILE).unlink(missing_ok=True)  # only a good `up`
+            self._stop_paused(step)
+            self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace,
+                              extra=prepared.sealed_env)
         self._record(step, prepared)
         self._prune(files)
-        self._applied[step.release_name] = prepared
+        self._applied[step.release_name] = (prepared, opened)
 
     def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
         """Read the project back from the engine (`reconciler.drivers.readback`): after a
@@ -403,21 +425,25 @@ class ComposeDriver:
             require_match(what, {"containers": NOTHING},
                           {"containers": ", ".join(c.name for c in containers) or NOTHING})
             return
-        prepared = self._applied.pop(step.release_name, None)
-        if prepared is None or step.desired is None:
+        applied = self._applied.pop(step.release_name, None)
+        if applied is None or step.desired is None:
             raise ApplyError(ErrorCode.INVALID_STEP, f"{step.action} of {step.release_name}: "
                              "nothing was applied to confirm", retryable=False)
-        hashes = self._config_hashes(step, prepared.files)
+        prepared, opened = applied
+        with opened.redacting():
+            hashes = self._config_hashes(step, prepared.files, prepared.sealed_env)
         expected, found = read_back(containers, prepared.labels, hashes,
                                     wait=step.desired.wait, idle=_scaled_to_zero(
                                         prepared.compose))
         require_match(what, expected, found)
 
-    def _config_hashes(self, step: Step, files: ProjectFiles) -> dict[str, str]:
-        """Compose's config-hash of every service it starts from the project's files."""
+    def _config_hashes(self, step: Step, files: ProjectFiles,
+                       extra: Mapping[str, str]) -> dict[str, str]:
+        """Compose's config-hash of every service it starts from the project's files (and
+        the sealed variables `extra`, as `up` had them)."""
         argv = [*project_arguments(step.release_name, compose=self._compose_command(),
                                    files=files), "config", "--hash", "*"]
-        result = run_cli(argv, timeout=self._command_timeout, env=self._env)
+        result = run_cli(argv, timeout=self._command_timeout, env={**self._env, **extra})
         if result.returncode != 0:
             raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{step.release_name}: docker "
                              f"compose config --hash failed: {tail(result.stderr)}")
@@ -447,8 +473,10 @@ class ComposeDriver:
                       applied_record(containers, prepared.labels, prepared.compose))
 
     def _prepare(self, step: Step, deployment: DesiredDeployment,
-                 component: DesiredComponent) -> _Prepared:
-        """Pull, verify, validate, extract (once per archive) and write our two files."""
+                 component: DesiredComponent, opened: Opened) -> _Prepared:
+        """Pull, verify, validate, extract (once per archive) and write our two files: the
+        opened sealed variables (`opened.paths`) are left out of `margo.env`, for the
+        process environment."""
         artifact = self._oci.pull(component.repository, component.revision)
         package = validate_package(artifact.data)
         files = project_files(self.work_dir, step.release_name, package.digest,
@@ -463,7 +491,10 @@ class ComposeDriver:
                                   spec_digest=component.spec_digest,
                                   values_digest=component.values_digest)
         try:
-            env_text = env_file_text(component.values)
+            env_text = env_file_text({name: value for name, value in opened.values.items()
+                                      if name not in opened.paths})
+            sealed_env = {name: _checked_variable(name, opened.values[name])
+                          for name in sorted(opened.paths)}
         except (TypeError, ValueError) as exc:
             raise ApplyError(ErrorCode.RENDER_FAILED, f"component {component.name!r}: {exc}",
                              retryable=False) from exc
@@ -476,7 +507,7 @@ class ComposeDriver:
         images = sorted({str(service.get("image")) for service in
                          package.compose["services"].values()
                          if isinstance(service, dict) and service.get("image")})
-        return _Prepared(files, images, labels, package.compose)
+        return _Prepared(files, images, labels, package.compose, sealed_env)
 
     def _remove(self, step: Step) -> None:
         for argv in compose_commands(step, compose=self._compose_command()):
@@ -493,19 +524,22 @@ class ComposeDriver:
         return self._compose
 
     @contextlib.contextmanager
-    def _engine_env(self) -> Iterator[dict[str, str]]:
-        """The CLI's environment for a call that may pull: with credentials, a private
-        DOCKER_CONFIG that exists only for the call."""
+    def _engine_env(self, extra: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+        """The CLI's environment for a call that may pull (with `extra`, the opened sealed
+        variables, added): with credentials, a private DOCKER_CONFIG that exists only for
+        the call."""
+        env = {**self._env, **(extra or {})}
         if not self._credentials:
-            yield self._env
+            yield env
             return
         plugin = plugin_path(self._env)
         links = {"cli-plugins": plugin.parent} if plugin is not None else {}
         with private_docker_config(self._credentials, extra=links) as folder:
-            yield {**self._env, "DOCKER_CONFIG": str(folder)}
+            yield {**env, "DOCKER_CONFIG": str(folder)}
 
-    def _pull(self, argv: list[str], step: Step, images: list[str]) -> None:
-        with self._engine_env() as env:
+    def _pull(self, argv: list[str], step: Step, images: list[str],
+              extra: Mapping[str, str]) -> None:
+        with self._engine_env(extra) as env:
             result = run_cli(argv, timeout=self._command_timeout, env=env)
         if result.returncode == 0:
             return
@@ -519,8 +553,9 @@ class ComposeDriver:
                          f"{', '.join(images)} from {', '.join(known)} failed: "
                          f"{tail(result.stderr)}")
 
-    def _compose_run(self, argv: list[str], step: Step, *, timeout: float) -> None:
-        with self._engine_env() as env:
+    def _compose_run(self, argv: list[str], step: Step, *, timeout: float,
+                     extra: Mapping[str, str] | None = None) -> None:
+        with self._engine_env(extra) as env:
             result = run_cli(argv, timeout=timeout, env=env)
         if result.returncode == 0:
             return

@@ -56,6 +56,14 @@ The SDK (helm-python-sdk) is used through its public API only (`Config.install`,
 post-renderer, so with telemetry injection that one function calls the C ABI beneath
 `Config.install` / `.upgrade` itself.
 
+Sealed values (`reconciler.sealed_values`): a component's envelopes are opened with the
+device's key (`key`) at the start of its step, before anything touches the cluster (so a
+value that cannot be opened, `SECRET_UNREADABLE`, leaves the running release as it was),
+and the opened values go to Helm in memory. Helm keeps them, like every value, in its
+release record (a Secret with the default storage driver). The read-back compares the
+values under a random per-step key (`Opened.digest_key`), so no plain hash of a secret
+reaches a message; Helm's messages lose every plaintext (`Opened.redacting`).
+
 Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
 after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
 friends from the chart cache, otherwise `INSTALL_FAILED` / `UPGRADE_FAILED` /
@@ -67,6 +75,8 @@ errors): only a new desired state can fix that.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -95,6 +105,7 @@ from reconciler.releases import (
     release_from_labels,
     with_drift,
 )
+from reconciler.sealed_values import Opener, open_values
 from reconciler.telemetry import Injection
 from reconciler.telemetry.helmplugin import ensure_plugin, injection_argument
 
@@ -133,10 +144,11 @@ def _fails_offline(chart: helm.Chart, values: dict[str, Any], step: Step) -> boo
     return False
 
 
-def _values_digest(values: Any) -> str:
+def _values_digest(values: Any, key: bytes | None = None) -> str:
     """The digest of a release's user-supplied values, as Helm gives them back: no values
     (`null`) is `{}`, and a whole number is the same whether it came back as `1` or `1.0`
-    (Helm keeps JSON numbers as floats)."""
+    (Helm keeps JSON numbers as floats). With `key` (values holding opened secrets), an
+    HMAC under it instead, which says nothing about them outside this process."""
     def plain(value: Any) -> Any:
         if isinstance(value, dict):
             return {str(k): plain(v) for k, v in value.items()}
@@ -145,7 +157,11 @@ def _values_digest(values: Any) -> str:
         if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
             return int(value)
         return value
-    return data_digest(plain(values or {}))
+    if key is None:
+        return data_digest(plain(values or {}))
+    text = json.dumps(plain(values or {}), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+    return "hmac-sha256:" + hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -156,6 +172,7 @@ class _Written:
     chart: str  # "<name> <version>"
     labels: Mapping[str, str]
     values_digest: str
+    digest_key: bytes | None = None  # `_values_digest`'s key when values were sealed
 
     def expected(self) -> dict[str, str]:
         return {"status": "deployed", "revision": str(self.revision), "chart": self.chart,
@@ -163,12 +180,13 @@ class _Written:
                 **{f"label {k}": v for k, v in sorted(self.labels.items())}}
 
 
-def _described(record: Mapping[str, Any], values: Any) -> dict[str, str]:
+def _described(record: Mapping[str, Any], values: Any,
+               digest_key: bytes | None = None) -> dict[str, str]:
     """Helm's stored release (`status`) and its values, in `_Written.expected`'s words."""
     labels = record.get("labels") or {}
     return {"status": str(record.get("status", "")), "revision": str(record.get("revision", "")),
             "chart": f"{record.get('chart_name', '')} {record.get('chart_version', '')}",
-            "values": _values_digest(values),
+            "values": _values_digest(values, digest_key),
             **{f"label {k}": str(v) for k, v in labels.items()}}
 
 
@@ -216,7 +234,7 @@ class HelmDriver:
     def __init__(self, charts: ChartCache, *, kubeconfig: Path | None = None,
                  kube_context: str | None = None, storage_driver: str = "secret",
                  drift: str = DEFAULT_DRIFT["helm"], rollback_on_failure: bool = False,
-                 injection: Injection | None = None) -> None:
+                 injection: Injection | None = None, key: Opener | None = None) -> None:
         if drift not in DRIFT_MODES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_MODES)}, not {drift!r}")
         self.charts = charts
@@ -226,6 +244,7 @@ class HelmDriver:
         self.drift = drift
         self.rollback_on_failure = rollback_on_failure
         self.injection = injection
+        self.key = key  # opens sealed values (reconciler.encryption_key.DeviceKey)
         self._post_renderer: str | None = None
         self._configs: dict[str, helm.Config] = {}
         self._running: dict[int, helm.HelmContext] = {}
@@ -273,22 +292,26 @@ class HelmDriver:
             raise ApplyError(ErrorCode.INVALID_STEP,
                              f"{action} of {step.release_name} needs the "
                              "desired component and its deployment", retryable=False)
-        chart = self.charts.load(self.charts.fetch(component.repository, component.revision))
-        labels = ownership_labels(deployment.deployment_id, component.name,
-                                  desired_digest=deployment.digest,
-                                  spec_digest=component.spec_digest,
-                                  values_digest=component.values_digest)
-        description = f"margo-gitops {action}: {step.reason}"
-        if action is Action.REINSTALL:
-            self._uninstall(step.namespace, step.release_name,
-                            description="margo-gitops: clearing a crashed install")
-        elif action is Action.RECOVER:
-            self._rollback(step.namespace, step.release_name, component)
-        upgrade = action not in (Action.INSTALL, Action.REINSTALL)
-        summary = self._release(step, component, chart, labels, description, upgrade=upgrade)
+        opened = open_values(component.values, self.key, component=component.name)
+        with opened.redacting():
+            chart = self.charts.load(self.charts.fetch(component.repository,
+                                                       component.revision))
+            labels = ownership_labels(deployment.deployment_id, component.name,
+                                      desired_digest=deployment.digest,
+                                      spec_digest=component.spec_digest,
+                                      values_digest=component.values_digest)
+            description = f"margo-gitops {action}: {step.reason}"
+            if action is Action.REINSTALL:
+                self._uninstall(step.namespace, step.release_name,
+                                description="margo-gitops: clearing a crashed install")
+            elif action is Action.RECOVER:
+                self._rollback(step.namespace, step.release_name, component)
+            upgrade = action not in (Action.INSTALL, Action.REINSTALL)
+            summary = self._release(step, component, chart, labels, description,
+                                    opened.values, upgrade=upgrade)
         self._written[(step.namespace, step.release_name)] = _Written(
             int(summary.get("revision") or 0), f"{chart.name} {chart.version}", labels,
-            _values_digest(dict(component.values)))
+            _values_digest(opened.values, opened.digest_key), opened.digest_key)
 
     def confirm(self, step: Step, deployment: DesiredDeployment | None) -> None:
         """Read the release back from Helm's storage (see `reconciler.drivers.readback`):
@@ -312,7 +335,7 @@ class HelmDriver:
         with self._errors(ErrorCode.ENGINE_UNAVAILABLE, f"reading the values of {what}"):
             values = self.config(step.namespace).get_values(step.release_name,
                                                             revision=revision or None)
-        require_match(what, written.expected(), _described(record, values))
+        require_match(what, written.expected(), _described(record, values, written.digest_key))
 
     def cancel(self) -> None:
         """Abort every Helm operation in flight (from any thread), e.g. at shutdown; each
@@ -386,10 +409,12 @@ class HelmDriver:
     # --- steps -----------------------------------------------------------------------------
 
     def _release(self, step: Step, component: DesiredComponent, chart: helm.Chart,
-                 labels: dict[str, str], description: str, *, upgrade: bool) -> dict[str, Any]:
-        """One `helm install` / `helm upgrade` (values reset to exactly the desired ones)
-        through the SDK's public `Config.install` / `Config.upgrade`; with telemetry
-        injection, through `_post_rendered`. Returns Helm's summary of the new revision."""
+                 labels: dict[str, str], description: str, opened: Mapping[str, Any], *,
+                 upgrade: bool) -> dict[str, Any]:
+        """One `helm install` / `helm upgrade` (values reset to exactly the desired ones,
+        `opened`: the component's values with sealed ones opened) through the SDK's public
+        `Config.install` / `Config.upgrade`; with telemetry injection, through
+        `_post_rendered`. Returns Helm's summary of the new revision."""
         options: dict[str, Any] = {
             "namespace": step.namespace, "timeout": _timeout(component),
             "wait": "watcher" if component.wait else None, "labels": labels,
@@ -398,7 +423,7 @@ class HelmDriver:
         config = self.config(step.namespace)
         failure = ErrorCode.UPGRADE_FAILED if upgrade else ErrorCode.INSTALL_FAILED
         what = f"{'upgrading' if upgrade else 'installing'} {step.release_name}"
-        values = dict(component.values)
+        values = dict(opened)
         try:
             with self._operation() as context, self._errors(failure, what, context):
                 if self.injection is not None:

@@ -43,6 +43,15 @@ Given an `OciClient`, the driver also "renders" Compose components: the package 
 and verified like the Compose driver does, checked for safety, and its files written to the
 release directory with the parameters as `.env` - the project exactly as `docker compose`
 would be given it. Simulated Compose devices use this; so can a hand-over to another tool.
+
+Sealed values (`reconciler.sealed_values`): the rendered files are this driver's product,
+handed to whatever applies them, so they hold the opened values (a Secret manifest, the
+`.env` of a Compose project), exactly as the Helm or Compose engine would receive them. The
+envelopes are opened with the device's key (`key`) before the ledger or any file changes (a
+value that cannot be opened is `SECRET_UNREADABLE`, and the previous render stays as it
+was); a release with opened values is written owner-only (directories 0700, files 0600),
+and messages lose every plaintext (`Opened.redacting`). Keep `outputDir` on a disk as
+trusted as the key itself, and out of backups that are not.
 """
 
 from __future__ import annotations
@@ -80,6 +89,7 @@ from reconciler.releases import (
     release_from_labels,
     with_drift,
 )
+from reconciler.sealed_values import Opened, Opener, open_values
 from reconciler.telemetry import Injection
 from reconciler.telemetry.inject import compose_injection, inject_files
 
@@ -211,12 +221,13 @@ class RenderDriver:
 
     def __init__(self, output_dir: Path, charts: ChartCache, *,
                  oci: OciClient | None = None, drift: str = DEFAULT_DRIFT["render"],
-                 injection: Injection | None = None) -> None:
+                 injection: Injection | None = None, key: Opener | None = None) -> None:
         if drift not in DRIFT_POLICIES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.output_dir = Path(output_dir)
         self.drift = drift
         self.injection = injection
+        self.key = key  # opens sealed values (reconciler.encryption_key.DeviceKey)
         self.charts = charts
         self.oci = oci
         self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
@@ -255,9 +266,13 @@ class RenderDriver:
                 raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
             elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE,
                                  Action.REINSTALL, Action.RECOVER):
-                self._render(step, deployment)
+                opened = self._open(step)
+                with opened.redacting():
+                    self._render(step, deployment, opened)
             elif step.action is Action.REPAIR:
-                self._repair(step, deployment)
+                opened = self._open(step)
+                with opened.redacting():
+                    self._repair(step, deployment, opened)
             elif step.action is not Action.UNCHANGED:
                 raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                                  retryable=False)
@@ -295,7 +310,15 @@ class RenderDriver:
 
     # --- actions ---------------------------------------------------------------------------
 
-    def _render(self, step: Step, deployment: DesiredDeployment | None) -> None:
+    def _open(self, step: Step) -> Opened:
+        """The step's values with the sealed ones opened (before anything is written)."""
+        component = step.desired
+        if component is None:
+            return Opened({})  # `_desired` says what is wrong
+        return open_values(component.values, self.key, component=component.name)
+
+    def _render(self, step: Step, deployment: DesiredDeployment | None,
+                opened: Opened) -> None:
         component, deployment = self._desired(step, deployment)
         source, loaded = self._fetch(component, deployment)
         releases = self._read_ledger()
@@ -313,17 +336,18 @@ class RenderDriver:
         releases[key] = entry
         self._write_ledger(releases)
         try:
-            files = self._files(step, component, loaded, revision=revision, first=first)
+            files = self._files(step, opened, loaded, revision=revision, first=first)
         except ApplyError:
             entry["status"] = "failed"
             self._write_ledger(releases)
             raise
-        self._replace_dir(step.namespace, step.release_name, files)
+        self._replace_dir(step.namespace, step.release_name, files, private=bool(opened.secrets))
         entry.update(status="deployed", install=first, files=_file_digests(files))
         self._write_ledger(releases)
         self._written[key] = _file_digests(files)
 
-    def _repair(self, step: Step, deployment: DesiredDeployment | None) -> None:
+    def _repair(self, step: Step, deployment: DesiredDeployment | None,
+                opened: Opened) -> None:
         """Write a drifted release's files again: the same chart and values rendered at the
         same revision, as an install or upgrade as the ledger recorded, so the bytes are
         those written before. The ledger stays `deployed` throughout (the directory is
@@ -333,12 +357,12 @@ class RenderDriver:
         releases = self._read_ledger()
         entry = releases.get(f"{step.namespace}/{step.release_name}")
         if entry is None or entry.get("status") != "deployed" or entry.get("chart") != source:
-            self._render(step, deployment)  # not what the plan saw: apply it afresh
+            self._render(step, deployment, opened)  # not what the plan saw: apply it afresh
             return
         revision = int(entry.get("revision", 1))
         first = bool(entry.get("install", revision == 1))
-        files = self._files(step, component, loaded, revision=revision, first=first)
-        self._replace_dir(step.namespace, step.release_name, files)
+        files = self._files(step, opened, loaded, revision=revision, first=first)
+        self._replace_dir(step.namespace, step.release_name, files, private=bool(opened.secrets))
         entry.update(install=first, files=_file_digests(files))
         self._write_ledger(releases)
         self._written[f"{step.namespace}/{step.release_name}"] = _file_digests(files)
@@ -368,17 +392,18 @@ class RenderDriver:
         return {"name": package.top_directory, "version": component.revision,
                 "digest": package.digest}, package
 
-    def _files(self, step: Step, component: DesiredComponent, loaded: Any, *, revision: int,
+    def _files(self, step: Step, opened: Opened, loaded: Any, *, revision: int,
                first: bool) -> dict[str, bytes]:
-        """The release's files; `RENDER_FAILED` (not retryable) when the chart refuses the
-        values or does not render."""
+        """The release's files from the component's values (sealed ones opened);
+        `RENDER_FAILED` (not retryable) when the chart refuses the values or does not
+        render."""
         try:
             if isinstance(loaded, helm.Chart):
                 rendered = loaded.render(
-                    dict(component.values), name=step.release_name, namespace=step.namespace,
+                    dict(opened.values), name=step.release_name, namespace=step.namespace,
                     revision=revision, is_install=first, is_upgrade=not first)
                 return _manifest_files(inject_files(rendered, self.injection)[0])
-            return _compose_files(loaded, component.values, self.injection)
+            return _compose_files(loaded, opened.values, self.injection)
         except (helm.HelmError, ValueError, yaml.YAMLError) as exc:
             raise ApplyError(ErrorCode.RENDER_FAILED, str(exc), retryable=False) from exc
 
@@ -436,17 +461,26 @@ class RenderDriver:
             for leftover in parent.glob(f".{name}.*"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
-    def _replace_dir(self, namespace: str, name: str, files: dict[str, bytes]) -> None:
+    def _replace_dir(self, namespace: str, name: str, files: dict[str, bytes], *,
+                     private: bool = False) -> None:
+        """Write `files` as the release's directory (owner-only when `private`: they hold
+        opened sealed values)."""
         target = self._release_dir(namespace, name)
         target.parent.mkdir(parents=True, exist_ok=True)
         self._clear_leftovers(namespace, name)
         tag = uuid.uuid4().hex[:12]
         staging = target.parent / f".{name}.new-{tag}"
-        staging.mkdir()
+        folders = 0o700 if private else 0o777  # both less the umask
+        staging.mkdir(mode=folders)
         for relative, data in files.items():
             path = staging / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            path.parent.mkdir(mode=folders, parents=True, exist_ok=True)
+            if private:
+                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(descriptor, "wb") as handle:
+                    handle.write(data)
+            else:
+                path.write_bytes(data)
         retired = target.parent / f".{name}.old-{tag}"
         if target.exists():
             target.rename(retired)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gzip
 import io
 import os
+import secrets
 import socket
 import tarfile
 import threading
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyrage
 import pytest
 from kits.chartkit import converge as converge_all
 from kits.composekit import DEPLOYMENT_ID, PROJECT, compose_deployment
@@ -35,10 +37,12 @@ from kits.dockerkit import (
 )
 from kits.registrykit import running_registry
 
+from margo.sealing import seal
 from reconciler.desired import DesiredDeployment
 from reconciler.drivers.compose import ENV_FILE, OVERRIDE_FILE, ComposeDriver, project_files
 from reconciler.drivers.compose_drift import APPLIED_FILE
 from reconciler.drivers.compose_engine import LABEL_SERVICES, detect_compose_command
+from reconciler.encryption_key import DeviceKey
 from reconciler.errors import ApplyError
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Plan, Step, plan
@@ -568,3 +572,36 @@ def test_images_and_packages_from_a_registry_that_needs_credentials(
         "margo-docker-config-*")]
     assert leftovers == []
     assert "s3cret-pw" not in repr(good)
+
+
+def test_a_sealed_value_reaches_the_containers_through_the_environment_only(
+        engine: DockerEngine, test_images: ImageSet, oci: OciClient, repository: str,
+        tmp_path: Path) -> None:
+    key = DeviceKey.open(tmp_path / "keys" / "encryption.age")
+    driver = make_driver(engine, oci, tmp_path / "work", key=key)
+    # The package's own .env has a default: the opened value, from the environment, wins.
+    compose_package(oci, repository, "1.0.0", {"web": web_service(test_images.web_1)},
+                    env="GREETING=packaged\n")
+    secret, other = f"pw-{secrets.token_hex(10)}", f"pw-{secrets.token_hex(10)}"
+    sealed = deployment(repository, greeting=seal(secret, key.recipient(), mac="c" * 32))
+    assert actions(converge(driver, sealed)) == ["install"]  # read back (config --hash) too
+    web = containers(engine)["web"]
+    assert environment(engine, web)["GREETING"] == secret
+    env_file = project_files(tmp_path / "work", PROJECT, "sha256:" + "0" * 64).env_file
+    assert "GREETING" not in env_file.read_text()  # not in any file of the project
+    written = [p for p in (tmp_path / "work").rglob("*") if p.is_file()]
+    assert written and [p for p in written if secret.encode() in p.read_bytes()] == []
+
+    # Sealed again by the server (a new ciphertext, the same mac): nothing to do, no drift.
+    again = deployment(repository, greeting=seal(secret, key.recipient(), mac="c" * 32))
+    assert actions(converge(driver, again)) == ["unchanged"]
+    assert [r.drift for r in driver.installed()] == [""]
+
+    # Sealed to another key: SECRET_UNREADABLE before anything runs; the project as it was.
+    stranger = str(pyrage.x25519.Identity.generate().to_public())
+    with pytest.raises(ApplyError) as raised:
+        converge(driver, deployment(repository, greeting=seal(other, stranger, mac="d" * 32)))
+    assert (raised.value.code, raised.value.retryable) == ("SECRET_UNREADABLE", False)
+    assert "GREETING" in raised.value.message and other not in raised.value.message
+    assert inspect(engine, containers(engine)["web"])["Id"] == inspect(engine, web)["Id"]
+    assert environment(engine, web)["GREETING"] == secret

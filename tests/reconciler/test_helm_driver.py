@@ -13,6 +13,7 @@ Helm's records, which the next driver finds.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import pyrage
 import pytest
 from kits.chartkit import (
     DEPLOYMENT_ID,
@@ -36,9 +38,11 @@ from kits.chartkit import (
 from kits.kubekit import ROOT as REPO_ROOT
 from kits.kubekit import SINGLE_NODE, KubeCluster, SimNode
 
+from margo.sealing import seal
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredDeployment
 from reconciler.drivers.helm import HelmDriver
+from reconciler.encryption_key import DeviceKey
 from reconciler.errors import ApplyError
 from reconciler.planner import Action, Step, plan
 from reconciler.releases import (
@@ -48,6 +52,7 @@ from reconciler.releases import (
     MANAGER,
     ReleaseState,
     release_name,
+    short_digest,
 )
 
 RELEASE = release_name(DEPLOYMENT_ID, "greeter")
@@ -569,3 +574,45 @@ def test_a_release_left_pending_by_the_engine_fails_the_read_back(
         assert helm_driver.installed()[0].chart_version == "1.0.0"
     finally:
         helm_driver.close()
+
+
+def test_a_sealed_value_reaches_helm_in_memory_only(
+        device_kubeconfig: Path, charts: ChartCache, kube: KubeCluster, tmp_path: Path,
+        repos: dict[str, str]) -> None:
+    key = DeviceKey.open(tmp_path / "keys" / "encryption.age")
+    driver = HelmDriver(charts, kubeconfig=device_kubeconfig, key=key)
+    secret, other = f"pw-{secrets.token_hex(10)}", f"pw-{secrets.token_hex(10)}"
+
+    def sealed(text: str, recipient: str, mac: str) -> DesiredDeployment:
+        return greeter(repos["greeter"], greeting=seal(text, recipient, mac=mac * 32),
+                       namespace="sealed")
+
+    try:
+        # Installed and read back (the values compared under a per-step key).
+        assert actions(converge(driver, [sealed(secret, key.recipient(), "a")])) == [
+            "install:greeter"]
+        assert configmap(kube, namespace="sealed")["greeting"] == secret
+        [release] = driver.installed()
+        assert release.values_digest == short_digest(
+            sealed(secret, key.recipient(), "a").components[0].values_digest)
+        # Sealed again with the same mac: no upgrade; Helm's record is unchanged.
+        assert actions(converge(driver, [sealed(secret, key.recipient(), "a")])) == []
+        # Sealed to another key: refused before Helm is asked; revision 1 keeps running.
+        stranger = str(pyrage.x25519.Identity.generate().to_public())
+        with pytest.raises(ApplyError) as raised:
+            converge(driver, [sealed(other, stranger, "b")])
+        assert raised.value.code == "SECRET_UNREADABLE" and not raised.value.retryable
+        assert other not in raised.value.message
+        status = driver.config("sealed").status(RELEASE)
+        assert (status["revision"], status["status"]) == (1, "deployed")
+        assert configmap(kube, namespace="sealed")["greeting"] == secret
+        # Helm's own errors lose the plaintext (the chart's schema allows 32 characters).
+        too_long = f"{secret}-{'x' * 40}"
+        with pytest.raises(ApplyError) as raised:
+            converge(driver, [sealed(too_long, key.recipient(), "c")])
+        assert raised.value.code == "UPGRADE_FAILED" and too_long not in raised.value.message
+    finally:
+        driver.close()
+    # Nothing on the device's disk holds it (the chart cache, the key's folder).
+    stored = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p for p in stored if secret.encode() in p.read_bytes()] == []

@@ -1,6 +1,8 @@
 """`margo device run|once --config FILE` (the device client), `margo device doctor`
-(a cluster or host checked against the Margo requirements, see doctor_command) and
-`margo device plan` (the next cycle, without doing it: plan_command).
+(a cluster or host checked against the Margo requirements, see doctor_command),
+`margo device plan` (the next cycle, without doing it: plan_command), `margo device
+capabilities` (what would be reported) and `margo device rotate-key` (a new encryption key
+for sealed values; the previous one is kept for values still sealed to it).
 
 `once` runs one cycle and exits 0 when the device converged (or the schedule says not to
 contact the server now), 1 when anything failed (a step, a fetch, a capability report), 2 when
@@ -23,7 +25,7 @@ from margo_cli.device_config import device_config
 from margo_cli.usage import UsageError
 from reconciler.runner import CycleResult
 
-__all__ = ["describe", "register", "run", "run_capabilities"]
+__all__ = ["describe", "register", "run", "run_capabilities", "run_rotate_key"]
 
 
 def register(commands: Any) -> None:
@@ -47,6 +49,33 @@ def register(commands: Any) -> None:
                       help="margo: the rc.3 DeviceCapabilitiesManifest (default); cluster: "
                       "the proposal's ClusterCapabilitiesManifest (Kubernetes clusters only)")
     show.set_defaults(run=run_capabilities)
+    rotate = verbs.add_parser(
+        "rotate-key", help="make a new encryption key for sealed values, keeping the previous "
+        "one until the server has sealed them again",
+        description="Write a new age X25519 identity as the device's encryption key and keep "
+                    "the current one as the previous key (the one before is dropped): values "
+                    "still sealed to it keep opening until the server, told the new key by "
+                    "the next capability report, seals them again. A running client picks "
+                    "the new key up at its next cycle. Rotate again only after that.")
+    rotate.add_argument("--config", required=True, metavar="FILE")
+    rotate.set_defaults(run=run_rotate_key)
+
+
+def run_rotate_key(args: argparse.Namespace) -> int:
+    """Rotate the configured encryption key; print the old and the new recipient."""
+    from reconciler.encryption_key import EncryptionKeyError, previous_path, rotate_key
+
+    config = device_config(args.config)
+    try:
+        old, new = rotate_key(config.encryption_key)
+    except (EncryptionKeyError, OSError) as exc:
+        print(f"margo device rotate-key: {exc}", file=sys.stderr)
+        return 1
+    print(f"new encryption key: {new} ({config.encryption_key})")
+    if old is not None:
+        print(f"previous key, kept until the server re-seals: {old} "
+              f"({previous_path(config.encryption_key)})")
+    return 0
 
 
 def run_capabilities(args: argparse.Namespace) -> int:
@@ -54,6 +83,8 @@ def run_capabilities(args: argparse.Namespace) -> int:
     for sending the cluster proposal's manifest to a server that takes it."""
     from margo.cluster import cluster_manifest_from_capabilities
     from reconciler.assembly import capability_provider
+    from reconciler.capabilities import with_encryption_key
+    from reconciler.encryption_key import DeviceKey
     from reconciler.kubernetes.provider import KubernetesProvider
 
     config = device_config(args.config)
@@ -67,6 +98,9 @@ def run_capabilities(args: argparse.Namespace) -> int:
     try:
         doc = (provider.observe() if isinstance(provider, KubernetesProvider)
                else provider.gather())
+        key = DeviceKey.existing(config.encryption_key)  # the client creates it, not this
+        if key is not None:
+            doc = with_encryption_key(doc, key.recipient())
         if args.format == "cluster":
             doc = cluster_manifest_from_capabilities(doc)
     except (DocumentError, OSError, ValueError) as exc:
@@ -105,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     config = device_config(args.config)
     from reconciler.assembly import open_reconciler
     from reconciler.datadir import BusyError
+    from reconciler.encryption_key import EncryptionKeyError
     from reconciler.identity import IdentityError
     from reconciler.signing import OnboardingError, SigningError
     from reconciler.state import StateError
@@ -135,3 +170,5 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except (IdentityError, SigningError, OnboardingError) as exc:
         raise UsageError(f"{args.config}: identity: {exc}") from None
+    except EncryptionKeyError as exc:
+        raise UsageError(f"{args.config}: encryption key: {exc}") from None

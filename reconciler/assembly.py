@@ -10,6 +10,10 @@ With `server.fallbackUrls` that client is a `reconciler.failover.FailoverClient`
 source, when its URLs are the device's repository under each server URL, shares its
 `ServerList`: whichever of them finds the URL in use dead moves both.
 
+The device's encryption key (`reconciler.encryption_key`) is opened, or created on the
+first start, right after the data directory's lock: the driver opens sealed values with it,
+and every capability report carries its recipient (`reconciler.capabilities.KeyReporting`).
+
 Kept apart from the runner so the cycle logic stays free of construction details, and so
 tests and benchmarks assemble exactly what `margo device run` assembles.
 """
@@ -29,12 +33,14 @@ from reconciler.capabilities import (
     CapabilityProvider,
     CapabilityReporter,
     HostProvider,
+    KeyReporting,
     StaticProvider,
 )
 from reconciler.config import DeviceConfig, IdentityConfig, device_repository
 from reconciler.datadir import exclusive
 from reconciler.delivery import Reporter
 from reconciler.drivers.base import Driver
+from reconciler.encryption_key import DeviceKey
 from reconciler.failover import FailoverClient, ServerList
 from reconciler.releases import DEFAULT_DRIFT
 from reconciler.runner import CycleObserver, Reconciler, StatusTarget
@@ -170,17 +176,19 @@ def _source_is_the_server(config: DeviceConfig) -> bool:
     return all(origin(url) in ours for url in config.git_urls)
 
 
-def open_driver(config: DeviceConfig, stack: ExitStack) -> Driver:
+def open_driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None = None) -> Driver:
     """The configured driver, closed by `stack` (for tools that read what is installed
-    without running a client: `margo device plan`)."""
-    driver = _driver(config, stack)
+    without running a client: `margo device plan`; without `key`, it cannot apply a
+    component with sealed values)."""
+    driver = _driver(config, stack, key)
     stack.callback(driver.close)
     return driver
 
 
-def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
+def _driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None) -> Driver:
     """Drivers are imported on demand: a Compose device never loads the Helm engine. What a
-    driver borrows (OCI client, chart cache) is closed by `stack` after the driver."""
+    driver borrows (OCI client, chart cache) is closed by `stack` after the driver; `key`
+    opens sealed values."""
     drift = config.drift_detection or DEFAULT_DRIFT[config.driver]
     injection = config.telemetry.inject if config.telemetry else None
     if config.driver == "compose":
@@ -191,7 +199,7 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         return ComposeDriver(config.data_dir / "compose", oci, docker=config.docker,
                              compose=config.compose, docker_host=config.docker_host,
                              credentials=config.registry_credentials, drift=drift,
-                             injection=injection)
+                             injection=injection, key=key)
     from reconciler.charts import ChartCache
     charts = stack.enter_context(ChartCache(config.data_dir / "charts",
                                             credentials=config.registry_credentials))
@@ -201,11 +209,12 @@ def _driver(config: DeviceConfig, stack: ExitStack) -> Driver:
         from reconciler.registry_credentials import as_pairs
         oci = OciClient(credentials=as_pairs(config.registry_credentials))
         return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift,
-                            injection=injection)
+                            injection=injection, key=key)
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
                       storage_driver=config.storage_driver, drift=drift,
-                      rollback_on_failure=config.rollback_on_failure, injection=injection)
+                      rollback_on_failure=config.rollback_on_failure, injection=injection,
+                      key=key)
 
 
 def _collector_probe(config: DeviceConfig) -> Callable[[], bool] | bool:
@@ -226,7 +235,17 @@ def _telemetry(config: DeviceConfig, stack: ExitStack) -> CycleObserver | None:
     return stack.enter_context(DeviceTelemetry(config.telemetry, device_id=config.device_id))
 
 
-def capability_provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
+def capability_provider(config: DeviceConfig, driver: Driver,
+                        key: DeviceKey | None = None) -> CapabilityProvider | None:
+    """The configured provider (None: no capability reports); with `key`, its documents
+    carry the device's encryption key (`KeyReporting`)."""
+    provider = _provider(config, driver)
+    if provider is None or key is None:
+        return provider
+    return KeyReporting(provider, key.recipient)
+
+
+def _provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
     if config.capabilities_file is not None:
         return StaticProvider(config.capabilities_file)
     if config.kubernetes is not None:
@@ -251,14 +270,15 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
         stack.enter_context(exclusive(config.data_dir))
         observer = _telemetry(config, stack)
         state = stack.enter_context(DeviceState(config.data_dir / "device-state.sqlite"))
+        key = DeviceKey.open(config.encryption_key)
         servers = ServerList(config.server_urls, failback=config.failback)
         http, client_id = _connect(config, stack, servers)
         source = _source(config, http, client_id, servers)
         stack.callback(source.close)
-        driver = _driver(config, stack)
+        driver = _driver(config, stack, key)
         stack.callback(driver.close)
         reporter = Reporter(http, state)
-        provider = capability_provider(config, driver)
+        provider = capability_provider(config, driver, key)
         capabilities = CapabilityReporter(http, state, generation=config.api,
                                           device_id=config.device_id,
                                           client_id=client_id)

@@ -11,6 +11,14 @@ on a difference.
 
 The Kubernetes cluster provider (nodes, GPUs, API surface, classes) implements the same
 `CapabilityProvider` protocol in `reconciler/kubernetes/provider.py`.
+
+Whatever the provider, the device client adds its encryption key (`KeyReporting`): root
+`x-margo-gitops-extensions.encryptionKey = {"type": "age-x25519", "recipient": "age1..."}`
+(`margo.sealing.key_report`), merged into the extension the provider may already fill (the
+cluster's `cluster`), in every generation. The server seals sensitive parameter values to
+that recipient. The report's own authentication (rc.3 mutual TLS, rc.2 signature, the
+device's token) is what binds the key to the device; a rotated key changes the document's
+digest, so it is reported at the next cycle.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -30,20 +39,23 @@ from margo.digests import data_digest
 from margo.errors import DocumentError
 from margo.kinds import Kind, Shape
 from margo.normalize import normalise_architecture
+from margo.sealing import EXTENSION, key_report
 from margo.validation import validate_file, validate_value
 from reconciler.delivery import UNCHANGED, Outcome, send_json
 from reconciler.state import DeviceState
 from reconciler.statuses import GENERATIONS
 
 __all__ = ["CAPABILITIES_API_VERSION", "CapabilityProvider", "CapabilityReporter",
-           "HostProvider", "StaticProvider", "capabilities_path", "format_bytes", "report_all",
-           "shape_capabilities"]
+           "HostProvider", "KeyReporting", "StaticProvider", "capabilities_path", "format_bytes",
+           "report_all", "shape_capabilities", "with_encryption_key"]
 
 CAPABILITIES_API_VERSION = "device.margo.org/v1alpha1"
 CAPABILITIES_KIND = "DeviceCapabilitiesManifest"
 _ARM32 = {"armv6l", "armv7l", "armv7", "armv8l", "armhf", "arm"}
 #: Oct-2024 roles for the deployment types a device supports.
 _OCT_2024_ROLES = {"helm": "Standalone Cluster", "compose": "Standalone Device"}
+#: Root extension members, which every generation's schema allows.
+_ROOT_EXTENSION = re.compile(r"x-[a-z][a-z0-9-]*-extensions")
 
 
 class CapabilityProvider(Protocol):
@@ -74,6 +86,28 @@ class StaticProvider:
         if report.problems:
             raise DocumentError(report.problems)
         return _plain(report.document)
+
+
+def with_encryption_key(doc: Mapping[str, Any], recipient: str) -> dict[str, Any]:
+    """`doc` with the device's encryption key in its root extension, beside what the
+    extension already holds."""
+    out = _plain(doc)
+    extension = out.get(EXTENSION)
+    out[EXTENSION] = {**(extension if isinstance(extension, dict) else {}),
+                      **key_report(recipient)}
+    return out
+
+
+class KeyReporting:
+    """Any provider's document with the device's encryption key added (`recipient` is
+    asked at every gather, so a rotated key is reported at the next cycle)."""
+
+    def __init__(self, provider: CapabilityProvider, recipient: Callable[[], str]) -> None:
+        self.provider = provider
+        self.recipient = recipient
+
+    def gather(self) -> dict[str, Any]:
+        return with_encryption_key(self.provider.gather(), self.recipient())
 
 
 def format_bytes(size: int) -> str:
@@ -184,7 +218,8 @@ class HostProvider:
 
 
 def _oct_2024(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """rc.3 properties -> Oct-2024 `roles` + `resources` (labels and runtimes did not exist)."""
+    """rc.3 properties -> Oct-2024 `roles` + `resources` (labels and runtimes did not exist;
+    root `x-*-extensions`, which its schema allows, are kept)."""
     props = doc["properties"]
     roles = [_OCT_2024_ROLES[t] for t in props.get("supportedDeploymentTypes", [])
              if t in _OCT_2024_ROLES]
@@ -205,8 +240,9 @@ def _oct_2024(doc: Mapping[str, Any]) -> dict[str, Any]:
         if key in props:
             resources[key] = props[key]
     out["resources"] = resources
+    extensions = {key: value for key, value in doc.items() if _ROOT_EXTENSION.fullmatch(key)}
     return {"apiVersion": CAPABILITIES_API_VERSION, "kind": CAPABILITIES_KIND,
-            "properties": out}
+            "properties": out, **extensions}
 
 
 def shape_capabilities(doc: Mapping[str, Any], generation: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from margo.rfc9421 import ALGORITHMS
 from margo.schemas import python_patterns
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
+from reconciler.encryption_key import default_key_path
 from reconciler.failover import DEFAULT_FAILBACK_SECONDS
 from reconciler.registry_credentials import REGISTRY_HOST, RegistryCredential, secret_file_problem
 from reconciler.releases import DEFAULT_DRIFT, DRIFT_POLICIES
@@ -119,6 +120,8 @@ def _identity_schema() -> dict[str, Any]:
         "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
                         "algorithm": {"enum": list(ALGORITHMS)}},
                        ["key", "certificate"]),
+        # the age identity sealed values are opened with (default: <dataDir>/keys/...)
+        "encryptionKey": _TEXT,
     })
 
 
@@ -213,6 +216,8 @@ class IdentityConfig:
     rc2_key: Path | None = None
     rc2_certificate: Path | None = None
     rc2_algorithm: str | None = None
+    #: The device's encryption key file (None: `<dataDir>/keys/encryption.age`).
+    encryption_key: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,13 @@ class DeviceConfig:
     def server_urls(self) -> tuple[str, ...]:
         """`server_url` and then its fallbacks: the order requests try them in."""
         return (self.server_url, *self.fallback_urls)
+
+    @property
+    def encryption_key(self) -> Path:
+        """The device's encryption key file (`reconciler.encryption_key`): as configured
+        (`identity.encryptionKey`), else in the data directory."""
+        configured = self.identity.encryption_key if self.identity else None
+        return configured or default_key_path(self.data_dir)
 
     @property
     def git_urls(self) -> tuple[str, ...]:
@@ -413,7 +425,7 @@ def _identity(raw: dict[str, Any] | None, base: Path) -> IdentityConfig | None:
         trust_bundle=path(raw, "trustBundle"), trust_domain=raw.get("trustDomain"),
         wfm_id=raw.get("wfmId"), tls12=bool(raw.get("tls12", False)),
         rc2_key=path(rc2, "key"), rc2_certificate=path(rc2, "certificate"),
-        rc2_algorithm=rc2.get("algorithm"))
+        rc2_algorithm=rc2.get("algorithm"), encryption_key=path(raw, "encryptionKey"))
 
 
 def _server_urls(server: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:

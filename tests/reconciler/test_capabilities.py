@@ -12,20 +12,24 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from kits.serverkit import add_client, assert_matches_openapi, free_port, running_server
 
 from margo.errors import DocumentError
 from margo.kinds import Kind, Shape
 from margo.quantity import parse_quantity
+from margo.sealing import device_recipient
 from margo.validation import validate_value
 from reconciler.capabilities import (
     CapabilityReporter,
     HostProvider,
+    KeyReporting,
     StaticProvider,
     format_bytes,
     report_all,
     shape_capabilities,
 )
+from reconciler.encryption_key import DeviceKey, rotate_key
 from reconciler.state import DeviceState
 
 
@@ -165,6 +169,26 @@ def test_documents_are_shaped_for_each_generation(tmp_path: Path, generation: st
         assert_matches_openapi("rc.3", "DeviceCapabilitiesManifest", shaped)
 
 
+@pytest.mark.parametrize("generation", ["rc.3", "rc.2", "oct-2024"])
+def test_every_generation_carries_the_encryption_key(tmp_path: Path, generation: str) -> None:
+    key = DeviceKey.open(tmp_path / "keys" / "encryption.age")
+    caps = tmp_path / "caps.yaml"  # a provider that fills the extension itself
+    caps.write_text(yaml.safe_dump({
+        "properties": {"id": "edge-1", "vendor": "Acme", "modelNumber": "E-1",
+                       "serialNumber": "1", "supportedDeploymentTypes": ["helm"]},
+        "x-margo-gitops-extensions": {"cluster": {"name": "line-3"}}}))
+    for provider in (KeyReporting(StaticProvider(caps), key.recipient),
+                     KeyReporting(host(storage_path=tmp_path), key.recipient)):
+        shaped = shape_capabilities(provider.gather(), generation)
+        validate_value(shaped, expect=Kind.DEVICE_CAPABILITIES)
+        extension = shaped["x-margo-gitops-extensions"]
+        assert device_recipient(shaped) == key.recipient()
+        assert extension["encryptionKey"] == {"type": "age-x25519",
+                                              "recipient": key.recipient()}
+        if isinstance(provider.provider, StaticProvider):  # merged, not replaced
+            assert extension["cluster"] == {"name": "line-3"}
+
+
 def test_oct_2024_needs_a_role(tmp_path: Path) -> None:
     doc = host(storage_path=tmp_path, deployment_types=["custom"], runtimes=["custom"]).gather()
     with pytest.raises(ValueError, match="role"):
@@ -255,6 +279,26 @@ def test_older_generations_use_their_own_routes(server: dict[str, Any], tmp_path
         assert counting.requests == [expected]
     [stored] = history(server, device_id)
     assert stored == shape_capabilities(provider.gather(), generation)
+
+
+@pytest.mark.parametrize(("generation", "device_id"), [
+    ("rc.3", "edge-key-rc3"), ("rc.2", "edge-key-rc2"), ("oct-2024", "edge-key-oct")])
+def test_the_server_gets_the_key_and_a_rotated_one_at_once(
+        server: dict[str, Any], tmp_path: Path, generation: str, device_id: str) -> None:
+    path = tmp_path / "keys" / "encryption.age"
+    key = DeviceKey.open(path)
+    provider = KeyReporting(host(device_id, storage_path=tmp_path), key.recipient)
+    with Counting(server) as counting, DeviceState(tmp_path / "d.sqlite") as state:
+        reporter = CapabilityReporter(counting.http, state, generation=generation,
+                                      device_id=device_id, client_id="site-a")
+        assert reporter.report(provider.gather()).kind == "delivered"
+        assert reporter.report(provider.gather()).kind == "unchanged"
+        first = key.recipient()
+        rotate_key(path)
+        rotated = reporter.report(provider.gather())  # nothing else changed
+        assert rotated.kind == "delivered" and rotated.sent
+    reports = history(server, device_id)
+    assert [device_recipient(r) for r in reports] == [first, key.recipient()]
 
 
 def test_failures_are_outcomes_and_nothing_is_acknowledged(server: dict[str, Any],

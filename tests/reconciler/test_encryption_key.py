@@ -2,11 +2,12 @@
 opening of sealed values a driver does before applying (`reconciler.sealed_values`):
 created once with owner-only modes, read again on later starts and after a rotation beside
 a running client, refused (naming the file, never quoting it) when damaged or readable by
-others; rotated, the previous key still opening what was sealed to it; and every way an
-envelope can fail is SECRET_UNREADABLE without a plaintext."""
+others; rotated by `margo device rotate-key`, the previous key still opening what was sealed
+to it; and every way an envelope can fail is SECRET_UNREADABLE without a plaintext."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import yaml
 
 from margo.digests import data_digest
 from margo.sealing import seal
+from margo_cli.main import main
 from reconciler.desired import parse_deployment
 from reconciler.encryption_key import DeviceKey, EncryptionKeyError, previous_path, rotate_key
 from reconciler.errors import ApplyError, ErrorCode
@@ -87,6 +89,51 @@ def test_rotation_keeps_the_previous_key_for_what_is_still_sealed_to_it(tmp_path
         open_values({"DB_PASSWORD": old_value}, running, component="db")
     assert raised.value.code == ErrorCode.SECRET_UNREADABLE
     assert "sealed to another device key" in raised.value.message
+
+
+def device_home(tmp_path: Path, **identity: str) -> Path:
+    """A device directory with a configuration (render driver, a capabilities file)."""
+    (tmp_path / "token").write_text("t\n")
+    (tmp_path / "caps.yaml").write_text(yaml.safe_dump({"properties": {
+        "id": "box-1", "vendor": "Acme", "modelNumber": "B", "serialNumber": "1",
+        "supportedDeploymentTypes": ["helm"]}}))
+    config = tmp_path / "device.yaml"
+    config.write_text(yaml.safe_dump({
+        "device": {"id": "box-1"},
+        "server": {"url": "http://127.0.0.1:9", "clientId": "box-1", "tokenFile": "token"},
+        "source": {"type": "margo-rest"}, "driver": {"type": "render"}, "dataDir": "data",
+        "capabilities": {"file": "caps.yaml"}, **({"identity": identity} if identity else {})}))
+    return config
+
+
+def test_margo_device_rotate_key_and_capabilities(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    config = device_home(tmp_path, encryptionKey="secrets/device.age")
+    path = tmp_path / "secrets" / "device.age"
+    # `capabilities` never creates the key (the client does, at its first start).
+    assert main(["device", "capabilities", "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert "x-margo-gitops-extensions" not in shown and not path.exists()
+
+    assert main(["device", "rotate-key", "--config", str(config)]) == 0
+    first = DeviceKey.open(path, create=False).recipient()
+    assert capsys.readouterr().out == f"new encryption key: {first} ({path})\n"
+    assert not previous_path(path).exists()
+    assert main(["device", "rotate-key", "--config", str(config)]) == 0
+    printed = capsys.readouterr().out
+    second = DeviceKey.open(path, create=False)
+    assert second.previous_recipient() == first and f"previous key, kept until the server " \
+        f"re-seals: {first} ({previous_path(path)})" in printed
+    assert main(["device", "capabilities", "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["x-margo-gitops-extensions"] == {
+        "encryptionKey": {"type": "age-x25519", "recipient": second.recipient()}}
+
+    path.write_text("AGE-SECRET-KEY-1 not a key\n")
+    path.chmod(0o600)
+    assert main(["device", "rotate-key", "--config", str(config)]) == 1
+    error = capsys.readouterr().err
+    assert str(path) in error and "damaged" in error and "not a key" not in error
 
 
 def envelope_cases(recipient: str) -> dict[str, tuple[str, str]]:

@@ -28,6 +28,7 @@ from margo.digests import data_digest
 from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.identifiers import DEVICE_ID as DEVICE_ID_NAME
 from margo.identifiers import DNS_LABEL as DNS_LABEL_NAME
+from margo.identifiers import REGISTRY_HOST
 from margo.kinds import Shape
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
@@ -35,7 +36,8 @@ from margo.schemas import python_patterns
 from margo.schemas.source import APP_ID, CONSTRAINT_DEFS, DEVICE_ID, closed
 from margo.validation import explain_schema_errors, gate_problems
 
-__all__ = ["INTENT_API_VERSION", "Intent", "intent_schema", "load_intent", "parse_duration"]
+__all__ = ["INTENT_API_VERSION", "Intent", "RegistryGrant", "intent_schema", "load_intent",
+           "parse_duration"]
 
 INTENT_API_VERSION = "margo-gitops.dev/v1alpha1"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -68,6 +70,12 @@ def intent_schema() -> dict[str, Any]:
         "gracePeriod": {"type": "string", "pattern": DURATION},
         "priority": {"type": "integer", "minimum": -1000000, "maximum": 1000000},
         "overcommit": {"type": "boolean"},
+        # Registries the devices may pull from with these credentials (docs/secrets.md).
+        "registryCredentials": {"type": "array", "items": closed({
+            "registry": {"type": "string", "pattern": REGISTRY_HOST},
+            "username": {"type": "string", "minLength": 1},
+            "password": closed({SECRET: {"type": "string"}}, [SECRET]),
+        }, ["registry", "username", "password"])},
         "outputShape": {"enum": [Shape.RC3.value, Shape.OCT_2024.value]},
         "rollout": closed({
             "waves": {"type": "array", "minItems": 1, "items": closed({
@@ -134,6 +142,16 @@ def parse_duration(text: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class RegistryGrant:
+    """One `registryCredentials` entry: a registry host, a user name, and the password as
+    an armored age file to the fleet key (opened only while compiling)."""
+
+    registry: str
+    username: str
+    password: str
+
+
+@dataclass(frozen=True, slots=True)
 class Intent:
     """A validated, compiled intent."""
 
@@ -166,6 +184,8 @@ class Intent:
     #: Digest of the intent without its rollout: a new one is a change to roll out (an edit
     #: of the rollout itself is not).
     rollout_digest: str = ""
+    #: Registry credentials granted to the devices, their passwords still secrets.
+    registry_credentials: tuple[RegistryGrant, ...] = ()
 
     @property
     def targets_everything(self) -> bool:
@@ -246,6 +266,27 @@ def _compile_rollout(raw: Any) -> tuple[RolloutSpec | None, list[Problem]]:
         else None), problems
 
 
+def _registry_grants(raw: Any) -> tuple[tuple[RegistryGrant, ...], list[Problem]]:
+    """The intent's registry credentials; a registry named twice or a password that is no
+    age file is a problem (the shape is checked without any key)."""
+    grants: list[RegistryGrant] = []
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(raw):
+        path = ("spec", "registryCredentials", index)
+        if entry["registry"] in seen:
+            problems.append(Problem((*path, "registry"), f"registry {entry['registry']!r} "
+                                    "is granted twice"))
+        seen.add(entry["registry"])
+        problem = secret_problem(entry["password"])
+        if problem is not None:
+            problems.append(Problem((*path, "password", SECRET), problem))
+            continue
+        grants.append(RegistryGrant(entry["registry"], entry["username"],
+                                    entry["password"][SECRET]))
+    return tuple(grants), problems
+
+
 def _without_rules_key(path: tuple[str | int, ...], at: int = 3) -> tuple[str | int, ...]:
     if path[at:at + 1] == ("eligibilityRules",):
         return path[:at] + path[at + 1:]
@@ -297,7 +338,9 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
                                                          ("spec", "constraints"))
     parameters, parameter_problems = _compile_parameters(spec.get("parameters", {}))
     rollout, rollout_problems = _compile_rollout(spec.get("rollout"))
+    grants, grant_problems = _registry_grants(spec.get("registryCredentials", ()))
     found += selector_problems + constraint_problems + parameter_problems + rollout_problems
+    found += grant_problems
     found += _name_problems(spec)
     if found:
         raise DocumentError([loaded.locate(p) for p in found])
@@ -327,4 +370,5 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         rollout_digest=data_digest({**doc, "spec": {k: v for k, v in spec.items()
                                                     if k != "rollout"}}),
         document=loaded,
+        registry_credentials=grants,
     )

@@ -20,7 +20,17 @@ from typing import Any
 
 from compiler.expressions import CompiledValue, ExpressionError, device_context
 from compiler.intents import Intent
-from compiler.sealing import compare_previous, no_key_problem, redacted, seal_for, slot_name
+from compiler.sealing import (
+    GRANTS,
+    SealItem,
+    compare_previous,
+    grant_item,
+    no_key_problem,
+    parameter_item,
+    previous_envelopes,
+    redacted,
+    seal_for,
+)
 from compiler.secrets import SECRET, FleetKey, SecretError, is_secret
 from compiler.snapshot import Device
 from compiler.source import AppVersion
@@ -127,6 +137,8 @@ class _ValuePlan:
     problems: tuple[Problem, ...]  # intent parameters the application does not have
     #: Parameters given as secrets (`values` holds their plaintext: memory only).
     secrets: frozenset[str] = frozenset()
+    #: The intent's registry grants opened: (registry, username, password; memory only).
+    grants: tuple[tuple[str, str, str], ...] = ()
 
 
 #: Entries a memo (templates, expression results) keeps per compile before starting over.
@@ -258,7 +270,28 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
             reads = compiled.reads
             expressions.append((name, compiled, None if reads is None else tuple(
                 sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")))))
-    return _ValuePlan(values, keys, tuple(expressions), tuple(problems), frozenset(secrets))
+    grants = _open_grants(intent, cache, problems)
+    return _ValuePlan(values, keys, tuple(expressions), tuple(problems), frozenset(secrets),
+                      grants)
+
+
+def _open_grants(intent: Intent, cache: RenderCache,
+                 problems: list[Problem]) -> tuple[tuple[str, str, str], ...]:
+    """The intent's registry grants with their passwords opened (problems appended)."""
+    opened = []
+    for index, grant in enumerate(intent.registry_credentials):
+        path = ("spec", "registryCredentials", index, "password", SECRET)
+        if cache.secrets is None:
+            problems.append(intent.locate(Problem(path, "this intent grants registry "
+                            "credentials, but no fleet key is configured to open them "
+                            "(margo serve --fleet-key, docs/secrets.md)")))
+            continue
+        try:
+            opened.append((grant.registry, grant.username,
+                           cache.secrets.decrypt(grant.password)))
+        except SecretError as exc:
+            problems.append(intent.locate(Problem(path, str(exc))))
+    return tuple(opened)
 
 
 def _open_secret(name: str, secret: Mapping[str, Any], cache: RenderCache,
@@ -412,11 +445,8 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     values, keys, problems = _values(intent, app, device, cache)
     secrets = sorted(n for n in cache.value_plan(intent, app).secrets
                      if n in plan.targets and values[n] is not EMPTY)
-    before = previous_values(previous)
-    if secrets and cache.secrets is not None:
-        before = compare_previous(cache.secrets, device.id, values, secrets, before)
-        if device_recipient(device.capabilities.extensions) is None:
-            problems.append(intent.locate(no_key_problem(device.id, secrets)))
+    items, before, found = _to_seal(intent, app, device, values, secrets, previous, cache)
+    problems += found
     # Everything the document holds but the two device-specific strings (its id and the
     # device id): the intent (name, namespace, shape: its digest), the application, the
     # profile and every parameter's value (also those the configuration rules check that
@@ -429,9 +459,9 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     if problems:
         raise RenderError(problems)
     slots = {"id": deployment_id(intent.name, device.id), "device": device.id}
-    if secrets and cache.secrets is not None:
+    if items and cache.secrets is not None:
         slots.update(seal_for(cache.secrets, device.id, device.capabilities.extensions,
-                              values, secrets, previous_values(previous)))
+                              items, previous_envelopes(previous)))
     if template is None:
         template = _template(intent, app, profile.id, plan, values, keys, secrets)
         cache.remember(key, template)
@@ -444,23 +474,49 @@ _SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
 
 
+def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[str, Any],
+             secrets: list[str], previous: Mapping[str, Any] | None, cache: RenderCache,
+             ) -> tuple[list[SealItem], dict[str, Any] | None, list[Problem]]:
+    """What this device's document seals (its secret parameters, its registry grants),
+    the previous values to check `immutable` settings against (sealed ones compared by
+    mac), and why the device cannot have them (no key; an Oct-2024 document has no place
+    for registry credentials)."""
+    before = previous_values(previous)
+    grants = cache.value_plan(intent, app).grants
+    items = [parameter_item(n, values[n]) for n in secrets]
+    items += [grant_item(registry, password) for registry, _, password in grants]
+    problems: list[Problem] = []
+    if intent.registry_credentials and intent.output_shape == Shape.OCT_2024:
+        problems.append(intent.locate(Problem(("spec", "registryCredentials"), "an "
+                        "Oct-2024 document has no place for registry credentials (its spec "
+                        "takes no extensions): use outputShape rc.3")))
+    if items and cache.secrets is not None:
+        before = compare_previous(cache.secrets, device.id, values, secrets, before)
+        if device_recipient(device.capabilities.extensions) is None:
+            problems.append(intent.locate(no_key_problem(device.id, items)))
+    return items, before, problems
+
+
 def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,
               values: Mapping[str, Any], keys: Mapping[str, str],
               secrets: list[str]) -> YamlTemplate:
     """The document of (intent, application, profile, values) for any device, with its id,
     device id and sealed values open (a secret's plaintext never enters the template)."""
-    parameters = {name: Parameter(name, targets,
-                                  Slot(slot_name(name)) if name in secrets else values[name],
-                                  True)
+    parameters = {name: Parameter(name, targets, Slot(parameter_item(name, "").slot)
+                                  if name in secrets else values[name], True)
                   for name, targets in plan.targets.items() if values[name] is not EMPTY}
+    grants = [{"registry": g.registry, "username": g.username,
+               "password": Slot(grant_item(g.registry, "").slot)}
+              for g in intent.registry_credentials]
     deployment = ApplicationDeployment(
         id="", name=intent.name,
         namespace=intent.namespace or _default_namespace(app.description.id),
         application_id=app.description.id, profile=plan.profile, parameters=parameters,
-        device_id="", labels={INTENT_LABEL: intent.name})
+        device_id="", labels={INTENT_LABEL: intent.name},
+        extensions={GRANTS[0]: {GRANTS[1]: grants}} if grants else {})
     spec_key = (app.digest, profile_id, tuple((name, keys[name]) for name in parameters))
     document = deployment_document(deployment, shape=intent.output_shape,
-                                   spec_key=None if secrets else spec_key)
+                                   spec_key=None if secrets or grants else spec_key)
     for name, path in _SLOT_PATHS[intent.output_shape].items():
         *parents, last = path
         holder = document

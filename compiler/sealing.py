@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from compiler.secrets import FleetKey
 from margo.errors import Problem
 from margo.sealing import (
+    EXTENSION,
     SealError,
     device_recipient,
     is_sealed,
@@ -29,50 +31,80 @@ from margo.sealing import (
     seal,
 )
 
-__all__ = ["SLOT_PREFIX", "compare_previous", "no_key_problem", "redacted", "seal_for",
-           "slot_name"]
+__all__ = ["GRANTS", "SLOT_PREFIX", "SealItem", "compare_previous", "grant_item",
+           "no_key_problem", "parameter_item", "previous_envelopes", "redacted", "seal_for"]
 
-#: `YamlTemplate` slots of sealed values are named `sealed/<parameter>`.
+#: `YamlTemplate` slots of sealed values are named `sealed/<what>`.
 SLOT_PREFIX = "sealed/"
+#: Where a deployment document's spec holds the registry credentials granted to its device.
+GRANTS = (EXTENSION, "registryCredentials")
 
 
-def slot_name(parameter: str) -> str:
-    return SLOT_PREFIX + parameter
+@dataclass(frozen=True, slots=True)
+class SealItem:
+    """One value to seal: its template slot, what its mac is about (a parameter's name, or
+    `registry <host>`), and its plaintext."""
+
+    slot: str
+    label: str
+    plaintext: str
 
 
-def no_key_problem(device_id: str, names: list[str]) -> Problem:
+def parameter_item(name: str, plaintext: str) -> SealItem:
+    return SealItem(f"{SLOT_PREFIX}parameter/{name}", name, plaintext)
+
+
+def grant_item(registry: str, password: str) -> SealItem:
+    return SealItem(f"{SLOT_PREFIX}registry/{registry}", f"registry {registry}", password)
+
+
+def no_key_problem(device_id: str, items: list[SealItem]) -> Problem:
     """Why a device that reported no encryption key gets no deployment with secrets."""
-    return Problem(("spec", "parameters", names[0]),
-                   f"device {device_id} reported no encryption key, so it cannot receive "
-                   f"the sensitive parameter(s) {', '.join(names)}: a margo-gitops device "
+    return Problem(("spec",), f"device {device_id} reported no encryption key, so it cannot "
+                   f"receive {', '.join(i.label for i in items)}: a margo-gitops device "
                    "client reports one (x-margo-gitops-extensions.encryptionKey); nothing "
                    "is sent in clear")
 
 
+def previous_envelopes(document: Mapping[str, Any] | None) -> dict[str, str]:
+    """Label -> envelope of every sealed value a device's current document holds."""
+    if not isinstance(document, Mapping):
+        return {}
+    spec = document.get("spec") or {}
+    out = {name: body["value"] for name, body in (spec.get("parameters") or {}).items()
+           if isinstance(body, Mapping) and is_sealed(body.get("value"))}
+    grants = (spec.get(GRANTS[0]) or {}).get(GRANTS[1]) or ()
+    out.update({f"registry {g['registry']}": g["password"] for g in grants
+                if isinstance(g, Mapping) and is_sealed(g.get("password"))})
+    return out
+
+
 def seal_for(key: FleetKey, device_id: str, extensions: Mapping[str, Any],
-             values: Mapping[str, Any], names: list[str],
-             previous: Mapping[str, Any] | None) -> dict[str, str]:
-    """Slot name -> envelope for each secret parameter in `names`: the previous envelope
-    when still right (see the module docstring), a new sealing otherwise. The caller has
-    checked that the device reported a key (`device_recipient`)."""
+             items: list[SealItem], previous: Mapping[str, str]) -> dict[str, str]:
+    """Slot -> envelope for each item: the previous envelope when still right (see the
+    module docstring), a new sealing otherwise. The caller has checked that the device
+    reported a key (`device_recipient`)."""
     recipient = device_recipient(extensions)
     if recipient is None:
         raise SealError(f"device {device_id} reported no encryption key")
     fingerprint = recipient_fingerprint(recipient)
     out: dict[str, str] = {}
-    for name in names:
-        mac = key.mac(device_id, name, values[name])
-        before = (previous or {}).get(name)
-        if is_sealed(before):
-            try:
-                parts = parse_sealed(before)
-            except SealError:
-                parts = None
-            if parts is not None and parts.fingerprint == fingerprint and parts.mac == mac:
-                out[slot_name(name)] = before
-                continue
-        out[slot_name(name)] = seal(values[name], recipient, mac=mac)
+    for item in items:
+        mac = key.mac(device_id, item.label, item.plaintext)
+        before = previous.get(item.label)
+        if before is not None and _still_right(before, fingerprint, mac):
+            out[item.slot] = before
+        else:
+            out[item.slot] = seal(item.plaintext, recipient, mac=mac)
     return out
+
+
+def _still_right(envelope: str, fingerprint: str, mac: str) -> bool:
+    try:
+        parts = parse_sealed(envelope)
+    except SealError:
+        return False
+    return parts.fingerprint == fingerprint and parts.mac == mac
 
 
 #: What an immutable setting's previous sealed value compares as when its plaintext changed.

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_DEVICE_ID",
     "MAX_LABEL_VALUE",
     "MAX_REF_COMPONENT",
+    "REGISTRY_HOST",
     "IdentifierError",
     "IdentifierFamily",
     "branch_component",
@@ -56,6 +57,10 @@ __all__ = [
     "label_value_problem",
     "ref_component_problem",
 ]
+
+#: A registry `host[:port]` as image references and `oci://` repositories write it (device
+#: configurations and intents' `registryCredentials` name registries so).
+REGISTRY_HOST = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?(:[0-9]{1,5})?$"
 
 #: Longest device id, in characters (a DNS name is at most 253; ids are usually far shorter).
 MAX_DEVICE_ID = 250

@@ -26,11 +26,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from margo.identifiers import REGISTRY_HOST
+
 __all__ = ["REGISTRY_HOST", "RegistryCredential", "as_pairs", "docker_config_text",
            "private_docker_config", "secret_file_problem"]
 
-#: `host[:port]` as image references and `oci://` repositories write it.
-REGISTRY_HOST = r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252}[A-Za-z0-9])?(:[0-9]{1,5})?$"
 _HOST = re.compile(REGISTRY_HOST)
 
 

@@ -176,3 +176,63 @@ def test_a_sensitive_parameter_with_a_default_is_refused() -> None:
     with pytest.raises(Exception, match="sensitive parameter has no default") as caught:
         validate_value(doc)
     assert "default" not in str(caught.value).replace("no default", "")
+
+
+def granting(key: FleetKey, password: str = "robot-token-1") -> dict[str, Any]:
+    return {"registryCredentials": [{
+        "registry": "registry.example.com:5000", "username": "robot",
+        "password": {"secret": encrypt_secret(password, [key.recipient])}}]}
+
+
+def grant_of(fleet: Fleet, device_id: str) -> dict[str, Any]:
+    document = yaml.safe_load(fleet.tree(device_id)["db.yaml"])
+    validate_value(document)
+    [grant] = document["spec"][EXTENSION]["registryCredentials"]
+    return dict(grant)
+
+
+def test_registry_credentials_are_granted_sealed_to_each_device(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, identities = secret_fleet(tmp_path, key, **granting(key))
+    assert fleet.compile(fleet_key=key, now=1_000).errors == []
+    for name, identity in identities.items():
+        grant = grant_of(fleet, name)
+        assert grant["registry"] == "registry.example.com:5000"
+        assert grant["username"] == "robot"
+        assert open_sealed(grant["password"], identity) == "robot-token-1"
+    assert b"robot-token-1" not in every_object(fleet.repos)
+    # Kept while nothing changes; sealed anew when the password does.
+    before = fleet.tree("a")["db.yaml"]
+    fleet.intents["db"]["spec"].update(granting(key))  # same password, new ciphertext
+    fleet.compile(fleet_key=key, now=2_000)
+    assert fleet.tree("a")["db.yaml"] == before
+    fleet.intents["db"]["spec"].update(granting(key, "robot-token-2"))
+    fleet.compile(fleet_key=key, now=3_000)
+    assert open_sealed(grant_of(fleet, "a")["password"], identities["a"]) == "robot-token-2"
+
+
+def test_registry_grants_need_a_key_and_a_shape_that_can_carry_them(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key, outputShape="oct-2024", **granting(key))
+    fleet.devices["plain"] = device("plain")
+    report = fleet.compile(fleet_key=key)
+    messages = [p.message for _, p in report.errors]
+    assert any("Oct-2024 document has no place for registry credentials" in m
+               for m in messages)
+    assert any("plain reported no encryption key" in m and "registry registry.example.com"
+               in m for m in messages)
+    assert all("robot-token-1" not in m for m in messages)
+
+
+def test_a_registry_granted_twice_or_a_password_in_clear_is_refused(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key, **granting(key))
+    grants = fleet.intents["db"]["spec"]["registryCredentials"]
+    grants.append(dict(grants[0]))
+    report = fleet.compile(fleet_key=key)
+    assert any("granted twice" in p.message for _, p in report.errors), report.errors
+    fleet.intents["db"]["spec"]["registryCredentials"] = [
+        {"registry": "registry.example.com", "username": "robot", "password": "in-clear"}]
+    report = fleet.compile(fleet_key=key)
+    assert any(p.json_path == "$.spec.registryCredentials[0].password"
+               for _, p in report.errors), report.errors

@@ -1,15 +1,16 @@
 """Benchmark: how long a device needs to reach the live replica when the server URL it uses
 stops answering (docs/device.md, "Several server URLs").
 
-    .venv/bin/python bench/failover.py [--trials 3] [--interval 5s] [--timeout 10s]
+    .venv/bin/python -m bench.failover [--trials 3] [--interval 5s] [--timeout 10s]
         [--sources margo-rest,git] [--faults refused,silent] [--setups single,balancer,fallback]
 
-Two real `margo serve` replicas on one PostgreSQL database, a real OCI registry, and the real
-`margo device run` (render driver) in its own process. Each trial gives a new device a first
+Two real `margo serve` replicas on one PostgreSQL database (tools/replicas.py, on a private
+server: tools/postgres.py), a real OCI registry, and the real `margo device run` (render
+driver, tools/devices.py) in its own process. Each trial gives a new device a first
 URL that leads to replica A, lets it install its deployment, then breaks that way in:
 
 * `refused`: replica A is killed (SIGKILL): its port refuses connections;
-* `silent`: the device reaches A through a proxy (tests/kits/netkit.py) that is silenced:
+* `silent`: the device reaches A through a proxy (tools/netproxy.py) that is silenced:
   open connections carry nothing and new ones are accepted and never answered.
 
 and changes the device's intent. The figure is the time from the new state being served
@@ -18,7 +19,7 @@ includes up to one polling interval, the apply and the status report. Setups:
 
 * `single`: `server.url` is A's way in, nothing else (never reaches B);
 * `balancer`: `server.url` is a round-robin balancer without health checks in front of A's
-  way in and B (tests/kits/balancer.py: 502 when its upstream fails). Other devices' traffic
+  way in and B (tools/balancer.py: 502 when its upstream fails). Other devices' traffic
   goes through it too (a thread sends `GET /livez` at random moments), so each request of
   the device reaches either replica at random: alone, the round robin would send the same
   requests of every cycle to the same replica;
@@ -33,32 +34,23 @@ import argparse
 import contextlib
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the test kits it still borrows (issue 30)
+import httpx
+import yaml
 
-import httpx  # noqa: E402
-import yaml  # noqa: E402
-from kits.balancer import balancing  # noqa: E402
-from kits.chartkit import publish_example_charts  # noqa: E402
-from kits.devicekit import Device, intent, new_device  # noqa: E402
-from kits.failoverkit import (  # noqa: E402
-    ReplicaPair,
-    current,
-    new_digest,
-    replica_pair,
-    running_device,
-)
-from kits.netkit import CuttableProxy, cuttable_proxy  # noqa: E402
-from kits.registrykit import running_registry  # noqa: E402
-
-from tools.polling import poll_until  # noqa: E402
+from tools.balancer import balancing
+from tools.charts import publish_example_charts
+from tools.devices import Device, current, intent, new_device, new_digest, running_device
+from tools.netproxy import CuttableProxy, cuttable_proxy
+from tools.polling import poll_until
+from tools.postgres import running_postgres
+from tools.registry import running_registry
+from tools.replicas import ReplicaPair, replica_pair
 
 
 def configure(device: Device, args: argparse.Namespace, fallbacks: list[str]) -> None:
@@ -162,26 +154,33 @@ def main() -> None:
     parser.add_argument("--setups", default="single,balancer,fallback")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="margo-bench-failover-"))
-    with running_registry(work / "registry") as registry:
+    with running_registry(work / "registry") as registry, running_postgres() as postgres:
         publish_example_charts(registry)
-        with replica_pair(work / "fleet", registry=registry) as pair, \
+        with replica_pair(work / "fleet", database=postgres.create_database("failover"),
+                          registry=registry) as pair, \
                 cuttable_proxy(pair.replicas[0].port) as proxy:
             print(f"interval {args.interval}, server.timeout {args.timeout}; seconds from the "
-                  "new state served to the device's report about it stored")
-            count = 0
-            for source in args.sources.split(","):
-                for fault in args.faults.split(","):
-                    for setup in args.setups.split(","):
-                        times = []
-                        for _ in range(args.trials):
-                            count += 1
-                            try:
-                                times.append(trial(pair, proxy, source, fault, setup,
-                                                   f"d{count}", args))
-                            finally:
-                                restore(pair, proxy)
-                        print(f"{source:10} {fault:8} {setup:9} "
-                              f"{describe(times, args.give_up)}", flush=True)
+                  "new state served to the device's report about it stored (PostgreSQL with "
+                  "fsync=off: tools/postgres.py)")
+            run(pair, proxy, args)
+
+
+def run(pair: ReplicaPair, proxy: CuttableProxy, args: argparse.Namespace) -> None:
+    """Every combination of source, fault and setup, `--trials` times: one line each."""
+    count = 0
+    for source in args.sources.split(","):
+        for fault in args.faults.split(","):
+            for setup in args.setups.split(","):
+                times = []
+                for _ in range(args.trials):
+                    count += 1
+                    try:
+                        times.append(trial(pair, proxy, source, fault, setup, f"d{count}",
+                                           args))
+                    finally:
+                        restore(pair, proxy)
+                print(f"{source:10} {fault:8} {setup:9} {describe(times, args.give_up)}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,13 @@ Start = Callable[..., AbstractContextManager[str]]
 Register = Callable[[Path, str], str]
 
 
-def add_client(data: Path, client_id: str) -> str:
-    """`margo clients add` on the data directory's SQLite store; the client's token."""
+def add_client(data: Path, client_id: str, *, database: str | None = None) -> str:
+    """`margo clients add` on the data directory's SQLite store (or on the PostgreSQL
+    `database`); the client's token."""
+    store = ["--database", database] if database is not None else []
     done = subprocess.run([sys.executable, "-m", "margo_cli.main", "clients", "add", client_id,
-                           "--data", str(data), "--json"], capture_output=True, text=True,
-                          check=True, timeout=60)
+                           "--data", str(data), "--json", *store], capture_output=True,
+                          text=True, check=True, timeout=60)
     token: str = json.loads(done.stdout)["token"]
     return token
 

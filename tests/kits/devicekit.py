@@ -4,9 +4,8 @@
     device = new_device(server, "site-1", source="git")   # config, token, capabilities, intent
     assert steps(once(device)) == [("install", "ok")]
 
-Each device lives in `<workdir>/<device id>` next to the server's data directory and gets
-an intent of its own (the example hello-world application), so tests sharing one server
-stay independent.
+The devices themselves (`Device`, `new_device`, `intent`) are `tools.devices`, which the
+benchmarks use too; this kit adds one cycle at a time (`once`) and what the tests read of it.
 """
 
 from __future__ import annotations
@@ -14,88 +13,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kits.fleetserver import FleetServer, capabilities
+from kits.fleetserver import FleetServer
 from kits.netkit import CuttableProxy
 from reconciler.desired import DesiredState
 from reconciler.runner import CycleResult, Reconciler
 from reconciler.sources import Adopted
+from tools.devices import HELLO, Device, intent, new_device
+from tools.fleetserver import ROOT
 
 __all__ = ["HELLO", "ROOT", "Device", "cycle_losing_the_link", "head", "intent", "new_device",
            "once", "steps", "wait_for_new_commit"]
-
-ROOT = Path(__file__).resolve().parents[2]
-HELLO = "com-example-hello-world"
-
-_INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata:
-  name: {name}
-spec:
-  application:
-    id: {app}
-  profile:
-    type: helm
-  namespace: {namespace}
-  parameters:
-    greeting: {greeting}
-  targets:
-    devices: [{device}]
-"""
-
-
-def intent(name: str, *, device: str | None = None, app: str = HELLO,
-           greeting: str = "Hello", namespace: str | None = None) -> str:
-    """A DeploymentIntent `name` of the helm profile of `app` for one device (`name` if
-    not told), in namespace `ns-<name>` unless told."""
-    return _INTENT.format(name=name, app=app, namespace=namespace or f"ns-{name}",
-                          greeting=greeting, device=device or name)
-
-
-@dataclass
-class Device:
-    device_id: str
-    config: Path
-    output: Path
-    data: Path
-
-    @property
-    def state_file(self) -> Path:
-        return self.data / "device-state.sqlite"
-
-
-def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest",
-               url: str | None = None, app: str = HELLO, greeting: str = "Hello",
-               with_intent: bool = True, resync: str | None = None) -> Device:
-    """A device directory (config, token, capabilities) and, unless `with_intent` is
-    false, an intent targeting it; waits until the server compiled the device's
-    deployment. `resync`: the device's `schedule.resync` (default: the client's)."""
-    home = server.data_dir.parent / device_id
-    home.mkdir()
-    (home / "token").write_text(server.token)
-    doc = capabilities("k8s-single-amd64", device_id)
-    (home / "capabilities.json").write_text(json.dumps(doc))
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": device_id},
-        "server": {"url": url or server.base, "clientId": server.client_id,
-                   "tokenFile": "token", "timeout": "5s"},
-        "source": {"type": source},
-        "driver": {"type": "render", "outputDir": "rendered"},
-        "dataDir": "data",
-        "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": "1s", **({"resync": resync} if resync else {})},
-    }))
-    server.put_capabilities(doc)
-    if with_intent:
-        server.edit_intent(device_id, intent(device_id, app=app, greeting=greeting))
-        server.wait_for_deployments(1, device_id=device_id)
-    return Device(device_id, home / "device.yaml", home / "rendered", home / "data")
 
 
 def once(device: Device, *, expect: int | None = 0) -> dict[str, Any]:

@@ -8,136 +8,38 @@ URLs").
         set_fallbacks(device, [second.base])
         first.kill()                                   # SIGKILL: its port refuses from now on
 
-Every replica watches the same fleet source directory (`--watch-source`), so an edited
-intent is compiled by whichever holds the compile lease; `pair.servers[i]` is a
-`FleetServer` talking to replica i (for `kits.devicekit`). A replica can be killed
-(SIGKILL), paused (SIGSTOP: its port accepts connections that are never answered) and
-started again on the same port and data directory; replica A reaches the database through a
-proxy whose link can be cut (a replica alive but without its database).
+The replicas, the running device and the read API's view of its one deployment are
+`tools.replicas` and `tools.devices`, which the benchmarks use too; here the pair is started
+on a new database of the suite's PostgreSQL server (`kits.pgkit`).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import yaml
 
 from kits.devicekit import Device
-from kits.fleetserver import FleetServer, write_fleet
-from kits.netkit import CuttableProxy, cuttable_proxy
 from kits.pgkit import database_for
-from kits.processkit import free_port, stop, wait_until_ready
-from kits.serverkit import ROOT, add_client, use_store
+from tools import replicas as _replicas
+from tools.devices import current, new_digest, running_device
+from tools.replicas import Replica, ReplicaPair
 
 __all__ = ["Replica", "ReplicaPair", "current", "new_digest", "replica_pair", "running_device",
            "set_fallbacks"]
 
 
-@dataclass
-class Replica:
-    """One `margo serve` process on the shared database, on a fixed port (a restart keeps
-    the URL devices were given)."""
-
-    data: Path
-    args: tuple[str, ...]
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.data.parent / f"{self.data.name}.log"
-
-    def start(self) -> Replica:
-        self.data.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(self.port),
-                 "--data", str(self.data), "--log-level", "warning", *self.args],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        wait_until_ready(self.process, lambda: httpx.get(f"{self.base}/readyz", timeout=1)
-                         .status_code == 200, f"the replica on port {self.port}", self.log,
-                         timeout=60)
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: the process is gone at once and its port refuses connections."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def pause(self) -> None:
-        """SIGSTOP: the kernel still accepts connections on its port; nothing answers."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.resume()
-            stop(self.process)
-
-
-@dataclass
-class ReplicaPair:
-    """Two replicas, one client (`client_id`, `token`) and a `FleetServer` per replica.
-    `database_link` is the proxy through which replica A (`replicas[0]`) reaches PostgreSQL:
-    cut it, and A is a live replica without its database."""
-
-    replicas: list[Replica]
-    servers: list[FleetServer]
-    client_id: str
-    token: str
-    source: Path
-    database: str
-    database_link: CuttableProxy
-
-
 @contextmanager
 def replica_pair(workdir: Path, *, registry: str | None = None,
                  client_id: str = "edge") -> Iterator[ReplicaPair]:
-    """Two replicas (data in `workdir/data/replica-<i>`) on a new PostgreSQL database, on a
-    watched copy of the example fleet with no intents (charts from `registry`)."""
-    source = write_fleet(workdir / "fleet", registry=registry, intents={})
-    data = workdir / "data"
-    with use_store("replicas"):
-        token = add_client(data, client_id)  # into the database of `data`
-    with ExitStack() as stack:
-        database = database_for(data)
-        port = urlsplit(database).port
-        assert port is not None
-        link = stack.enter_context(cuttable_proxy(port))
-        watched = ("--source", str(source), "--watch-source")
-        replicas = [Replica(data / f"replica-{i}", ("--database", url, *watched))
-                    for i, url in enumerate([database.replace(f":{port}/", f":{link.port}/"),
-                                             database])]
-        for replica in replicas:
-            stack.callback(replica.stop)
-            replica.start()
-        servers = []
-        for replica in replicas:
-            http = stack.enter_context(httpx.Client(
-                base_url=replica.base, timeout=10,
-                headers={"Authorization": f"Bearer {token}"}))
-            servers.append(FleetServer(base=replica.base, client_id=client_id, token=token,
-                                       source_dir=source, data_dir=data, _http=http))
-        yield ReplicaPair(replicas, servers, client_id, token, source, database, link)
+    """`tools.replicas.replica_pair` on a new database of the suite's PostgreSQL server
+    (data in `workdir/data/replica-<i>`)."""
+    with _replicas.replica_pair(workdir, database=database_for(workdir / "data"),
+                                registry=registry, client_id=client_id) as pair:
+        yield pair
 
 
 def set_fallbacks(device: Device, urls: list[str], **server: Any) -> None:
@@ -145,35 +47,3 @@ def set_fallbacks(device: Device, urls: list[str], **server: Any) -> None:
     config = yaml.safe_load(device.config.read_text())
     config["server"].update({"fallbackUrls": urls, **server})
     device.config.write_text(yaml.safe_dump(config))
-
-
-@contextmanager
-def running_device(device: Device) -> Iterator[Path]:
-    """`margo device run` for the block (stopped with SIGTERM); yields its log file."""
-    log_path = device.config.parent / "device.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
-             str(device.config), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
-        try:
-            yield log_path
-        finally:
-            stop(process, timeout=60)
-
-
-def current(server: FleetServer, device_id: str, digest: str | None = None) -> str | None:
-    """The digest of the device's one deployment once the server holds an `installed`
-    report about those very bytes (and, given `digest`, they are those); None before."""
-    [deployment] = server.device(device_id)["deployments"]
-    applied = deployment.get("applied") or {}
-    if deployment["state"] != "installed" or not applied.get("current"):
-        return None
-    if digest is not None and deployment["digest"] != digest:
-        return None
-    return str(deployment["digest"])
-
-
-def new_digest(server: FleetServer, device_id: str, old: str) -> str | None:
-    """The digest of the device's one deployment once it is no longer `old`."""
-    [deployment] = server.device(device_id)["deployments"]
-    return None if deployment["digest"] == old else str(deployment["digest"])

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: all venv test fuzz matrix lint schemas demo bench cluster kube otel clean
+.PHONY: all venv test fuzz matrix soak lint schemas demo bench cluster kube otel clean
 
 all: test
 
@@ -75,10 +75,22 @@ fuzz: venv
 # accounting, re-eligibility, the GPU application), and the staged rollouts on every mixed
 # fleet (one device of each row on one driver and store); `make test` runs the quick subset
 # (each feature module's QUICK, else kits/matrixkit.py's QUICK and QUICK_MIXES). The GPU
-# feature over ten minutes: bench/gpu_soak.py.
+# feature held over wall time: `make soak`.
 matrix: venv kube
 	MARGO_MATRIX=full $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup \
 		-p no:cacheprovider --durations=0 tests/matrix
+
+# The GPU feature of the device matrix held for SOAK_MINUTES (tests/matrix/
+# test_matrix_gpu_soak.py, docs/matrix.md) in each cell of SOAK_CELLS, the other node's CPU
+# changing every SOAK_EVERY seconds: prints what it counted, then asserts it (the deployment
+# never moved, Helm's revision still 1). Neither `make test` nor `make matrix` runs it.
+SOAK_MINUTES ?= 10
+SOAK_EVERY ?= 20
+SOAK_CELLS ?= rc3-helm-sqlite
+soak: venv kube
+	MARGO_SOAK_MINUTES=$(SOAK_MINUTES) MARGO_SOAK_EVERY=$(SOAK_EVERY) \
+		MARGO_SOAK_CELLS=$(SOAK_CELLS) $(BIN)/python -m pytest -q -s -p no:cacheprovider \
+		--durations=0 tests/matrix/test_matrix_gpu_soak.py
 
 schemas: venv
 	$(BIN)/python -m margo.schemas

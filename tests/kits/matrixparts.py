@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +114,6 @@ class MatrixParts:
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
         self._factory: pytest.TempPathFactory | None = None
-        self._directory: Path | None = None
         self._registry: str | None = None
         self._planes: dict[int, ControlPlane] = {}
         self._engines: dict[int, DockerEngine] = {}
@@ -127,14 +125,7 @@ class MatrixParts:
         self._factory = factory
         return self
 
-    def use_directory(self, directory: Path) -> MatrixParts:
-        """Put what is started from now on under `directory` (outside pytest: bench/)."""
-        self._factory, self._directory = None, directory
-        return self
-
     def _folder(self, name: str) -> Path:
-        if self._factory is None and self._directory is not None:
-            return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self._directory))
         assert self._factory is not None, "MatrixParts.use(tmp_path_factory) first"
         return self._factory.mktemp(name)
 

@@ -12,7 +12,7 @@ re-reports (the other node's CPU changes by more than the discovery's threshold)
 after each, for the compile that read it and for a full poll cycle of the device; the
 deployment must never move: the same id and bytes, no new status in the read API's history,
 no new commit on the device's branch, and Helm's release still at revision 1.
-`bench/gpu_soak.py` runs the same for ten minutes.
+tests/matrix/test_matrix_gpu_soak.py holds the same for minutes (`make soak`).
 
 Helm cells only, and not the Oct-2024 row: an Oct-2024 capabilities document has roles and
 resources only (reconciler/capabilities.py), so that device reports no cluster data, and a
@@ -44,18 +44,7 @@ def applies(cell: Cell) -> bool:
 
 def test_a_gpu_application_stays_put_through_polls_and_capability_reports(
         cell: Cell, matrix_device: Callable[..., MatrixDevice]) -> None:
-    device = matrix_device(constraints=GPU_NODE_CONSTRAINTS,
-                           templates={"deployment.yaml": GPU_DEPLOYMENT})
-    device.engine.set_gpu(True)
-    device.start(cycles=True)
-    [deployed] = device.wait_settled(device.deploy())
-    device.wait_workloads([Workload("1.0.0", "Hello")])
-    # The device's report shows its own pod holding the GPU on the GPU node.
-    held = device.wait_until("a report with the pod's GPU under the node's workloads",
-                             lambda: _gpu_workload(device, deployed["deploymentId"]),
-                             lambda: f"nodes: {_nodes(device)}")
-    assert held["requested"]["nvidia.com/gpu"] == 1, held
-    device.wait_quiet_cycle()
+    device, _ = place(matrix_device)
     view = _view(device)
     baseline = _standing(view, device)
     assert baseline["revisions"] == {next(iter(baseline["revisions"])): 1}
@@ -75,6 +64,24 @@ def test_a_gpu_application_stays_put_through_polls_and_capability_reports(
     assert reports >= RE_REPORTS and polls >= RE_REPORTS
     assert device.workloads() == [Workload("1.0.0", "Hello")]
     assert device.eligibility(device.intent)["status"] == "eligible"
+
+
+def place(make: Callable[..., MatrixDevice]) -> tuple[MatrixDevice, dict[str, Any]]:
+    """A device (from `make`, a `matrix_device` factory) running the GPU application on a
+    cluster with a GPU node: installed, its own pod holding the GPU in the device's report,
+    and a quiet cycle since. The device and its deployment as first installed."""
+    device = make(constraints=GPU_NODE_CONSTRAINTS, templates={"deployment.yaml": GPU_DEPLOYMENT})
+    device.engine.set_gpu(True)
+    device.start(cycles=True)
+    [deployed] = device.wait_settled(device.deploy())
+    device.wait_workloads([Workload("1.0.0", "Hello")])
+    # The device's report shows its own pod holding the GPU on the GPU node.
+    held = device.wait_until("a report with the pod's GPU under the node's workloads",
+                             lambda: _gpu_workload(device, deployed["deploymentId"]),
+                             lambda: f"nodes: {_nodes(device)}")
+    assert held["requested"]["nvidia.com/gpu"] == 1, held
+    device.wait_quiet_cycle()
+    return device, deployed
 
 
 def _wait_report(device: MatrixDevice, *, after: float, cores: float) -> float:

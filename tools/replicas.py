@@ -46,6 +46,7 @@ class Replica:
     args: tuple[str, ...]
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    log_level: str = "warning"
 
     @property
     def base(self) -> str:
@@ -60,7 +61,7 @@ class Replica:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(self.port),
-                 "--data", str(self.data), "--log-level", "warning", *self.args],
+                 "--data", str(self.data), "--log-level", self.log_level, *self.args],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         wait_until_ready(self.process, lambda: httpx.get(f"{self.base}/readyz", timeout=1)
                          .status_code == 200, f"the replica on port {self.port}", self.log,

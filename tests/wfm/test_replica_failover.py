@@ -7,25 +7,21 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 from kits.pgkit import fresh_database
-from kits.processkit import free_port
 from kits.serverkit import ROOT, margo
 from test_fleet_api import fleet_repository, git
 
+import tools.replicas as replicas_kit
 from margo.digests import data_digest
 from tools.polling import poll_until
 from tools.postgres import running_postgres
@@ -36,55 +32,15 @@ CAPS = ROOT / "examples" / "capabilities"
 INTENT = Path("deployments") / "hello-everywhere.yaml"
 
 
-@dataclass
-class Replica:
-    """One `margo serve` process on the shared database, logging at info level."""
-
-    data: Path
-    database: str
-    extra: tuple[str, ...] = ()
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.data.parent / f"{self.data.name}.log"
+class Replica(replicas_kit.Replica):
+    """One `margo serve` process on the shared database (`tools.replicas`), logging at
+    info level."""
 
     @property
     def name(self) -> str:
         """The name it holds the compile lease under (`wfm.fleet.coordination`)."""
         assert self.process is not None
         return f"{socket.gethostname()}:{self.process.pid}"
-
-    def start(self) -> Replica:
-        self.data.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "margo_cli.main", "serve", "--port", str(self.port),
-                 "--data", str(self.data), "--database", self.database,
-                 "--log-level", "info", *self.extra],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        poll_until(f"the replica on port {self.port}", lambda: httpx.get(
-            f"{self.base}/healthz", timeout=1).status_code == 200, timeout=60,
-            not_yet=(httpx.TransportError,))
-        return self
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
     def logged(self, text: str) -> int:
         """How many lines of the replica's log contain `text`."""
@@ -96,7 +52,8 @@ def replicas(root: Path, database: str, count: int, *extra: str) -> Iterator[lis
     started: list[Replica] = []
     try:
         for i in range(count):
-            started.append(Replica(root / f"replica-{i}", database, extra).start())
+            started.append(Replica(root / f"replica-{i}", ("--database", database, *extra),
+                                   log_level="info").start())
         yield started
     finally:
         for replica in started:

@@ -10,8 +10,9 @@
   or, verbatim, from `--from-file`. It is never printed.
 - `rotate-key --key FILE --source DIR [--dry-run]`: a new identity; every secret of every
   intent (`DIR/deployments/*.yaml`) re-encrypted to it, each file rewritten in place with
-  every other byte kept. All or nothing: a secret the key does not open, or one that is not
-  a block scalar it can rewrite, changes nothing. The key file is written first (the new
+  every other byte kept and each secret in its own style (a `|` block stays a block, a
+  quoted scalar stays quoted). All or nothing: a secret the key does not open, or a file
+  that would not load to the same document, changes nothing. The key file is written first (the new
   identity, then the old ones, which the server still needs for the source it has), then
   the intents. `rotate-key --finish --key FILE [--source DIR]` drops every identity but the
   first, once the source is pushed (with `--source`, only if every secret opens without them).
@@ -24,11 +25,14 @@ from __future__ import annotations
 import argparse
 import copy
 import getpass
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from compiler.secrets import (
     SECRET,
@@ -255,18 +259,54 @@ def replace_armor(text: str, site: Site, armored: str) -> str:
     unlike = SecretError("the secret is not written as a block scalar (`secret: |` and the "
                          "armored lines below it): cannot rewrite it in place")
     if start is None or not old or lines[start].strip() != old[0].strip():
-        raise unlike
+        return _replace_flow_scalar(text, site, armored, unlike)
     first = lines[start]
     indent = first[:len(first) - len(first.lstrip(" "))]
     body = lines[start:start + len(old)]
     if len(body) != len(old) or any(line.rstrip("\r\n") != indent + want
                                      for line, want in zip(body, old, strict=True)):
-        raise unlike
+        return _replace_flow_scalar(text, site, armored, unlike)
     ending = "\r\n" if first.endswith("\r\n") else "\n"
     new = [indent + line + ending for line in armored.splitlines()]
     last = body[-1]
     new[-1] = new[-1].removesuffix(ending) + last[len(last.rstrip("\r\n")):]
     return "".join(lines[:start] + new + lines[start + len(old):])
+
+
+def _replace_flow_scalar(text: str, site: Site, armored: str, unlike: SecretError) -> str:
+    """`text` with a secret written on its key's line (quoted, as YAML emitters write a
+    multi-line string) replaced by a block scalar of `armored`: PyYAML's composer gives the
+    scalar's exact span and its key's column; every other byte is kept."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        raise unlike from None
+    found = _secret_nodes(root, site.parameter)
+    if found is None or ("\n" in text[found[1].start_mark.index:found[1].end_mark.index] \
+            and found[1].style not in ('"', "'")):
+        raise unlike
+    key, value, in_flow = found
+    if in_flow or value.style in ('"', "'"):  # stays a quoted scalar: JSON's escapes are YAML's
+        written = json.dumps(armored)
+    else:
+        indent = " " * (key.start_mark.column + 2)
+        written = "|\n" + "\n".join(indent + line for line in armored.splitlines())
+    return text[:value.start_mark.index] + written + text[value.end_mark.index:]
+
+
+def _secret_nodes(root: Any, parameter: str) -> tuple[Any, Any, bool] | None:
+    """The key and value nodes of `spec.parameters.<parameter>.secret`, if there, and
+    whether it stands in a flow collection (where no block scalar may)."""
+    node, in_flow = root, False
+    for name in ("spec", "parameters", parameter, SECRET):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        in_flow = in_flow or bool(node.flow_style)
+        pair = next(((k, v) for k, v in node.value if getattr(k, "value", None) == name), None)
+        if pair is None:
+            return None
+        key, node = pair
+    return (key, node, in_flow) if isinstance(node, yaml.ScalarNode) else None
 
 
 def _without_secrets(value: Any) -> Any:

@@ -209,17 +209,23 @@ def test_rotate_key_changes_nothing_when_a_secret_is_for_another_key(
     assert _snapshot(source, key_file) == before
 
 
-def test_rotate_key_refuses_a_secret_it_cannot_rewrite_in_place(
+def test_rotate_key_rewrites_a_quoted_secret_as_a_quoted_one(
         fleet: tuple[Path, Path, FleetKey], capsys: pytest.CaptureFixture[str]) -> None:
+    """What a YAML emitter writes (a double-quoted scalar with \\n escapes, here inside a
+    flow mapping) is rewritten in the same style, everything else kept."""
     source, key_file, key = fleet
     armored = encrypt_secret(PASSWORD, [key.recipient]).replace("\n", "\\n")
-    (source / "deployments" / "quoted.yaml").write_text(
-        PLAIN + f'  parameters:\n    pw: {{secret: "{armored}"}}\n')
-    before = _snapshot(source, key_file)
+    path = source / "deployments" / "quoted.yaml"
+    path.write_text(PLAIN + f'  parameters:\n    pw: {{secret: "{armored}"}}  # kept\n')
     code, _out, err = margo(capsys, "secrets", "rotate-key", "--key", key_file, "--source",
                             source)
-    assert code == 1 and "block scalar" in err and "quoted.yaml:7:" in err
-    assert _snapshot(source, key_file) == before
+    assert code == 0, err
+    text = path.read_text()
+    assert text.startswith(PLAIN + '  parameters:\n    pw: {secret: "-----BEGIN AGE')
+    assert text.endswith('"}  # kept\n') and PASSWORD not in text
+    new = FleetKey.load(key_file)
+    [(_, value)] = _secrets(path).items()
+    assert FleetKey(new.identities[:1]).decrypt(value) == PASSWORD
 
 
 def test_check_finds_a_damaged_secret_by_line_without_a_key(

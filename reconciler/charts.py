@@ -31,6 +31,14 @@ registries); everything else is HTTPS.
 Private registries: `credentials` (`reconciler.registry_credentials`) are handed to Helm's
 registry client as a Docker `config.json` it reads, written with mode 0600 in a private
 0700 folder when the cache first contacts a registry and removed by `close()`.
+
+Credentials the fleet granted to the deployment fetching (`fetch(..., granted=)`,
+`reconciler.registry_grants`) are used only when the chart's registry is one the device's
+own `credentials` do not name (the device's configuration wins): that fetch then talks to
+the registry through a registry client of its own, reading a `config.json` that holds the
+grant alone (0600, in a fresh 0700 folder), both gone when the fetch returns. A chart
+already cached (by digest, or a tag resolved earlier in this process) is content the device
+has: another deployment naming it uses it without pulling.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -52,7 +60,12 @@ import helm_python as helm
 from margo.digests import DigestError, digest_of, verify_digest
 from margo.files import write_atomically
 from reconciler.errors import ApplyError, ErrorCode
-from reconciler.registry_credentials import RegistryCredential, docker_config_text
+from reconciler.registry_credentials import (
+    Pairs,
+    RegistryCredential,
+    docker_config_text,
+    private_docker_config,
+)
 
 __all__ = ["DEFAULT_PLAIN_HTTP_HOSTS", "ChartCache", "OciReference", "parse_repository"]
 
@@ -134,8 +147,10 @@ class ChartCache:
         self._fetch_lock = threading.Lock()
         self._load_lock = threading.Lock()
 
-    def fetch(self, repository: str, revision: str) -> Path:
+    def fetch(self, repository: str, revision: str, *, granted: Pairs | None = None) -> Path:
         """The local `.tgz` of `repository` at `revision` (a tag or a `sha256:` digest).
+        `granted`: the credentials granted to the deployment fetching (`{host: (user,
+        password)}`), for this fetch only (see the module docstring).
 
         Raises `ApplyError`: `UNSUPPORTED_REPOSITORY` / `INVALID_REVISION` (not retryable)
         for references we cannot pull, `PULL_FAILED` (retryable, Helm's message) when the
@@ -143,18 +158,19 @@ class ChartCache:
         reference = parse_repository(repository)
         _check_revision(repository, revision)
         key = (repository, revision)
-        with self._fetch_lock:
+        with self._fetch_lock, contextlib.ExitStack() as stack:
             known = self._fetched.get(key)
             if known is not None and _intact(known):
                 return known
             plain_http = reference.hostname in self.plain_http_hosts
+            client = _Lazy(lambda: self._client_for(reference.host, granted, plain_http, stack))
             digest = revision if _DIGEST.match(revision) else self._resolve(
-                reference, revision, plain_http=plain_http)
+                reference, revision, client())
             target = self._blobs / f"{digest.removeprefix('sha256:')}.tgz"
             damaged = target.is_file() and not _intact(target)
             if damaged or not target.is_file():
                 try:
-                    self._pull(reference, digest, target, plain_http=plain_http)
+                    self._pull(reference, digest, target, client(), plain_http=plain_http)
                 except ApplyError as exc:
                     if damaged:
                         raise ApplyError(exc.code, f"the cached chart {target} was damaged and "
@@ -212,6 +228,21 @@ class ChartCache:
             self._clients[plain_http] = client
         return client
 
+    def _client_for(self, host: str, granted: Pairs | None, plain_http: bool,
+                    stack: contextlib.ExitStack) -> helm.RegistryClient:
+        """The shared client, or for a host granted to the deployment fetching (and not in
+        the device's own credentials) one reading that grant alone, closed and removed with
+        its file by `stack` (the end of the fetch)."""
+        grant = (granted or {}).get(host)
+        if grant is None or any(c.registry == host for c in self._credentials):
+            return self._client(plain_http)
+        folder = stack.enter_context(private_docker_config(
+            (), granted={host: grant}, prefix="margo-helm-registry-"))
+        client = helm.RegistryClient(plain_http=plain_http,
+                                     credentials_file=folder / "config.json")
+        stack.callback(client.close)
+        return client
+
     def _credentials_file(self) -> Path | None:
         """The private config.json with our registry credentials (None without any)."""
         if not self._credentials:
@@ -229,10 +260,10 @@ class ChartCache:
             self._credentials_dir = folder
         return self._credentials_dir / "config.json"
 
-    def _resolve(self, reference: OciReference, tag: str, *, plain_http: bool) -> str:
+    def _resolve(self, reference: OciReference, tag: str, client: helm.RegistryClient) -> str:
         ref = reference.tagged(tag.replace("+", "_"))
         try:
-            digest = str(self._client(plain_http).resolve(ref)["digest"])
+            digest = str(client.resolve(ref)["digest"])
         except helm.HelmError as exc:
             raise ApplyError(ErrorCode.PULL_FAILED, f"cannot resolve oci://{ref}: {exc}") from exc
         if not _DIGEST.match(digest):
@@ -241,15 +272,14 @@ class ChartCache:
                              f"for oci://{ref}")
         return digest
 
-    def _pull(self, reference: OciReference, digest: str, target: Path, *,
-              plain_http: bool) -> None:
+    def _pull(self, reference: OciReference, digest: str, target: Path,
+              client: helm.RegistryClient, *, plain_http: bool) -> None:
         ref = reference.pinned(digest)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
         try:
             try:
-                helm.pull(ref, client=self._client(plain_http), destination=staging,
-                          plain_http=plain_http)
+                helm.pull(ref, client=client, destination=staging, plain_http=plain_http)
             except helm.HelmError as exc:
                 raise ApplyError(ErrorCode.PULL_FAILED, f"cannot pull {ref}: {exc}") from exc
             archives = sorted(staging.glob("*.tgz"))
@@ -263,6 +293,19 @@ class ChartCache:
         finally:
             with contextlib.suppress(OSError):
                 shutil.rmtree(staging)
+
+
+class _Lazy:
+    """A registry client made on first use (a fetch served from the disk needs none)."""
+
+    def __init__(self, make: Callable[[], helm.RegistryClient]) -> None:
+        self._make = make
+        self._client: helm.RegistryClient | None = None
+
+    def __call__(self) -> helm.RegistryClient:
+        if self._client is None:
+            self._client = self._make()
+        return self._client
 
 
 def _digest_file(archive: Path) -> Path:

@@ -11,6 +11,11 @@ Sealed parameter values (`margo.sealing`) stay sealed here: `values` holds the e
 which only a driver opens, in memory, just before applying (`reconciler.sealed_values`).
 `values_digest` covers each envelope by its mac, so sealing the same plaintext again (a new
 ciphertext after a key rotation) is no change; `sealed_digest` covers their exact text.
+
+Registry credentials the fleet grants to a deployment (`reconciler.registry_grants`) are
+read into `DesiredDeployment.registry_grants`, their passwords sealed likewise. They are in
+neither digest the planner compares (a credential serves pulls, not what runs), but their
+envelopes count in every component's `sealed_digest`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from margo.digests import data_digest, digest_of
 from margo.errors import DocumentError, Problem
 from margo.kinds import Kind
 from margo.validation import validate_document
+from reconciler.registry_grants import RegistryGrant, parse_grants
 from reconciler.sealed_values import digest_form, envelopes
 
 __all__ = ["DEFAULT_TIMEOUT_SECONDS", "DesiredComponent", "DesiredDeployment",
@@ -66,9 +72,10 @@ class DesiredComponent:
     spec_digest: str
     values_digest: str
     extensions: Mapping[str, Any] = field(default_factory=dict)
-    #: The digest of the sealed values' exact text ("" when none is sealed): what the
-    #: runner's retry key adds, so a value that could not be opened is tried again as soon
-    #: as the server sends another envelope (re-sealed to this device's current key).
+    #: The digest of the sealed values' exact text, and of the deployment's registry grants
+    #: ("" when none is sealed): what the runner's retry key adds, so a value that could not
+    #: be opened is tried again as soon as the server sends another envelope (re-sealed to
+    #: this device's current key), and a pull the registry refused once a grant changes.
     sealed_digest: str = ""
 
 
@@ -85,6 +92,8 @@ class DesiredDeployment:
     components: tuple[DesiredComponent, ...]
     digest: str  # sha256 over the exact document bytes
     document: bytes
+    #: Registry credentials the fleet grants to this deployment's pulls (passwords sealed).
+    registry_grants: tuple[RegistryGrant, ...] = ()
 
     def component(self, name: str) -> DesiredComponent | None:
         return next((c for c in self.components if c.name == name), None)
@@ -109,7 +118,7 @@ class DesiredState:
 
 
 def _component(component: m.Component, index: int, deployment: m.ApplicationDeployment,
-               file: str) -> DesiredComponent:
+               file: str, grants: tuple[RegistryGrant, ...]) -> DesiredComponent:
     props = component.properties
     where = f"{file}: component {component.name!r}"
     repository = props.repository or props.package_location
@@ -132,7 +141,7 @@ def _component(component: m.Component, index: int, deployment: m.ApplicationDepl
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{where}: parameters: {exc}") from None
     spec = {"repository": repository, "revision": revision}
-    sealed = envelopes(values)
+    sealed = envelopes(values) + [grant.password for grant in grants]
     return DesiredComponent(
         name=component.name, index=index, repository=repository, revision=revision,
         wait=props.wait is not False, timeout_seconds=timeout, values=values,
@@ -146,7 +155,7 @@ def parse_deployment(data: bytes, *, file: str = "deployment.yaml") -> DesiredDe
 
     Raises `DocumentError` (located problems) for an invalid document and `ValueError` for a
     valid document the device cannot act on (no repository, unknown profile type, a
-    malformed timeout or conflicting parameter targets)."""
+    malformed timeout, conflicting parameter targets or unusable registry grants)."""
     report = validate_document(data, file=file, expect=Kind.APPLICATION_DEPLOYMENT)
     if report.problems:
         raise DocumentError(report.problems)
@@ -158,13 +167,14 @@ def parse_deployment(data: bytes, *, file: str = "deployment.yaml") -> DesiredDe
     if len(set(names)) != len(names):
         raise DocumentError([Problem(path=("spec", "deploymentProfile", "components"),
                                      message="component names must be unique", file=file)])
-    components = tuple(_component(c, i, deployment, file)
+    grants = parse_grants(deployment.extensions, file=file)
+    components = tuple(_component(c, i, deployment, file, grants)
                        for i, c in enumerate(deployment.profile.components))
     return DesiredDeployment(
         deployment_id=deployment.id, name=deployment.name, namespace=deployment.namespace,
         device_id=deployment.device_id, application_id=deployment.application_id,
         profile_type=str(deployment.profile.type), components=components,
-        digest=digest_of(data), document=data)
+        digest=digest_of(data), document=data, registry_grants=grants)
 
 
 def index_deployments(deployments: Iterable[DesiredDeployment]) -> dict[str, DesiredDeployment]:

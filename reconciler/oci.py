@@ -22,6 +22,10 @@ more than `max_bytes`. Errors are `ApplyError`s with stable codes:
 Authentication: anonymous or credentialed bearer tokens (`WWW-Authenticate: Bearer realm=`)
 and HTTP basic auth, from optional per-registry credentials. Hosts listed in
 `plain_http_hosts` are spoken to over plain HTTP (loopback registries in tests and demos).
+A pull may add credentials the fleet granted to one deployment (`granted`,
+`reconciler.registry_grants`): used for that call only, with tokens and headers of their own
+that the call drops, and never for a host the client's own credentials name (the device's
+configuration wins).
 
 Verified blobs are cached for the life of the client, keyed by (repository, blob digest):
 content-addressed, so a cached entry can never be stale, while tags are re-resolved on every
@@ -170,6 +174,16 @@ def _http_problem(response: httpx.Response, what: str) -> ApplyError:
     return _pull_failed(f"{what}: HTTP {response.status_code}" + (f" ({detail})" if detail else ""))
 
 
+@dataclass
+class _Auth:
+    """Credentials by registry, and the Authorization header that last worked per
+    (registry, scope): tokens are reused until the registry challenges again (an expired
+    token), then renewed."""
+
+    credentials: Mapping[str, tuple[str, str]]
+    authorizations: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     return scheme.lower(), dict(_CHALLENGE_PARAM.findall(rest))
@@ -188,11 +202,8 @@ class OciClient:
                  transport: httpx.BaseTransport | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._plain_http_hosts = plain_http_hosts
-        self._credentials = dict(credentials or {})
+        self._auth = _Auth(dict(credentials or {}))
         self._client = httpx.Client(timeout=timeout, transport=transport)
-        # The Authorization header that last worked, per (registry, scope): tokens are
-        # reused until the registry challenges again (an expired token), then renewed.
-        self._authorizations: dict[tuple[str, str], str] = {}
         self._cache: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._cache_limit = cache_bytes
         self._cache_size = 0
@@ -220,7 +231,7 @@ class OciClient:
             media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
             size = int(response.headers.get("Content-Length", "0") or 0)
         if not digest:
-            return self._manifest(ref)[1]
+            return self._manifest(ref, self._auth)[1]
         self._check_digest_syntax(digest, "the registry's Docker-Content-Digest")
         if ref.is_digest and digest != ref.reference:
             raise ApplyError(ErrorCode.DIGEST_MISMATCH,
@@ -229,24 +240,27 @@ class OciClient:
         return Descriptor(digest, media_type, size)
 
     def fetch_artifact(self, repository: str, reference: str, *,
-                       max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+                       max_bytes: int = DEFAULT_MAX_BYTES,
+                       granted: Mapping[str, tuple[str, str]] | None = None) -> bytes:
         """The verified archive of a single-archive artifact (see `pull`)."""
-        return self.pull(repository, reference, max_bytes=max_bytes).data
+        return self.pull(repository, reference, max_bytes=max_bytes, granted=granted).data
 
-    def pull(self, repository: str, reference: str, *,
-             max_bytes: int = DEFAULT_MAX_BYTES) -> Artifact:
+    def pull(self, repository: str, reference: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
+             granted: Mapping[str, tuple[str, str]] | None = None) -> Artifact:
         """Fetch the manifest, pick its archive layer, fetch and verify the blob.
 
         The archive layer is the only layer, or else the only layer whose media type is a
         tar+gzip; anything else (an index, a multi-file `docker compose publish` artifact)
-        is `INVALID_PACKAGE`."""
+        is `INVALID_PACKAGE`. `granted`: credentials granted to the deployment pulling
+        (`{host: (user, password)}`), for this call only (see the module docstring)."""
         ref = parse_reference(repository, reference)
-        body, manifest = self._manifest(ref)
+        auth = self._auth_for(ref.registry, granted)
+        body, manifest = self._manifest(ref, auth)
         layer = self._archive_layer(ref, body, manifest.media_type)
         if layer.size > max_bytes:
             raise _pull_failed(f"{ref.repository}:{ref.reference}: the archive is {layer.size} "
                                f"bytes, over the limit of {max_bytes}", retryable=False)
-        data = self._blob(ref, layer)
+        data = self._blob(ref, layer, auth)
         return Artifact(repository=ref.repository, reference=ref.reference, manifest=manifest,
                         artifact_type=str(body.get("artifactType") or ""), layer=layer, data=data)
 
@@ -287,10 +301,11 @@ class OciClient:
 
     # ------------------------------------------------------------------ manifests
 
-    def _manifest(self, ref: OciReference) -> tuple[dict[str, Any], Descriptor]:
+    def _manifest(self, ref: OciReference, auth: _Auth) -> tuple[dict[str, Any], Descriptor]:
         url = self._url(ref, f"manifests/{ref.reference}")
         what = f"manifest {ref.repository}:{ref.reference}"
-        with self._request("GET", url, ref, headers={"Accept": _ACCEPT_MANIFESTS}) as response:
+        with self._request("GET", url, ref, headers={"Accept": _ACCEPT_MANIFESTS},
+                           auth=auth) as response:
             if response.status_code != 200:
                 raise _http_problem(response, f"fetch {what}")
             raw = self._read_limited(response, MAX_MANIFEST_BYTES, what)
@@ -343,7 +358,7 @@ class OciClient:
 
     # ------------------------------------------------------------------ blobs
 
-    def _blob(self, ref: OciReference, layer: Descriptor) -> bytes:
+    def _blob(self, ref: OciReference, layer: Descriptor, auth: _Auth) -> bytes:
         key = (f"{ref.registry}/{ref.name}", layer.digest)
         cached = self._cache.get(key)
         if cached is not None:
@@ -351,7 +366,7 @@ class OciClient:
             return cached
         url = self._url(ref, f"blobs/{layer.digest}")
         what = f"blob {layer.digest} of {ref.repository}"
-        with self._request("GET", url, ref) as response:
+        with self._request("GET", url, ref, auth=auth) as response:
             if response.status_code != 200:
                 raise _http_problem(response, f"fetch {what}")
             data = self._read_limited(response, layer.size, what, mismatch=True)
@@ -393,6 +408,13 @@ class OciClient:
 
     # ------------------------------------------------------------------ plumbing
 
+    def _auth_for(self, registry: str, granted: Mapping[str, tuple[str, str]] | None) -> _Auth:
+        """The client's own credentials, or, when `granted` names `registry` and the client's
+        own do not, that grant with tokens of its own (dropped after the call)."""
+        if not granted or registry not in granted or registry in self._auth.credentials:
+            return self._auth
+        return _Auth({registry: granted[registry]})
+
     def _url(self, ref: OciReference, path: str) -> httpx.URL:
         registry = _DOCKER_HUB_ALIASES.get(ref.registry, ref.registry)
         hostname = registry.rsplit(":", 1)[0] if not registry.endswith("]") else registry
@@ -401,30 +423,30 @@ class OciClient:
 
     @contextmanager
     def _request(self, method: str, url: httpx.URL, ref: OciReference, *, push: bool = False,
-                 headers: Mapping[str, str] | None = None,
-                 content: bytes | None = None) -> Iterator[httpx.Response]:
-        """Send once; on a 401 challenge authenticate and send once more. Streams the body
-        (callers read it within limits); network failures become `PULL_FAILED`."""
+                 headers: Mapping[str, str] | None = None, content: bytes | None = None,
+                 auth: _Auth | None = None) -> Iterator[httpx.Response]:
+        """Send once; on a 401 challenge authenticate (with `auth`, by default the client's
+        own credentials) and send once more. Streams the body (callers read it within
+        limits); network failures become `PULL_FAILED`."""
+        auth = auth or self._auth
         scope = f"repository:{ref.name}:{'pull,push' if push else 'pull'}"
-        response = self._send(method, url, ref, scope, headers, content)
+        response = self._send(method, url, headers, content,
+                              auth.authorizations.get((ref.registry, scope)))
         try:
             if response.status_code == 401:
                 challenge = response.headers.get("WWW-Authenticate", "")
                 response.close()
-                authorization = self._authorize(ref, scope, challenge)
-                response = self._send(method, url, ref, scope, headers, content,
-                                      authorization=authorization)
+                authorization = self._authorize(ref, scope, challenge, auth)
+                response = self._send(method, url, headers, content, authorization)
             if response.status_code == 401:
                 raise _pull_failed(f"{ref.registry} refused our credentials for {ref.name}")
             yield response
         finally:
             response.close()
 
-    def _send(self, method: str, url: httpx.URL, ref: OciReference, scope: str,
-              headers: Mapping[str, str] | None, content: bytes | None, *,
-              authorization: str | None = None) -> httpx.Response:
+    def _send(self, method: str, url: httpx.URL, headers: Mapping[str, str] | None,
+              content: bytes | None, authorization: str | None) -> httpx.Response:
         all_headers = dict(headers or {})
-        authorization = authorization or self._authorizations.get((ref.registry, scope))
         if authorization:
             all_headers["Authorization"] = authorization
         request = self._client.build_request(method, url, headers=all_headers, content=content)
@@ -433,16 +455,18 @@ class OciClient:
         except httpx.HTTPError as exc:
             raise _pull_failed(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
 
-    def _authorize(self, ref: OciReference, scope: str, challenge: str) -> str:
-        """The Authorization header a 401 challenge asks for (bearer token or basic)."""
+    def _authorize(self, ref: OciReference, scope: str, challenge: str, auth: _Auth) -> str:
+        """The Authorization header a 401 challenge asks for (bearer token or basic),
+        remembered in `auth`."""
         scheme, params = _parse_challenge(challenge)
-        credentials = self._credentials.get(ref.registry)
+        credentials = auth.credentials.get(ref.registry)
         if scheme == "basic":
             if credentials is None:
-                raise _pull_failed(f"{ref.registry} requires credentials, none are configured")
+                raise _pull_failed(f"{ref.registry} requires credentials, none are configured "
+                               "or granted")
             user, password = credentials
             header = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-            self._authorizations[(ref.registry, scope)] = header
+            auth.authorizations[(ref.registry, scope)] = header
             return header
         if scheme != "bearer" or "realm" not in params:
             raise _pull_failed(f"{ref.registry} asks for unsupported authentication "
@@ -450,9 +474,9 @@ class OciClient:
         query = {"scope": params.get("scope", scope)}
         if "service" in params:
             query["service"] = params["service"]
-        auth = httpx.BasicAuth(*credentials) if credentials else None
+        basic = httpx.BasicAuth(*credentials) if credentials else None
         try:
-            response = self._client.get(params["realm"], params=query, auth=auth)
+            response = self._client.get(params["realm"], params=query, auth=basic)
         except httpx.HTTPError as exc:
             raise _pull_failed(f"token request to {params['realm']}: {exc}") from exc
         if response.status_code != 200:
@@ -464,7 +488,7 @@ class OciClient:
             token = None
         if not isinstance(token, str) or not token:
             raise _pull_failed(f"the token service {params['realm']} returned no token")
-        self._authorizations[(ref.registry, scope)] = f"Bearer {token}"
+        auth.authorizations[(ref.registry, scope)] = f"Bearer {token}"
         return f"Bearer {token}"
 
     @staticmethod

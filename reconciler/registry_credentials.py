@@ -10,6 +10,11 @@ in a `repr`, a log line, a status report or an error message: errors name the re
 the file, never the value. Where an engine needs credentials in a file (Helm's registry
 client, the Docker CLI's `config.json`), `private_docker_config` writes one with mode
 0600 in a fresh 0700 directory and removes it when the block ends.
+
+Credentials the fleet grants to one deployment (`reconciler.registry_grants`) come next to
+these, as opened `(user, password)` pairs, for that deployment's pulls only. The device's
+own configuration wins for a host it names (`with_granted`): its owner decides which
+account the device uses there, and a grant cannot replace it.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ from pathlib import Path
 
 from margo.identifiers import REGISTRY_HOST
 
-__all__ = ["REGISTRY_HOST", "RegistryCredential", "as_pairs", "docker_config_text",
-           "private_docker_config", "secret_file_problem"]
+__all__ = ["REGISTRY_HOST", "Pairs", "RegistryCredential", "as_pairs", "docker_config_text",
+           "private_docker_config", "secret_file_problem", "with_granted"]
+
+#: `{host: (user, password)}`: credentials in memory, as the OCI client takes them.
+Pairs = Mapping[str, tuple[str, str]]
 
 _HOST = re.compile(REGISTRY_HOST)
 
@@ -83,32 +91,40 @@ def as_pairs(credentials: Iterable[RegistryCredential]) -> dict[str, tuple[str, 
     return {c.registry: c.pair() for c in credentials}
 
 
-def docker_config_text(credentials: Iterable[RegistryCredential]) -> str:
-    """A Docker CLI `config.json` holding these credentials (also what Helm's registry
-    client reads)."""
+def with_granted(local: Pairs, granted: Pairs | None) -> dict[str, tuple[str, str]]:
+    """The credentials a deployment's pulls use: the device's own (`local`) and the ones
+    granted to the deployment, the device's own winning for every host it names."""
+    return {**(granted or {}), **local}
+
+
+def docker_config_text(credentials: Iterable[RegistryCredential],
+                       granted: Pairs | None = None) -> str:
+    """A Docker CLI `config.json` holding these credentials and, for the hosts they do not
+    name, the `granted` ones (also what Helm's registry client reads)."""
     auths = {}
-    for credential in sorted(credentials, key=lambda c: c.registry):
-        user, password = credential.pair()
+    for host, (user, password) in sorted(with_granted(as_pairs(credentials), granted).items()):
         token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
-        auths[credential.registry] = {"auth": token}
+        auths[host] = {"auth": token}
     return json.dumps({"auths": auths}, indent=2, sort_keys=True) + "\n"
 
 
 @contextlib.contextmanager
 def private_docker_config(credentials: Iterable[RegistryCredential], *,
-                          parent: Path | None = None,
-                          extra: Mapping[str, Path] | None = None) -> Iterator[Path]:
-    """A fresh directory (0700) with `config.json` (0600) for these credentials, removed
-    afterwards; `extra` adds symlinks in it (`cli-plugins` → the CLI plugins folder)."""
+                          granted: Pairs | None = None, parent: Path | None = None,
+                          extra: Mapping[str, Path] | None = None,
+                          prefix: str = "margo-docker-config-") -> Iterator[Path]:
+    """A fresh directory (0700) with `config.json` (0600) for these credentials (and the
+    `granted` ones, `docker_config_text`), removed afterwards; `extra` adds symlinks in it
+    (`cli-plugins` → the CLI plugins folder)."""
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="margo-docker-config-", dir=parent))
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
         folder.chmod(0o700)
         target = folder / "config.json"
         descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(docker_config_text(credentials))
+            handle.write(docker_config_text(credentials, granted))
         for name, link in (extra or {}).items():
             (folder / name).symlink_to(link)
         yield folder

@@ -43,7 +43,10 @@ applied again).
 Registry credentials (`reconciler.registry_credentials`) reach the engine through a
 per-call `DOCKER_CONFIG`: a fresh 0700 folder with a 0600 `config.json`, removed as soon
 as the call returns (the plugins folder of the usual config is linked into it, so the
-`compose` plugin is still found).
+`compose` plugin is still found). Credentials the fleet granted to the deployment
+(`reconciler.registry_grants`) are opened at the start of its step, with its sealed values,
+and used for that step's package pull (`OciClient.pull(granted=)`) and in the `config.json`
+of its `pull` and `up` calls, next to the device's own, which win for a host they name.
 
 Remove: `docker compose -p <project> down --remove-orphans` (idempotent: no containers, no
 error; named volumes are kept), then the project's directory is deleted.
@@ -120,6 +123,7 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.oci import OciClient
 from reconciler.planner import Action, Step
 from reconciler.registry_credentials import RegistryCredential, private_docker_config
+from reconciler.registry_grants import NO_GRANTS, Granted, open_grants
 from reconciler.releases import (
     DEFAULT_DRIFT,
     DRIFT_POLICIES,
@@ -401,15 +405,16 @@ class ComposeDriver:
         if deployment is None or step.desired is None:
             raise ValueError(f"{step.action} of {step.release_name} needs its deployment")
         opened = open_values(step.desired.values, self.key, component=step.desired.name)
-        with opened.redacting():
-            prepared = self._prepare(step, deployment, step.desired, opened)
+        granted = open_grants(deployment.registry_grants, self.key, deployment=deployment.name)
+        with opened.redacting(), granted.redacting():
+            prepared = self._prepare(step, deployment, step.desired, opened, granted)
             files = prepared.files
             pull, up = compose_commands(step, compose=self._compose_command(), files=files)
-            self._pull(pull, step, prepared.images, prepared.sealed_env)
+            self._pull(pull, step, prepared, granted)
             (files.project_dir / APPLIED_FILE).unlink(missing_ok=True)  # only a good `up`
             self._stop_paused(step)
             self._compose_run(up, step, timeout=step.desired.timeout_seconds + self._grace,
-                              extra=prepared.sealed_env)
+                              extra=prepared.sealed_env, granted=granted)
         self._record(step, prepared)
         self._prune(files)
         self._applied[step.release_name] = (prepared, opened)
@@ -472,12 +477,13 @@ class ComposeDriver:
         write_applied(prepared.files.project_dir / APPLIED_FILE,
                       applied_record(containers, prepared.labels, prepared.compose))
 
-    def _prepare(self, step: Step, deployment: DesiredDeployment,
-                 component: DesiredComponent, opened: Opened) -> _Prepared:
-        """Pull, verify, validate, extract (once per archive) and write our two files: the
-        opened sealed variables (`opened.paths`) are left out of `margo.env`, for the
-        process environment."""
-        artifact = self._oci.pull(component.repository, component.revision)
+    def _prepare(self, step: Step, deployment: DesiredDeployment, component: DesiredComponent,
+                 opened: Opened, granted: Granted) -> _Prepared:
+        """Pull (with the deployment's grants), verify, validate, extract (once per archive)
+        and write our two files: the opened sealed variables (`opened.paths`) are left out
+        of `margo.env`, for the process environment."""
+        artifact = self._oci.pull(component.repository, component.revision,
+                                  granted=granted.credentials)
         package = validate_package(artifact.data)
         files = project_files(self.work_dir, step.release_name, package.digest,
                               package_env=".env" in package.files)
@@ -524,38 +530,41 @@ class ComposeDriver:
         return self._compose
 
     @contextlib.contextmanager
-    def _engine_env(self, extra: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    def _engine_env(self, extra: Mapping[str, str] | None = None,
+                    granted: Granted = NO_GRANTS) -> Iterator[dict[str, str]]:
         """The CLI's environment for a call that may pull (with `extra`, the opened sealed
-        variables, added): with credentials, a private DOCKER_CONFIG that exists only for
-        the call."""
+        variables, added): with credentials (the device's own, and those `granted` to the
+        deployment), a private DOCKER_CONFIG that exists only for the call."""
         env = {**self._env, **(extra or {})}
-        if not self._credentials:
+        if not self._credentials and not granted.credentials:
             yield env
             return
         plugin = plugin_path(self._env)
         links = {"cli-plugins": plugin.parent} if plugin is not None else {}
-        with private_docker_config(self._credentials, extra=links) as folder:
+        with private_docker_config(self._credentials, granted=granted.credentials,
+                                   extra=links) as folder:
             yield {**env, "DOCKER_CONFIG": str(folder)}
 
-    def _pull(self, argv: list[str], step: Step, images: list[str],
-              extra: Mapping[str, str]) -> None:
-        with self._engine_env(extra) as env:
+    def _pull(self, argv: list[str], step: Step, prepared: _Prepared, granted: Granted) -> None:
+        with self._engine_env(prepared.sealed_env, granted) as env:
             result = run_cli(argv, timeout=self._command_timeout, env=env)
         if result.returncode == 0:
             return
         if not self._daemon_reachable():
             raise ApplyError(ErrorCode.ENGINE_UNAVAILABLE, f"{step.action} of {step.release_name}: "
                              f"the engine is unreachable: {tail(result.stderr)}")
-        hosts = sorted({image_registry(image) for image in images})
-        credentials = {c.registry for c in self._credentials}
-        known = [f"{h} (credentials configured)" if h in credentials else h for h in hosts]
+        hosts = sorted({image_registry(image) for image in prepared.images})
+        configured = {c.registry for c in self._credentials}
+        known = [f"{h} (credentials configured)" if h in configured else
+                 f"{h} (credentials granted)" if h in granted.hosts else h for h in hosts]
         raise ApplyError(ErrorCode.PULL_FAILED, f"{step.action} of {step.release_name}: pulling "
-                         f"{', '.join(images)} from {', '.join(known)} failed: "
+                         f"{', '.join(prepared.images)} from {', '.join(known)} failed: "
                          f"{tail(result.stderr)}")
 
     def _compose_run(self, argv: list[str], step: Step, *, timeout: float,
-                     extra: Mapping[str, str] | None = None) -> None:
-        with self._engine_env(extra) as env:
+                     extra: Mapping[str, str] | None = None,
+                     granted: Granted = NO_GRANTS) -> None:
+        with self._engine_env(extra, granted) as env:
             result = run_cli(argv, timeout=timeout, env=env)
         if result.returncode == 0:
             return

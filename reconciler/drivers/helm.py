@@ -62,7 +62,10 @@ value that cannot be opened, `SECRET_UNREADABLE`, leaves the running release as 
 and the opened values go to Helm in memory. Helm keeps them, like every value, in its
 release record (a Secret with the default storage driver). The read-back compares the
 values under a random per-step key (`Opened.digest_key`), so no plain hash of a secret
-reaches a message; Helm's messages lose every plaintext (`Opened.redacting`).
+reaches a message; Helm's messages lose every plaintext (`Opened.redacting`). Registry
+credentials granted to the deployment (`reconciler.registry_grants`) are opened with them
+and used for the step's chart pull only: the cluster's nodes pull the images themselves,
+with what the cluster gives them (imagePullSecrets), which a grant does not provide.
 
 Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
 after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
@@ -96,6 +99,7 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step
+from reconciler.registry_grants import open_grants
 from reconciler.releases import (
     DEFAULT_DRIFT,
     DRIFT_POLICIES,
@@ -293,9 +297,10 @@ class HelmDriver:
                              f"{action} of {step.release_name} needs the "
                              "desired component and its deployment", retryable=False)
         opened = open_values(component.values, self.key, component=component.name)
-        with opened.redacting():
-            chart = self.charts.load(self.charts.fetch(component.repository,
-                                                       component.revision))
+        granted = open_grants(deployment.registry_grants, self.key, deployment=deployment.name)
+        with opened.redacting(), granted.redacting():
+            chart = self.charts.load(self.charts.fetch(
+                component.repository, component.revision, granted=granted.credentials))
             labels = ownership_labels(deployment.deployment_id, component.name,
                                       desired_digest=deployment.digest,
                                       spec_digest=component.spec_digest,

@@ -52,6 +52,10 @@ value that cannot be opened is `SECRET_UNREADABLE`, and the previous render stay
 was); a release with opened values is written owner-only (directories 0700, files 0600),
 and messages lose every plaintext (`Opened.redacting`). Keep `outputDir` on a disk as
 trusted as the key itself, and out of backups that are not.
+
+Registry credentials granted to the deployment (`reconciler.registry_grants`) are opened
+with its sealed values and used for the step's chart or package pull only (never written:
+the chart cache and the OCI client keep them for the call).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from reconciler.drivers.compose import env_file_text
 from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, Step
+from reconciler.registry_grants import Granted, open_grants
 from reconciler.releases import (
     DEFAULT_DRIFT,
     DRIFT_POLICIES,
@@ -266,13 +271,13 @@ class RenderDriver:
                 raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
             elif step.action in (Action.INSTALL, Action.UPGRADE, Action.RECONFIGURE,
                                  Action.REINSTALL, Action.RECOVER):
-                opened = self._open(step)
-                with opened.redacting():
-                    self._render(step, deployment, opened)
+                opened, granted = self._open(step, deployment)
+                with opened.redacting(), granted.redacting():
+                    self._render(step, deployment, opened, granted)
             elif step.action is Action.REPAIR:
-                opened = self._open(step)
-                with opened.redacting():
-                    self._repair(step, deployment, opened)
+                opened, granted = self._open(step, deployment)
+                with opened.redacting(), granted.redacting():
+                    self._repair(step, deployment, opened, granted)
             elif step.action is not Action.UNCHANGED:
                 raise ApplyError(ErrorCode.INVALID_STEP, f"unknown action {step.action!r}",
                                  retryable=False)
@@ -310,17 +315,20 @@ class RenderDriver:
 
     # --- actions ---------------------------------------------------------------------------
 
-    def _open(self, step: Step) -> Opened:
-        """The step's values with the sealed ones opened (before anything is written)."""
+    def _open(self, step: Step, deployment: DesiredDeployment | None,
+              ) -> tuple[Opened, Granted]:
+        """The step's values with the sealed ones opened, and the deployment's registry
+        grants (before anything is written)."""
         component = step.desired
-        if component is None:
-            return Opened({})  # `_desired` says what is wrong
-        return open_values(component.values, self.key, component=component.name)
+        if component is None or deployment is None:
+            return Opened({}), Granted()  # `_desired` says what is wrong
+        return (open_values(component.values, self.key, component=component.name),
+                open_grants(deployment.registry_grants, self.key, deployment=deployment.name))
 
     def _render(self, step: Step, deployment: DesiredDeployment | None,
-                opened: Opened) -> None:
+                opened: Opened, granted: Granted) -> None:
         component, deployment = self._desired(step, deployment)
-        source, loaded = self._fetch(component, deployment)
+        source, loaded = self._fetch(component, deployment, granted)
         releases = self._read_ledger()
         key = f"{step.namespace}/{step.release_name}"
         previous = releases.get(key)
@@ -347,17 +355,17 @@ class RenderDriver:
         self._written[key] = _file_digests(files)
 
     def _repair(self, step: Step, deployment: DesiredDeployment | None,
-                opened: Opened) -> None:
+                opened: Opened, granted: Granted) -> None:
         """Write a drifted release's files again: the same chart and values rendered at the
         same revision, as an install or upgrade as the ledger recorded, so the bytes are
         those written before. The ledger stays `deployed` throughout (the directory is
         replaced atomically); a failure leaves it and the drifted files as they were."""
         component, deployment = self._desired(step, deployment)
-        source, loaded = self._fetch(component, deployment)
+        source, loaded = self._fetch(component, deployment, granted)
         releases = self._read_ledger()
         entry = releases.get(f"{step.namespace}/{step.release_name}")
         if entry is None or entry.get("status") != "deployed" or entry.get("chart") != source:
-            self._render(step, deployment, opened)  # not what the plan saw: apply it afresh
+            self._render(step, deployment, opened, granted)  # not what the plan saw: afresh
             return
         revision = int(entry.get("revision", 1))
         first = bool(entry.get("install", revision == 1))
@@ -376,19 +384,20 @@ class RenderDriver:
                              "desired component and its deployment", retryable=False)
         return step.desired, deployment
 
-    def _fetch(self, component: DesiredComponent,
-               deployment: DesiredDeployment) -> tuple[dict[str, str], Any]:
-        """Pull and check the chart (or Compose package) before anything is written: the
-        ledger's description of it and the loaded chart or package."""
+    def _fetch(self, component: DesiredComponent, deployment: DesiredDeployment,
+               granted: Granted) -> tuple[dict[str, str], Any]:
+        """Pull (with the deployment's grants) and check the chart (or Compose package)
+        before anything is written: the ledger's description of it and the loaded chart or
+        package."""
         if deployment.profile_type != "compose":
-            chart = self.charts.load(self.charts.fetch(component.repository,
-                                                       component.revision))
+            chart = self.charts.load(self.charts.fetch(
+                component.repository, component.revision, granted=granted.credentials))
             return {"name": chart.name, "version": chart.version}, chart
         if self.oci is None:
             raise ApplyError(ErrorCode.UNSUPPORTED_TYPE, "this render driver has no OCI client "
                              "for Compose packages", retryable=False)
-        package = validate_package(self.oci.fetch_artifact(component.repository,
-                                                           component.revision))
+        package = validate_package(self.oci.fetch_artifact(
+            component.repository, component.revision, granted=granted.credentials))
         return {"name": package.top_directory, "version": component.revision,
                 "digest": package.digest}, package
 

@@ -26,7 +26,7 @@ from tools.docker.testimages import crash_image, push_image, web_image, worker_c
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["DockerEngine", "ImageSet", "build_test_images", "compose_package",
+__all__ = ["DockerEngine", "ImageSet", "build_test_images", "clear_engine", "compose_package",
            "running_engine", "web_service", "why_unavailable", "worker_command"]
 
 
@@ -50,6 +50,17 @@ def build_test_images(engine: DockerEngine, registry: str) -> ImageSet:
         push_image(engine, ref)
         engine.run("rmi", ref)  # the driver must pull them, as a device would
     return images
+
+
+def clear_engine(engine: DockerEngine, *images: str) -> None:
+    """Leave `engine` as a test found it: every container removed, unused networks pruned,
+    and `images` (references it pulled) removed where present."""
+    ids = engine.text("ps", "-aq").split()
+    if ids:
+        engine.run("rm", "-f", *ids)
+    engine.run("network", "prune", "-f")
+    for ref in images:
+        engine.run("rmi", "-f", ref, check=False)
 
 
 def web_service(image: str, **extra: Any) -> dict[str, Any]:

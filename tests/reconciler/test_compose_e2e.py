@@ -27,6 +27,7 @@ import yaml
 from kits.dockerkit import (
     DockerEngine,
     ImageSet,
+    clear_engine,
     compose_package,
     environment,
     inspect,
@@ -86,10 +87,7 @@ SLOW = ['sh', '-c', 'echo warming up; sleep 4; trap "kill $c; exit 0" TERM; '
 @pytest.fixture
 def engine(docker_engine: DockerEngine, test_images: ImageSet) -> Iterator[DockerEngine]:
     yield docker_engine
-    ids = docker_engine.text("ps", "-aq").split()
-    if ids:
-        docker_engine.run("rm", "-f", *ids)
-    docker_engine.run("network", "prune", "-f")
+    clear_engine(docker_engine)
 
 
 class Box:

@@ -20,7 +20,6 @@ import secrets
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,16 @@ import pyrage
 import pytest
 import yaml
 from kits.chartkit import write_chart
-from kits.dockerkit import DockerEngine, ImageSet, compose_package, inspect, web_service
+from kits.dockerkit import (
+    DockerEngine,
+    ImageSet,
+    clear_engine,
+    compose_package,
+    inspect,
+    web_service,
+)
+from kits.gitbox import Box, found_anywhere, git_box, tampered
 from kits.registrykit import running_registry
-from kits.serverkit import free_port
 
 from margo.sealing import seal
 from reconciler.assembly import open_reconciler
@@ -45,7 +51,6 @@ from reconciler.oci import OciClient
 from reconciler.planner import plan
 from reconciler.registry_credentials import RegistryCredential, docker_config_text, with_granted
 from reconciler.registry_grants import open_grants, parse_grants
-from reconciler.releases import release_name
 from reconciler.runner import CycleResult
 from reconciler.state import DeviceState
 
@@ -69,23 +74,6 @@ def private_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def grants(host: str, envelope: str) -> dict[str, Any]:
     return {EXTENSION: {"registryCredentials": [
         {"registry": host, "username": USER, "password": envelope}]}}
-
-
-def tampered(envelope: str) -> str:
-    """The envelope with one ciphertext byte changed (still valid base64)."""
-    head, _, body = envelope.rpartition(":")
-    middle = len(body) // 2
-    swapped = "B" if body[middle] != "B" else "C"
-    return f"{head}:{body[:middle]}{swapped}{body[middle + 1:]}"
-
-
-def found_anywhere(root: Path, texts: list[str]) -> list[str]:
-    """`path: text` for every file under `root` holding one of `texts` (raw bytes)."""
-    hits = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        hits += [f"{path}: {text}" for text in texts if text.encode() in data]
-    return hits
 
 
 def temporary_configs() -> set[Path]:
@@ -237,54 +225,15 @@ def test_the_oci_client_and_the_chart_cache_use_a_grant_for_one_call(
 # --------------------------------------------------------------------------- a whole device
 
 
-@dataclass
-class Box:
-    """The device's directory, and the repository standing in for its fleet server."""
-
-    home: Path
-    repo: Any
-
-    @property
-    def config(self) -> Path:
-        return self.home / "device.yaml"
-
-    def rendered(self, deployment_id: str) -> Path:
-        return (self.home / "out" / "edge" / release_name(deployment_id, "greeter")
-                / "greeter" / "templates" / "configmap.yaml")
+class GrantBox(Box):
+    """A box whose desired state is any number of deployment documents."""
 
     def publish(self, *documents: bytes) -> None:
-        import pygit2
-
-        builder = self.repo.TreeBuilder()
-        for index, data in enumerate(documents):
-            builder.insert(f"deployment-{index}.yaml", self.repo.create_blob(data),
-                           pygit2.enums.FileMode.BLOB)
-        author = pygit2.Signature("fleet", "fleet@example.com")
-        parents = [] if self.repo.head_is_unborn else [self.repo.head.target]
-        self.repo.create_commit("refs/heads/main", author, author, "desired state",
-                                builder.write(), parents)
+        self.commit({f"deployment-{index}.yaml": data for index, data in enumerate(documents)})
 
 
-def make_box(root: Path, registries: dict[str, Any] | None = None) -> Box:
-    import pygit2
-
-    home = root / "box"
-    home.mkdir(parents=True)
-    repo = pygit2.init_repository(str(root / "desired.git"), bare=True, initial_head="main")
-    (home / "token").write_text("device-token\n")
-    (home / "caps.yaml").write_text(yaml.safe_dump({"properties": {
-        "id": DEVICE, "vendor": "Acme", "modelNumber": "G-1", "serialNumber": "1",
-        "supportedDeploymentTypes": ["helm"]}}))
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": DEVICE},
-        # Nobody listens there: status reports stay in the journal, where they are searched.
-        "server": {"url": f"http://127.0.0.1:{free_port()}", "clientId": DEVICE,
-                   "tokenFile": "token", "timeout": "2s"},
-        "source": {"type": "git", "url": f"file://{repo.path.rstrip('/')}", "depth": 0},
-        "driver": {"type": "render", "outputDir": "out"},
-        "dataDir": "data", "capabilities": {"file": "caps.yaml"},
-        **({"registries": registries} if registries else {})}))
-    return Box(home, repo)
+def make_box(root: Path, registries: dict[str, Any] | None = None) -> GrantBox:
+    return git_box(root, GrantBox, device=DEVICE, model="G-1", registries=registries)
 
 
 def outcomes(result: CycleResult) -> list[tuple[str, str, str]]:
@@ -387,10 +336,7 @@ def test_the_devices_own_credentials_win_over_a_grant(private_registry: str,
 @pytest.fixture
 def engine(docker_engine: DockerEngine, test_images: ImageSet) -> Iterator[DockerEngine]:
     yield docker_engine
-    ids = docker_engine.text("ps", "-aq").split()
-    if ids:
-        docker_engine.run("rm", "-f", *ids)
-    docker_engine.run("network", "prune", "-f")
+    clear_engine(docker_engine)
 
 
 def compose_document(repository: str, greeting: str,

@@ -21,12 +21,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pygit2
 import pyrage
 import pytest
 import yaml
 from kits.chartkit import publish_chart, write_chart
-from kits.serverkit import free_port
+from kits.gitbox import Box, found_anywhere, git_box, tampered
 
 from margo.sealing import seal
 from reconciler.assembly import open_reconciler
@@ -60,29 +59,17 @@ def document(repository: str, greeting: str) -> bytes:
 
 
 @dataclass
-class Box:
-    """The device's directory, and the repository standing in for its fleet server."""
+class VaultBox(Box):
+    """A box whose desired state is the one deployment, on `chart`, greeting as given."""
 
-    home: Path
-    repo: pygit2.Repository
     chart: str
 
     @property
-    def config(self) -> Path:
-        return self.home / "device.yaml"
-
-    @property
-    def rendered(self) -> Path:
-        return self.home / "out" / "edge" / RELEASE / "greeter" / "templates" / "configmap.yaml"
+    def configmap(self) -> Path:
+        return self.rendered(DEPLOYMENT_ID)
 
     def publish(self, greeting: str) -> None:
-        builder = self.repo.TreeBuilder()
-        builder.insert("vault.yaml", self.repo.create_blob(document(self.chart, greeting)),
-                       pygit2.enums.FileMode.BLOB)
-        author = pygit2.Signature("fleet", "fleet@example.com")
-        parents = [] if self.repo.head_is_unborn else [self.repo.head.target]
-        self.repo.create_commit("refs/heads/main", author, author, "desired state",
-                                builder.write(), parents)
+        self.commit({"vault.yaml": document(self.chart, greeting)})
 
 
 #: A template that quotes the value in Helm's error (plain and base64) when it is told to fail.
@@ -101,50 +88,18 @@ def chart(registry: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def box(tmp_path: Path, chart: str) -> Iterator[Box]:
-    home = tmp_path / "box"
-    home.mkdir()
-    repo = pygit2.init_repository(str(tmp_path / "desired.git"), bare=True, initial_head="main")
-    (home / "token").write_text("device-token\n")
-    (home / "caps.yaml").write_text(yaml.safe_dump({"properties": {
-        "id": DEVICE, "vendor": "Acme", "modelNumber": "V-1", "serialNumber": "1",
-        "supportedDeploymentTypes": ["helm"]}}))
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": DEVICE},
-        # Nobody listens there: status reports stay in the journal, where they are searched.
-        "server": {"url": f"http://127.0.0.1:{free_port()}", "clientId": DEVICE,
-                   "tokenFile": "token", "timeout": "2s"},
-        "source": {"type": "git", "url": f"file://{repo.path.rstrip('/')}",
-                   "depth": 0},  # libgit2 fetches a local repository whole
-        "driver": {"type": "render", "outputDir": "out"},
-        "dataDir": "data", "capabilities": {"file": "caps.yaml"}}))
-    yield Box(home, repo, chart)
-    repo.free()
+def box(tmp_path: Path, chart: str) -> Iterator[VaultBox]:
+    made = git_box(tmp_path, VaultBox, device=DEVICE, model="V-1", chart=chart)
+    yield made
+    made.repo.free()
 
 
 def outcomes(result: CycleResult) -> list[tuple[str, str]]:
     return [(action, outcome) for action, _, _, outcome in result.steps]
 
 
-def found_anywhere(root: Path, texts: list[str]) -> list[str]:
-    """`path: text` for every file under `root` holding one of `texts` (raw bytes)."""
-    hits = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        hits += [f"{path}: {text}" for text in texts if text.encode() in data]
-    return hits
-
-
-def tampered(envelope: str) -> str:
-    """The envelope with one ciphertext byte changed (still valid base64)."""
-    head, _, body = envelope.rpartition(":")
-    middle = len(body) // 2
-    swapped = "B" if body[middle] != "B" else "C"
-    return f"{head}:{body[:middle]}{swapped}{body[middle + 1:]}"
-
-
 def test_sealed_values_reach_the_rendered_files_and_nothing_else(
-        box: Box, caplog: pytest.LogCaptureFixture) -> None:
+        box: VaultBox, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     config = load_config(box.config)
     first, second, third, fourth = plaintext(), plaintext(), plaintext(), plaintext()
@@ -159,7 +114,7 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
         box.publish(seal(first, recipient, mac="1" * 32))
         results.append(device.cycle())
         assert outcomes(results[-1]) == [("install", "ok")]
-        assert f'greeting: "{first}"' in box.rendered.read_text()
+        assert f'greeting: "{first}"' in box.configmap.read_text()
 
         # The server seals the same plaintext again (a new ciphertext, the same mac): no change.
         box.publish(seal(first, recipient, mac="1" * 32))
@@ -171,7 +126,7 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
         box.publish(seal(second, stranger, mac="2" * 32))
         results.append(device.cycle())
         assert outcomes(results[-1]) == [("reconfigure", "failed: SECRET_UNREADABLE")]
-        assert f'greeting: "{first}"' in box.rendered.read_text()
+        assert f'greeting: "{first}"' in box.configmap.read_text()
         [failure] = results[-1].failures[-1:]
         assert "sealed to another device key" in failure and "config.greeting" in failure
         # Not retryable with the same envelope ...
@@ -181,14 +136,14 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
         box.publish(seal(second, recipient, mac="2" * 32))
         results.append(device.cycle())
         assert outcomes(results[-1]) == [("reconfigure", "ok")]
-        assert f'greeting: "{second}"' in box.rendered.read_text()
+        assert f'greeting: "{second}"' in box.configmap.read_text()
 
         # Tampered with: failed, the previous render kept.
         box.publish(tampered(seal(third, recipient, mac="3" * 32)))
         results.append(device.cycle())
         assert outcomes(results[-1]) == [("reconfigure", "failed: SECRET_UNREADABLE")]
         assert "damaged or tampered with" in results[-1].failures[-1]
-        assert f'greeting: "{second}"' in box.rendered.read_text()
+        assert f'greeting: "{second}"' in box.configmap.read_text()
 
         # Helm's own error quotes the value: the message keeps the words, not the value.
         refused = f"fail-{secrets.token_hex(8)}"
@@ -196,7 +151,7 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
         results.append(device.cycle())
         assert outcomes(results[-1]) == [("reconfigure", "failed: RENDER_FAILED")]
         assert "refusing <sealed value> (<sealed value>)" in results[-1].failures[-1]
-        assert f'greeting: "{second}"' in box.rendered.read_text()
+        assert f'greeting: "{second}"' in box.configmap.read_text()
 
         # A rotation beside the running client: a value still sealed to the previous key
         # (the server has not re-sealed yet) opens.
@@ -206,7 +161,7 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
         results.append(device.cycle())
         # (an upgrade: the failed render left the ledger saying `failed`)
         assert outcomes(results[-1]) == [("upgrade", "ok")]
-        assert f'greeting: "{fourth}"' in box.rendered.read_text()
+        assert f'greeting: "{fourth}"' in box.configmap.read_text()
 
     with DeviceState(box.home / "data" / "device-state.sqlite") as state:
         record = state.component_states(DEPLOYMENT_ID)["greeter"]
@@ -221,6 +176,6 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
     assert [t for t in everything if t in caplog.text] == []
     assert [t for t in everything if any(t in str(r) for r in results)] == []
     # The rendered files are the product: the last value is there, owner-only.
-    assert found_anywhere(box.home / "out", everything) == [f"{box.rendered}: {fourth}"]
-    assert box.rendered.stat().st_mode & 0o777 == 0o600
+    assert found_anywhere(box.home / "out", everything) == [f"{box.configmap}: {fourth}"]
+    assert box.configmap.stat().st_mode & 0o777 == 0o600
     assert (box.home / "out" / "edge" / RELEASE).stat().st_mode & 0o777 == 0o700

@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 from kits.chartkit import actions, converge, make_deployment, publish_chart, write_chart
 from kits.composekit import PROJECT, compose_deployment
-from kits.dockerkit import DockerEngine, ImageSet, compose_package, environment, web_service
+from kits.dockerkit import (
+    DockerEngine,
+    ImageSet,
+    clear_engine,
+    compose_package,
+    environment,
+    web_service,
+)
 from kits.kubekit import KubeCluster
 from kits.otelkit import Collector
 
@@ -50,11 +57,7 @@ def otlp_log(service: str, body: str) -> str:
 @pytest.fixture
 def engine(docker_engine: DockerEngine, test_images: ImageSet) -> Iterator[DockerEngine]:
     yield docker_engine
-    ids = docker_engine.text("ps", "-aq").split()
-    if ids:
-        docker_engine.run("rm", "-f", *ids)
-    docker_engine.run("network", "prune", "-f")
-    docker_engine.run("rmi", "-f", test_images.web_1, check=False)
+    clear_engine(docker_engine, test_images.web_1)
 
 
 def test_compose_containers_get_the_variables_and_reach_the_collector(

@@ -10,6 +10,8 @@ from pathlib import Path
 import helm_python as helm
 import yaml
 
+from reconciler.registry_credentials import docker_config_text
+
 __all__ = ["EXAMPLE_CHARTS", "chart_digest", "publish_chart", "publish_example_charts"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,13 +19,22 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_CHARTS = sorted((ROOT / "examples" / "fleet" / "apps").glob("*/charts/*/Chart.yaml"))
 
 
-def publish_chart(registry: str, chart_dir: Path, *, repo_path: str = "charts") -> str:
-    """Package `chart_dir` and push it to `registry` (plain HTTP); return the `oci://`
-    repository of the chart (`oci://<registry>/<repo_path>/<chart name>`)."""
+def publish_chart(registry: str, chart_dir: Path, *, repo_path: str = "charts",
+                  credentials: tuple[str, str] | None = None) -> str:
+    """Package `chart_dir` and push it to `registry` (plain HTTP; as user and password
+    `credentials` to a registry that requires them); return the `oci://` repository of the
+    chart (`oci://<registry>/<repo_path>/<chart name>`)."""
     name = yaml.safe_load((chart_dir / "Chart.yaml").read_text())["name"]
     with tempfile.TemporaryDirectory() as scratch:
         archive = helm.package(chart_dir, destination=scratch)
-        helm.push(archive, f"oci://{registry}/{repo_path}", plain_http=True)
+        if credentials is None:
+            helm.push(archive, f"oci://{registry}/{repo_path}", plain_http=True)
+        else:
+            config = Path(scratch) / "config.json"
+            config.write_text(docker_config_text([], {registry: credentials}))
+            with helm.RegistryClient(plain_http=True, credentials_file=config) as client:
+                helm.push(archive, f"oci://{registry}/{repo_path}", client=client,
+                          plain_http=True)
     return f"oci://{registry}/{repo_path}/{name}"
 
 

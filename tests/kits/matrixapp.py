@@ -11,12 +11,13 @@ from typing import Any
 
 import yaml
 
+from compiler.secrets import encrypt_secret
 from kits.chartkit import publish_chart, write_chart
 from kits.dockerkit import (
     compose_package,
     web_service,
 )
-from kits.matrixparts import FleetHost, MatrixParts
+from kits.matrixparts import PRIVATE_PASSWORD, PRIVATE_USER, FleetHost, MatrixParts
 from reconciler.oci import OciClient
 
 # --- a device of one cell ---------------------------------------------------------------------
@@ -100,6 +101,12 @@ class Application:
     #: version -> (package repository, the profile's deviceConstraints)
     published: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     constraints: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_CONSTRAINTS))
+    #: The greeting is a sensitive parameter (issue 32): the description marks it, and the
+    #: intent gives it as a secret encrypted to the fleet key (`deploy`, `reconfigure`).
+    sensitive: bool = False
+    #: Its packages are in the registry that requires credentials (`private_registry`).
+    private: bool = False
+    _spec: dict[str, Any] = field(default_factory=dict)
 
     @property
     def compose(self) -> bool:
@@ -109,16 +116,23 @@ class Application:
         """Write the intent: the application, on the driver's profile type, in its
         namespace, for its targets, with further `spec` keys (`gracePeriod`, `rollout`,
         `priority`, ...)."""
+        self._spec = spec
+        value: Any = greeting
+        if self.sensitive:
+            value = {"secret": encrypt_secret(greeting, [self.host.fleet_key.recipient])}
         self.host.server.edit_intent(self.intent, yaml.safe_dump({
             "apiVersion": "margo-gitops.dev/v1alpha1", "kind": "DeploymentIntent",
             "metadata": {"name": self.intent},
             "spec": {"application": {"id": self.app_id},
                      "profile": {"type": "compose" if self.compose else "helm"},
                      "namespace": self.namespace,
-                     "parameters": {"greeting": greeting},
+                     "parameters": {"greeting": value},
                      "targets": {"devices": list(self.targets)}, **spec}}, sort_keys=False))
 
     def reconfigure(self, greeting: str) -> None:
+        if self.sensitive:  # a secret is a whole armored file: the intent is written again
+            self.deploy(greeting, **self._spec)
+            return
         self.host.server.set_parameter(self.intent, "greeting", greeting)
 
     def publish(self, version: str, *, constraints: dict[str, Any] | None = None,
@@ -159,7 +173,8 @@ class Application:
 
     def _publish_package(self, version: str, failing: bool,
                          templates: dict[str, str]) -> str:
-        registry = self.parts.registry()
+        registry = self.parts.private_registry() if self.private else self.parts.registry()
+        credentials = {registry: (PRIVATE_USER, PRIVATE_PASSWORD)} if self.private else {}
         if self.compose:
             _, images = self.parts.docker()
             image = images.web_1 if len(self.versions) % 2 == 0 else images.web_2
@@ -168,7 +183,7 @@ class Application:
                 image, environment={"GREETING": "${GREETING:-unset}", "APP_VERSION": version})}
             if failing:  # exits 3 during start-up: `up --wait` fails
                 services["migrate"] = {"image": images.crash, "depends_on": []}
-            with OciClient() as oci:
+            with OciClient(credentials=credentials) as oci:
                 return compose_package(oci, repository, version, services)
         chart = write_chart(self.charts, "greeter", version, deployment=True,
                             broken=failing and self.driver == "render")
@@ -176,7 +191,8 @@ class Application:
             (chart / "templates" / "refused.yaml").write_text(REFUSED_OBJECT)
         for name, text in templates.items():
             (chart / "templates" / name).write_text(text)
-        return publish_chart(registry, chart, repo_path=self.repo_path)
+        return publish_chart(registry, chart, repo_path=self.repo_path,
+                             credentials=credentials.get(registry))
 
     def description(self, version: str, repository: str,
                     constraints: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +211,8 @@ class Application:
                     "repository": repository, "revision": version, "wait": True,
                     "timeout": "1m0s"}}],
                 "deviceConstraints": constraints}],
-            "parameters": {"greeting": {"value": "Hello", "targets": [{
-                "pointer": "GREETING" if self.compose else "config.greeting",
-                "components": [component]}]}},
+            "parameters": {"greeting": {
+                **({"sensitive": True} if self.sensitive else {"value": "Hello"}),
+                "targets": [{"pointer": "GREETING" if self.compose else "config.greeting",
+                             "components": [component]}]}},
         }

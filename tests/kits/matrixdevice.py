@@ -318,7 +318,8 @@ def _summary(deployments: list[dict[str, Any]]) -> str:
 
 def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
                name: str = "", *, slot: int = 0, namespace: str | None = None,
-               first_version: str | None = "1.0.0", **first: Any) -> MatrixDevice:
+               first_version: str | None = "1.0.0", sensitive: bool = False,
+               private: bool = False, **first: Any) -> MatrixDevice:
     """A device of `cell` for one test of `feature` (id `<feature>[-<name>]-<cell>`): its
     credentials, engine, configuration and application version 1.0.0, published but not
     yet deployed (`deploy`); the client is not started yet (`start`).
@@ -326,7 +327,9 @@ def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
     `first`: options of that first version (`Application.publish`: constraints,
     templates); `first_version=None` publishes none (a mixed fleet's devices share an
     application). `slot`: which control plane or Docker engine (`MatrixParts`);
-    `namespace`: the one its engine view reads (default the device's own intent's)."""
+    `namespace`: the one its engine view reads (default the device's own intent's).
+    `sensitive`: its application's greeting is a sensitive parameter (a secret);
+    `private`: its packages are in the registry that requires credentials."""
     device_id = "-".join(part for part in (feature, name, cell.id) if part)
     home = workdir / device_id
     home.mkdir(parents=True)
@@ -348,6 +351,8 @@ def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
             config["identity"] = {"rc2": {"key": "device.key",
                                           "certificate": "device-cert.pem"}}
         device.config.write_text(yaml.safe_dump(config, sort_keys=False))
+        device.application().sensitive = sensitive
+        device.application().private = private
         if first_version is not None:
             device.publish(first_version, **first)
     except BaseException:

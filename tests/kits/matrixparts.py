@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from compiler.secrets import FleetKey, new_identity_text, write_identity_file
 from kits.dockerkit import (
     DockerEngine,
     ImageSet,
@@ -35,6 +36,10 @@ from tools.polling import poll_until
 # --- the shared parts -----------------------------------------------------------------------
 
 
+#: The private registry's one user (`MatrixParts.private_registry`).
+PRIVATE_USER, PRIVATE_PASSWORD = "robot", "Reg-9d2c71f0-private"
+
+
 @dataclass
 class FleetHost:
     """One store's `margo serve` (one process, or two replicas behind the balancer) on a
@@ -44,6 +49,8 @@ class FleetHost:
     store: str
     server: FleetServer
     http: httpx.Client
+    #: The fleet key the server opens the intents' secrets with (`--fleet-key`).
+    fleet_key: FleetKey
 
     @property
     def source(self) -> Path:
@@ -115,6 +122,7 @@ class MatrixParts:
         self._stack = contextlib.ExitStack()
         self._factory: pytest.TempPathFactory | None = None
         self._registry: str | None = None
+        self._private: str | None = None
         self._planes: dict[int, ControlPlane] = {}
         self._engines: dict[int, DockerEngine] = {}
         self._images: ImageSet | None = None
@@ -135,6 +143,14 @@ class MatrixParts:
             self._registry = self._stack.enter_context(
                 running_registry(self._folder("matrix-registry")))
         return self._registry
+
+    def private_registry(self) -> str:
+        """`127.0.0.1:<port>` of a second registry, which refuses anonymous requests (basic
+        authentication as `PRIVATE_USER` / `PRIVATE_PASSWORD`)."""
+        if self._private is None:
+            self._private = self._stack.enter_context(running_registry(
+                self._folder("matrix-private"), users={PRIVATE_USER: PRIVATE_PASSWORD}))
+        return self._private
 
     def control_plane(self, slot: int = 0) -> ControlPlane:
         """A real control plane with the device's ServiceAccount and roles. Slot 0 is the
@@ -192,7 +208,7 @@ class MatrixParts:
             self._stack.close()
         finally:
             self._stack = contextlib.ExitStack()
-            self._registry, self._images, self._hosts = None, None, {}
+            self._registry, self._private, self._images, self._hosts = None, None, None, {}
             self._planes, self._engines = {}, {}
 
 
@@ -203,7 +219,9 @@ def _fleet_host(store: str, workdir: Path, fleet: Path) -> Iterator[FleetHost]:
     rebuilds from `Host` (kits.balancer), so a balancer that rewrites it (nginx's default)
     refuses every signed request with 401."""
     data = workdir / "data"
-    args = ("--source", str(fleet), "--watch-source")
+    key = workdir / "fleet.key"
+    write_identity_file(key, new_identity_text())
+    args = ("--source", str(fleet), "--watch-source", "--fleet-key", str(key))
     with contextlib.ExitStack() as stack:
         with use_store(store):  # read by add_client and running_server as they start
             token = add_client(data, "operator")
@@ -212,7 +230,8 @@ def _fleet_host(store: str, workdir: Path, fleet: Path) -> Iterator[FleetHost]:
                 else running_server(data, *args))
         http = stack.enter_context(httpx.Client(base_url=base, timeout=10))
         yield FleetHost(store, FleetServer(base=base, client_id="operator", token=token,
-                                           source_dir=fleet, data_dir=data, _http=http), http)
+                                           source_dir=fleet, data_dir=data, _http=http), http,
+                        FleetKey.load(key))
 
 
 #: The test process's parts (atexit: a run interrupted before conftest's hook still stops them).

@@ -18,6 +18,7 @@ account.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -36,7 +37,7 @@ from reconciler.kubernetes.client import (
     KubeError,
     default_kubeconfig,
 )
-from reconciler.kubernetes.doctor import DoctorReport, doctor
+from reconciler.kubernetes.doctor import Check, DoctorReport, doctor
 
 __all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
            "resolve_target", "run"]
@@ -53,6 +54,8 @@ class Target:
     local_client: LocalClient | None = None
     #: A device that is no cluster (Compose, render): its configuration, checked on this host.
     host: DeviceConfig | None = None
+    #: The configured device's encryption key file (None: no configuration given).
+    key: Path | None = None
 
 
 def register(verbs: Any) -> None:
@@ -88,15 +91,16 @@ def _implicit(context: str | None, environ: Mapping[str, str]) -> Target:
 
 def _from_config(path: str, environ: Mapping[str, str]) -> Target:
     config = device_config(path)
-    local = probe_data_dir(config.data_dir)
+    local, key = probe_data_dir(config.data_dir), config.encryption_key
     if config.kubernetes is not None:
-        return Target(config.kubernetes["kubeconfig"], config.kubernetes["context"], local)
+        return Target(config.kubernetes["kubeconfig"], config.kubernetes["context"], local,
+                      key=key)
     if config.kubeconfig is not None:
-        return Target(config.kubeconfig, config.kube_context, local)
+        return Target(config.kubeconfig, config.kube_context, local, key=key)
     if config.driver == "helm":  # Helm reads the default kubeconfig, so do we
         implicit = _implicit(config.kube_context, environ)
-        return Target(implicit.kubeconfig, implicit.context, local)
-    return Target(None, None, local, host=config)  # a Compose or render device: this host
+        return Target(implicit.kubeconfig, implicit.context, local, key=key)
+    return Target(None, None, local, host=config, key=key)  # Compose or render: this host
 
 
 def resolve_target(args: argparse.Namespace,
@@ -138,7 +142,6 @@ def format_table(report: DoctorReport) -> str:
 def _host_report(config: DeviceConfig, local: LocalClient | None) -> DoctorReport:
     """A device that is no cluster: the device client on this host, and its collector
     (`reconciler.telemetry.probe`: the configured endpoint answers OTLP)."""
-    from reconciler.kubernetes.doctor import Check
     from reconciler.telemetry.probe import probe_collector
 
     if local is not None and local.running:
@@ -158,10 +161,34 @@ def _host_report(config: DeviceConfig, local: LocalClient | None) -> DoctorRepor
                         f"{config.device_id} on {platform.node()}")
 
 
+def key_check(path: Path) -> Check:
+    """`encryption-key`: the device's own key for sealed values (docs/secrets.md) can be
+    read; none yet is a warning (the client makes it at its first start)."""
+    from reconciler.encryption_key import DeviceKey, EncryptionKeyError
+
+    try:
+        key = DeviceKey.existing(path)
+    except (EncryptionKeyError, OSError) as exc:
+        return Check("encryption-key", "leader", "fail", str(exc))
+    if key is None:
+        return Check("encryption-key", "leader", "warn", f"{path} does not exist yet: the "
+                     "client makes it at its first start; until then the device can receive "
+                     "no sensitive values")
+    previous = key.previous_recipient()
+    return Check("encryption-key", "leader", "pass", f"{path}: recipient {key.recipient()}"
+                 + (f" (previous {previous} kept after a rotation)" if previous else ""))
+
+
+def _with_key(report: DoctorReport, target: Target) -> DoctorReport:
+    if target.key is None:
+        return report
+    return dataclasses.replace(report, checks=(*report.checks, key_check(target.key)))
+
+
 def run(args: argparse.Namespace) -> int:
     target = resolve_target(args)
     if target.host is not None:
-        report = _host_report(target.host, target.local_client)
+        report = _with_key(_host_report(target.host, target.local_client), target)
         print(json.dumps(report.to_json(), indent=2) if args.json else format_table(report))
         return EXIT_FAILED if report.verdict == "fail" else EXIT_OK
     try:
@@ -170,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot use the cluster's credentials: {exc}") from None
     with client:
         try:
-            report = doctor(client, local_client=target.local_client)
+            report = _with_key(doctor(client, local_client=target.local_client), target)
         except KubeError as exc:
             what = "no cluster reachable" if exc.unreachable else "cannot read the cluster"
             raise UsageError(f"{what} at {client.access.server}: {exc}") from None

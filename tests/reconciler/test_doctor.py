@@ -501,3 +501,28 @@ def test_a_component_without_pods_is_judged_by_its_lease(lease: dict[str, Any], 
     check = check_scheduler(found)
     assert check.status == status
     assert words in check.message
+
+
+def test_the_encryption_key_check_tells_missing_damaged_and_usable(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`encryption-key` (issue 32): none yet warns, a damaged or exposed file fails naming
+    it (never quoting it), a usable one passes with its recipient and the previous one."""
+    from margo_cli.doctor_command import key_check
+    from reconciler.encryption_key import rotate_key
+
+    path = tmp_path / "keys" / "encryption.age"
+    missing = key_check(path)
+    assert missing.status == "warn" and "does not exist yet" in missing.message
+    _, first = rotate_key(path)
+    assert key_check(path).status == "pass" and first in key_check(path).message
+    _, second = rotate_key(path)
+    rotated = key_check(path).message
+    assert second in rotated and f"previous {first}" in rotated
+    secret = path.read_text()
+    path.write_text("AGE-SECRET-KEY-1NOTAKEY\n")
+    damaged = key_check(path)
+    assert damaged.status == "fail" and str(path) in damaged.message
+    assert "NOTAKEY" not in damaged.message
+    path.write_text(secret)
+    path.chmod(0o644)
+    assert key_check(path).status == "fail"

@@ -266,6 +266,8 @@ def test_the_host_doctor_finds_the_collector_or_says_why_not(
         checks["otel-collector"]["message"]
     with_telemetry(device, {"collector": otel_collector.http,
                             "inject": {"grpcEndpoint": otel_collector.grpc}})
+    assert main(["device", "rotate-key", "--config", str(device.config)]) == 0  # its key
+    capsys.readouterr()
     with exclusive(device.data):  # as a running `margo device run` holds it
         assert main(["device", "doctor", "--config", str(device.config), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -15,7 +15,11 @@ import pytest
 import yaml
 from kits.fleetkit import Fleet, app, device, intent
 
+from compiler.explain import explain_device
 from compiler.secrets import FleetKey, encrypt_secret, new_identity_text, write_identity_file
+from compiler.snapshot import load_snapshot
+from compiler.source import load_source
+from margo.errors import DocumentError
 from margo.sealing import EXTENSION, key_report, open_sealed, parse_sealed
 from margo.validation import validate_value
 
@@ -236,3 +240,61 @@ def test_a_registry_granted_twice_or_a_password_in_clear_is_refused(tmp_path: Pa
     report = fleet.compile(fleet_key=key)
     assert any(p.json_path == "$.spec.registryCredentials[0].password"
                for _, p in report.errors), report.errors
+
+
+def test_explain_says_why_a_device_without_a_key_gets_nothing(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key)
+    fleet.devices["plain"] = device("plain")
+    fleet.write()
+    [explanation] = explain_device(load_source(fleet.source), load_snapshot(fleet.caps),
+                                   "plain", fleet_key=key)
+    assert explanation.status == "error"
+    assert "reported no encryption key" in explanation.problems[0].message
+    [opened] = explain_device(load_source(fleet.source), load_snapshot(fleet.caps), "a",
+                              fleet_key=key)
+    assert opened.status == "eligible" and PLAINTEXT not in repr(opened)
+
+
+def test_a_damaged_secret_is_a_located_error_found_without_any_key(tmp_path: Path) -> None:
+    key = fleet_key(tmp_path)
+    fleet, _ = secret_fleet(tmp_path, key)
+    armored = fleet.intents["db"]["spec"]["parameters"]["password"]["secret"]
+    fleet.intents["db"]["spec"]["parameters"]["password"]["secret"] = armored.replace(
+        "-----END AGE ENCRYPTED FILE-----", "")
+    report = fleet.compile(fleet_key=None)
+    [problem] = {p.json_path: p for _, p in report.errors}.values()
+    assert problem.json_path == "$.spec.parameters.password.secret"
+    assert "ASCII-armored age file" in problem.message
+    assert problem.file is not None and problem.line is not None
+
+
+#: Official examples of each generation (the Oct-2024 one is the rc.2 example as Oct-2024
+#: named its kind, which validates as Oct-2024).
+EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "spec-examples" / "valid"
+SHAPED = {"rc.3": ("ApplicationDescription-001.yaml", None),
+          "rc.2": ("ApplicationDescription-helm_only.yaml", None),
+          "oct-2024": ("ApplicationDescription-helm_only.yaml", "application")}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPED))
+def test_every_description_generation_takes_the_sensitive_flag(shape: str) -> None:
+    file, kind = SHAPED[shape]
+    doc = yaml.safe_load((EXAMPLES / file).read_text())
+    doc["kind"] = kind or doc["kind"]
+    name = sorted(doc["parameters"])[0]
+    doc["parameters"][name] = {"sensitive": True,
+                               "targets": doc["parameters"][name]["targets"]}
+    description = validate_value(doc)
+    assert str(description.shape) == shape
+    assert name in description.sensitive_parameters()
+    # A sensitive schema entry marks its settings' parameters, which then take no default.
+    rule = doc["configuration"]["schema"][0]
+    rule["sensitive"] = True
+    marked = {s["parameter"] for section in doc["configuration"]["sections"]
+              for s in section["settings"] if s["schema"] == rule["name"]}
+    with pytest.raises(DocumentError, match="a sensitive parameter has no default value"):
+        validate_value(doc)
+    for parameter in marked:
+        doc["parameters"][parameter].pop("value", None)
+    assert marked <= validate_value(doc).sensitive_parameters()

@@ -205,7 +205,8 @@ def _post_rendered(config: helm.Config, context: helm.HelmContext, chart: helm.C
     name a post-renderer (its `install` and `upgrade` build a fixed set of options), while
     the C ABI beneath them takes it in the same options JSON. So this calls that ABI exactly
     as the public methods do (same function, same argument order). Replace it with the
-    public method once the SDK passes a post-renderer."""
+    public method once the SDK passes a post-renderer: tests/reconciler/
+    test_helm_sdk_surface.py fails then, and also if the ABI function changes shape."""
     from helm_python import _native  # no public equivalent; see the docstring
 
     present = {key: value for key, value in options.items() if value is not None}

@@ -22,9 +22,10 @@ from kits.pgkit import database_for
 from compiler.secrets import encrypt_secret
 
 FEATURE = "secrets"
-#: In `make test`: the replicas' PostgreSQL and the Git-source row on a real Docker engine
-#: (`make matrix` runs every cell).
-QUICK = frozenset({"rc2-render-replicas", "oct2024-compose-sqlite"})
+#: In `make test`: rc.2's signed requests through the replicas, their PostgreSQL searched
+#: (`make matrix` runs every cell; the engines' own sealed-value and grant tests,
+#: tests/reconciler/test_sealed_values.py and test_registry_grants.py, run in `make test`).
+QUICK = frozenset({"rc2-render-replicas"})
 FIRST, SECOND = "Hush-7f3a9c1e-first", "Hush-52be0d44-second"
 
 
@@ -111,7 +112,7 @@ def test_a_granted_credential_pulls_from_a_private_registry(
     pulls: without a grant the deployment fails to pull; with the intent's
     `registryCredentials` (the password an age secret to the fleet key) the device pulls
     it and runs it, and the password is nowhere but in the registry's own files."""
-    device = matrix_device(private=True)
+    device = matrix_device("grant", private=True)
     device.start()
     [refused] = device.wait_settled(device.deploy(greeting="Hello"), state="failed")
     assert "PULL_FAILED" in str(refused), refused

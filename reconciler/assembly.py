@@ -209,7 +209,7 @@ def _driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None) -> Dr
         from reconciler.registry_credentials import as_pairs
         oci = OciClient(credentials=as_pairs(config.registry_credentials))
         return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift,
-                            injection=injection, key=key)
+                            injection=injection, key=key, data_dir=config.data_dir)
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
                       storage_driver=config.storage_driver, drift=drift,

@@ -66,6 +66,9 @@ class ErrorCode(StrEnum):
     # a key this device does not hold, or no key to open them with. The message names the
     # component and where the value goes, never the value.
     SECRET_UNREADABLE = "SECRET_UNREADABLE"
+    # The render driver would write opened sealed values inside the device's data directory
+    # (its outputDir defaults there), which must never hold a secret in clear.
+    SECRET_EXPOSED = "SECRET_EXPOSED"
 
 
 class DeviceError(Exception):

@@ -226,13 +226,16 @@ class RenderDriver:
 
     def __init__(self, output_dir: Path, charts: ChartCache, *,
                  oci: OciClient | None = None, drift: str = DEFAULT_DRIFT["render"],
-                 injection: Injection | None = None, key: Opener | None = None) -> None:
+                 injection: Injection | None = None, key: Opener | None = None,
+                 data_dir: Path | None = None) -> None:
         if drift not in DRIFT_POLICIES:
             raise ValueError(f"drift must be one of {', '.join(DRIFT_POLICIES)}, not {drift!r}")
         self.output_dir = Path(output_dir)
         self.drift = drift
         self.injection = injection
         self.key = key  # opens sealed values (reconciler.encryption_key.DeviceKey)
+        #: The device's data directory: opened values are never written inside it.
+        self.data_dir = data_dir
         self.charts = charts
         self.oci = oci
         self.profile_types: tuple[str, ...] = ("helm", "compose") if oci else ("helm",)
@@ -322,8 +325,20 @@ class RenderDriver:
         component = step.desired
         if component is None or deployment is None:
             return Opened({}), Granted()  # `_desired` says what is wrong
-        return (open_values(component.values, self.key, component=component.name),
+        opened = open_values(component.values, self.key, component=component.name)
+        if opened.secrets and self._inside_data_dir():
+            raise ApplyError(ErrorCode.SECRET_EXPOSED, f"{component.name} has sealed values, "
+                             f"and the rendered files would hold them in clear in "
+                             f"{self.output_dir}, inside the data directory {self.data_dir}: "
+                             "set driver.outputDir outside dataDir (docs/device.md, Sealed "
+                             "values)", retryable=False)
+        return (opened,
                 open_grants(deployment.registry_grants, self.key, deployment=deployment.name))
+
+    def _inside_data_dir(self) -> bool:
+        if self.data_dir is None:
+            return False
+        return self.output_dir.resolve().is_relative_to(self.data_dir.resolve())
 
     def _render(self, step: Step, deployment: DesiredDeployment | None,
                 opened: Opened, granted: Granted) -> None:

@@ -179,3 +179,23 @@ def test_sealed_values_reach_the_rendered_files_and_nothing_else(
     assert found_anywhere(box.home / "out", everything) == [f"{box.configmap}: {fourth}"]
     assert box.configmap.stat().st_mode & 0o777 == 0o600
     assert (box.home / "out" / "edge" / RELEASE).stat().st_mode & 0o777 == 0o700
+
+
+def test_the_render_driver_never_writes_opened_values_into_the_data_directory(
+        box: VaultBox) -> None:
+    """Its outputDir defaults to `<dataDir>/rendered`: a sealed value there is refused
+    (`SECRET_EXPOSED`, not retried), nothing rendered; clear values still render."""
+    settings = yaml.safe_load(box.config.read_text())
+    del settings["driver"]["outputDir"]  # the default, inside the data directory
+    box.config.write_text(yaml.safe_dump(settings))
+    config = load_config(box.config)
+    secret = plaintext()
+    with open_reconciler(config) as device:
+        recipient = DeviceKey.open(config.encryption_key, create=False).recipient()
+        box.publish(seal(secret, recipient, mac="1" * 32))
+        result = device.cycle()
+        assert outcomes(result) == [("install", "failed: SECRET_EXPOSED")]
+        assert "set driver.outputDir outside dataDir" in result.failures[-1]
+        assert found_anywhere(box.home, [secret]) == []
+        box.publish("Hello in clear")
+        assert outcomes(device.cycle()) == [("install", "ok")]

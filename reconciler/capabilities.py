@@ -4,7 +4,8 @@ sender that reports them only when they change.
 Providers gather an rc.3-shaped document (no `apiVersion`/`kind`: the official rc.3 schema is
 `additionalProperties: false` and does not list them). The sender shapes it for the server's
 generation: rc.2 requires `apiVersion`/`kind`; an Oct-2024 server expects `roles` and
-`resources` instead of the flat rc.3 properties. Placement on the server depends on these
+`resources` instead of the flat rc.3 properties (an operator's file already in the Oct-2024
+shape is sent to it as written). Placement on the server depends on these
 facts, and the spec requires re-reporting on any change, so the sender compares a digest of
 what it would send with the last one the server acknowledged (stored durably) and sends only
 on a difference.
@@ -37,7 +38,7 @@ import httpx
 
 from margo.digests import data_digest
 from margo.errors import DocumentError
-from margo.kinds import Kind, Shape
+from margo.kinds import Kind, Shape, detect
 from margo.normalize import normalise_architecture
 from margo.sealing import EXTENSION, key_report
 from margo.validation import validate_file, validate_value
@@ -217,15 +218,21 @@ class HostProvider:
         return doc
 
 
-def _oct_2024(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """rc.3 properties -> Oct-2024 `roles` + `resources` (labels and runtimes did not exist;
-    root `x-*-extensions`, which its schema allows, are kept)."""
+def _oct_2024(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document for an Oct-2024 server: one already in that shape (an operator's file
+    with `roles` and `resources`) as it is, validated; rc.3 properties converted to `roles` +
+    `resources` (labels and runtimes did not exist; root `x-*-extensions`, which its schema
+    allows, are kept)."""
+    if detect(doc, expect=Kind.DEVICE_CAPABILITIES).shape == Shape.OCT_2024:
+        validate_value(doc, expect=Kind.DEVICE_CAPABILITIES, file="capabilities")
+        return doc
     props = doc["properties"]
     roles = [_OCT_2024_ROLES[t] for t in props.get("supportedDeploymentTypes", [])
              if t in _OCT_2024_ROLES]
     if not roles:
         raise ValueError("an Oct-2024 server needs a role, and only helm or compose "
-                         "deployment types map to one")
+                         "deployment types map to one (or write the capabilities file in "
+                         "the Oct-2024 shape, with roles and resources)")
     out: dict[str, Any] = {k: props[k] for k in ("id", "vendor", "modelNumber", "serialNumber")}
     out["roles"] = roles
     resources: dict[str, Any] = {}
@@ -248,7 +255,7 @@ def _oct_2024(doc: Mapping[str, Any]) -> dict[str, Any]:
 def shape_capabilities(doc: Mapping[str, Any], generation: str) -> dict[str, Any]:
     """The document as `generation` wants it. rc.3: without `apiVersion`/`kind`; rc.2: with
     them (labels are kept although rc.2 has no such field: our server places by them);
-    oct-2024: roles and resources."""
+    oct-2024: roles and resources (a document already in that shape is sent as it is)."""
     if generation not in GENERATIONS:
         raise ValueError(f"unknown API generation {generation!r}")
     body = _plain(doc)

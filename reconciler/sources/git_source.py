@@ -337,8 +337,9 @@ class GitSource:
         try:
             return operation(remote, _Callbacks(self._username, self._password))
         except (_CredentialsRejected, pygit2.AuthError):
-            raise SourceError(ErrorCode.UNAUTHORIZED, f"{url}: the server refused the "
-                              "credentials", retryable=False) from None
+            offered = self._username if self._password is not None else None
+            raise SourceError(ErrorCode.UNAUTHORIZED, _refused(url, offered),
+                              retryable=False) from None
         except (pygit2.GitError, OSError, KeyError, ValueError) as exc:
             error = _classify(url, exc)
             if error is None:
@@ -383,6 +384,17 @@ class GitSource:
         except (KeyError, ValueError, pygit2.GitError):
             return None
         return commit
+
+
+def _refused(url: str, username: str | None) -> str:
+    """What a 401 means: our server answers it alike for a wrong token and for a device
+    that is not one of the client's (so as to reveal nothing), and a device becomes the
+    client's when its capabilities are first reported."""
+    if username is None:
+        return f"{url}: the server requires credentials"
+    return (f"{url}: the server refused client {username!r} for this device: the client's "
+            "token is wrong, or the server does not know the device as this client's (it "
+            "learns a device from its capability report)")
 
 
 def _classify(url: str, exc: Exception) -> SourceError | None:

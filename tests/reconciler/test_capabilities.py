@@ -339,3 +339,53 @@ def test_a_gateway_reports_before_its_children(server: dict[str, Any], tmp_path:
         assert [(o.kind, o.status) for o in outcomes] == [("delivered", 201), ("delivered", 201)]
         assert [o.kind for o in report_all([pair("gw-1"), pair("gw-1/child")])] == [
             "unchanged", "unchanged"]  # one acknowledged digest per device
+
+
+# --- an Oct-2024 device, end to end ----------------------------------------------------------
+
+
+def oct_2024_device(server: dict[str, Any], home: Path, caps: dict[str, Any]) -> Path:
+    """A Git-source device of the Oct-2024 API (which has no State Manifest) with `caps` as
+    its capabilities file; its configuration."""
+    home.mkdir()
+    (home / "token").write_text(server["token"])
+    (home / "caps.json").write_text(json.dumps(caps))
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": caps["properties"]["id"]},
+        "server": {"url": server["base"], "clientId": "site-a", "tokenFile": "token",
+                   "api": "oct-2024"},
+        "source": {"type": "git"}, "driver": {"type": "render", "outputDir": "out"},
+        "dataDir": "data", "capabilities": {"file": "caps.json"}}))
+    return home / "device.yaml"
+
+
+def test_an_oct_2024_file_reaches_an_oct_2024_server_as_written(
+        server: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33: a file already in the Oct-2024 shape (roles, resources) was refused ("needs a
+    role"), and the Git fetch that followed blamed the credentials."""
+    from margo_cli.main import main
+    written = json.loads((Path(__file__).parents[2] / "examples" / "capabilities" /
+                          "legacy-box-oct2024.json").read_text())
+    written["properties"]["id"] = "legacy-oct"
+    rc3 = host("rc3-on-oct", storage_path=tmp_path).gather()
+    for caps in (written, rc3):
+        config = oct_2024_device(server, tmp_path / caps["properties"]["id"], caps)
+        assert main(["device", "once", "--config", str(config), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["failures"] == []
+    [stored] = history(server, "legacy-oct")
+    assert {k: v for k, v in stored.items() if k != "x-margo-gitops-extensions"} == written
+    [converted] = history(server, "rc3-on-oct")
+    assert converted["properties"]["roles"] == ["Standalone Device"]  # from compose
+    assert converted == shape_capabilities({**rc3, "x-margo-gitops-extensions": converted[
+        "x-margo-gitops-extensions"]}, "oct-2024")
+
+    # A document no Oct-2024 role fits is still refused, and the fetch's 401 that follows
+    # (the server does not know the device) no longer says only "credentials".
+    custom = host("custom-on-oct", storage_path=tmp_path, deployment_types=["custom"],
+                  runtimes=["custom"]).gather()
+    config = oct_2024_device(server, tmp_path / "custom-on-oct", custom)
+    assert main(["device", "once", "--config", str(config), "--json"]) == 1
+    reporting, fetching = json.loads(capsys.readouterr().out)["failures"]
+    assert "needs a role" in reporting and "roles and resources" in reporting
+    assert "does not know the device as this client's" in fetching
+    assert "capability report" in fetching and history(server, "custom-on-oct") == []

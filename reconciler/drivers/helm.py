@@ -64,8 +64,11 @@ release record (a Secret with the default storage driver). The read-back compare
 values under a random per-step key (`Opened.digest_key`), so no plain hash of a secret
 reaches a message; Helm's messages lose every plaintext (`Opened.redacting`). Registry
 credentials granted to the deployment (`reconciler.registry_grants`) are opened with them
-and used for the step's chart pull only: the cluster's nodes pull the images themselves,
-with what the cluster gives them (imagePullSecrets), which a grant does not provide.
+and used for the step's chart pull; the cluster's nodes pull the images themselves, so the
+same step, before Helm touches the release, writes them into the release's pull secret
+(`margo-registry-<release>`) and references it from the namespace's `default`
+ServiceAccount, whose pods then pull with it; a step without grants and the removal take
+both away (`reconciler.drivers.helm_pull_secrets`).
 
 Errors (`ApplyError` codes): `TIMEOUT` when Helm's wait or timeout ran out, `CANCELLED`
 after `cancel()`, `ENGINE_UNAVAILABLE` when the cluster cannot be reached, `PULL_FAILED` and
@@ -94,6 +97,7 @@ import helm_python as helm
 from margo.digests import data_digest
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredComponent, DesiredDeployment
+from reconciler.drivers.helm_pull_secrets import PullSecrets
 from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
@@ -258,6 +262,8 @@ class HelmDriver:
         self._objects: ReleaseObjects | None = None
         self._manifests: dict[tuple[str, str, int], list[ObjectRef]] = {}
         self._written: dict[tuple[str, str], _Written] = {}
+        #: The releases' pull secrets: the grants, for the kubelet's image pulls.
+        self.pull_secrets = PullSecrets(kubeconfig, kube_context)
 
     # --- Driver protocol -----------------------------------------------------------------
 
@@ -285,6 +291,8 @@ class HelmDriver:
         if action is Action.REMOVE:
             self._uninstall(step.namespace, step.release_name,
                             description=f"margo-gitops: {step.reason}")
+            self.pull_secrets.revoke(step.namespace, step.release_name,
+                                     failure=ErrorCode.UNINSTALL_FAILED)
             return
         if action is Action.SKIP:
             raise ApplyError(ErrorCode.INSTALL_FAILED, step.reason, retryable=False)
@@ -299,9 +307,14 @@ class HelmDriver:
                              "desired component and its deployment", retryable=False)
         opened = open_values(component.values, self.key, component=component.name)
         granted = open_grants(deployment.registry_grants, self.key, deployment=deployment.name)
+        upgrade = action not in (Action.INSTALL, Action.REINSTALL)
         with opened.redacting(), granted.redacting():
             chart = self.charts.load(self.charts.fetch(
                 component.repository, component.revision, granted=granted.credentials))
+            self.pull_secrets.sync(  # the images are the kubelet's pulls
+                step.namespace, step.release_name, granted, component=component.name,
+                deployment_id=deployment.deployment_id,
+                failure=ErrorCode.UPGRADE_FAILED if upgrade else ErrorCode.INSTALL_FAILED)
             labels = ownership_labels(deployment.deployment_id, component.name,
                                       desired_digest=deployment.digest,
                                       spec_digest=component.spec_digest,
@@ -312,7 +325,6 @@ class HelmDriver:
                                 description="margo-gitops: clearing a crashed install")
             elif action is Action.RECOVER:
                 self._rollback(step.namespace, step.release_name, component)
-            upgrade = action not in (Action.INSTALL, Action.REINSTALL)
             summary = self._release(step, component, chart, labels, description,
                                     opened.values, upgrade=upgrade)
         self._written[(step.namespace, step.release_name)] = _Written(
@@ -352,7 +364,8 @@ class HelmDriver:
                 context.cancel()
 
     def close(self) -> None:
-        """Free the Helm configurations (native handles) and the drift reader."""
+        """Free the Helm configurations (native handles), the drift reader and the pull
+        secrets' client."""
         with self._lock:
             for config in self._configs.values():
                 config.close()
@@ -360,6 +373,7 @@ class HelmDriver:
             if self._objects is not None:
                 self._objects.client.close()
                 self._objects = None
+            self.pull_secrets.close()
 
     def config(self, namespace: str) -> helm.Config:
         """The Helm configuration this driver uses for `namespace` ("" = the kubeconfig's

@@ -88,11 +88,7 @@ def run_capabilities(args: argparse.Namespace) -> int:
     from reconciler.kubernetes.provider import KubernetesProvider
 
     config = device_config(args.config)
-
-    class _Types:  # the driver's profile types, without starting an engine
-        profile_types = ("compose",) if config.driver == "compose" else ("helm",)
-
-    provider = capability_provider(config, _Types())  # type: ignore[arg-type]
+    provider = capability_provider(config)
     if provider is None:
         raise UsageError(f"{args.config}: no capabilities provider is configured")
     try:

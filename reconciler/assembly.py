@@ -47,7 +47,8 @@ from reconciler.runner import CycleObserver, Reconciler, StatusTarget
 from reconciler.sources import Source
 from reconciler.state import DeviceState
 
-__all__ = ["TokenAuth", "open_driver", "open_reconciler"]
+__all__ = ["TokenAuth", "capability_provider", "open_driver", "open_reconciler",
+           "profile_types"]
 
 USER_AGENT = "margo-gitops-device/0.1"
 
@@ -185,6 +186,15 @@ def open_driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None = 
     return driver
 
 
+def profile_types(config: DeviceConfig) -> tuple[str, ...]:
+    """The ApplicationDeployment profile types the configured driver runs, decided here
+    for the driver `_driver` builds and for the `supportedDeploymentTypes` a host reports
+    (the running client and `margo device capabilities` alike), without starting an
+    engine. The render driver renders Compose packages as well as Helm charts."""
+    return {"compose": ("compose",), "render": ("helm", "compose")}.get(config.driver,
+                                                                         ("helm",))
+
+
 def _driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None) -> Driver:
     """Drivers are imported on demand: a Compose device never loads the Helm engine. What a
     driver borrows (OCI client, chart cache) is closed by `stack` after the driver; `key`
@@ -207,8 +217,11 @@ def _driver(config: DeviceConfig, stack: ExitStack, key: DeviceKey | None) -> Dr
         from reconciler.drivers.render import RenderDriver
         from reconciler.oci import OciClient
         from reconciler.registry_credentials import as_pairs
-        oci = OciClient(credentials=as_pairs(config.registry_credentials))
-        return RenderDriver(config.output_dir, charts, oci=stack.enter_context(oci), drift=drift,
+        packages = None  # the OCI client its Compose packages come through
+        if "compose" in profile_types(config):
+            packages = stack.enter_context(OciClient(credentials=as_pairs(
+                config.registry_credentials)))
+        return RenderDriver(config.output_dir, charts, oci=packages, drift=drift,
                             injection=injection, key=key, data_dir=config.data_dir)
     from reconciler.drivers.helm import HelmDriver
     return HelmDriver(charts, kubeconfig=config.kubeconfig, kube_context=config.kube_context,
@@ -235,17 +248,17 @@ def _telemetry(config: DeviceConfig, stack: ExitStack) -> CycleObserver | None:
     return stack.enter_context(DeviceTelemetry(config.telemetry, device_id=config.device_id))
 
 
-def capability_provider(config: DeviceConfig, driver: Driver,
+def capability_provider(config: DeviceConfig,
                         key: DeviceKey | None = None) -> CapabilityProvider | None:
     """The configured provider (None: no capability reports); with `key`, its documents
     carry the device's encryption key (`KeyReporting`)."""
-    provider = _provider(config, driver)
+    provider = _provider(config)
     if provider is None or key is None:
         return provider
     return KeyReporting(provider, key.recipient)
 
 
-def _provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None:
+def _provider(config: DeviceConfig) -> CapabilityProvider | None:
     if config.capabilities_file is not None:
         return StaticProvider(config.capabilities_file)
     if config.kubernetes is not None:
@@ -258,7 +271,7 @@ def _provider(config: DeviceConfig, driver: Driver) -> CapabilityProvider | None
         config.device_id, vendor=facts.get("vendor", "unknown"),
         model_number=facts.get("modelNumber", "unknown"),
         serial_number=facts.get("serialNumber", "unknown"),
-        deployment_types=list(driver.profile_types),
+        deployment_types=list(profile_types(config)),
         otel_collector=_collector_probe(config),
         labels=facts.get("labels"), storage_path=config.data_dir)
 
@@ -278,7 +291,7 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
         driver = _driver(config, stack, key)
         stack.callback(driver.close)
         reporter = Reporter(http, state)
-        provider = capability_provider(config, driver, key)
+        provider = capability_provider(config, key)
         capabilities = CapabilityReporter(http, state, generation=config.api,
                                           device_id=config.device_id,
                                           client_id=client_id)

@@ -195,7 +195,13 @@ class HostProvider:
         return [cpu]
 
     def _storage(self) -> str:
-        stats = os.statvfs(self.storage_path)
+        """The size of the file system holding `storage_path`; before the client first
+        made it (a fresh device), of the one it will be made on: its nearest existing
+        parent's. Nothing is created."""
+        path = self.storage_path.absolute()
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        stats = os.statvfs(path)
         return format_bytes(stats.f_frsize * stats.f_blocks)
 
     def gather(self) -> dict[str, Any]:

@@ -116,8 +116,10 @@ def test_host_provider_bad_inputs(tmp_path: Path) -> None:
     empty.write_text("MemFree: 1 kB\n")
     with pytest.raises(ValueError, match="no MemTotal"):
         host(storage_path=tmp_path, proc_meminfo=empty).gather()
-    with pytest.raises(FileNotFoundError):
-        host(storage_path=tmp_path / "missing").gather()
+    # Not made yet (a fresh device's data directory): the file system it will be made on.
+    assert host(storage_path=tmp_path / "missing" / "data").gather()["properties"][
+        "storage"] == host(storage_path=tmp_path).gather()["properties"]["storage"]
+    assert not (tmp_path / "missing").exists()
 
 
 def test_format_bytes() -> None:
@@ -389,3 +391,63 @@ def test_an_oct_2024_file_reaches_an_oct_2024_server_as_written(
     assert "needs a role" in reporting and "roles and resources" in reporting
     assert "does not know the device as this client's" in fetching
     assert "capability report" in fetching and history(server, "custom-on-oct") == []
+
+
+# --- `margo device capabilities`: what the device will report ---------------------------------
+
+
+def host_device(server: dict[str, Any], home: Path, device_id: str, driver: str) -> Path:
+    """A REST device of `driver` with the `host` provider whose data directory does not
+    exist yet (a fresh device); its configuration."""
+    home.mkdir()
+    (home / "token").write_text(server["token"])
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": device_id},
+        "server": {"url": server["base"], "clientId": "site-a", "tokenFile": "token"},
+        "source": {"type": "margo-rest"}, "driver": {"type": driver, "outputDir": "out"},
+        "dataDir": "var/data",
+        "capabilities": {"host": {"vendor": "Acme", "modelNumber": "X1",
+                                  "serialNumber": "1"}}}))
+    return home / "device.yaml"
+
+
+def test_the_preview_works_on_a_fresh_device_and_is_what_the_device_reports(
+        server: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33: the preview failed with ENOENT before the data directory existed, and said
+    ["helm"] for a render device that reports ["helm", "compose"]."""
+    from margo_cli.main import main
+    config = host_device(server, tmp_path / "home", "fresh-box", "render")
+    before = sorted(config.parent.rglob("*"))
+    assert main(["device", "capabilities", "--config", str(config)]) == 0
+    preview = json.loads(capsys.readouterr().out)
+    assert sorted(config.parent.rglob("*")) == before  # created nothing
+    assert preview["properties"]["supportedDeploymentTypes"] == ["helm", "compose"]
+    assert preview["properties"]["storage"] == format_bytes(
+        os.statvfs(config.parent).f_frsize * os.statvfs(config.parent).f_blocks)
+
+    assert main(["device", "once", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["failures"] == []
+    [reported] = history(server, "fresh-box")
+    assert reported["properties"] == preview["properties"]
+    assert main(["device", "capabilities", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out) == reported  # now with the key the client made
+
+
+@pytest.mark.parametrize(("driver", "types"), [
+    ("render", ("helm", "compose")), ("compose", ("compose",)), ("helm", ("helm",))])
+def test_each_driver_runs_the_profile_types_its_host_reports(
+        server: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        driver: str, types: tuple[str, ...]) -> None:
+    """One decision (`profile_types`) for the driver built and for the preview."""
+    from contextlib import ExitStack
+
+    from margo_cli.device_config import device_config
+    from margo_cli.main import main
+    from reconciler.assembly import open_driver, profile_types
+    config = host_device(server, tmp_path / driver, f"types-{driver}", driver)
+    loaded = device_config(str(config))
+    with ExitStack() as stack:
+        assert open_driver(loaded, stack).profile_types == profile_types(loaded) == types
+    assert main(["device", "capabilities", "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)["properties"]["supportedDeploymentTypes"]
+    assert tuple(shown) == types

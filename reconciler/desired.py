@@ -13,9 +13,11 @@ which only a driver opens, in memory, just before applying (`reconciler.sealed_v
 ciphertext after a key rotation) is no change; `sealed_digest` covers their exact text.
 
 Registry credentials the fleet grants to a deployment (`reconciler.registry_grants`) are
-read into `DesiredDeployment.registry_grants`, their passwords sealed likewise. They are in
-neither digest the planner compares (a credential serves pulls, not what runs), but their
-envelopes count in every component's `sealed_digest`.
+read into `DesiredDeployment.registry_grants`, their passwords sealed likewise. A grant's
+registry, user name and password (by its mac) count in `values_digest` when there are grants:
+a changed credential is a reconfigure, which is what writes it where an engine keeps it (the
+Helm driver's image pull Secret in the cluster); the same password sealed again is no change.
+Their envelopes count in every component's `sealed_digest`.
 """
 
 from __future__ import annotations
@@ -145,9 +147,18 @@ def _component(component: m.Component, index: int, deployment: m.ApplicationDepl
     return DesiredComponent(
         name=component.name, index=index, repository=repository, revision=revision,
         wait=props.wait is not False, timeout_seconds=timeout, values=values,
-        spec_digest=data_digest(spec), values_digest=data_digest(digest_form(values)),
+        spec_digest=data_digest(spec), values_digest=_values_digest(values, grants),
         extensions=dict(component.extensions),
         sealed_digest=data_digest(sealed) if sealed else "")
+
+
+def _values_digest(values: Mapping[str, Any], grants: Iterable[RegistryGrant]) -> str:
+    """`values_digest`: the values (envelopes by mac) and, only when there are any, the
+    grants (so digests of deployments without grants are what they always were)."""
+    granted = [[g.registry, g.username, digest_form(g.password)] for g in grants]
+    if not granted:
+        return data_digest(digest_form(values))
+    return data_digest({"values": digest_form(values), "registryCredentials": granted})
 
 
 def parse_deployment(data: bytes, *, file: str = "deployment.yaml") -> DesiredDeployment:

@@ -26,10 +26,12 @@ configuration, which wins for a host it names (`registry_credentials.with_grante
 grant is never used for another deployment's pulls. `Granted.redacting` takes the
 passwords out of every error message.
 
-Grants are not part of what the planner compares: a credential serves pulls, not what runs,
-so neither a new password nor the same one sealed again redeploys anything. Their envelopes
-count in each component's `sealed_digest` (the runner's retry key), so a step that failed
-(an unreadable grant, a refused pull) is tried again at once when the grant changes.
+A grant counts in its components' `values_digest` by registry, user name and the password's
+mac (`reconciler.desired`): a new credential is a reconfigure (which rewrites the Helm
+driver's image pull Secret in the cluster; Compose and render pull with it again), the same
+password sealed again is nothing to do. Envelopes also count in each component's
+`sealed_digest` (the runner's retry key), so a step that failed (an unreadable grant, a
+refused pull) is tried again at once when the grant changes.
 """
 
 from __future__ import annotations

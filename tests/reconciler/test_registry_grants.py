@@ -131,15 +131,21 @@ def test_grants_are_read_from_rc3_and_rc2_documents_and_stay_sealed(tmp_path: Pa
         [grant] = granted.registry_grants
         assert (grant.registry, grant.username, grant.password) == (host, USER, envelope)
         assert envelope not in repr(granted.registry_grants)
-        # Not in the digests the planner compares; in the retry key (`sealed_digest`).
+        # A grant is a reconfigure (values_digest), not an upgrade; in the retry key too.
         [component], [before] = granted.components, plain.components
-        assert (component.spec_digest, component.values_digest) == (
-            before.spec_digest, before.values_digest)
+        assert component.spec_digest == before.spec_digest
+        assert component.values_digest != before.values_digest
         assert component.sealed_digest
-    # Sealed again (a new ciphertext, the same mac): the planner sees no change.
+    first = parse_deployment(helm_document(FIRST, "oci://r.example/c/greeter", "Hi",
+                                           grants(host, envelope)))
+    # Sealed again (a new ciphertext, the same mac): the planner sees no change ...
     again = parse_deployment(helm_document(FIRST, "oci://r.example/c/greeter", "Hi", grants(
         host, seal(PASSWORD, key.recipient(), mac="0" * 32))))
-    assert again.components[0].values_digest == plain.components[0].values_digest
+    assert again.components[0].values_digest == first.components[0].values_digest
+    # ... a new password (another mac) is a reconfigure.
+    changed = parse_deployment(helm_document(FIRST, "oci://r.example/c/greeter", "Hi", grants(
+        host, seal("another", key.recipient(), mac="9" * 32))))
+    assert changed.components[0].values_digest != first.components[0].values_digest
 
     # What the device cannot use is refused with the document, never quoting a password.
     clear = {"registry": host, "username": USER, "password": PASSWORD}

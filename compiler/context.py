@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 
 from compiler.intents import Intent
 from compiler.placement import ProfileConstraints
-from compiler.render import RenderCache, file_name
+from compiler.render import RenderCache, file_name, plain_value_problem
 from compiler.rollout import RolloutPlan
+from compiler.secrets import is_secret
 from compiler.source import AppVersion, FleetSource
 from compiler.state import IntentRecord
 from compiler.storedfiles import StoredFiles
 from compiler.targeting import TargetIndex
 from margo.errors import Problem
 from margo.models import DeploymentProfile
+from margo.parameters import validate_value
 
-__all__ = ["COMPILER_VERSION", "CompileContext", "ResolvedIntents", "resolve_intents"]
+__all__ = ["COMPILER_VERSION", "CompileContext", "ResolvedIntents", "resolve_intents",
+           "source_problems"]
 
 #: Bumped when the compiler's output for the same inputs changes, forcing re-rendering.
 #: 2: placements see root extensions and cluster sections. 3: a string ending in a newline
@@ -71,12 +74,40 @@ def _unusable(source: FleetSource, intent: Intent, app: AppVersion | None) -> li
         return [Problem(("spec", "application"), f"no application {wanted} in the fleet "
                         "source" + (f" (versions: {known})" if known else ""))]
     unknown = sorted(set(intent.parameters) - set(app.description.parameters))
-    if not unknown:
-        return []
     known_parameters = "one of " + ", ".join(sorted(app.description.parameters))
     return [Problem(("spec", "parameters", p), f"application {app.description.id} "
                     f"{app.description.version} has no parameter {p!r}",
-                    expected=known_parameters) for p in unknown]
+                    expected=known_parameters) for p in unknown] + _value_problems(intent, app)
+
+
+def _value_problems(intent: Intent, app: AppVersion) -> list[Problem]:
+    """What is wrong with the intent's parameter values on every device alike, so needs no
+    capabilities to find: a sensitive parameter not given as a secret, a clear value that
+    looks sealed, a literal value (not an expression, not a secret) that breaks its
+    configuration rule. Expressions and secrets are checked per device when rendering."""
+    description = app.description
+    sensitive = description.sensitive_parameters()
+    settings = description.settings()
+    problems: list[Problem] = []
+    for name, compiled in intent.parameters.items():
+        if name not in description.parameters or (compiled.is_literal
+                                                   and is_secret(compiled.source)):
+            continue
+        found = plain_value_problem(name, compiled, sensitive)
+        if found is not None:
+            problems.append(found)
+        elif compiled.is_literal and name in settings and (
+                rule := description.schemas.get(settings[name].schema)) is not None:
+            problems += validate_value(compiled.source, rule, path=("spec", "parameters", name))
+    return problems
+
+
+def source_problems(source: FleetSource) -> list[Problem]:
+    """Every problem of the source found without any device: its broken files, and intents
+    the compiler cannot use (no such application or version, unknown parameters, values no
+    device could take). `margo validate DIR`, `margo compile` and the hosted source's push
+    check all report these."""
+    return [*source.problems, *resolve_intents(source).problems]
 
 
 @dataclass

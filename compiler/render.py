@@ -43,7 +43,7 @@ from margo.parameters import EMPTY, check_immutable, validate_value
 from margo.sealing import device_recipient, is_sealed
 
 __all__ = ["INTENT_LABEL", "RenderCache", "RenderError", "Rendered", "deployment_id", "file_name",
-           "previous_values", "render"]
+           "plain_value_problem", "previous_values", "render"]
 
 #: Namespace for deployment ids: uuid5(NAMESPACE, "<intent>/<device>") is stable, so editing
 #: an intent updates the same deployment instead of replacing it.
@@ -261,7 +261,7 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
             problem = _open_secret(name, compiled.source, cache, values, keys)
             problems += [intent.locate(problem)] if problem else []
             secrets.add(name)
-        elif (problem := _plain_value_problem(name, compiled, sensitive)) is not None:
+        elif (problem := plain_value_problem(name, compiled, sensitive)) is not None:
             problems.append(intent.locate(problem))
         elif compiled.is_literal:
             values[name] = compiled.source
@@ -313,8 +313,8 @@ def _open_secret(name: str, secret: Mapping[str, Any], cache: RenderCache,
     return None
 
 
-def _plain_value_problem(name: str, compiled: CompiledValue,
-                         sensitive: frozenset[str]) -> Problem | None:
+def plain_value_problem(name: str, compiled: CompiledValue,
+                        sensitive: frozenset[str]) -> Problem | None:
     """A sensitive parameter given in clear, or a clear value that looks sealed (a device
     would try to open it)."""
     path = ("spec", "parameters", name)

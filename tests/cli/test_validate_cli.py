@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,78 @@ def test_hostile_input_is_a_clean_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "alias bomb" in result.stdout and "not valid UTF-8" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+FLEET = ROOT / "examples" / "fleet"
+
+
+def test_an_intent_is_validated_as_the_compiler_loads_it(tmp_path: Path) -> None:
+    """`margo validate deployments/X.yaml` checks a DeploymentIntent (not as an
+    ApplicationDeployment): its schema, expressions and the shape of its secrets."""
+    valid = margo("validate", str(FLEET / "deployments" / "ha-web.yaml"))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    assert valid.stdout == f"{FLEET / 'deployments' / 'ha-web.yaml'}: valid DeploymentIntent\n"
+    bad = tmp_path / "web.yaml"
+    bad.write_text((FLEET / "deployments" / "ha-web.yaml").read_text()
+                   .replace("message: \"Hello from {{ device.id }}\"",
+                            "message: {secret: not an age file}\n    other: \"{{ nope( }}\""))
+    result = margo("validate", str(bad))
+    assert result.returncode == 1
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    assert lines[0].startswith(f"{bad}:20:") and "$.spec.parameters.message.secret:" in lines[0]
+    assert lines[1].startswith(f"{bad}:21:") and "$.spec.parameters.other: invalid " \
+        "expression" in lines[1]
+    assert "ApplicationDeployment" not in result.stdout
+
+
+def test_a_fleet_source_directory_is_validated_as_the_compiler_reads_it(
+        tmp_path: Path) -> None:
+    """`margo validate DIR` on a fleet source: every application and intent file, with the
+    problems the compiler and the push check find, including literal parameter values that
+    break the application's configuration rules (expressions and secrets are per device)."""
+    fleet = tmp_path / "fleet"
+    shutil.copytree(FLEET, fleet)
+    result = margo("validate", str(fleet))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(result.stdout.splitlines()) == 8
+    assert f"{fleet}/deployments/ha-web.yaml: valid DeploymentIntent" in result.stdout
+    intent = fleet / "deployments" / "ha-web.yaml"
+    text = intent.read_text()
+    replicas = text[text.index("    replicas: >-"):text.index("    message:")]
+    intent.write_text(text.replace(replicas, "    replicas: 99\n"))
+    (fleet / "deployments" / "typo.yaml").write_text(
+        (FLEET / "deployments" / "hello-everywhere.yaml").read_text())
+    result = margo("validate", str(fleet))
+    assert result.returncode == 1
+    problems = [line for line in result.stdout.splitlines() if ": valid " not in line]
+    assert problems == [
+        f"{intent}:17:15: $.spec.parameters.replicas: expected an integer between 1 and 10, "
+        "found 99",
+        f"{fleet}/deployments/typo.yaml:6:9: $.metadata.name: the intent in typo.yaml must "
+        "be named 'typo'"], result.stdout
+    # The one file, inside its source: the same check, the same line.
+    one = margo("validate", str(intent))
+    assert one.returncode == 1 and one.stdout.splitlines() == problems[:1]
+    as_json = json.loads(margo("validate", "--json", str(fleet)).stdout)
+    assert {(r["path"], r["kind"], r["valid"]) for r in as_json if not r["valid"]} == {
+        (str(intent), "DeploymentIntent", False),
+        (f"{fleet}/deployments/typo.yaml", "DeploymentIntent", False)}
+
+
+def test_any_directory_of_documents_is_validated_file_by_file(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    shutil.copytree(EXAMPLES / "valid", docs / "valid")
+    (docs / ".git").mkdir()
+    (docs / ".git" / "config.yaml").write_text("not: a margo document\n")
+    (docs / "README.md").write_text("ignored")
+    result = margo("validate", str(docs))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(result.stdout.splitlines()) == len(list((EXAMPLES / "valid").iterdir()))
+    (docs / "nested").mkdir()
+    (docs / "nested" / "bad.yaml").write_text("kind: ApplicationDescription\n")
+    result = margo("validate", str(docs))
+    assert result.returncode == 1
+    assert f"{docs}/nested/bad.yaml:1:1: $:" in result.stdout
+    empty = margo("validate", str(tmp_path / "nothing"), str(docs))
+    assert empty.returncode == 2

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from kits.fleetkit import Fleet, app, device, intent
 
+from compiler.context import source_problems
 from compiler.explain import explain_device
 from compiler.gitstore import DeviceStore
 from compiler.render import deployment_id
@@ -337,6 +338,33 @@ def test_unknown_parameters_and_applications_are_located_errors(fleet: Fleet) ->
     assert any("missing.yaml:" in m and "no application com-example-nope" in m
                for m in messages)
     assert set(fleet.tree("k8s-a")) == {"everywhere.yaml"}
+
+
+def test_a_literal_no_device_could_take_is_one_located_error_and_freezes_the_intent(
+        fleet: Fleet) -> None:
+    """A literal value breaking the application's configuration rule is found without any
+    device (`compiler.context.source_problems`): one error located in the intent file, not
+    one per device; the intent is frozen (devices keep what it gave them). Expressions are
+    still checked per device."""
+    schema = [{"name": "short", "dataType": "string", "maxLength": 8}]
+    settings = [{"parameter": "greeting", "name": "Greeting", "schema": "short"}]
+    fleet.apps["com-example-app"] = app(schema=schema, settings=settings)
+    fleet.compile()
+    before = fleet.tree("k8s-a")
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "far too long a text"}
+    report = fleet.compile(now=2_000_000)
+    [(device_id, problem)] = report.errors
+    assert device_id is None
+    assert problem.file and problem.file.endswith("deployments/everywhere.yaml")
+    assert problem.line and problem.json_path == "$.spec.parameters.greeting"
+    assert "at most 8" in problem.message and "on device" not in problem.message
+    assert fleet.tree("k8s-a") == before
+    assert [p.format() for p in source_problems(load_source(fleet.source))] == [
+        problem.format()]
+    fleet.intents["everywhere"]["spec"]["parameters"] = {"greeting": "{{ device.id }} says hi"}
+    report = fleet.compile(now=3_000_000)
+    assert sorted(d for d, _ in report.errors) == ["box-c", "k8s-a", "k8s-b"]
+    assert source_problems(load_source(fleet.source)) == []
 
 
 def test_broken_capabilities_leave_the_device_alone(fleet: Fleet) -> None:

@@ -257,6 +257,50 @@ def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
         assert b"namespace: hi" in http.get(fixed["deployments"][0]["url"]).content
 
 
+def test_a_push_whose_literal_value_no_device_could_take_is_refused(tmp_path: Path) -> None:
+    """`replicas: 99` where the application allows at most 5 breaks on every device: the push
+    is refused with the located line `margo validate` prints (the same check); an
+    expression is decided per device, so it is accepted."""
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    admin = tmp_path / "admin"
+    admin.write_text("operator-token")
+    work = fleet_repository(tmp_path / "work")
+    with running_server(data, "--host-source", "--admin-token-file", str(admin)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        url = base.replace("http://", "http://operator:operator-token@") + "/git/source.git"
+        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
+        git("push", "-q", url, "main", cwd=work)
+        poll(http, lambda m: len(m["deployments"]) == 1)
+        accepted = git("rev-parse", "HEAD", cwd=work)
+        intent = work / INTENT
+        text = intent.read_text()
+        expression = text[text.index("    replicas: "):]
+        intent.write_text(text.replace(expression, "    replicas: 99\n"))
+        git("commit", "-q", "-am", "too many", cwd=work)
+        validated = subprocess.run([sys.executable, "-m", "margo_cli.main", "validate",
+                                    str(work)], capture_output=True, text=True, check=False,
+                                   cwd=ROOT)
+        assert validated.returncode == 1
+        [line] = [line for line in validated.stdout.splitlines() if ": valid " not in line]
+        pushed = subprocess.run(["git", "push", url, "main"], cwd=work, capture_output=True,
+                                text=True, check=False,
+                                env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
+                                     "HOME": str(work)})
+        assert pushed.returncode != 0
+        remote = [line.removeprefix("remote: ").rstrip() for line in
+                  pushed.stderr.splitlines() if line.startswith("remote: ")]
+        assert remote[0].startswith("margo: refusing refs/heads/main"), pushed.stderr
+        assert remote[1:] == [line.removeprefix(f"{work}/")], pushed.stderr
+        assert "$.spec.parameters.replicas: expected an integer between 1 and 5, found 99" \
+            in remote[1]
+        assert git("ls-remote", url, "refs/heads/main", cwd=work).split()[0] == accepted
+        intent.write_text(text.replace(expression, '    replicas: "{{ 99 }}"\n'))
+        git("commit", "-q", "-am", "an expression", cwd=work)
+        git("push", "-q", url, "main", cwd=work)
+        assert git("ls-remote", url, "refs/heads/main", cwd=work).split()[0] != accepted
+
+
 def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
         tmp_path: Path) -> None:
     """A mirrored source cannot refuse a push: a broken commit fetched on a push hook shows

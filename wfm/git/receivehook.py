@@ -1,9 +1,11 @@
-"""The hosted fleet source's `pre-receive` hook: a push the compiler could not read is refused.
+"""The hosted fleet source's `pre-receive` hook: a push the compiler could not use is refused.
 
 `git receive-pack` runs this (`python -m wfm.git.receivehook REF`) with the pushed ref updates on
 stdin, before any ref moves. For the compiled branch it loads the pushed tree as the compiler
-would (`compiler.source.load_source`) and, when that finds problems, prints them with
-`file:line:col: path: message`, as `margo validate` does, and exits 1. Git shows each line to
+would (`compiler.source.load_source`) and checks it as `margo validate` and `margo compile` do
+(`compiler.context.source_problems`: broken files, intents naming no application or unknown
+parameters, literal values that break the application's configuration rules). When that finds
+problems, it prints them with `file:line:col: path: message` and exits 1. Git shows each line to
 the pusher as `remote: …` and refuses the push; the previous source stays in force. Without
 this hook, a broken push would be accepted and the server would keep the old desired state
 in silence, with the errors only in its log.
@@ -22,6 +24,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from compiler.context import source_problems
 from compiler.source import SourceError, load_source
 
 __all__ = ["HOOK_NAME", "hook_script", "problems_in_commit"]
@@ -38,8 +41,8 @@ def hook_script(ref: str, python: str = sys.executable) -> str:
 
 
 def problems_in_commit(commit: str) -> list[str]:
-    """The problems `load_source` finds in `commit`'s tree (formatted), or why it cannot be
-    read at all."""
+    """The problems `source_problems` finds in `commit`'s tree (formatted), or why it cannot
+    be read at all."""
     archive = subprocess.run(["git", "archive", "--format=tar", commit], capture_output=True,
                              check=False)
     if archive.returncode != 0:
@@ -51,7 +54,7 @@ def problems_in_commit(commit: str) -> list[str]:
             source = load_source(Path(tmp))
         except SourceError as exc:
             return [str(exc).replace(tmp, ".")]
-    return [problem.format() for problem in source.problems]
+        return [problem.format() for problem in source_problems(source)]
 
 
 def _extract(tar_bytes: bytes, target: Path) -> None:

@@ -32,7 +32,11 @@ from compiler.storedfiles import StoredFiles
 from margo.constraints import Demand, Failure
 from margo.errors import Problem
 
-__all__ = ["IntentExplanation", "explain_device"]
+__all__ = ["STATUSES", "IntentExplanation", "explain_device", "explanation_lines", "reasons"]
+
+#: Every verdict an explanation can give, in the order of a decision's stages.
+STATUSES = ("eligible", "not targeted", "not eligible", "waiting for capacity",
+            "held for capacity", "grace period", "error", "frozen")
 
 
 @dataclass
@@ -70,27 +74,39 @@ class IntentExplanation:
         }
 
     def lines(self) -> list[str]:
-        """Human-readable explanation, one line per fact."""
-        head = f"{self.intent}: {self.status}"
-        if self.application:
-            head += f" (application {self.application}"
-            head += f", profile {self.profile})" if self.profile else ")"
-        out = [head]
-        out += [f"  - not targeted: {f.message}" for f in self.targeting]
-        for attempt in self.attempts:
-            out += [f"  - profile {attempt.profile_id}: {f.message}" for f in attempt.failures]
-        out += [f"  - {p.format()}" for p in self.problems]
-        if self.held_at is not None:
-            out += [f"  - {held_reason(self.held_at, f.message)}" for f in self.capacity]
-        else:
-            out += [f"  - waits for capacity: {f.message}" for f in self.capacity]
-        if self.assigned:
-            taken = ", ".join(f"{v} {k}" if k != "cpu" else f"{v} cores"
-                              for k, v in self.assigned.items())
-            out.append(f"  - counted as taking {taken} (not yet in the device's report)")
-        if self.note:
-            out.append(f"  - {self.note}")
-        return out
+        """Human-readable explanation, one line per fact (`explanation_lines`)."""
+        return explanation_lines(self.to_json())
+
+
+def explanation_lines(entry: Mapping[str, Any]) -> list[str]:
+    """An explanation as people read it, from its JSON (`IntentExplanation.to_json`, also
+    what a server answers): the verdict, then one line per fact."""
+    head = f"{entry['intent']}: {entry['status']}"
+    if entry.get("application"):
+        head += f" (application {entry['application']}"
+        head += f", profile {entry['profile']})" if entry.get("profile") else ")"
+    return [head, *(f"  - {line}" for line in reasons(entry))]
+
+
+def reasons(entry: Mapping[str, Any], *, assigned: bool = True) -> list[str]:
+    """The facts of an explanation's JSON, one line each: failing clauses, problems (as
+    `Problem.format` prints them), capacity, and (with `assigned`) what its placement is
+    counted as taking."""
+    out = [f"not targeted: {f['message']}" for f in entry["targeting"]]
+    for attempt in entry["attempts"]:
+        out += [f"profile {attempt['profile']}: {f['message']}" for f in attempt["failures"]]
+    out += [f"{p.get('file') or '<input>'}:{p.get('line') or 0}:{p.get('column') or 0}: "
+            f"{p['path']}: {p['message']}" for p in entry["problems"]]
+    held_at = entry.get("heldAt")
+    out += [held_reason(held_at, f["message"]) if held_at is not None
+            else f"waits for capacity: {f['message']}" for f in entry["capacity"]]
+    if assigned and entry.get("assigned"):
+        taken = ", ".join(f"{v} {k}" if k != "cpu" else f"{v} cores"
+                          for k, v in entry["assigned"].items())
+        out.append(f"counted as taking {taken} (not yet in the device's report)")
+    if entry.get("note"):
+        out.append(entry["note"])
+    return out
 
 
 def held_reason(held_at: str, message: str) -> str:

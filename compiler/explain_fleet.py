@@ -12,12 +12,12 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from compiler.explain import explain_device, held_reason
+from compiler.explain import explain_device, reasons
 from compiler.secrets import FleetKey
 from compiler.snapshot import Snapshot
 from compiler.source import FleetSource
 
-__all__ = ["explain_fleet", "fleet_lines"]
+__all__ = ["explain_fleet", "fleet_lines", "select_statuses"]
 
 
 def explain_fleet(source: FleetSource, snapshot: Snapshot, *, intent: str | None = None,
@@ -60,26 +60,19 @@ def fleet_lines(result: dict[str, Any]) -> list[str]:
             profile = f", profile {explanation['profile']}" if explanation.get("profile") else ""
             name = "" if result.get("intent") else f" {explanation['intent']}"
             out.append(f"  {entry['device']}:{name} {explanation['status']}{profile}")
-            out += [f"    - {line}" for line in _reasons(explanation)]
+            out += [f"    - {line}" for line in reasons(explanation, assigned=False)]
     return out
 
 
-def _reasons(explanation: dict[str, Any]) -> list[str]:
-    reasons = [f"not targeted: {f['message']}" for f in explanation["targeting"]]
-    for attempt in explanation["attempts"]:
-        reasons += [f"profile {attempt['profile']}: {f['message']}"
-                    for f in attempt["failures"]]
-    reasons += [_problem(p) for p in explanation["problems"]]
-    held_at = explanation.get("heldAt")
-    reasons += [held_reason(held_at, f["message"]) if held_at is not None
-                else f"waits for capacity: {f['message']}" for f in explanation["capacity"]]
-    if explanation.get("note"):
-        reasons.append(explanation["note"])
-    return reasons
-
-
-def _problem(problem: dict[str, Any]) -> str:
-    """As `Problem.format` prints it: `file:line:col: path: message`."""
-    where = ":".join(str(problem[k]) for k in ("file", "line", "column") if problem.get(k))
-    parts = [where, problem.get("path") or "", str(problem["message"])]
-    return ": ".join(part for part in parts if part)
+def select_statuses(result: dict[str, Any], statuses: Collection[str]) -> dict[str, Any]:
+    """`explain_fleet`'s result listing only the explanations whose status is one of
+    `statuses`; `counts` stay those of the whole fleet, and `hidden` says how many
+    explanations were left out."""
+    devices: list[dict[str, Any]] = []
+    hidden = 0
+    for entry in result["devices"]:
+        kept = [e for e in entry["intents"] if e["status"] in statuses]
+        hidden += len(entry["intents"]) - len(kept)
+        if kept:
+            devices.append({**entry, "intents": kept})
+    return {**result, "devices": devices, "hidden": hidden}

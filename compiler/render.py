@@ -139,6 +139,8 @@ class _ValuePlan:
     secrets: frozenset[str] = frozenset()
     #: The intent's registry grants opened: (registry, username, password; memory only).
     grants: tuple[tuple[str, str, str], ...] = ()
+    #: Secrets that could not be opened (their problem is in `problems`; no rule checks them).
+    unopened: frozenset[str] = frozenset()
 
 
 #: Entries a memo (templates, expression results) keeps per compile before starting over.
@@ -250,6 +252,7 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
     problems: list[Problem] = []
     expressions: list[tuple[str, CompiledValue, ReadOrder | None]] = []
     secrets: set[str] = set()
+    unopened: set[str] = set()
     sensitive = description.sensitive_parameters()
     for name, compiled in intent.parameters.items():
         if name not in description.parameters:
@@ -259,7 +262,9 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
                 expected="one of " + ", ".join(sorted(description.parameters)))))
         elif compiled.is_literal and is_secret(compiled.source):
             problem = _open_secret(name, compiled.source, cache, values, keys)
-            problems += [intent.locate(problem)] if problem else []
+            if problem is not None:
+                problems.append(intent.locate(problem))
+                unopened.add(name)
             secrets.add(name)
         elif (problem := plain_value_problem(name, compiled, sensitive)) is not None:
             problems.append(intent.locate(problem))
@@ -272,7 +277,7 @@ def _value_plan(intent: Intent, app: AppVersion, cache: RenderCache) -> _ValuePl
                 sorted(reads, key=lambda r: (r[0], r[1] is not None, r[1] or "")))))
     grants = _open_grants(intent, cache, problems)
     return _ValuePlan(values, keys, tuple(expressions), tuple(problems), frozenset(secrets),
-                      grants)
+                      grants, frozenset(unopened))
 
 
 def _open_grants(intent: Intent, cache: RenderCache,
@@ -328,23 +333,37 @@ def plain_value_problem(name: str, compiled: CompiledValue,
     return None
 
 
-def _values(intent: Intent, app: AppVersion, device: Device, cache: RenderCache,
-            ) -> tuple[dict[str, Any], dict[str, str], list[Problem]]:
-    """Every parameter's value for this device (EMPTY when none) and its `value_key`, with
-    expression errors. The dicts may be shared between devices: read them only."""
+@dataclass(frozen=True, slots=True)
+class _DeviceValues:
+    """Every parameter's value for one device (EMPTY when none) and its `value_key`; the
+    dicts may be shared between devices: read them only."""
+
+    values: dict[str, Any]
+    keys: dict[str, str]
+    problems: list[Problem]  # the value plan's, and expressions that failed on the device
+    #: Parameters whose value could not be worked out (an expression that failed, a secret
+    #: that could not be opened): already a problem, so no rule or immutability check
+    #: reports their EMPTY once more ("a value is required").
+    failed: frozenset[str]
+
+
+def _values(intent: Intent, app: AppVersion, device: Device,
+            cache: RenderCache) -> _DeviceValues:
     plan = cache.value_plan(intent, app)
     problems = list(plan.problems)
     if not plan.expressions:
-        return plan.values, plan.keys, problems
+        return _DeviceValues(plan.values, plan.keys, problems, plan.unopened)
     values, keys = dict(plan.values), dict(plan.keys)
+    failed = set(plan.unopened)
     for name, compiled, reads in plan.expressions:
         try:
             values[name], keys[name] = cache.evaluate(intent, name, compiled, reads, device)
         except ExpressionError as exc:
             values[name] = EMPTY
+            failed.add(name)
             problems.append(intent.locate(Problem(
                 ("spec", "parameters", name), f"on device {device.id}: {exc}")))
-    return values, keys, problems
+    return _DeviceValues(values, keys, problems, frozenset(failed))
 
 
 _SECTION_READERS: dict[str, Any] = {
@@ -398,15 +417,16 @@ def _device_inputs(device: Device, reads: ReadOrder) -> tuple[Any, ...] | None:
     return tuple(parts)
 
 
-def _check_values(values: Mapping[str, Any], keys: Mapping[str, str], app: AppVersion,
-                  plan: _ProfilePlan, device: Device,
+def _check_values(found: _DeviceValues, app: AppVersion, plan: _ProfilePlan, device: Device,
                   previous_values: Mapping[str, Any] | None, intent: Intent,
                   cache: RenderCache, *, checked: bool = False) -> list[Problem]:
     """Problems with the values: configuration rules (unless `checked`, i.e. these exact
-    values passed them before) and `immutable` settings against `previous_values`."""
+    values passed them before) and `immutable` settings against `previous_values`; values
+    that could not be worked out (`_DeviceValues.failed`) are not checked."""
     problems: list[Problem] = []
+    values, keys = found.values, found.keys
     for name, rule in () if checked else plan.rules:
-        if name not in values:
+        if name not in values or name in found.failed:
             continue
         for problem in cache.check(app, name, keys[name], values[name], rule):
             problems.append(intent.locate(Problem(
@@ -414,7 +434,8 @@ def _check_values(values: Mapping[str, Any], keys: Mapping[str, str], app: AppVe
                 expected=problem.expected, found=problem.found)))
     if previous_values is not None and plan.immutable:
         after = {n: v for n, v in values.items() if v is not EMPTY}
-        for problem in check_immutable(previous_values, after, plan.immutable,
+        immutable = [n for n in plan.immutable if n not in found.failed]
+        for problem in check_immutable(previous_values, after, immutable,
                                        path=("spec", "parameters")):
             problems.append(intent.locate(Problem(
                 problem.path, f"on device {device.id}: {problem.message} (the setting is "
@@ -442,7 +463,8 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     """
     cache = cache or RenderCache()
     plan = cache.plan(app, profile)
-    values, keys, problems = _values(intent, app, device, cache)
+    worked_out = _values(intent, app, device, cache)
+    values, keys, problems = worked_out.values, worked_out.keys, list(worked_out.problems)
     secrets = sorted(n for n in cache.value_plan(intent, app).secrets
                      if n in plan.targets and values[n] is not EMPTY)
     items, before, found = _to_seal(intent, app, device, values, secrets, previous, cache)
@@ -453,7 +475,7 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     # do not reach this profile: a known key means the rules passed these exact values).
     key = (intent.name, intent.digest, app.digest, profile.id, tuple(keys.values()))
     template = cache.templates.get(key)
-    problems += redacted(_check_values(values, keys, app, plan, device, before, intent, cache,
+    problems += redacted(_check_values(worked_out, app, plan, device, before, intent, cache,
                                        checked=template is not None),
                          cache.value_plan(intent, app).secrets, device.id)
     if problems:

@@ -14,12 +14,13 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
 from compiler.compilation import CompileReport, DeviceResult, compile_fleet
-from compiler.explain import explain_device
-from compiler.explain_fleet import explain_fleet, fleet_lines
+from compiler.explain import STATUSES, IntentExplanation, explain_device, explanation_lines
+from compiler.explain_fleet import explain_fleet, fleet_lines, select_statuses
 from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceCommit, DeviceStore, GitStoreError
 from compiler.plandiff import commit_diff
@@ -71,7 +72,8 @@ def register(commands: Any) -> None:
         "explain", help="why each intent does or does not deploy on a device, or one "
                         "intent's or application's verdict on every device",
         description="With --device: every intent (or --intent NAME) on that device. Without "
-                    "it: --intent NAME or --app ID on every device. Inputs: --source and "
+                    "it: --intent NAME or --app ID on every device, listing every verdict but "
+                    "'not targeted' (counted, not listed, unless --all). Inputs: --source and "
                     "--capabilities, or --url of a running server (its reports).")
     _inputs(explain_parser, repos_required=False, inputs_required=False)
     explain_parser.add_argument("--device", metavar="ID")
@@ -80,6 +82,12 @@ def register(commands: Any) -> None:
     explain_parser.add_argument("--url", help="a running server to ask (GET /api/fleet/...)")
     explain_parser.add_argument("--token-file", metavar="FILE",
                                 help="the server's operator token, if it requires one")
+    shown = explain_parser.add_mutually_exclusive_group()
+    shown.add_argument("--status", metavar="LIST",
+                       help="list only these verdicts, comma-separated: "
+                            + ", ".join(s.replace(" ", "-") for s in STATUSES))
+    shown.add_argument("--all", action="store_true",
+                       help="fleet-wide, also list the devices the intent does not target")
     explain_parser.set_defaults(run=run_explain)
 
 
@@ -274,9 +282,63 @@ def run_explain(args: argparse.Namespace) -> int:
                          "server")
     if args.device is None:
         return _explain_fleet(args)
+    statuses = _statuses(args, fleet_wide=False)
     if args.url is not None:
-        raise UsageError("margo explain: --url works fleet-wide (--intent/--app); for one "
-                         "device, margo status --device ID shows the server's explanation")
+        intents = _server_device_explanation(args)
+    else:
+        intents = [e.to_json() for e in _local_device_explanation(args)]
+    if statuses is not None:
+        intents = [e for e in intents if e["status"] in statuses]
+    if args.json:
+        print(json.dumps({"device": args.device, "intents": intents}, ensure_ascii=False))
+    else:
+        print(f"device {args.device}:")
+        for explanation in intents:
+            for line in explanation_lines(explanation):
+                print(f"  {line}")
+    return EXIT_OK
+
+
+def _statuses(args: argparse.Namespace, *, fleet_wide: bool) -> frozenset[str] | None:
+    """The verdicts to list (None: every one): `--status`, or fleet-wide without `--all`
+    every verdict but "not targeted" (a fleet's other devices would swamp the answer)."""
+    if args.status:
+        wanted = {s.strip().replace("-", " ").replace("_", " ").lower()
+                  for s in args.status.split(",") if s.strip()}
+        unknown = sorted(wanted - set(STATUSES))
+        if unknown or not wanted:
+            raise UsageError(f"margo explain: --status: unknown verdict {', '.join(unknown)!r}; "
+                             "the verdicts are " + ", ".join(
+                                 s.replace(" ", "-") for s in STATUSES))
+        return frozenset(wanted)
+    if fleet_wide and not args.all:
+        return frozenset(STATUSES) - {"not targeted"}
+    return None
+
+
+def _server_device_explanation(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every intent's explanation on the device as a running server gives it (the
+    `eligibility` of `GET /api/fleet/devices/{id}`), or only `--intent`'s."""
+    try:
+        detail = call(args.url, f"/api/fleet/devices/{quote(args.device, safe='')}",
+                      token_file=args.token_file, timeout=300)
+    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+        raise UsageError(f"margo explain: {exc}") from None
+    eligibility = detail.get("eligibility")
+    if isinstance(eligibility, str):
+        raise UsageError(f"margo explain: the server cannot explain device {args.device!r}: "
+                         f"{eligibility}")
+    intents: list[dict[str, Any]] = eligibility or []
+    if args.intent is not None:
+        intents = [e for e in intents if e["intent"] == args.intent]
+        if not intents:
+            raise UsageError(f"margo explain: no intent {args.intent!r} in the server's "
+                             "fleet source")
+    return intents
+
+
+def _local_device_explanation(args: argparse.Namespace) -> list[IntentExplanation]:
+    """Every intent's explanation on the device from --source and --capabilities."""
     source, snapshot = _open(args)
     placements = None
     if args.repos and (Path(args.repos) / STATE_FILE).exists():
@@ -291,15 +353,7 @@ def run_explain(args: argparse.Namespace) -> int:
     except KeyError as exc:
         what = "device" if exc.args[0] == args.device else "intent"
         raise UsageError(f"margo explain: no {what} {exc.args[0]!r} in the inputs") from None
-    if args.json:
-        print(json.dumps({"device": args.device,
-                          "intents": [e.to_json() for e in explanations]}, ensure_ascii=False))
-    else:
-        print(f"device {args.device}:")
-        for explanation in explanations:
-            for line in explanation.lines():
-                print(f"  {line}")
-    return EXIT_OK
+    return explanations
 
 
 def _branches(args: argparse.Namespace) -> DeviceStore | None:
@@ -321,6 +375,7 @@ def _placed_files(store: DeviceStore | None, device_id: str) -> dict[str, bytes]
 
 def _explain_fleet(args: argparse.Namespace) -> int:
     """One intent's or application's verdict on every device, from the inputs or a server."""
+    statuses = _statuses(args, fleet_wide=True)
     if args.url is not None:
         try:
             result = _server_explanation(args)
@@ -336,10 +391,16 @@ def _explain_fleet(args: argparse.Namespace) -> int:
                 fleet_key=_fleet_key(args))
         except KeyError as exc:
             raise UsageError(f"margo explain: no intent {exc.args[0]!r} in the source") from None
+    if statuses is not None:
+        result = select_statuses(result, statuses)
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
-    else:
-        print("\n".join(fleet_lines(result)))
+        return EXIT_OK
+    print("\n".join(fleet_lines(result)))
+    if result.get("hidden"):
+        what = ("not targeted not listed; --all lists them" if not args.status
+                else "with other verdicts not listed")
+        print(f"  ({result['hidden']} {what})")
     return EXIT_OK
 
 

@@ -130,23 +130,39 @@ def test_plan_diff_shows_the_yaml_each_device_would_get(fleet: tuple[Path, Path,
 def test_explain_fleet_wide_by_intent_and_by_application(
         fleet: tuple[Path, Path, Path]) -> None:
     """`--intent NAME` / `--app ID` without `--device`: every device's verdict, the failing
-    clauses under it, and counts per verdict."""
+    clauses under it, and counts per verdict; the devices it does not target are counted,
+    and listed with --all; --status lists only the verdicts named."""
     source, _caps, _ = fleet
     intent = source / "deployments" / "vision-plant-a.yaml"
     intent.write_text(intent.read_text().replace("values: [plant-a]",
                                                  "values: [plant-a, plant-b]"))
     as_json = json.loads(margo("explain", *inputs(fleet), "--intent", "vision-plant-a",
-                               "--json").stdout)
+                               "--json", "--all").stdout)
     verdicts = {d["device"]: d["intents"][0]["status"] for d in as_json["devices"]}
     assert len(verdicts) == 6
     assert verdicts["k8s-single-arm64"] == "not eligible"
     assert as_json["counts"] == dict(sorted(collections.Counter(verdicts.values()).items()))
+    untargeted = sorted(d for d, status in verdicts.items() if status == "not targeted")
+    assert untargeted
+    listed = json.loads(margo("explain", *inputs(fleet), "--intent", "vision-plant-a",
+                              "--json").stdout)
+    assert listed["counts"] == as_json["counts"]
+    assert listed["hidden"] == len(untargeted)
+    assert [d["device"] for d in listed["devices"]] == sorted(set(verdicts) - set(untargeted))
     human = margo("explain", *inputs(fleet), "--intent", "vision-plant-a")
     assert human.returncode == 0, human.stderr
     lines = human.stdout.splitlines()
     assert lines[0].startswith("intent vision-plant-a: ")
+    assert lines[-1] == f"  ({len(untargeted)} not targeted not listed; --all lists them)"
+    assert not any(line.endswith(": not targeted") for line in lines)
     at = lines.index("  k8s-single-arm64: not eligible")
     assert any("needs 8Gi memory, has 7.5Gi" in line for line in lines[at + 1:at + 4])
+    only = margo("explain", *inputs(fleet), "--intent", "vision-plant-a", "--status",
+                 "not-targeted")
+    assert [line.split(":")[0].strip() for line in only.stdout.splitlines()[1:]
+            if not line.startswith("    ") and not line.startswith("  (")] == untargeted
+    bad = margo("explain", *inputs(fleet), "--intent", "vision-plant-a", "--status", "ok")
+    assert bad.returncode == 2 and "not-targeted" in bad.stderr
     by_app = json.loads(margo("explain", *inputs(fleet), "--app", "com-example-hello-world",
                               "--json").stdout)
     assert {i["intent"] for d in by_app["devices"] for i in d["intents"]} == {

@@ -116,6 +116,32 @@ def test_plan_and_compile_print_the_error_and_the_other_changes(tmp_path: Path) 
     assert greeting(fleet, "box", "edited") == "edited"
 
 
+def test_a_failing_expression_is_one_problem_not_also_a_missing_value(tmp_path: Path) -> None:
+    """A required, immutable setting whose expression fails on a device: the expression's
+    error is the one problem (no "a value is required", no "cannot be removed" for the value
+    it could not give), in the compile report and in `margo explain`."""
+    fleet = fleet_of(tmp_path, slots=1)
+    fleet.apps[APP] = app(APP, compose=False, parameters=HELM_ONLY, schema=[
+        {"name": "text", "dataType": "string", "minLength": 1, "allowEmpty": False}],
+        settings=[{"parameter": "greeting", "name": "Greeting", "schema": "text",
+                   "immutable": True}])
+    fleet.intents["bad"]["spec"]["parameters"] = {"greeting": PER_SLOT}
+    assert fleet.compile(now=1_000).errors == []
+    assert greeting(fleet, "box", "bad") == "one in 10"
+    fleet.devices["box"]["labels"] = {"slots": 0}
+    report = fleet.compile(now=2_000)
+    [(device_id, problem)] = report.errors
+    assert device_id == "box" and problem.message == "on device box: division by zero", \
+        problem
+    fleet.write()
+    explained = margo("explain", "--source", str(fleet.source), "--capabilities",
+                      str(fleet.caps), "--repos", str(fleet.repos), "--device", "box",
+                      "--intent", "bad")
+    assert explained.returncode == 0, explained.stderr
+    assert [line for line in explained.stdout.splitlines() if "$.spec.parameters" in line] \
+        == [f"    - {problem.format()}"], explained.stdout
+
+
 def margo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "margo_cli.main", *args], cwd=ROOT,
                           capture_output=True, text=True, check=False, timeout=120)

@@ -347,12 +347,45 @@ def test_explain_fleet_wide_from_a_running_servers_reports(tmp_path: Path) -> No
         assert httpx.get(f"{base}/api/fleet/explain").status_code == 400
         assert httpx.get(f"{base}/api/fleet/explain", params={"intent": "nope"}
                          ).status_code == 404
-        shown = subprocess.run([sys.executable, "-m", "margo_cli.main", "explain", "--url", base,
-                                "--intent", "vision-plant-a"], capture_output=True, text=True,
-                               check=False, cwd=ROOT)
+
+        def explain(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "margo_cli.main", "explain", "--url",
+                                   base, *args], capture_output=True, text=True, check=False,
+                                  cwd=ROOT)
+
+        # Fleet-wide, the devices the intent does not target are counted, listed with --all.
+        shown = explain("--intent", "vision-plant-a")
         assert shown.returncode == 0, shown.stderr
-        assert shown.stdout.splitlines()[0] == "intent vision-plant-a: 2 not targeted"
-        assert "  k8s-single-arm64: not targeted" in shown.stdout.splitlines()
+        assert shown.stdout.splitlines() == ["intent vision-plant-a: 2 not targeted",
+                                             "  (2 not targeted not listed; --all lists them)"]
+        every = explain("--intent", "vision-plant-a", "--all")
+        assert every.stdout.splitlines()[0] == "intent vision-plant-a: 2 not targeted"
+        assert "  k8s-single-arm64: not targeted" in every.stdout.splitlines()
+        chosen = json.loads(explain("--app", "com-example-hello-world", "--status",
+                                    "eligible", "--json").stdout)
+        assert [d["device"] for d in chosen["devices"]] == ["compose-box-amd64",
+                                                             "k8s-single-arm64"]
+        assert chosen["hidden"] == 0 and chosen["counts"] == {"eligible": 2}
+        # One device: the server's explanation (`eligibility` of GET /api/fleet/devices/ID).
+        device = explain("--device", "k8s-single-arm64")
+        assert device.returncode == 0, device.stderr
+        lines = device.stdout.splitlines()
+        assert lines[0] == "device k8s-single-arm64:"
+        assert "  vision-plant-a: not targeted (application com-example-gpu-inference " \
+            "2.3.0)" in lines
+        served = http.get("/api/fleet/devices/k8s-single-arm64").json()["eligibility"]
+        as_json = json.loads(explain("--device", "k8s-single-arm64", "--json").stdout)
+        assert as_json == {"device": "k8s-single-arm64", "intents": served}
+        one = json.loads(explain("--device", "k8s-single-arm64", "--intent", "hello-everywhere",
+                                 "--json").stdout)
+        assert [e["intent"] for e in one["intents"]] == ["hello-everywhere"]
+        untargeted = explain("--device", "k8s-single-arm64", "--status", "not-targeted")
+        assert [line for line in untargeted.stdout.splitlines() if not line.startswith("    ")
+                ] == ["device k8s-single-arm64:", "  vision-plant-a: not targeted (application "
+                      "com-example-gpu-inference 2.3.0)"], untargeted.stdout
+        missing = explain("--device", "nope")
+        assert missing.returncode == 2 and "no device 'nope'" in missing.stderr
+        assert explain("--device", "k8s-single-arm64", "--intent", "nope").returncode == 2
 
 
 def test_freshness_follows_what_the_device_reported_for_its_current_bytes(

@@ -31,8 +31,10 @@ cost the shared 2 cores more than a real one and is left out.
 The load generator is one asyncio process (uvloop when installed) with the minimal
 keep-alive HTTP/1.1 client of bench/serve.py: the devices behind one server share a bounded
 pool of keep-alive connections (`--connections`, split between the servers; 0 gives each
-device a connection of its own, which the server's 5 s keep-alive timeout then closes between
-polls). Clients are registered directly in the store, as bench/serve.py does. The target
+device a connection of its own, kept open between polls at the server's default
+`--keep-alive`, 75 s; the figures in docs/benchmarks.md were taken when the server closed
+connections idle for 5 s, which made every device reconnect at each poll). Clients are
+registered directly in the store, as bench/serve.py does. The target
 (issue: 10,000 devices, P = 15 s, every device `installed` within 30 s of the push on this
 2-core machine) is printed as met or missed, not turned into an exit status: that is
 non-zero only when the harness fails or a store could not be measured at all (its devices

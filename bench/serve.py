@@ -116,8 +116,9 @@ async def run_load(port: int, jobs: list[tuple[str, str, dict[str, str], bytes]]
     return latencies, time.perf_counter() - start
 
 
-#: The server closes a keep-alive connection idle this long (uvicorn's default, 5 s): a
-#: device whose next request comes later opens a new connection (its cost is in the latency).
+#: A device's HTTP client drops a connection idle this long (httpx keeps one 5 s; the server
+#: now keeps it `--keep-alive`, 75 s): a device whose next request comes later opens a new
+#: connection (its cost is in the latency).
 IDLE_CLOSE = 4.5
 
 

@@ -23,9 +23,16 @@ if TYPE_CHECKING:  # the server's modules load only when it runs: `margo --help`
 
 CLIENT_CERT_MODES = ("required", "optional", "none")  # wfm.identity.tls.CLIENT_CERT_MODES
 ONBOARDING_MODES = ("open", "closed")  # wfm.identity.proofs.ONBOARDING_MODES
-#: Connections served at once by default: a fleet of 10,000 devices polling every 15 s on
-#: keep-alive connections (closed after 5 s idle) holds about 3,500.
-DEFAULT_MAX_CONNECTIONS = 8192
+#: Seconds an idle keep-alive connection stays open by default: longer than the polling
+#: intervals devices commonly use (the client's default is 30 s), as nginx's 75 s. A timeout
+#: equal to a device's interval closes connections just as the device reuses them (uvicorn's
+#: own default, 5 s, did that to devices polling every 5 s).
+DEFAULT_KEEP_ALIVE = 75
+#: Connections served at once by default. Every device polling more often than the
+#: keep-alive timeout holds a connection between polls, so a fleet of 10,000 such devices
+#: holds about 10,000 (with uvicorn's 5 s timeout, polling every 15 s: about 3,500); each
+#: idle one costs the server about 9 KiB.
+DEFAULT_MAX_CONNECTIONS = 16384
 DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000  # wfm.http.device_api.DEFAULT_MAX_DEVICES_PER_CLIENT
 
 
@@ -67,6 +74,11 @@ def register(commands: Any) -> None:
                        help="a connection must send a request's headers within SECONDS "
                             "(of connecting, or of the request's first byte), else it is "
                             "closed (default 30)")
+    serve.add_argument("--keep-alive", type=int, default=DEFAULT_KEEP_ALIVE,
+                       metavar="SECONDS",
+                       help="close a keep-alive connection idle for SECONDS (default "
+                            f"{DEFAULT_KEEP_ALIVE}: longer than devices' polling intervals, "
+                            "so their connections are not closed just as they are reused)")
     serve.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        metavar="N",
                        help="connections served at once (idle keep-alive ones count); a "
@@ -209,11 +221,15 @@ def run_serve(args: argparse.Namespace) -> int:
         transport["http"] = protocol
     if args.max_connections < 1:
         raise SystemExit("margo serve: --max-connections must be at least 1")
+    if args.keep_alive < 1:
+        raise SystemExit("margo serve: --keep-alive must be at least 1 second")
     # uvicorn answers 503 to a request once connections (this one included) or requests
     # in flight reach its limit: one more than ours lets exactly N connections be served.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 proxy_headers=False, server_header=False,
-                limit_concurrency=args.max_connections + 1, **transport)
+                limit_concurrency=args.max_connections + 1,
+                timeout_keep_alive=args.keep_alive,
+                **transport)
     return 0
 
 

@@ -23,6 +23,15 @@ Every request the device client makes may be sent twice (GET, PUT of a status or
 document, the onboarding POST that gives a key its existing client back), so a request that
 timed out on one URL is sent to the next without harm.
 
+A kept-alive connection the server closed just as the request went out on it (its idle
+timeout ran out at that moment: `httpx.RemoteProtocolError` "Server disconnected", or
+`ReadError` for the reset) is no sign of a dead URL: the server did not act on the request. An
+idempotent request (GET, HEAD, PUT, DELETE, OPTIONS: RFC 9110, 9.2.2) with a body that can be
+sent again is then sent once more on a new connection, to the same URL, before anything
+else is decided. Only on a reused connection: one that breaks right after it was opened is
+the server's answer, and moves on as above. (httpcore's own check of an idle connection
+before reuse misses a close that arrives while the request is being written.)
+
 `ServerList` is the choice shared by all users of one list (the HTTP client and, when its
 URLs follow the server's, the Git source): one device, one view of which URL works. Back
 to the first URL: `failback` seconds after leaving it (and again every `failback` seconds
@@ -136,6 +145,27 @@ class ServerList:
             self._last_failure[index] = reason
 
 
+#: Methods a request of which may be sent again (RFC 9110, 9.2.2).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
+#: What a kept-alive connection the server closed before answering gives (module docstring).
+_CLOSED_UNDER_US = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class _ConnectWatch:
+    """httpcore's `trace` extension for one attempt: whether it opened a connection (any
+    `connection.connect_*` event); otherwise it went out on a kept-alive one. Passes every
+    event on to the caller's own `trace`, if any."""
+
+    def __init__(self, inner: Callable[[str, dict[str, Any]], Any] | None) -> None:
+        self.inner = inner
+        self.connected = False
+
+    def __call__(self, name: str, info: dict[str, Any]) -> Any:
+        if name.startswith("connection.connect_"):
+            self.connected = True
+        return self.inner(name, info) if self.inner is not None else None
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -159,16 +189,16 @@ class FailoverClient(httpx.Client):
         no URL did better: the 502/503/504 of the URL in use, else the first such answer
         (its URL, alive if unable for now, becomes the one in use), else the first error."""
         relative = self._relative(request.url)
-        if len(self.urls) == 1 or relative is None:
-            return super().send(request, **kwargs)
         headers = request.headers.copy()
+        if len(self.urls) == 1 or relative is None:
+            return self._send_fresh(request, headers, **kwargs)
         errors: list[httpx.TransportError] = []
         answers: dict[int, httpx.Response] = {}
         try:
             for index in self.servers.order():
                 attempt = _retarget(request, httpx.URL(self.urls[index] + relative), headers)
                 try:
-                    response = super().send(attempt, **kwargs)
+                    response = self._send_fresh(attempt, headers, **kwargs)
                 except httpx.TransportError as exc:
                     if not connection_failure(exc):
                         raise
@@ -189,6 +219,25 @@ class FailoverClient(httpx.Client):
         finally:
             for unused in answers.values():
                 unused.close()
+
+    def _send_fresh(self, request: httpx.Request, headers: httpx.Headers,
+                    **kwargs: Any) -> httpx.Response:
+        """Send `request`, and once more on a new connection when it went out on a kept-alive
+        one the server had closed (module docstring); `headers`: those it had before auth."""
+        extensions = request.extensions
+        watch = _ConnectWatch(extensions.get("trace"))
+        request.extensions = {**extensions, "trace": watch}
+        try:
+            return super().send(request, **kwargs)
+        except _CLOSED_UNDER_US as exc:
+            if watch.connected or request.method not in _IDEMPOTENT or \
+                    not isinstance(request.stream, httpx.ByteStream):
+                raise
+            log.info("%s %s: the server closed the kept-alive connection (%s); sending it "
+                     "again on a new one", request.method, request.url, _describe(exc))
+        again = _retarget(request, request.url, headers)
+        again.extensions = extensions
+        return super().send(again, **kwargs)
 
     def _relative(self, url: httpx.URL) -> str | None:
         """The part of `url` after the first server URL (starting with `/`), or None for a

@@ -122,3 +122,46 @@ def test_the_page_refreshes_itself_after_a_new_status_report(
     assert "failed" in row_text(page, selector)
     assert page.evaluate("window.notReloaded") is True
     assert page.url.endswith("/devices/plant-a-cluster")
+
+
+#: What the Compose driver reported for a failed upgrade (tests/reconciler/test_compose_e2e:
+#: Compose's progress lines, then the failing container's last log lines).
+COMPOSE_FAILURE = (
+    "upgrade of web-7b7ff02016: docker compose exited with 1: Container "
+    "web-7b7ff02016-web-1  Recreate\n Container web-7b7ff02016-migrate-1  Creating\n"
+    " Container web-7b7ff02016-migrate-1  Created\n Container web-7b7ff02016-web-1  Recreated\n"
+    " Container web-7b7ff02016-migrate-1  Starting\n Container web-7b7ff02016-web-1  Started\n"
+    " Container web-7b7ff02016-web-1  Waiting\n Container web-7b7ff02016-web-1  Healthy\n"
+    "container web-7b7ff02016-migrate-1 exited (3)\nweb-7b7ff02016-migrate-1 exited with "
+    "code 3; its last log lines:\nloading configuration\nfatal: DATABASE_URL is not set")
+
+
+def test_a_long_error_is_shown_once_briefly_and_unfolds_in_full(
+        page: Any, dashboard_fleet: DashboardFleet) -> None:
+    dashboard_fleet.report("plant-a-edge", "hello-everywhere", "failed",
+                           {"code": "UPGRADE_FAILED", "message": COMPOSE_FAILURE})
+    deployment = dashboard_fleet.deployment_id("plant-a-edge", "hello-everywhere")
+    page.goto(dashboard_fleet.base + "/devices/plant-a-edge")
+    row = page.locator(f'tr[data-deployment="{deployment}"]')
+    shown = " ".join(str(row.inner_text()).split())
+    # The component says its code; the Error column says the message once, first and last
+    # lines, with Compose's progress folded away.
+    assert shown.count("UPGRADE_FAILED") == 2, shown
+    assert shown.count("docker compose exited with 1") == 1, shown
+    assert shown.count("fatal: DATABASE_URL is not set") == 1, shown
+    assert "Creating" not in shown and "its last log lines" not in shown, shown
+    row.locator("details summary").click()
+    full = row.locator("details pre")
+    assert full.is_visible()
+    assert full.inner_text() == COMPOSE_FAILURE.strip()
+    # Unfolded, it stays so across the page's self-refresh.
+    page.evaluate("document.getElementById('main').dataset.old = 'yes'")
+    page.wait_for_function("() => !document.getElementById('main').dataset.old",
+                           timeout=15_000)
+    assert row.locator("details").get_attribute("open") is not None
+    assert row.locator("details pre").is_visible()
+
+    page.goto(dashboard_fleet.base + "/applications/com-example-hello-world")
+    run = " ".join(str(page.locator('table.runs tr[data-device="plant-a-edge"]')
+                       .inner_text()).split())
+    assert run.count("docker compose exited with 1") == 1 and "Creating" not in run, run

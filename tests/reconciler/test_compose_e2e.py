@@ -266,6 +266,10 @@ def test_deploy_update_reconfigure_fail_repair_and_delete(box: Box, test_images:
     assert component["error"]["code"] == "UPGRADE_FAILED"
     assert "migrate-1 exited with code 3; its last log lines:" in component["error"]["message"]
     assert "fatal: DATABASE_URL is not set" in component["error"]["message"]
+    # The dashboard shows that message once (the component's is the deployment's), Compose's
+    # progress folded under its first and last lines.
+    page = box.server._http.get(f"/devices/{DEVICE}").text
+    assert page.count("its last log lines:") == 1, page
     # Back to the good revision.
     box.release("1.1.0")
     box.wait("the failing service gone", lambda: sorted(box.containers()) == ["web"]

@@ -6,6 +6,7 @@ the intent and follows the rollout through the read API and `margo rollout`."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -214,6 +215,19 @@ def test_a_failing_canary_rolls_back_and_the_rest_never_sees_the_bad_version(
     devices.step()
     assert all(seen == {"v1"} for d, seen in devices.seen.items() if d != canary)
     assert rollout_view(base)["status"] == "rolled back"
+    # The canary is back on v1 (and says installed), but the reason, the read API's
+    # columns and the dashboard's all show where the devices stood when it rolled back.
+    after = rollout_view(base)
+    assert after["reason"].startswith("1 failed and 0 stale"), after
+    assert [(w["failed"], w["installed"], w["held"]) for w in after["waves"]] == [
+        (1, 0, 0), (0, 0, 5)], after
+    page = httpx.get(f"{base}/").text
+    canary_row = re.search(r'<th scope="row">canary</th>(.*?)</tr>', page, re.S)
+    assert canary_row is not None, page
+    # Devices, Moved, Installed, Failed, Stale, Pending, Held
+    assert re.findall(r'<td class="num">(\d+)</td>', canary_row.group(1)) == [
+        "1", "1", "0", "1", "0", "0", "0"]
+    assert "1 failed and 0 stale device(s) exceed the failure budget of 0" in page
 
 
 # The soak must outlast starting the CLI for `pause` on a busy machine (it once took over

@@ -204,6 +204,9 @@ class RolloutController:
         budget = budget_of(spec, len(waves))
         if counts["failed"] + counts["stale"] > budget:
             state["status"] = "rolled back"
+            # Where each device stood when the budget ran out: the reason's counts and the
+            # view's columns both come from it (the rollback moves the devices on).
+            state["verdicts"] = verdicts
             state["reason"] = (f"{counts['failed']} failed and {counts['stale']} stale "
                                f"device(s) exceed the failure budget of {budget}")
             return
@@ -277,13 +280,21 @@ class RolloutController:
         # recorded no moves); one rolled back moves no device further.
         shown = state if not complete else {**state, "moved": None}
         never_moved = (state["status"] == "rolled back" and state.get("moved") is not None)
+        # Rolled back by the failure budget: where the devices stood then, as the reason
+        # counts them (since, the rollback has moved them back to their base).
+        frozen: dict[str, str] | None = (state.get("verdicts")
+                                         if state["status"] == "rolled back" else None)
         unavailable = 0
         for device, wave in sorted(waves.items()):
             entry = per[wave]
             entry["devices"] += 1
             entry["moved"] += device in state["base"]
-            if (complete or wave <= open_wave) and not (never_moved
-                                                        and device not in state["moved"]):
+            if frozen is not None:
+                verdict = frozen.get(device, "held")
+                entry[verdict] += 1
+                unavailable += verdict in _UNAVAILABLE
+            elif (complete or wave <= open_wave) and not (never_moved
+                                                          and device not in state["moved"]):
                 verdict = self._verdict(device, shown, now, deadline, wave, statuses,
                                         capped=limit is not None)
                 entry[verdict] += 1
@@ -356,7 +367,7 @@ def _started(state: dict[str, Any] | None, revision: str, now: float) -> dict[st
             "previous": state["previous"] if superseding else state["revision"],
             "status": "progressing", "openWave": 0, "openedAt": {"0": now}, "settledAt": {},
             "base": dict(state["base"]) if superseding else {}, "reason": "",
-            "history": [], "startedAt": now, "moved": [], "admitted": {},
+            "history": [], "startedAt": now, "moved": [], "admitted": {}, "verdicts": None,
             "superseded": state["revision"] if superseding else None}
 
 

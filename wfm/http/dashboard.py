@@ -106,10 +106,23 @@ def _by_severity(states: Mapping[str, int]) -> list[tuple[str, int]]:
                   key=lambda item: (rank.get(item[0], len(STATES)), item[0]))
 
 
+def _brief(message: Any, width: int = 160) -> str:
+    """An error message short enough for a table cell: itself when it is one short line,
+    else its first line and its last (a failing command's own last words, e.g. after
+    Compose's progress lines), each cut to `width` characters. The page keeps the whole
+    message beside it, folded."""
+    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    cut = [line if len(line) <= width else line[:width - 1].rstrip() + "\u2026"
+           for line in (lines[0], lines[-1])]
+    return cut[0] if len(lines) == 1 else f"{cut[0]} \u2026 {cut[1]}"
+
+
 _ENV = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 _ENV.filters.update(when=_when, iso=_iso, ago=_ago, value=_value, number=_number,
-                    by_severity=_by_severity)
+                    by_severity=_by_severity, brief=_brief)
 _ENV.globals.update(STATES=STATES, REFRESH_SECONDS=REFRESH_SECONDS)
 
 

@@ -53,7 +53,7 @@ from wfm.server.datalock import DataDirLock
 from wfm.server.gcpolicy import tune_for_serving
 from wfm.store import records
 from wfm.store.database import Database, DatabaseUnavailable
-from wfm.store.opening import open_database
+from wfm.store.opening import is_url, open_database
 from wfm.telemetry.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -304,6 +304,7 @@ def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
     lock = config.data_lock or DataDirLock(config.data)
     if not lock.held:
         lock.acquire()  # DataDirBusy: another server runs on this directory
+    lock.record(store="postgresql" if is_url(config.database) else "sqlite")
     db = open_database(config.database)
     if config.host_source:
         ensure_repository(config.hosted_source, config.source_branch)

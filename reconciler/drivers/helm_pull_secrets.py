@@ -62,8 +62,7 @@ from reconciler.registry_grants import Granted
 from reconciler.releases import LABEL_COMPONENT, LABEL_DEPLOYMENT, LABEL_MANAGED_BY, MANAGER
 from reconciler.sealed_values import Opened
 
-__all__ = ["DATA_KEY", "FIELD_MANAGER", "LABEL_RELEASE", "SECRET_TYPE", "SERVICE_ACCOUNT",
-           "KubeWriter", "PullSecrets", "secret_name"]
+__all__ = ["PullSecrets", "secret_name"]
 
 log = logging.getLogger("margo.device.helm")
 

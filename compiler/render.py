@@ -465,19 +465,22 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     plan = cache.plan(app, profile)
     worked_out = _values(intent, app, device, cache)
     values, keys, problems = worked_out.values, worked_out.keys, list(worked_out.problems)
-    secrets = sorted(n for n in cache.value_plan(intent, app).secrets
-                     if n in plan.targets and values[n] is not EMPTY)
-    items, before, found = _to_seal(intent, app, device, values, secrets, previous, cache)
-    problems += found
+    hidden = cache.value_plan(intent, app).secrets  # (most intents: none, and no grants)
+    secrets = sorted(n for n in hidden if n in plan.targets and values[n] is not EMPTY)
+    items: list[SealItem] = []
+    before = previous_values(previous)
+    if hidden or intent.registry_credentials:
+        items, before, found = _to_seal(intent, app, device, values, secrets, previous, cache)
+        problems += found
     # Everything the document holds but the two device-specific strings (its id and the
     # device id): the intent (name, namespace, shape: its digest), the application, the
     # profile and every parameter's value (also those the configuration rules check that
     # do not reach this profile: a known key means the rules passed these exact values).
     key = (intent.name, intent.digest, app.digest, profile.id, tuple(keys.values()))
     template = cache.templates.get(key)
-    problems += redacted(_check_values(worked_out, app, plan, device, before, intent, cache,
-                                       checked=template is not None),
-                         cache.value_plan(intent, app).secrets, device.id)
+    found = _check_values(worked_out, app, plan, device, before, intent, cache,
+                          checked=template is not None)
+    problems += redacted(found, hidden, device.id) if hidden and found else found
     if problems:
         raise RenderError(problems)
     slots = {"id": deployment_id(intent.name, device.id), "device": device.id}

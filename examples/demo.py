@@ -10,8 +10,9 @@ otherwise says so and renders too. A scripted scenario then changes the fleet so
 commit at a time and waits until every device has converged, printing what each runs.
 
 Everything lives under one directory (default `.demo/`, or `$DEMO_DIR`). At the end the demo
-prints the dashboard URL and keeps serving until interrupted; with `DEMO_EXIT=1` it stops
-instead and exits 0 only if every step converged as expected.
+prints the dashboard URL and keeps serving until interrupted, then stops its parts in order;
+with `DEMO_EXIT=1` it stops them right after the scenario instead (and says so rather than
+print addresses that are about to go) and exits 0 only if every step converged as expected.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from reconciler.oci import OciClient
 from tools.docker.dockerengine import DockerEngine, running_engine, why_unavailable
 from tools.docker.testimages import greeter_image, push_image
 from tools.polling import poll_until
+from tools.processes import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +53,11 @@ DEVICES = {
     "edge-compose": ("compose-box-amd64", "git", "oct-2024"),
 }
 GPU_DEVICE = "edge-gpu-cluster"
+#: How the demo starts its parts: in a session of their own, so a Ctrl-C reaches only the
+#: demo, which then stops them in order (devices, server, Docker engine, registry) rather
+#: than all at once (a device mid-cycle would find its engine gone); each gets SIGTERM if
+#: the demo dies without stopping them.
+BACKGROUND: dict[str, Any] = {"start_new_session": True, "preexec_fn": die_with_parent}
 BOLD, DIM, RESET = ("\033[1m", "\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "", "")
 
 
@@ -95,7 +102,7 @@ def registry(home: Path) -> Iterator[str]:
         "http": {"addr": f"127.0.0.1:{port}"}}))
     with open(home / "registry.log", "w") as log:
         process = subprocess.Popen([binary, "serve", str(config)], stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, **BACKGROUND)
     host = f"127.0.0.1:{port}"
     try:
         wait_until("the registry", lambda: _answers(f"http://{host}/v2/"), 20)
@@ -262,7 +269,8 @@ class Demo:
     def spawn(self, name: str, command: list[str]) -> None:
         log = open(self.home / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
         self.stack.callback(log.close)
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   **BACKGROUND)
         self.processes.append(process)
 
         def stop() -> None:
@@ -455,22 +463,32 @@ class Demo:
         return "".join(p.read_text() for p in sorted(out.rglob("*"))
                        if p.is_file()) if out.exists() else ""
 
-    def summary(self) -> None:
+    def summary(self, serving: bool) -> None:
+        """What to look at, and for how long: with `serving` (no DEMO_EXIT=1) the server,
+        the registry and the Compose box's engine run until Ctrl-C; else they stop as the
+        demo exits, and only what they left on disk stays."""
         step(f"The story, as {GPU_DEVICE}'s repository tells it")
         history = run("git", "--git-dir", self.home / "wfm/repos/fleet-state.git", "log",
                       "--reverse", "--format=%h %s", f"devices/{GPU_DEVICE}", check=False)
         for line in history.stdout.strip().splitlines():
             say(f"  {line}")
-        step("Where to look")
-        say(f"  dashboard         {self.base}/?token=demo-operator-token")
-        say(f"  read API          curl -H 'Authorization: Bearer demo-operator-token' "
-            f"{self.base}/api/fleet/devices")
+        step("Where to look" if serving else "Where to look (on disk; the servers stop now)")
+        if serving:
+            say(f"  dashboard         {self.base}/?token=demo-operator-token")
+            say(f"  read API          curl -H 'Authorization: Bearer demo-operator-token' "
+                f"{self.base}/api/fleet/devices")
+        else:
+            say("  dashboard, API    stop with the demo (DEMO_EXIT=1); `make demo` without it "
+                "keeps serving them until Ctrl-C")
         say(f"  device repository git --git-dir {self.home}/wfm/repos/fleet-state.git log "
             f"--format='%h %s' devices/{GPU_DEVICE}")
         say(f"  rendered output   {self.home}/devices/<device>/rendered/")
-        if self.engine is not None:
+        if self.engine is not None and serving:
             say(f"  Compose box       DOCKER_HOST={self.engine.host} docker ps (its engine; "
                 f"http://127.0.0.1:{self.compose_port}/ while Hello World runs)")
+        elif self.engine is not None:
+            say("  Compose box       its private Docker engine stops with the demo, its "
+                "containers removed")
         say(f"  logs              {self.home}/*.log, {self.home}/devices/*/device.log")
         say(f"  everything        {self.home}")
 
@@ -489,9 +507,10 @@ def main() -> int:
             demo.ok = False
             detail = getattr(exc, "stderr", "") or ""
             say(f"\nDEMO FAILED: {exc} {detail}")
-        demo.summary()
+        serving = os.environ.get("DEMO_EXIT") != "1"
+        demo.summary(serving)
         say(f"\n{'Every step converged.' if demo.ok else 'Some steps did NOT converge.'}")
-        if os.environ.get("DEMO_EXIT") == "1":
+        if not serving:
             return 0 if demo.ok else 1
         say("Serving until interrupted (Ctrl-C)...")
         try:

@@ -439,14 +439,16 @@ class Reconciler:
             return result
         the_plan = plan(desired, installed, component_order=self.state.component_orders())
         self._digests = {d.deployment_id: d.digest for d in desired}
-        for dplan in the_plan.deployments:
-            if self.stopping.is_set():
-                break
+        remaining = list(the_plan.deployments)
+        while remaining and not self.stopping.is_set():
+            dplan = remaining.pop(0)
             self._apply_deployment(dplan, result)
             self._settle(dplan)
         self._finish_vanished({d.deployment_id for d in desired},
                               {r.deployment_id for r in installed})
-        result.converged = not result.failures and not self.stopping.is_set()
+        # A stop (SIGTERM) lets the current step finish: the cycle converged unless it left
+        # changes undone, however late in it the signal came.
+        result.converged = not result.failures and not any(d.changes for d in remaining)
         if not self.stopping.is_set():
             self._reassert(desired)
         self._finish_delivery(result)

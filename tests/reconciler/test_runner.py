@@ -172,6 +172,24 @@ def test_components_go_in_listed_order_and_each_transition_is_reported(world: Wo
     assert world.states("web") == ["pending", "installing", "installed"]
 
 
+def test_a_stop_during_a_cycle_is_converged_unless_it_left_changes_undone(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.source.publish(deployment("web"))
+    assert world.runner.cycle().converged
+    installed = world.driver.installed
+
+    def stopped_meanwhile() -> list[InstalledRelease]:  # SIGTERM while the engine is asked
+        world.runner.stopping.set()
+        return installed()
+
+    monkeypatch.setattr(world.driver, "installed", stopped_meanwhile)
+    assert world.runner.cycle().converged  # nothing was left to do: a clean stop
+    world.source.publish(deployment("web", revision="2.0.0"))
+    stopped = world.runner.cycle()
+    assert not stopped.converged  # the upgrade waits for the next start
+    assert world.driver.applied == [("install", "web")]
+
+
 @pytest.mark.parametrize(("retryable", "tries_after"), [
     (True, [RETRY_FIRST_SECONDS - 1, RETRY_FIRST_SECONDS + 1]),  # waits out the back-off
     (False, [RETRY_FIRST_SECONDS * 100]),  # never again, until the desired state changes

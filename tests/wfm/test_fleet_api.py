@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from kits.serverkit import ROOT, add_client, running_server
 
+from tools.margoserver import margo_server
 from tools.polling import poll_until
 
 CAPS = ROOT / "examples" / "capabilities"
@@ -206,6 +207,20 @@ def test_pushing_to_the_hosted_source_recompiles(tmp_path: Path) -> None:
         clone = tmp_path / "clone"
         git("clone", "-q", url, str(clone), cwd=tmp_path)
         assert (clone / "deployments" / "hello-everywhere.yaml").exists()
+
+
+def test_a_fresh_hosted_source_waits_for_its_first_push_without_a_warning(
+        tmp_path: Path) -> None:
+    """Nothing pushed yet is the normal state of a new server: INFO, not WARNING."""
+    add_client(tmp_path / "data", "edge")
+    with margo_server(tmp_path / "data", "--host-source", log_level="info",
+                      cwd=ROOT) as server:
+        poll_until("the server waiting", lambda: "waiting for the first push"
+                   in server.log.read_text(), timeout=20, interval=0.1)
+        log = server.log.read_text()
+    assert ("INFO margo.wfm.compiles: fleet source: nothing pushed or fetched to "
+            "refs/heads/main yet; waiting for the first push") in log, log
+    assert " WARNING " not in log and " ERROR " not in log, log
 
 
 def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(

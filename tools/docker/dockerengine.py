@@ -141,7 +141,9 @@ def running_engine(folder: Path, *, timeout: float = 120.0) -> Iterator[DockerEn
          "--host", host, "--pidfile", str(folder / "docker.pid"), "--iptables=false",
          "--ip-masq=false", "--bridge=none", "--log-level=warn"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent)
+        # A session of its own: a Ctrl-C meant for the program that started it (a test run,
+        # the demo) does not kill it under its clients; that program stops it below.
+        start_new_session=True, preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout
         while not (sock.exists() and _reachable(docker, host)):

@@ -222,15 +222,16 @@ class CompileService:
         if self._source.path is None:
             return None
         if self._source.ref and not _has_ref(self._source.path, self._source.ref):
-            # a hosted or mirrored repository nothing was pushed to yet
-            self._on_condition(SourceCondition.not_compiled(
-                "waiting", f"nothing pushed or fetched to {self._source.ref} yet"))
+            # a hosted or mirrored repository nothing was pushed to yet: normal, not a fault
+            waiting = f"nothing pushed or fetched to {self._source.ref} yet"
+            log.info("fleet source: %s; waiting for the first push", waiting)
+            self._on_condition(SourceCondition.not_compiled("waiting", waiting))
             return None
         try:
             return load_source(self._source.path, ref=self._source.ref)
         except SourceError as exc:
             self.last_error = str(exc)
-            log.error("fleet source: %s", exc)
+            log.error("fleet source: %s; keeping the current desired state", exc)
             self._on_condition(SourceCondition.not_compiled(
                 "unreadable", f"{exc}; the previous desired state stays in force"))
             return None
@@ -247,8 +248,9 @@ class CompileService:
             loaded = self._load_source()
             if loaded is None:
                 # An unreadable source must never look like an empty one: that would remove
-                # every deployment. Keep the current state until it can be read.
-                log.warning("fleet source not readable yet; keeping the current desired state")
+                # every deployment. Keep the current state until it can be read (what it
+                # waits for is logged where it was found: INFO for the first push, ERROR for
+                # a source that cannot be read).
                 return
             source = loaded
         log.info("compiling source %s", source.revision)

@@ -38,6 +38,7 @@ import helm_python as helm
 import yaml
 
 from authoring.values import as_list, dig, schema_allows, suggest_key, values_define
+from authoring.workloads import containers, fixed_name, missing_resources
 from margo.component_values import helm_values, parse_helm_pointer, set_helm_value
 from margo.models import ApplicationDescription, Component, ProfileType
 
@@ -93,6 +94,9 @@ class Finding:
     level: str
     rule: str
     message: str
+    #: The object (and container) a rendered finding is about: one problem of one object is
+    #: reported once, however many renders show it (not part of equality or the JSON).
+    subject: str = field(default="", compare=False, repr=False)
 
     def format(self) -> str:
         """`file:line: level: message` (no line when it is unknown), like `margo validate`."""
@@ -407,36 +411,52 @@ def manifest_checks(loaded: LoadedChart, manifests: Iterable[Manifest], why: str
     values produced them (defaults, the application's values, a replica probe)."""
     out = []
     for manifest in manifests:
-        file = loaded.file(manifest.rel)
-        label = f"{manifest.kind} {manifest.name!r}"
+        file, label = loaded.file(manifest.rel), f"{manifest.kind} {manifest.name!r}"
+
+        def found(pattern: str, level: str, rule: str, message: str, part: str = "",
+                  manifest: Manifest = manifest, file: str = file) -> None:
+            out.append(Finding(file, _template_line(loaded, manifest.rel, pattern), level,
+                               rule, message, f"{manifest.kind}/{manifest.name}/{part}"))
+
         annotations = dig(manifest.doc, "metadata", "annotations")
         if isinstance(annotations, Mapping) and "helm.sh/hook" in annotations:
-            out.append(Finding(file, _template_line(loaded, manifest.rel, _HOOK.pattern),
-                               "error", "hook",
-                               f"{label} is a Helm hook ({annotations['helm.sh/hook']}): "
-                               "Margo forbids hooks"))
+            hook = annotations["helm.sh/hook"]
+            tests = {h.strip() for h in str(hook).split(",")} & {"test", "test-success"}
+            found(_HOOK.pattern, "error", "hook", f"{label} is a Helm hook ({hook}): Margo "
+                  "forbids hooks" + (" (a device never runs helm test: check in a readiness "
+                                     "probe, or before publishing)" if tests else ""))
         if manifest.kind == "CustomResourceDefinition":
-            out.append(Finding(file, _template_line(loaded, manifest.rel, _CRD_KIND.pattern),
-                               "error", "crd",
-                               f"{label} is a CustomResourceDefinition: Margo forbids managing "
-                               "CRDs through Helm"))
+            found(_CRD_KIND.pattern, "error", "crd", f"{label} is a CustomResourceDefinition: "
+                  "Margo forbids managing CRDs through Helm")
+        if fixed_name(manifest.doc, RELEASE) is not None:
+            found(r"^\s*name\s*:", "warning", "fixed-name", f"{label} has a name that does "
+                  f"not come from the release ({why}): a second deployment of the chart on a "
+                  "device (another release) would collide with it; derive it from "
+                  ".Release.Name")
         pod = manifest.pod_spec()
         if pod is None:
             continue
+        for container in containers(pod):
+            missing = missing_resources(container)
+            if missing:
+                name = str(container.get("name") or "?")
+                found(r"^\s*resources\s*:|^\s*containers\s*:", "warning", "resources",
+                      f"container {name!r} of {label} sets no {', '.join(missing[:-1])}"
+                      f"{' or ' if len(missing) > 1 else ''}{missing[-1]} ({why}): a small "
+                      "edge node is overcommitted unseen and one container can take the "
+                      "memory of all; set resources.requests (cpu, memory) and "
+                      "resources.limits.memory", name)
         pinning = node_pinning(pod)
         if pinning:
-            out.append(Finding(file, _template_line(loaded, manifest.rel,
-                                                    r"nodeName|nodeSelector|nodeAffinity"),
-                               "warning", "node-name",
-                               f"{label} {pinning} ({why}): never name a node, let the "
-                               "cluster schedule and spread with topologySpreadConstraints"))
+            found(r"nodeName|nodeSelector|nodeAffinity", "warning", "node-name",
+                  f"{label} {pinning} ({why}): never name a node, let the cluster schedule "
+                  "and spread with topologySpreadConstraints")
         if (manifest.kind in REPLICATED_KINDS and manifest.replicas() > 1
                 and not pod.get("topologySpreadConstraints")):
-            out.append(Finding(file, _template_line(loaded, manifest.rel, r"^\s*replicas\s*:"),
-                               "warning", "replicas-spread",
-                               f"{label} can run {manifest.replicas()} replicas ({why}) "
-                               "without topologySpreadConstraints: Kubernetes may put them "
-                               f"all on one node; spread them over {HOSTNAME_LABEL}"))
+            found(r"^\s*replicas\s*:", "warning", "replicas-spread",
+                  f"{label} can run {manifest.replicas()} replicas ({why}) without "
+                  "topologySpreadConstraints: Kubernetes may put them all on one node; spread "
+                  f"them over {HOSTNAME_LABEL}")
     return out
 
 
@@ -629,6 +649,21 @@ def _dedupe(findings: Iterable[Finding]) -> list[Finding]:
     return sorted(set(findings), key=Finding.sort_key)
 
 
+def _once(rendered: list[Finding]) -> list[Finding]:
+    """One problem of one object once, as the first render that shows it says it (the
+    defaults before the application's values, those before the replica probes): each
+    render names its values in the message, so these are no exact repeats."""
+    seen: set[tuple[str, str, str]] = set()
+    out = []
+    for finding in rendered:
+        key = (finding.file, finding.rule, finding.subject)
+        if finding.subject and key in seen:
+            continue
+        seen.add(key)
+        out.append(finding)
+    return out
+
+
 def _prefer_rendered(text: list[Finding], rendered: list[Finding]) -> list[Finding]:
     covered = {(f.file, f.rule) for f in rendered}
     return [f for f in text if (f.file, f.rule) not in covered]
@@ -645,6 +680,6 @@ def lint_chart(loaded: LoadedChart, app: AppInput | None = None) -> list[Finding
         # Helm's lint renders the defaults too and has already said why they fail.
         rendered = [f for f in rendered if f.rule not in ("render", "values-schema")]
     if app is not None:
-        rendered += app_checks(loaded, app)
+        rendered = _once(rendered + app_checks(loaded, app))
     findings += rendered + _prefer_rendered(text_checks(loaded), rendered)
     return _dedupe(findings)

@@ -38,8 +38,10 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "lint-chart", help="check a Helm chart against Margo's chart rules",
         description="Lint a Helm chart (directory or .tgz) with the real Helm engine: "
-                    "apiVersion v2, no lookup, hooks or CRDs, no node names, replicas spread "
-                    "across nodes, and (with --app) every parameter pointer defined by the "
+                    "apiVersion v2, no lookup, hooks (helm test ones too) or CRDs, no node "
+                    "names, replicas spread across nodes, resource requests and a memory "
+                    "limit on every container, object names from the release, and (with "
+                    "--app) every parameter pointer defined by the "
                     "chart. Exit 0 when clean or only warnings, 1 on errors, 2 when the "
                     "chart or application cannot be read.")
     parser.add_argument("chart", metavar="CHART", help="chart directory or .tgz archive")

@@ -48,6 +48,9 @@ spec:
       containers:
         - name: web
           image: "registry.example.com/web:1.0.0"
+          resources:
+            requests: {cpu: 10m, memory: 16Mi}
+            limits: {memory: 32Mi}
 """
 
 SPREAD = {"topologySpreadConstraints": [
@@ -149,7 +152,7 @@ def test_the_ha_example_spreads_and_guards_only_when_replicated() -> None:
 
 def test_every_example_chart_is_free_of_errors(capsys: pytest.CaptureFixture[str]) -> None:
     """The example fleet passes; hello-world's `replicas` parameter can reach 2 without a
-    spread, which the parameter probe reports as a warning (exit 0)."""
+    spread, which the parameter probe reports as a warning (exit 0), each once."""
     warnings = {}
     for chart in sorted(APPS.glob("*/charts/*")):
         status, findings = lint(capsys, chart, "--app", chart.parents[1] / "margo.yaml")
@@ -161,7 +164,17 @@ def test_every_example_chart_is_free_of_errors(capsys: pytest.CaptureFixture[str
         "replicas-spread",
         "Deployment 'release-name' can run 2 replicas (parameter 'replicas' can set "
         "replicaCount above 1) without topologySpreadConstraints: Kubernetes may put them "
-        "all on one node; spread them over kubernetes.io/hostname")]
+        "all on one node; spread them over kubernetes.io/hostname"), (
+        "resources",
+        "container 'hello-world' of Deployment 'release-name' sets no cpu request, memory "
+        "request or memory limit (values.yaml defaults): a small edge node is overcommitted "
+        "unseen and one container can take the memory of all; set resources.requests (cpu, "
+        "memory) and resources.limits.memory")]
+    # The other small examples ask for no resources either (ha-web shows how).
+    assert {name: [rule for rule, _ in found] for name, found in warnings.items()
+            if name not in ("ha-web", "hello-world")} == {
+        "inference-server": ["resources"], "line-monitor": ["resources"],
+        "model-cache": ["resources"]}
 
 
 # --------------------------------------------------------------------------- forbidden features
@@ -173,10 +186,12 @@ def test_forbidden_chart_features_are_errors(tmp_path: Path,
         "_helpers.tpl": '{{- define "demo.secret" -}}\n'
                         '{{- $s := lookup "v1" "Secret" .Release.Namespace "x" }}\n'
                         '{{- end }}\n',
-        "job.yaml": "apiVersion: batch/v1\nkind: Job\nmetadata:\n  name: migrate\n"
+        "job.yaml": "apiVersion: batch/v1\nkind: Job\nmetadata:\n"
+                    "  name: {{ .Release.Name }}-migrate\n"
                     "  annotations:\n    \"helm.sh/hook\": pre-install\nspec:\n  template:\n"
                     "    spec:\n      restartPolicy: Never\n      containers:\n"
-                    "        - name: m\n          image: x:1\n",
+                    "        - name: m\n          image: x:1\n"
+                    "          resources: {limits: {cpu: 100m, memory: 8Mi}}\n",
         "crd.yaml": "apiVersion: apiextensions.k8s.io/v1\n"
                     "kind: CustomResourceDefinition\nmetadata:\n  name: widgets.example.com\n",
     }, crds={"gadgets.yaml": "apiVersion: apiextensions.k8s.io/v1\n"
@@ -192,7 +207,8 @@ def test_forbidden_chart_features_are_errors(tmp_path: Path,
         ("error", "hook", "templates/job.yaml", 6),
     ]
     messages = {f["rule"]: f["message"] for f in findings}
-    assert messages["hook"] == "Job 'migrate' is a Helm hook (pre-install): Margo forbids hooks"
+    assert messages["hook"] == ("Job 'release-name-migrate' is a Helm hook (pre-install): "
+                                "Margo forbids hooks")
     assert "'v1'" in messages["chart-api-version"]
 
 
@@ -205,6 +221,37 @@ def test_forbidden_features_behind_a_condition_are_found_in_the_text(
     status, findings = lint(capsys, chart)
     assert status == 1
     assert rules(findings) == [("error", "hook", "templates/job.yaml", 7)]
+
+
+def test_a_helm_test_hook_is_a_forbidden_hook(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`helm create`'s templates/tests/test-connection.yaml: a device never runs helm test."""
+    chart = write_chart(tmp_path)
+    (chart / "templates" / "tests").mkdir()
+    (chart / "templates" / "tests" / "test-connection.yaml").write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: \"{{ .Release.Name }}-test\"\n"
+        "  annotations:\n    \"helm.sh/hook\": test\nspec:\n  restartPolicy: Never\n"
+        "  containers:\n    - name: wget\n      image: busybox\n"
+        "      resources: {limits: {cpu: 10m, memory: 8Mi}}\n")
+    status, findings = lint(capsys, chart)
+    assert status == 1
+    assert rules(findings) == [("error", "hook", "templates/tests/test-connection.yaml", 6)]
+    assert findings[-1]["message"] == (
+        "Pod 'release-name-test' is a Helm hook (test): Margo forbids hooks (a device never "
+        "runs helm test: check in a readiness probe, or before publishing)")
+
+
+def test_capabilities_api_versions_has_needs_the_list_out_of_band(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chart = write_chart(tmp_path, values={"monitor": True}, templates={
+        "sm.yaml": '{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}\n'
+                   "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\nmetadata:\n"
+                   "  name: {{ .Release.Name }}\n{{- end }}\n"})
+    status, findings = lint(capsys, chart)
+    assert status == 0
+    assert [(f["level"], f["rule"], f["line"]) for f in findings] == [
+        ("info", "api-versions", 1)]
+    assert "given the API list out of band" in findings[0]["message"]
 
 
 def test_lookup_look_alikes_are_not_reported(tmp_path: Path,
@@ -277,6 +324,76 @@ def test_replicas_without_a_spread_are_a_warning(tmp_path: Path,
     assert "can run 3 replicas (values.yaml defaults)" in findings[-1]["message"]
     spread = write_chart(tmp_path / "spread", values={"replicaCount": 3, "pod": SPREAD})
     assert lint(capsys, spread) == (0, [])
+
+
+# --------------------------------------------------------------------------- sharing a device
+
+
+@pytest.mark.parametrize(("resources", "missing"), [
+    ({}, "cpu request, memory request or memory limit"),
+    ({"requests": {"cpu": "10m", "memory": "16Mi"}}, "memory limit"),
+    ({"limits": {"memory": "32Mi"}}, "cpu request"),
+    ({"requests": {"memory": "16Mi"}, "limits": {"cpu": "1", "memory": "32Mi"}}, None),
+])
+def test_containers_must_say_what_they_need(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str],
+                                            resources: dict[str, Any], missing: str | None
+                                            ) -> None:
+    """A cpu and a memory request (a limit stands for its request) and a memory limit, on
+    init containers too."""
+    template = DEPLOYMENT.replace(
+        "      containers:",
+        "      initContainers:\n        - name: setup\n          image: x:1\n"
+        "          resources: {{ toJson .Values.setup }}\n      containers:")
+    chart = write_chart(tmp_path, values={"replicaCount": 1, "pod": {}, "setup": resources},
+                        templates={"deployment.yaml": template})
+    status, findings = lint(capsys, chart)
+    assert status == 0
+    if missing is None:
+        assert findings == []
+        return
+    assert rules(findings) == [("warning", "resources", "templates/deployment.yaml", 21)]
+    assert findings[0]["message"].startswith(
+        f"container 'setup' of Deployment 'release-name' sets no {missing} (values.yaml "
+        "defaults): ")
+
+
+def test_object_names_must_come_from_the_release(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A fixed name, in the chart or through a value (fullnameOverride), collides when a
+    device runs the chart twice; a name built from .Release.Name does not."""
+    chart = write_chart(tmp_path, values={"fullnameOverride": ""}, templates={
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: settings\n---\n"
+                   "apiVersion: v1\nkind: ConfigMap\nmetadata:\n"
+                   "  name: {{ .Values.fullnameOverride | default .Release.Name }}-data\n"})
+    status, findings = lint(capsys, chart)
+    assert status == 0
+    assert rules(findings) == [("warning", "fixed-name", "templates/cm.yaml", 4)]
+    assert findings[0]["message"] == (
+        "ConfigMap 'settings' has a name that does not come from the release (values.yaml "
+        "defaults): a second deployment of the chart on a device (another release) would "
+        "collide with it; derive it from .Release.Name")
+    app = write_app(tmp_path, parameters={"name": target("fullnameOverride", "shop")})
+    status, findings = lint(capsys, chart, "--app", app)
+    assert [(f["rule"], f["message"].split(" has ")[0]) for f in findings] == [
+        ("fixed-name", "ConfigMap 'settings'"), ("fixed-name", "ConfigMap 'shop-data'")]
+    assert "(the application's parameter values for component 'demo')" in \
+        findings[1]["message"]
+
+
+def test_with_the_app_each_problem_is_reported_once(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The defaults, the application's values and the replica probe all render the same
+    pinned, unspread Deployment: each problem is printed once, as the defaults show it."""
+    chart = write_chart(tmp_path, values={"replicaCount": 3, "pod": {"nodeName": "edge-1"}})
+    app = write_app(tmp_path, parameters={"replicas": target("replicaCount", 3)})
+    assert main(["lint-chart", str(chart), "--app", str(app)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": warning: ")[1].split(" (")[0] for line in out[:-1]] == [
+        "Deployment 'release-name' sets nodeName 'edge-1'",
+        "Deployment 'release-name' can run 3 replicas"]
+    assert all("(values.yaml defaults)" in line for line in out[:-1]), out
+    assert out[-1] == f"{chart}: 0 error(s), 2 warning(s)"
 
 
 # --------------------------------------------------------------------------- with --app
@@ -363,7 +480,8 @@ def test_the_app_must_use_this_chart_at_its_version(tmp_path: Path,
 def test_a_chart_that_fails_with_the_apps_values_is_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     chart = write_chart(tmp_path, values={"greeting": "hi"}, templates={
-        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\ndata:\n"
+        "cm.yaml": "apiVersion: v1\nkind: ConfigMap\nmetadata:\n"
+                   "  name: {{ .Release.Name }}\ndata:\n"
                    "  g: {{ required \"greeting is required\" .Values.greeting | quote }}\n"
                    "  {{- if .Capabilities.APIVersions.Has \"monitoring.coreos.com/v1\" }}\n"
                    "  monitored: \"yes\"\n  {{- end }}\n"})
@@ -504,6 +622,7 @@ def test_values_define_and_schema_allows() -> None:
 def test_the_command_is_documented() -> None:
     guide = (ROOT / "docs" / "helm-charts.md").read_text()
     assert "margo lint-chart" in guide
-    for rule in ("lookup", "hook", "crd", "replicas-spread", "node-name", "parameter-pointer"):
+    for rule in ("lookup", "hook", "crd", "replicas-spread", "node-name", "parameter-pointer",
+                 "api-versions", "resources", "fixed-name"):
         assert f"`{rule}`" in guide, rule
     assert textwrap.dedent(guide).count("topologySpreadConstraints") >= 2

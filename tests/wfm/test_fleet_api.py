@@ -223,11 +223,11 @@ def test_a_fresh_hosted_source_waits_for_its_first_push_without_a_warning(
     assert " WARNING " not in log and " ERROR " not in log, log
 
 
-def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
-        tmp_path: Path) -> None:
-    """A stock `git push` of a broken intent and a broken descriptor: git prints every
-    problem as `remote: file:line:col: path: message` and refuses; the server keeps serving
-    the previous source; the fix is accepted."""
+@contextlib.contextmanager
+def hosted_source(tmp_path: Path) -> Iterator[tuple[httpx.Client, str, Path, dict[str, Any]]]:
+    """A server hosting the fleet source (`--host-source`), the example fleet pushed to it
+    and compiled for one Compose box: a device client, the push URL, the working copy and
+    the first manifest."""
     data = tmp_path / "data"
     token = add_client(data, "edge")
     admin = tmp_path / "admin"
@@ -238,7 +238,26 @@ def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
         url = base.replace("http://", "http://operator:operator-token@") + "/git/source.git"
         http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
         git("push", "-q", url, "main", cwd=work)
-        good = poll(http, lambda m: len(m["deployments"]) == 1)
+        yield http, url, work, poll(http, lambda m: len(m["deployments"]) == 1)
+
+
+def refused_push(url: str, work: Path) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """A stock `git push` the server refuses: the process, and what the remote printed."""
+    pushed = subprocess.run(["git", "push", url, "main"], cwd=work, capture_output=True,
+                            text=True, check=False,
+                            env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
+                                 "HOME": str(work)})
+    assert pushed.returncode != 0, pushed.stderr
+    return pushed, [line.removeprefix("remote: ").rstrip() for line in
+                    pushed.stderr.splitlines() if line.startswith("remote: ")]
+
+
+def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
+        tmp_path: Path) -> None:
+    """A stock `git push` of a broken intent and a broken descriptor: git prints every
+    problem as `remote: file:line:col: path: message` and refuses; the server keeps serving
+    the previous source; the fix is accepted."""
+    with hosted_source(tmp_path) as (http, url, work, good):
         accepted = git("rev-parse", "HEAD", cwd=work)
         intent = work / "deployments" / "hello-everywhere.yaml"
         intent.write_text(intent.read_text().replace("namespace: hello", "namespace: [hello"))
@@ -246,13 +265,7 @@ def test_a_push_the_compiler_cannot_read_is_refused_with_located_errors(
         descriptor.write_text(descriptor.read_text().replace("apiVersion:", "apiVersion: 7\n#",
                                                              1))
         git("commit", "-q", "-am", "two mistakes", cwd=work)
-        pushed = subprocess.run(["git", "push", url, "main"], cwd=work, capture_output=True,
-                                text=True, check=False,
-                                env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
-                                     "HOME": str(work)})
-        assert pushed.returncode != 0
-        remote = [line.removeprefix("remote: ").rstrip() for line in
-                  pushed.stderr.splitlines() if line.startswith("remote: ")]
+        pushed, remote = refused_push(url, work)
         assert any(line.startswith("margo: refusing refs/heads/main") for line in remote), \
             pushed.stderr
         assert any(line.startswith("deployments/hello-everywhere.yaml:") and "invalid YAML"
@@ -276,17 +289,7 @@ def test_a_push_whose_literal_value_no_device_could_take_is_refused(tmp_path: Pa
     """`replicas: 99` where the application allows at most 5 breaks on every device: the push
     is refused with the located line `margo validate` prints (the same check); an
     expression is decided per device, so it is accepted."""
-    data = tmp_path / "data"
-    token = add_client(data, "edge")
-    admin = tmp_path / "admin"
-    admin.write_text("operator-token")
-    work = fleet_repository(tmp_path / "work")
-    with running_server(data, "--host-source", "--admin-token-file", str(admin)) as base, \
-            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
-        url = base.replace("http://", "http://operator:operator-token@") + "/git/source.git"
-        http.put("/api/v1/capabilities/compose-box-amd64", json=caps("compose-box-amd64"))
-        git("push", "-q", url, "main", cwd=work)
-        poll(http, lambda m: len(m["deployments"]) == 1)
+    with hosted_source(tmp_path) as (_http, url, work, _):
         accepted = git("rev-parse", "HEAD", cwd=work)
         intent = work / INTENT
         text = intent.read_text()
@@ -298,13 +301,7 @@ def test_a_push_whose_literal_value_no_device_could_take_is_refused(tmp_path: Pa
                                    cwd=ROOT)
         assert validated.returncode == 1
         [line] = [line for line in validated.stdout.splitlines() if ": valid " not in line]
-        pushed = subprocess.run(["git", "push", url, "main"], cwd=work, capture_output=True,
-                                text=True, check=False,
-                                env={"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0",
-                                     "HOME": str(work)})
-        assert pushed.returncode != 0
-        remote = [line.removeprefix("remote: ").rstrip() for line in
-                  pushed.stderr.splitlines() if line.startswith("remote: ")]
+        pushed, remote = refused_push(url, work)
         assert remote[0].startswith("margo: refusing refs/heads/main"), pushed.stderr
         assert remote[1:] == [line.removeprefix(f"{work}/")], pushed.stderr
         assert "$.spec.parameters.replicas: expected an integer between 1 and 5, found 99" \

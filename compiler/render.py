@@ -470,7 +470,7 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     items: list[SealItem] = []
     before = previous_values(previous)
     if hidden or intent.registry_credentials:
-        items, before, found = _to_seal(intent, app, device, values, secrets, previous, cache)
+        items, before, found = _to_seal(intent, app, device, values, secrets, before, cache)
         problems += found
     # Everything the document holds but the two device-specific strings (its id and the
     # device id): the intent (name, namespace, shape: its digest), the application, the
@@ -500,13 +500,12 @@ _SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[str, Any],
-             secrets: list[str], previous: Mapping[str, Any] | None, cache: RenderCache,
+             secrets: list[str], before: dict[str, Any] | None, cache: RenderCache,
              ) -> tuple[list[SealItem], dict[str, Any] | None, list[Problem]]:
     """What this device's document seals (its secret parameters, its registry grants),
-    the previous values to check `immutable` settings against (sealed ones compared by
-    mac), and why the device cannot have them (no key; an Oct-2024 document has no place
-    for registry credentials)."""
-    before = previous_values(previous)
+    `before` (the device's current values, to check `immutable` settings against) with its
+    sealed ones compared by mac, and why the device cannot have them (no key; an Oct-2024
+    document has no place for registry credentials)."""
     grants = cache.value_plan(intent, app).grants
     items = [parameter_item(n, values[n]) for n in secrets]
     items += [grant_item(registry, password) for registry, _, password in grants]

@@ -288,6 +288,18 @@ def _cmdline(pid: Path) -> str:
         return ""
 
 
+def _node_cgroups(root: Path) -> set[str]:
+    """Every node's cgroup under every controller. The walk stops at a node's cgroup and
+    tolerates folders that vanish under it: the other real nodes' pods come and go while
+    it runs (pathlib's rglob raised FileNotFoundError in CI when one did)."""
+    found: set[str] = set()
+    for parent, folders, _ in os.walk(root):  # os.walk ignores folders that vanish
+        for name in [name for name in folders if name.startswith("margo-node-")]:
+            found.add(os.path.join(parent, name))
+            folders.remove(name)
+    return found
+
+
 def host_state(folder: Path) -> dict[str, Any]:
     """What a node could leave on the host: mounts where a node mounts (its folder, /run,
     /var/lib, /var/log, /proc/sys), interfaces its CNI bridge or fabric would make,
@@ -304,8 +316,7 @@ def host_state(folder: Path) -> dict[str, Any]:
     rules = [line for line in subprocess.run(["iptables-save"], capture_output=True,
                                              text=True, check=True).stdout.splitlines()
              if not line.startswith(("#", ":"))]
-    cgroups = {str(p) for mount in Path("/sys/fs/cgroup").iterdir()
-               for p in mount.rglob("margo-node-*")}
+    cgroups = _node_cgroups(Path("/sys/fs/cgroup"))
     processes = [pid.name for pid in Path("/proc").iterdir()
                  if pid.name.isdigit() and str(folder) in _cmdline(pid)]
     return {"mounts": mounts, "links": links, "iptables": rules, "cgroups": cgroups,

@@ -52,6 +52,7 @@ from compiler.source import FleetSource
 from margo.digests import data_digest
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.freshness import status_for_current
+from wfm.identity.operators import Operator
 from wfm.store import records
 from wfm.store.database import Connection, Database
 from wfm.store.fleet_rows import load_rollouts, save_rollout, status_verdicts
@@ -317,8 +318,10 @@ class RolloutController:
 
     # --- operators ----------------------------------------------------------------------
 
-    def act(self, name: str, action: str, now: float | None = None) -> dict[str, Any]:
-        """pause | resume | abort the rollout of intent `name`; its new state."""
+    def act(self, name: str, action: str, now: float | None = None, *,
+            by: Operator | None = None) -> dict[str, Any]:
+        """pause | resume | abort the rollout of intent `name` (`by`: who, named in an
+        abort's reason); its new state."""
         now = time.time() if now is None else now
         allowed = {"pause": ("progressing",), "resume": ("paused",),
                    "abort": ("progressing", "paused")}
@@ -335,7 +338,8 @@ class RolloutController:
             state["status"] = {"pause": "paused", "resume": "progressing",
                                "abort": "rolled back"}[action]
             if action == "abort":
-                state["reason"] = "aborted by an operator"
+                state["reason"] = ("aborted by an operator" if by is None
+                                   else f"aborted by {by.name}")
             state["updatedAt"] = now
             save_rollout(conn, name, state)
             return state

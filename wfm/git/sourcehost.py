@@ -1,8 +1,11 @@
 """A fleet-source repository hosted by the server: platform engineers `git push` to it.
 
 `margo serve --host-source` keeps `<data>/hosted-source.git` and serves it at
-`/git/source.git` for fetch and push (HTTP basic, password = the operator token). A push
-that updates the compiled branch triggers a compile as soon as it is accepted. Pushes are
+`/git/source.git` for fetch and push (HTTP basic, the password an operator credential: the
+admin token, a registered operator's token or an OIDC token; fetching needs the viewer role,
+pushing the operator role). A push that updates the compiled branch triggers a compile as
+soon as it is accepted; each push is recorded in the audit trail (accepted, refused by the
+hook or below the role, failed). Pushes are
 small (descriptors and intents), so request and response bodies are buffered here, unlike
 the streaming device hosting in `wfm.git.githttp`.
 """
@@ -26,10 +29,19 @@ from starlette.types import ASGIApp
 
 from compiler.stalelocks import recover_stale_locks
 from margo.files import write_atomically
+from wfm.fleet.audit import FAILED, OK, REFUSED, Auditor
 from wfm.fleet.sources import git_environment
 from wfm.git.backend import BACKEND_GONE, write_to_backend
 from wfm.git.receivehook import HOOK_NAME, hook_script
-from wfm.identity.credentials import parse_basic, same_secret
+from wfm.identity.credentials import parse_basic
+from wfm.identity.operators import (
+    Operator,
+    OperatorAuth,
+    Role,
+    bearer_token,
+    caller_address,
+    refusal,
+)
 from wfm.problems import ProblemError, problem_response
 from wfm.telemetry.metrics import PUSHES
 
@@ -42,6 +54,8 @@ MAX_PUSH_BYTES = 64 * 1024 * 1024
 _SERVICES = ("git-upload-pack", "git-receive-pack")
 #: A ref the push's report says was not updated (`ng <ref> <why>`, pkt-line framed).
 _REFUSED = re.compile(rb"(?:^|[^g-zA-Z])ng refs/")
+#: Each ref of the push's report: `ok <ref>` or `ng <ref> <why>`.
+_REPORTED = re.compile(rb"(?:^|[^g-zA-Z])(ok|ng) (refs/[^\s\x00]+)(?: ([^\n\x00]*))?")
 
 
 def ensure_repository(path: Path, branch: str = "main") -> None:
@@ -57,11 +71,61 @@ def ensure_repository(path: Path, branch: str = "main") -> None:
     write_atomically(hooks / HOOK_NAME, hook_script(f"refs/heads/{branch}"), mode=0o755)
 
 
-def _authorized(request: Request, admin_token: str | None) -> bool:
-    if not admin_token:
-        return False
+def _caller(request: Request, auth: OperatorAuth) -> Operator | None:
+    """Who the request's credential proves: Git sends it as the HTTP basic password (the
+    user name is not read), a tool may send it as a bearer token. Nobody on a server with
+    no operator credentials: its hosted source cannot be pushed to by anyone."""
+    if auth.open:
+        return None
     pair = parse_basic(request.headers.get("authorization", ""))
-    return pair is not None and same_secret(pair[1], admin_token)
+    return auth.authenticate(pair[1] if pair is not None else bearer_token(request))
+
+
+class _BelowRole(ProblemError):
+    """403: a known caller below the role a request needs (a push's is audited)."""
+
+    def __init__(self, caller: Operator, role: Role, pushing: bool) -> None:
+        refused = refusal(caller, role, "pushing" if pushing else "fetching")
+        super().__init__(403, refused.detail)
+        self.caller, self.pushing = caller, pushing
+
+
+def _admit(request: Request, auth: OperatorAuth, rest: str) -> tuple[Operator, bool]:
+    """(caller, whether it pushes) of a request the caller may make: fetching needs the
+    viewer role, pushing the operator role. ProblemError otherwise (401, 404, 403)."""
+    service = request.query_params.get("service") or rest.rsplit("/", 1)[-1]
+    caller = _caller(request, auth)
+    if caller is None:
+        raise ProblemError(401, "an operator credential is required (the HTTP basic "
+                           "password)", headers={"WWW-Authenticate":
+                                                 'Basic realm="margo-gitops"'})
+    if service not in _SERVICES or rest not in ("info/refs", *_SERVICES):
+        raise ProblemError(404, "only smart HTTP is served")
+    pushing = rest == "git-receive-pack" or service == "git-receive-pack"
+    needed = Role.OPERATOR if pushing else Role.VIEWER
+    if not caller.may(needed):
+        raise _BelowRole(caller, needed, pushing)
+    return caller, pushing
+
+
+async def _audited(audit: Auditor | None, request: Request, caller: Operator, outcome: str,
+                   detail: str) -> None:
+    if audit is not None:
+        await audit.record(caller, "source.push", "source.git", outcome=outcome,
+                           detail=detail, address=caller_address(request))
+
+
+def _push_outcome(status: int, payload: bytes) -> tuple[str, str, str]:
+    """(the pushes metric's label, the audit outcome, what the report says of each ref)."""
+    if status != 200:
+        return "failed", FAILED, f"git answered {status}"
+    found = [f"{ref.decode(errors='replace')} "
+             + ("updated" if verdict == b"ok" else
+                f"refused: {(why or b'').decode(errors='replace').strip()}")
+             for verdict, ref, why in _REPORTED.findall(payload)]
+    detail = "; ".join(found) or "no ref reported"
+    return ("refused", REFUSED, detail) if _REFUSED.search(payload) else ("accepted", OK,
+                                                                          detail)
 
 
 async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[int, dict[str, str],
@@ -122,27 +186,30 @@ async def _communicate(process: asyncio.subprocess.Process, body: bytes) -> byte
     return out
 
 
-def source_app(repository: Path, admin_token: str | None, on_push: Callable[[float], None], *,
-               replicas: Callable[[], Coordinator | None] = lambda: None) -> ASGIApp:
-    """Fetch and push for the hosted source repository (mount at `/git/source.git`). With
-    `replicas` (its coordinator, once the server runs), a fetch first brings the repository
-    up to what the replicas published, and a push runs in this replica's turn at the source
-    and is published before the next push starts (`wfm.fleet.coordination.SourceUpdate`).
-    `on_push(arrived)`: a push was accepted; `arrived`, when its request came (Unix time)."""
+def source_app(repository: Path, auth: OperatorAuth, on_push: Callable[[float], None], *,
+               replicas: Callable[[], Coordinator | None] = lambda: None,
+               audit: Auditor | None = None) -> ASGIApp:
+    """Fetch (the viewer role) and push (the operator role) for the hosted source
+    repository (mount at `/git/source.git`). With `replicas` (its coordinator, once the
+    server runs), a fetch first brings the repository up to what the replicas published,
+    and a push runs in this replica's turn at the source and is published before the next
+    push starts (`wfm.fleet.coordination.SourceUpdate`). `on_push(arrived)`: a push was
+    accepted; `arrived`, when its request came (Unix time). `audit`: where each push (and
+    each refused below the role) is recorded."""
+
+    async def recorded(request: Request, caller: Operator, outcome: str, detail: str) -> None:
+        await _audited(audit, request, caller, outcome, detail)
 
     async def endpoint(request: Request) -> Response:
         arrived = time.time()
         rest = request.path_params["rest"]
-        service = request.query_params.get("service") or rest.rsplit("/", 1)[-1]
-        if not _authorized(request, admin_token):
-            error = ProblemError(401, "the operator token is required (HTTP basic password)",
-                                 headers={"WWW-Authenticate": 'Basic realm="margo-gitops"'})
-            return problem_response(error, instance=request.url.path)
-        if service not in _SERVICES or rest not in ("info/refs", *_SERVICES):
-            return problem_response(ProblemError(404, "only smart HTTP is served"),
-                                    instance=request.url.path)
+        try:
+            caller, pushing = _admit(request, auth, rest)
+        except ProblemError as exc:
+            if isinstance(exc, _BelowRole) and exc.pushing:
+                await recorded(request, exc.caller, REFUSED, exc.detail)
+            return problem_response(exc, instance=request.url.path)
         coordinator = replicas()
-        pushing = rest == "git-receive-pack" or service == "git-receive-pack"
         turn = coordinator.source_update() if coordinator is not None and pushing else None
         try:
             if turn is not None:
@@ -155,6 +222,8 @@ def source_app(repository: Path, admin_token: str | None, on_push: Callable[[flo
         except (ProblemError, ClientDisconnect) as exc:
             if turn is not None:  # the replicas' turn at the source ends either way
                 await run_in_threadpool(turn.finish, publish=False)
+            if rest == "git-receive-pack":
+                await recorded(request, caller, FAILED, str(exc) or "the client went away")
             if isinstance(exc, ClientDisconnect):
                 raise  # wfm.server.app logs it in one line
             return problem_response(exc, instance=request.url.path)
@@ -162,8 +231,9 @@ def source_app(repository: Path, admin_token: str | None, on_push: Callable[[flo
             await run_in_threadpool(turn.finish, publish=rest == "git-receive-pack"
                                     and status == 200)
         if rest == "git-receive-pack":
-            PUSHES.labels("failed" if status != 200 else "refused"
-                          if _REFUSED.search(payload) else "accepted").inc()
+            label, outcome, detail = _push_outcome(status, payload)
+            PUSHES.labels(label).inc()
+            await recorded(request, caller, outcome, detail)
         if rest == "git-receive-pack" and status == 200:
             on_push(arrived)  # the pushed refs are in place once receive-pack has answered
         return Response(payload, status_code=status, headers=headers)

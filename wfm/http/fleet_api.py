@@ -4,11 +4,15 @@ Devices with their capabilities, what their branch holds, the last status of eve
 deployment per component and its recent reports (each with the server's receive time and
 the device's own time of it), eligibility per intent with every failing clause, and the
 branch history; deployment counts per state, rolled up per intent and application.
-When the server has an operator token (`--admin-token`), these endpoints require it.
+When the server has operator credentials (`wfm.identity.operators`), reading needs the
+viewer role, rollout actions the operator role, and the operators and the audit trail the
+admin role; each action is recorded in the audit trail (`wfm.fleet.audit`), refusals of a
+known caller below the role too.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -24,6 +28,7 @@ from compiler.explain_fleet import explain_fleet
 from compiler.secrets import FleetKey, SecretError
 from compiler.snapshot import snapshot_from_documents
 from compiler.source import SourceError, load_source
+from wfm.fleet.audit import FAILED, OK, REFUSED, Auditor, entries
 from wfm.fleet.compiles import SourceConfig
 from wfm.fleet.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.fleet.leadtime import LeadTimes
@@ -32,13 +37,42 @@ from wfm.fleet.sourcecondition import load_condition
 from wfm.fleet.sources import RemoteSource, fetch_source
 from wfm.http.device_api import Api
 from wfm.http.webhooks import WebhookError, check_headers, verify_push
-from wfm.identity.credentials import same_secret
+from wfm.identity.operators import (
+    Operator,
+    OperatorAuth,
+    Role,
+    bearer_token,
+    caller_address,
+)
+from wfm.identity.operatorstore import OperatorRegistry
 from wfm.problems import ProblemError
 from wfm.store import records
 from wfm.store.fleet_rows import load_rollouts
 from wfm.telemetry.metrics import WEBHOOKS
 
-__all__ = ["FleetApi"]
+__all__ = ["AUDIT_LIMIT", "ROLLOUT_ACTIONS", "FleetApi"]
+
+ROLLOUT_ACTIONS = ("pause", "resume", "abort")
+#: The most audit entries one read returns (`?limit=`).
+AUDIT_LIMIT = 10_000
+
+
+def _instant(text: str | None) -> float | None:
+    """`?since=` as Unix time: seconds, or an ISO 8601 time (UTC unless it says)."""
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ProblemError(400, f"?since={text!r}: Unix seconds or an ISO 8601 time"
+                           ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return moment.timestamp()
 
 
 def _errors(deployments: list[Any], statuses: dict[str, dict[str, Any]]
@@ -69,22 +103,39 @@ def _repaired(status: dict[str, Any] | None) -> dict[str, str] | None:
 class FleetApi:
     def __init__(self, api: Api, *, source: SourceConfig, admin_token: str | None = None,
                  remote: RemoteSource | None = None, webhook_secret: str | None = None,
-                 source_kind: str = "directory", stale_polls: float = STALE_POLLS):
+                 source_kind: str = "directory", stale_polls: float = STALE_POLLS,
+                 auth: OperatorAuth | None = None, audit: Auditor | None = None):
         """`source_kind`: hosted, mirrored, directory or none (shown with its condition);
-        `stale_polls`: polling intervals of silence after which a device is stale."""
+        `stale_polls`: polling intervals of silence after which a device is stale; `auth`:
+        who may do what (default: `admin_token` alone, an admin); `audit`: the trail each
+        action is recorded in (opened when the server starts)."""
         self.api, self.source, self.source_kind = api, source, source_kind
         self.stale_polls = stale_polls
         self.admin_token, self.remote, self.webhook_secret = admin_token, remote, webhook_secret
+        self.auth = auth if auth is not None else OperatorAuth(admin_token=admin_token)
+        self.audit = audit if audit is not None else Auditor()
         #: Told of each change a verified push hook brings (set when the server starts).
         self.lead: LeadTimes | None = None
 
-    def _authorize(self, request: Request) -> None:
-        if self.admin_token is None:
-            return
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not same_secret(value.strip(), self.admin_token):
-            raise ProblemError(401, "the operator token is required",
-                               headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
+    def _authorize(self, request: Request) -> Operator:
+        """The caller of a read: it needs the viewer role."""
+        return self.auth.require(request, Role.VIEWER)
+
+    async def authorize(self, request: Request, role: Role, *, action: str | None = None,
+                        target: str = "") -> Operator:
+        """The caller, when it may act as `role` (`OperatorAuth.require`: else 401 or 403).
+        For a change (`action` named: `rollout.pause`...), a known caller refused below
+        the role is recorded in the audit trail before the 403 goes out."""
+        try:
+            return self.auth.require(request, role)
+        except ProblemError as refusal:
+            if action is not None and refusal.status == 403:
+                caller = self.auth.authenticate(bearer_token(request))
+                if caller is not None:
+                    await self.audit.record(caller, action, target, outcome=REFUSED,
+                                            detail=refusal.detail,
+                                            address=caller_address(request))
+            raise
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         """Every deployment's last reported status, by deployment id."""
@@ -219,17 +270,56 @@ class FleetApi:
         return JSONResponse(view)
 
     async def rollout_action(self, request: Request) -> Response:
-        """pause | resume | abort (the operator token is required when one is set)."""
-        self._authorize(request)
+        """pause | resume | abort: the operator role."""
         name, action = request.path_params["intent"], request.path_params["action"]
+        if action not in ROLLOUT_ACTIONS:
+            raise ProblemError(404, f"unknown action {action!r} (pause, resume or abort)")
+        caller = await self.authorize(request, Role.OPERATOR, action=f"rollout.{action}",
+                                      target=name)
+        return JSONResponse(await self.act_on_rollout(request, caller, name, action))
+
+    async def act_on_rollout(self, request: Request, caller: Operator, name: str,
+                             action: str) -> dict[str, Any]:
+        """Pause, resume or abort the rollout of intent `name` as `caller`, who was
+        authorized for the operator role (`authorize`); recorded in the audit trail
+        (failures too: 404 no rollout, 409 not in a state the action applies to). The
+        rollout's view afterwards."""
+        address = caller_address(request)
         try:
-            await run_in_threadpool(self._rollout_controller().act, name, action)
+            await run_in_threadpool(self._rollout_controller().act, name, action, by=caller)
         except RolloutError as exc:
+            await self.audit.record(caller, f"rollout.{action}", name, outcome=FAILED,
+                                    detail=str(exc), address=address)
             status = 404 if "has no rollout" in str(exc) else 409
             raise ProblemError(status, str(exc)) from None
+        await self.audit.record(caller, f"rollout.{action}", name, outcome=OK,
+                                address=address)
         self.api.compiles.trigger()
         [view] = await run_in_threadpool(self.rollout_views, name)
-        return JSONResponse(view)
+        return view
+
+    async def operators(self, request: Request) -> Response:
+        """Every registered operator (never a token): the admin role."""
+        self.auth.require(request, Role.ADMIN)
+        rows = await self.api.db.offload(OperatorRegistry(self.api.db).describe)
+        return JSONResponse({"operators": rows})
+
+    async def audit_trail(self, request: Request) -> Response:
+        """The audit trail, oldest first: `?since=` (Unix seconds or ISO 8601), `?actor=`,
+        `?limit=` (the newest N; default and most `AUDIT_LIMIT`). The admin role."""
+        self.auth.require(request, Role.ADMIN)
+        query = request.query_params
+        since = _instant(query.get("since"))
+        try:
+            limit = int(query.get("limit") or AUDIT_LIMIT)
+        except ValueError:
+            raise ProblemError(400, "?limit= must be a whole number") from None
+        if not 1 <= limit <= AUDIT_LIMIT:
+            raise ProblemError(400, f"?limit= must be between 1 and {AUDIT_LIMIT}")
+        found = await self.api.db.offload(
+            lambda: entries(self.api.db, since=since, actor=query.get("actor") or None,
+                            limit=limit))
+        return JSONResponse({"entries": [e.to_json() for e in found]})
 
     def _placed(self, device_id: str) -> dict[str, bytes]:
         """The intents the device's branch holds, with their files (capacity accounting
@@ -353,5 +443,7 @@ class FleetApi:
             Route("/api/fleet/rollouts/{intent}", self.rollout, methods=["GET"]),
             Route("/api/fleet/rollouts/{intent}/{action}", self.rollout_action,
                   methods=["POST"]),
+            Route("/api/fleet/operators", self.operators, methods=["GET"]),
+            Route("/api/fleet/audit", self.audit_trail, methods=["GET"]),
             Route("/hooks/git", self.git_hook, methods=["POST"]),
         ]

@@ -6,7 +6,8 @@ nothing: plain dict and list arithmetic on the event loop's thread (measured ~2 
 request; `prometheus_client`'s labelled Counter + Histogram cost ~5 us there), turned into
 metric families only when scraped. Labels are the route template (never the raw path),
 the method (unknown methods folded into `other`) and the status code: bounded whatever
-clients send. A scrape needs the metrics token or the operator token when one is set.
+clients send. A scrape needs the metrics token or an operator credential of the viewer
+role when the server has either.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wfm.identity.credentials import same_secret
+from wfm.identity.operators import OperatorAuth, Role, bearer_token
 from wfm.problems import ProblemError
 from wfm.telemetry.metrics import PROCESS, TEXT_FORMAT
 
@@ -165,28 +167,35 @@ class _Registered(Collector):
 
 
 class MetricsEndpoint:
-    """`GET /metrics`. Who may read it: the scrape token (`--metrics-token-file`) or the
-    operator token (`--admin-token-file`), as `Authorization: Bearer`; nobody needs one
-    when the server has neither (development, as the read API). The fleet's figures are
-    computed in a worker thread: never on the event loop."""
+    """`GET /metrics`. Who may read it: the scrape token (`--metrics-token-file`) or an
+    operator of the viewer role (`auth`: the admin token, registered operators, OIDC), as
+    `Authorization: Bearer`; nobody needs one when the server has neither (development, as
+    the read API). The fleet's figures are computed in a worker thread: never on the event
+    loop."""
 
     def __init__(self, stats: HttpStats, *collectors: Any,
-                 tokens: tuple[str | None, ...] = ()) -> None:
+                 tokens: tuple[str | None, ...] = (),
+                 auth: OperatorAuth | None = None) -> None:
         self._tokens = tuple(t for t in tokens if t)
+        self._auth = auth
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Registered(stats.collect))
         for collector in collectors:
             self._registry.register(_Registered(collector))
 
     def _authorize(self, request: Request) -> None:
-        if not self._tokens:
+        auth = self._auth
+        if not self._tokens and (auth is None or auth.open):
             return
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not any(same_secret(value.strip(), token)
-                                                 for token in self._tokens):
-            raise ProblemError(401, "a metrics scrape token or the operator token is "
-                               "required", headers={"WWW-Authenticate":
-                                                    'Bearer realm="margo-gitops"'})
+        token = bearer_token(request)
+        if token is not None and any(same_secret(token, t) for t in self._tokens):
+            return
+        if auth is not None and auth.configured and auth.authenticate(token) is not None:
+            auth.require(request, Role.VIEWER)  # 403 below the viewer role
+            return
+        raise ProblemError(401, "a metrics scrape token or an operator credential is "
+                           "required", headers={"WWW-Authenticate":
+                                                'Bearer realm="margo-gitops"'})
 
     def render(self) -> bytes:
         return generate_latest(PROCESS) + generate_latest(self._registry)

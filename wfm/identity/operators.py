@@ -12,7 +12,11 @@ first admin, as before roles existed), operator tokens registered in the store
 (`margo operators`; only their hashes are stored) and, when the admin configured an
 issuer, OIDC bearer tokens whose role comes from a claim. A server with none of them
 configured is open, as it always was: every caller is an anonymous admin, and the audit
-trail says so.
+trail says so. Once an operator was registered in the store (revoked ones count), the server
+is closed for good: revoking the last operator must not open it.
+
+An OIDC token whose claim maps to no role proves who its holder is, not what they may do:
+such a caller has `Role.NONE` and is refused (403) everywhere.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from starlette.requests import Request
 from wfm.identity.credentials import same_secret
 from wfm.problems import ProblemError
 
-__all__ = ["ANONYMOUS", "Operator", "OperatorAuth", "Role", "bearer_token"]
+__all__ = ["ANONYMOUS", "Operator", "OperatorAuth", "Role", "TokenLookup", "bearer_token",
+           "caller_address", "refusal"]
 
 REALM = 'Bearer realm="margo-gitops"'
 
 
 class Role(enum.IntEnum):
-    """Ordered: a role may do everything the roles below it may."""
+    """Ordered: a role may do everything the roles below it may. `NONE` is a known caller
+    with no role here (an OIDC token whose claim maps to none); it is never registered."""
 
+    NONE = 0
     VIEWER = 1
     OPERATOR = 2
     ADMIN = 3
@@ -45,11 +52,10 @@ class Role(enum.IntEnum):
     @classmethod
     def parse(cls, text: str) -> Role:
         """The role named `text` (viewer, operator, admin); ValueError naming the choices."""
-        try:
-            return cls[text.strip().upper()]
-        except KeyError:
-            raise ValueError(f"unknown role {text!r}: choose viewer, operator or admin"
-                             ) from None
+        role = cls.__members__.get(text.strip().upper())
+        if role is None or role is cls.NONE:
+            raise ValueError(f"unknown role {text!r}: choose viewer, operator or admin")
+        return role
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,18 +86,31 @@ def bearer_token(request: Request) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def caller_address(request: Request) -> str | None:
+    """The address the request came from, as the audit trail records it (behind a proxy,
+    the proxy's)."""
+    return request.client.host if request.client is not None else None
+
+
 class OperatorAuth:
     """Authenticates operators and enforces roles, for every door of the server."""
 
     def __init__(self, *, admin_token: str | None = None,
-                 lookups: tuple[TokenLookup, ...] = (), configured: bool | None = None):
+                 lookups: tuple[TokenLookup, ...] = (),
+                 configured: bool | Callable[[], bool] | None = None):
         """`lookups`: the store's operator tokens, the OIDC verifier... tried in order after
-        the admin token. `configured`: whether any credential exists at all (None: whether
-        an admin token or a lookup was given); an unconfigured server is open."""
+        the admin token. `configured`: whether any credential exists at all, or a function
+        that says it now (the store's operators come and go while the server runs); None:
+        whether an admin token or a lookup was given. An unconfigured server is open."""
         self.admin_token = admin_token
         self.lookups = lookups
-        self.configured = (admin_token is not None or bool(lookups)
-                           if configured is None else configured)
+        self._configured = (admin_token is not None or bool(lookups)
+                            if configured is None else configured)
+
+    @property
+    def configured(self) -> bool:
+        configured = self._configured
+        return configured() if callable(configured) else configured
 
     @property
     def open(self) -> bool:
@@ -122,6 +141,12 @@ class OperatorAuth:
                       else "that operator credential is not valid")
             raise ProblemError(401, detail, headers={"WWW-Authenticate": REALM})
         if not caller.may(role):
-            raise ProblemError(403, f"{caller.name} is a {caller.role.label}; this needs the "
-                                    f"{role.label} role")
+            raise refusal(caller, role)
         return caller
+
+
+def refusal(caller: Operator, role: Role, doing: str = "this") -> ProblemError:
+    """The 403 problem for a known caller below `role`: it names the role needed."""
+    held = ("has no role on this server" if caller.role is Role.NONE
+            else f"is a {caller.role.label}")
+    return ProblemError(403, f"{caller.name} {held}; {doing} needs the {role.label} role")

@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm.admission.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
 from wfm.admission.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimmer
+from wfm.fleet.audit import RETENTION_DAYS, Auditor
 from wfm.fleet.compiles import CompileService, SourceConfig
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.fleetmetrics import FleetCollector
@@ -47,6 +48,8 @@ from wfm.http.request_parts import MAX_BODY
 from wfm.http.webhooks import MAX_BODY_BYTES as MAX_HOOK_BYTES
 from wfm.identity.authority import ensure_ca, ensure_shared_ca
 from wfm.identity.clients import ClientRegistry
+from wfm.identity.operators import OperatorAuth
+from wfm.identity.operatorstore import StoreOperators
 from wfm.identity.proofs import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
 from wfm.server.datalock import DataDirLock
@@ -96,6 +99,8 @@ class ServerConfig:
     metrics_token: str | None = None
     #: Where OpenTelemetry spans go (an OTLP/HTTP base URL); None: no tracing.
     otlp_endpoint: str | None = None
+    #: Days the audit trail keeps its entries (`wfm.fleet.audit`).
+    audit_retention_days: float = RETENTION_DAYS
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -211,16 +216,20 @@ def create_app(config: ServerConfig) -> Starlette:
     api = Api()
     edge = DeviceEdge(api)
     stats, late = HttpStats(), _Late()
-    metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token, config.admin_token))
+    operators = StoreOperators()
+    auth = operator_auth(config, operators)
+    metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token,), auth=auth)
     api.max_devices = config.max_devices_per_client
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
                      remote=config.remote, webhook_secret=config.webhook_secret,
-                     source_kind=_source_kind(config), stale_polls=config.stale_polls)
+                     source_kind=_source_kind(config), stale_polls=config.stale_polls,
+                     auth=auth, audit=Auditor(config.audit_retention_days))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         running = _start(config, api, identity, fleet, late)
+        operators.open(running.db)
         app.state.api = api
         try:
             yield
@@ -243,6 +252,16 @@ def create_app(config: ServerConfig) -> Starlette:
     )
 
 
+def operator_auth(config: ServerConfig, operators: StoreOperators) -> OperatorAuth:
+    """Who may do what: the admin token, the store's operators, and the OIDC issuer's
+    tokens when one is configured. Open until one of them exists (an operator registered
+    while the server runs closes it within a second)."""
+    lookups = (operators,)
+    fixed = config.admin_token is not None
+    return OperatorAuth(admin_token=config.admin_token, lookups=lookups,
+                        configured=lambda: fixed or operators.registered())
+
+
 def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
             metrics: MetricsEndpoint, late: _Late) -> list[BaseRoute]:
     """Every route of the server: the device API, health, metrics, the read API and the
@@ -255,8 +274,8 @@ def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
         api.compiles.trigger()
 
     hosted: list[BaseRoute] = [Mount("/git/source.git", app=source_app(
-        config.hosted_source, config.admin_token, pushed,
-        replicas=lambda: api.coordinator))] if config.host_source else []
+        config.hosted_source, fleet.auth, pushed, replicas=lambda: api.coordinator,
+        audit=fleet.audit))] if config.host_source else []
     return [*routes(edge), Route("/healthz", _livez, methods=["GET"]),
             Route("/livez", _livez, methods=["GET"]),
             Route("/readyz", _readyz, methods=["GET"]),
@@ -315,6 +334,7 @@ def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
     api.open(db=db, clients=ClientRegistry(db), desired=desired, compiles=compiles,
              ca_certificate=ca, identity=identity, coordinator=coordinator)
     api.lead_times = fleet.lead = late.lead = lead
+    fleet.audit.open(db, replica=coordinator.name if coordinator is not None else None)
     late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
                                  coordinator=coordinator)
     if coordinator is not None:

@@ -195,6 +195,22 @@ _LEAD_TIMES = [_both(s) for s in (
     "CREATE INDEX IF NOT EXISTS lead_marks_by_device ON lead_marks (device_id)",
 )]
 
+_OPERATORS = [_both(s) for s in (
+    # The people and tools of the operator surface (`wfm.identity.operatorstore`): a name
+    # (never reused, so audit entries keep meaning one holder), a role, the SHA-256 of the
+    # current token (NULL once revoked), and when each happened.
+    """CREATE TABLE IF NOT EXISTS operators (
+        name TEXT PRIMARY KEY, role TEXT NOT NULL, token_hash TEXT UNIQUE,
+        created_at {real} NOT NULL, rotated_at {real}, revoked_at {real})""",
+    # The audit trail (`wfm.fleet.audit`): appended to, never updated; the server deletes
+    # what is older than its retention, nothing else does.
+    """CREATE TABLE IF NOT EXISTS audit_log (
+        id {id}, at {real} NOT NULL, actor TEXT NOT NULL, via TEXT NOT NULL,
+        role TEXT NOT NULL, action TEXT NOT NULL, target TEXT NOT NULL,
+        outcome TEXT NOT NULL, detail TEXT, address TEXT, replica TEXT)""",
+    "CREATE INDEX IF NOT EXISTS audit_log_by_time ON audit_log (at)",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -221,6 +237,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               (*(p for _, p in _ATTRIBUTION), _ATTRIBUTE_STORED[1])),
     Migration(11, "lead times: changes received, deployments changed and not installed yet",
               tuple(s for s, _ in _LEAD_TIMES), tuple(p for _, p in _LEAD_TIMES)),
+    Migration(12, "operators with roles, and the audit trail",
+              tuple(s for s, _ in _OPERATORS), tuple(p for _, p in _OPERATORS)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

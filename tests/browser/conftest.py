@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,3 +160,40 @@ def page(browser_context: Any) -> Iterator[Any]:
         yield tab
     finally:
         tab.close()
+
+
+# Module scope, as `browser_context`: one Playwright per module.
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """Debian's Chromium, headless, for tests that need several people at once (each in a
+    fresh context of their own: `signed_in_page`)."""
+    sync_playwright = _chromium_or_fail()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                             args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def signed_in_page(chromium: Any) -> Iterator[Callable[[str, str], Any]]:
+    """`open(base, token)`: a tab of a fresh browser context (its own cookies) signed in to
+    the dashboard at `base` through `?token=`, on the overview."""
+    contexts: list[Any] = []
+
+    def open_as(base: str, token: str) -> Any:
+        context = chromium.new_context(viewport=VIEWPORT, locale="en-US", timezone_id="UTC")
+        contexts.append(context)
+        tab = context.new_page()
+        tab.set_default_timeout(15_000)
+        tab.goto(f"{base}/?token={token}")
+        tab.wait_for_url(f"{base}/")
+        return tab
+
+    try:
+        yield open_as
+    finally:
+        for context in contexts:
+            context.close()

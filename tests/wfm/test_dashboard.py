@@ -20,6 +20,7 @@ from kits.serverkit import ROOT, add_client, running_server
 from markupsafe import escape
 
 from tools.polling import poll_until
+from wfm.fleet.rollouts import actions_for
 from wfm.fleet.sourcecondition import SourceCondition
 from wfm.http.dashboard import (
     COOKIE_NAME,
@@ -36,8 +37,9 @@ from wfm.http.dashboard import (
     gpu_count,
     node_count,
     render_page,
-    session_value,
 )
+from wfm.http.sessions import SESSION_SECONDS, Session, SessionKeys
+from wfm.identity.operators import Operator, Role
 from wfm.store.records import DeviceRow
 
 CAPS = ROOT / "examples" / "capabilities"
@@ -277,10 +279,13 @@ def test_hostile_ids_render_as_text_in_every_template() -> None:
                     source=SourceCondition("invalid", HOSTILE, HOSTILE, [HOSTILE], 2, 0.0),
                     source_kind=HOSTILE,
                     rollouts=[{"intent": HOSTILE, "status": HOSTILE, "reason": HOSTILE,
-                               "openWave": 0, "plot": "0,0 1,1",
+                               "openWave": 0, "plot": "0,0 1,1", "actions": ["pause", "abort"],
                                "waves": [{"name": HOSTILE, "devices": 1, "moved": 1,
                                           "installed": 1, "failed": 0, "stale": 0,
-                                          "pending": 0, "held": 0}]}]),
+                                          "pending": 0, "held": 0}]}],
+                    # an OIDC subject is the issuer's text: the header shows it escaped
+                    session=Session(Operator(HOSTILE, Role.OPERATOR, "oidc"), "b", True,
+                                    HOSTILE)),
         render_page("device.html", nonce="n", path="/", title=HOSTILE, device=device,
                     deployments=[deployment], eligibility_error=None,
                     explanations=[(explanation, failing_clauses(explanation))],
@@ -296,6 +301,9 @@ def test_hostile_ids_render_as_text_in_every_template() -> None:
     for page in pages:
         assert "<script>alert" not in page and page.count("<script") == 1
         assert "&lt;script&gt;alert" in page
+    # the forms of the hostile rollout: its name quoted in their address, escaped in the text
+    assert 'action="/rollouts/%3Cscript%3Ealert%28%22x%22%29%3C/script%3E/pause"' in pages[0]
+    assert 'data-operator="&lt;script&gt;' in pages[0]
     assert html.escape(HOSTILE_ID, quote=False) in pages[0]
     assert "/devices/%3Cscript%3Ealert%281%29%3C/script%3E" in pages[0]  # links quoted too
     assert "state-unknown" in pages[0] and all(s in STATES for s in ("failed", "pending"))
@@ -317,7 +325,8 @@ def test_pages_carry_a_csp_whose_nonce_is_the_refresh_scripts(fleet: Fleet) -> N
 def test_without_the_operator_token_nothing_is_shown(fleet: Fleet) -> None:
     for path in ("/", "/devices/plant-a-cluster", "/applications/com-example-hello-world"):
         for headers in ({}, {"Authorization": "Bearer wrong"},
-                        {"Cookie": f"{COOKIE_NAME}={session_value('wrong')}"},
+                        # the right token, sealed by another server's key
+                        {"Cookie": f"{COOKIE_NAME}={SessionKeys(b'k' * 32).seal(OPERATOR)}"},
                         {"Cookie": f"{COOKIE_NAME}={OPERATOR}"}):
             response = httpx.get(fleet.base + path, headers=headers)
             assert response.status_code == 401, (path, headers)
@@ -333,16 +342,17 @@ def test_token_query_sets_an_httponly_strict_cookie_that_opens_the_pages(fleet: 
     response = httpx.get(fleet.base + f"/devices/plant-a-cluster?token={OPERATOR}&x=1")
     assert response.status_code == 200
     cookie = response.headers["set-cookie"]
-    assert cookie.startswith(f"{COOKIE_NAME}={session_value(OPERATOR)};")
-    assert OPERATOR not in cookie
+    name, _, value = cookie.split(";")[0].partition("=")
+    assert name == COOKIE_NAME and value and OPERATOR not in cookie  # sealed, not the token
     attributes = {a.strip().lower() for a in cookie.split(";")[1:]}
-    assert {"httponly", "samesite=strict", "path=/"} <= attributes
+    assert {"httponly", "samesite=strict", "path=/", f"max-age={SESSION_SECONDS}"} <= attributes
+    assert "Signed in to the dashboard as admin-token (admin)." in text(response.text)
     assert 'content="0; url=/devices/plant-a-cluster?x=1"' in response.text
     assert "plant-a-cluster" not in text(response.text.split("<main")[1]).replace(
         "/devices/plant-a-cluster", "")  # continues; shows nothing itself
     odd = httpx.get(fleet.base + f"/devices/a%3Fb?token={OPERATOR}")
     assert 'url=/devices/a%3Fb"' in odd.text  # the path stays a path when continuing
-    jar = {COOKIE_NAME: session_value(OPERATOR)}
+    jar = {COOKIE_NAME: value}
     with httpx.Client(base_url=fleet.base, cookies=jar) as browser:
         assert browser.get("/devices/plant-a-cluster").status_code == 200
         assert browser.get("/").status_code == 200
@@ -359,6 +369,34 @@ def test_an_open_server_without_source_shows_an_empty_fleet(tmp_path: Path) -> N
         assert "No device has reported its capabilities yet." in page
         assert "The fleet source cannot be read: no fleet source is configured" in page
         assert httpx.get(base + "/applications/x").status_code == 404
+        # Everyone is an admin, and the pages' forms are bound to an anonymous session.
+        assert "Open server: no credentials, everyone is an admin" in page
+        assert "Sign out" not in page and response.cookies.get(COOKIE_NAME)
+        assert httpx.get(base + "/?token=anything").status_code == 200  # no tokens to check
+
+
+def test_the_actions_shown_are_those_the_role_and_the_rollouts_state_allow() -> None:
+    rollout = {"intent": "web", "status": "paused", "reason": "", "openWave": 0, "plot": "",
+               "actions": list(actions_for("paused")),
+               "waves": [{"name": "canary", "devices": 1, "moved": 1, "installed": 0,
+                          "failed": 0, "stale": 0, "pending": 1, "held": 0}]}
+
+    def shown(session: Session | None) -> list[str]:
+        page = render_page("overview.html", nonce="n", path="/", title="t", devices=[],
+                           counts={"total": 0, "byState": {}, "byApplication": {}},
+                           catalogue=Catalogue(), applications=[], source=None,
+                           source_kind="none", rollouts=[rollout], session=session)
+        return re.findall(r'data-action="(\w+)"', page)
+
+    def session(role: Role, *, open_server: bool = False) -> Session:
+        return Session(Operator("someone", role, "token"), "b", not open_server, "t",
+                       open_server=open_server)
+
+    assert shown(session(Role.OPERATOR)) == ["resume", "abort"]
+    assert shown(session(Role.ADMIN, open_server=True)) == ["resume", "abort"]
+    assert shown(session(Role.VIEWER)) == [] and shown(None) == []
+    assert [actions_for(s) for s in ("progressing", "paused", "rolled back", "complete")] == [
+        ("pause", "abort"), ("resume", "abort"), (), ()]
 
 
 def test_an_intent_waiting_for_capacity_is_shown_with_the_numbers(tmp_path: Path) -> None:

@@ -57,7 +57,8 @@ from wfm.store import records
 from wfm.store.database import Connection, Database
 from wfm.store.fleet_rows import load_rollouts, save_rollout, status_verdicts
 
-__all__ = ["ACTIVE", "RolloutController", "RolloutError", "Served", "served_from"]
+__all__ = ["ACTIONS", "ACTIVE", "RolloutController", "RolloutError", "Served", "actions_for",
+           "served_from"]
 
 #: Rollout states in which waves still move (status reports matter, timers are set).
 ACTIVE = ("progressing",)
@@ -66,6 +67,16 @@ RECHECK_SECONDS = 5.0
 _HISTORY = 200
 #: Where a device of an open wave that has not installed the new revision stands.
 _UNAVAILABLE = ("pending", "failed", "stale")
+
+
+#: The operator actions, each with the rollout states it applies in (`RolloutController.act`).
+ACTIONS: dict[str, tuple[str, ...]] = {"pause": ("progressing",), "resume": ("paused",),
+                                       "abort": ("progressing", "paused")}
+
+
+def actions_for(status: str) -> tuple[str, ...]:
+    """The operator actions that apply to a rollout in `status` (what `act` would accept)."""
+    return tuple(action for action, states in ACTIONS.items() if status in states)
 
 
 class RolloutError(ValueError):
@@ -323,8 +334,7 @@ class RolloutController:
         """pause | resume | abort the rollout of intent `name` (`by`: who, named in an
         abort's reason); its new state."""
         now = time.time() if now is None else now
-        allowed = {"pause": ("progressing",), "resume": ("paused",),
-                   "abort": ("progressing", "paused")}
+        allowed = ACTIONS
         if action not in allowed:
             raise RolloutError(f"unknown action {action!r} (pause, resume or abort)")
 

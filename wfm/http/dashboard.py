@@ -6,15 +6,18 @@ history), there is no build step to break, and autoescaping makes every device-s
 string (ids, labels, error messages, commit messages) inert text. A few lines of inline
 script, allowed by a per-response CSP nonce, refresh the main content every few seconds.
 
-With an operator token configured, the pages require it like the read API does: a bearer
-header, or `?token=` once, which sets an HttpOnly, SameSite=Strict cookie holding a value
-derived from the token (never the token itself, so the cookie cannot call the API).
+With operator credentials configured, the pages require the viewer role like the read API
+does: a bearer header, or `?token=` once, which signs in (`wfm.http.sessions`: an HttpOnly,
+SameSite=Strict cookie the API does not take, proved again on every request). Each page
+shows who is signed in and offers only what their role may do: an operator (or an admin,
+or anyone on an open server) gets Pause, Resume and Abort on each rollout where the action
+applies, as forms that post to `/rollouts/{intent}/{action}` with a synchronizer token; the
+action is the read API's (`FleetApi.act_on_rollout`, recorded in the audit trail with `via`
+`dashboard:...`), and the answer a 303 back to the overview, which shows the new state.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import secrets
 import time
@@ -24,12 +27,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, Response
+from starlette.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from compiler.source import SourceError, load_source
@@ -37,19 +40,22 @@ from margo.errors import DocumentError
 from margo.kinds import Kind
 from margo.models import DeploymentState
 from margo.validation import validate_value
+from wfm.fleet.audit import REFUSED
 from wfm.fleet.compiles import SourceConfig
+from wfm.fleet.rollouts import ACTIONS, actions_for
 from wfm.fleet.sourcecondition import load_condition
 from wfm.http.fleet_api import FleetApi
-from wfm.identity.credentials import same_secret
+from wfm.http.sessions import COOKIE_NAME, CSRF_FIELD, SESSION_SECONDS, Session, Sessions
+from wfm.identity.operators import REALM, Operator, Role, caller_address
+from wfm.problems import ProblemError
 from wfm.store import records
 
 __all__ = ["COOKIE_NAME", "REFRESH_SECONDS", "STATES", "AppInfo", "Catalogue", "cpu_summary",
            "dashboard_routes", "device_kind", "device_view", "failing_clauses", "gpu_count",
-           "load_catalogue", "node_count", "render_page", "session_value"]
+           "load_catalogue", "node_count", "render_page"]
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "dashboard"  # package data
 REFRESH_SECONDS = 5
-COOKIE_NAME = "margo_dashboard"
 #: Deployment states, most severe first: counts and badges are listed in this order.
 STATES: tuple[str, ...] = tuple(s.value for s in DeploymentState)
 EXTENSIONS = "x-margo-gitops-extensions"
@@ -123,7 +129,7 @@ _ENV = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True,
                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 _ENV.filters.update(when=_when, iso=_iso, ago=_ago, value=_value, number=_number,
                     by_severity=_by_severity, brief=_brief)
-_ENV.globals.update(STATES=STATES, REFRESH_SECONDS=REFRESH_SECONDS)
+_ENV.globals.update(STATES=STATES, REFRESH_SECONDS=REFRESH_SECONDS, CSRF_FIELD=CSRF_FIELD)
 
 
 # --- what a capability document says, for people ---------------------------------------
@@ -415,20 +421,13 @@ def load_catalogue(source: SourceConfig) -> Catalogue:
     return Catalogue(apps, intent_apps)
 
 
-# --- access -------------------------------------------------------------------------------
-
-def session_value(token: str) -> str:
-    """The cookie's value: derived from the operator token, so a leaked cookie grants the
-    dashboard only (it is not a bearer token for the API or the Git source)."""
-    return hmac.new(token.encode(), b"margo-gitops dashboard session v1",
-                    hashlib.sha256).hexdigest()
-
-
 # --- the pages ----------------------------------------------------------------------------
 
 def render_page(template: str, *, nonce: str, path: str, **context: Any) -> str:
     """One page as HTML; every value is autoescaped, whatever a device put in it."""
     context.setdefault("refresh", True)
+    context.setdefault("session", None)  # who is looking (`wfm.http.sessions.Session`)
+    context.setdefault("back_to", None)
     return _ENV.get_template(template).render(nonce=nonce, now=time.time(), path=path,
                                               **context)
 
@@ -438,61 +437,122 @@ class Dashboard:
 
     def __init__(self, fleet: FleetApi):
         self.fleet = fleet
+        self.sessions = Sessions(fleet.auth, lambda: fleet.api.db)
 
     def _render(self, request: Request, template: str, status: int = 200,
                 headers: Mapping[str, str] | None = None, **context: Any) -> HTMLResponse:
+        """`context["session"]`: who is looking (the header, and the forms' token)."""
         nonce = secrets.token_urlsafe(16)
         context.setdefault("refresh", status == 200)
         body = render_page(template, nonce=nonce, path=request.url.path, **context)
-        return HTMLResponse(body, status_code=status, headers={
-            # Defence in depth behind autoescaping: only our nonce'd script runs.
+        response = HTMLResponse(body, status_code=status, headers={
+            # Defence in depth behind autoescaping: only our nonce'd script runs, and forms
+            # post to this server only.
             "Content-Security-Policy": (f"default-src 'none'; script-src 'nonce-{nonce}'; "
                                         "style-src 'self'; img-src 'self'; connect-src 'self'; "
-                                        "form-action 'none'; frame-ancestors 'none'; "
+                                        "form-action 'self'; frame-ancestors 'none'; "
                                         "base-uri 'none'"),
             "Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
             "X-Content-Type-Options": "nosniff", **(headers or {})})
+        session = context.get("session")
+        if isinstance(session, Session) and session.new_cookie is not None:
+            self._set_cookie(request, response, session.new_cookie)
+        return response
 
-    def _denied(self, request: Request) -> Response | None:
-        """None when the caller may see the pages; else the page that says how to get in."""
-        token = self.fleet.admin_token
-        if token is None:
-            return None
+    @staticmethod
+    def _set_cookie(request: Request, response: Response, value: str) -> None:
+        response.set_cookie(COOKIE_NAME, value, max_age=SESSION_SECONDS, httponly=True,
+                            samesite="strict", secure=request.url.scheme == "https", path="/")
+
+    async def _access(self, request: Request) -> Session | Response:
+        """Who may see the pages (the viewer role); else the page that says how to get in.
+        `?token=` signs in (not on an open server, which has no tokens)."""
         offered = request.query_params.get("token")
-        if offered is not None:
-            if not same_secret(offered, token):
-                return self._unauthorized(request, "That operator token is not valid.")
-            return self._signed_in(request, token)
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and same_secret(value.strip(), token):
-            return None
-        if same_secret(request.cookies.get(COOKIE_NAME, ""), session_value(token)):
-            return None
-        return self._unauthorized(request, "This dashboard needs the operator token.")
+        if offered is not None and not await self.sessions.is_open():
+            return await self._sign_in(request, offered)
+        session = await self.sessions.session(request)
+        if session is None:
+            return self._unauthorized(request, "This dashboard needs an operator token.")
+        if not session.operator.may(Role.VIEWER):
+            return self._refused(request, None, _no_role(session.operator))
+        return session
 
     def _unauthorized(self, request: Request, message: str) -> Response:
         return self._render(request, "message.html", status=401, title="Operator token needed",
                             message=message, continue_to=None, login_hint=True,
-                            headers={"WWW-Authenticate": 'Bearer realm="margo-gitops"'})
+                            headers={"WWW-Authenticate": REALM})
 
-    def _signed_in(self, request: Request, token: str) -> Response:
+    def _refused(self, request: Request, session: Session | None, message: str,
+                 status: int = 403, title: str = "Refused") -> Response:
+        return self._render(request, "message.html", status=status, title=title,
+                            message=message, continue_to=None, login_hint=False,
+                            session=session, back_to="/")
+
+    async def _sign_in(self, request: Request, token: str) -> Response:
         """Set the cookie and continue to the same page without the token in its address.
         A page (not a 303) continues, so the SameSite=Strict cookie is sent even when the
         link was opened from another site."""
+        signed = await self.sessions.sign_in(token)
+        if signed is None:
+            return self._unauthorized(request, "That operator token is not valid.")
+        operator, cookie = signed
+        if not operator.may(Role.VIEWER):
+            return self._refused(request, None, _no_role(operator))
         rest = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
         # url.path is the path as requested (still percent-encoded): it stays one path.
         target = request.url.path + (f"?{urlencode(rest)}" if rest else "")
-        response = self._render(request, "message.html", title="Signed in",
-                                message="Signed in to the dashboard.", continue_to=target,
-                                login_hint=False, refresh=False)
-        response.set_cookie(COOKIE_NAME, session_value(token), httponly=True,
-                            samesite="strict", secure=request.url.scheme == "https", path="/")
+        response = self._render(
+            request, "message.html", title="Signed in",
+            message=f"Signed in to the dashboard as {operator.name} ({operator.role.label}).",
+            continue_to=target, login_hint=False, refresh=False)
+        self._set_cookie(request, response, cookie)
         return response
 
-    def _not_found(self, request: Request, what: str) -> Response:
+    async def sign_out(self, request: Request) -> Response:
+        """Forget the cookie (a form with the session's token: no other site signs you out)."""
+        session = await self.sessions.session(request)
+        if session is None or not session.signed_in:
+            return RedirectResponse("/", status_code=303)
+        refusal = await self.sessions.form_refusal(request, session)
+        if refusal is not None:
+            return self._refused(request, session, refusal)
+        response = self._render(request, "message.html", title="Signed out",
+                                message="Signed out of the dashboard.", continue_to=None,
+                                login_hint=True, refresh=False)
+        response.delete_cookie(COOKIE_NAME, path="/", httponly=True, samesite="strict",
+                               secure=request.url.scheme == "https")
+        return response
+
+    async def rollout_action(self, request: Request) -> Response:
+        """Pause, resume or abort a rollout from the overview's form: the operator role, a
+        form from this session's own page; then back to the overview (303), which shows
+        the rollout's new state and counts. Refusals of a signed-in caller are recorded in
+        the audit trail, as the read API records them."""
+        access = await self._access(request)
+        if isinstance(access, Response):
+            return access
+        name, action = request.path_params["intent"], request.path_params["action"]
+        if action not in ACTIONS:
+            return self._not_found(request, f"rollout action {action!r}", access)
+        refusal = await self.sessions.form_refusal(request, access)
+        if refusal is None and not access.may_act:
+            refusal = (f"{access.operator.name} is a {access.operator.role.label}; "
+                       f"{action} needs the operator role")
+        if refusal is not None:
+            await self.fleet.audit.record(access.operator, f"rollout.{action}", name,
+                                          outcome=REFUSED, detail=refusal,
+                                          address=caller_address(request))
+            return self._refused(request, access, refusal)
+        try:
+            await self.fleet.act_on_rollout(request, access.operator, name, action)
+        except ProblemError as exc:  # no such rollout (404), not in that state (409)
+            return self._refused(request, access, exc.detail, exc.status, "Not done")
+        return RedirectResponse(f"/#rollout-{quote(name)}", status_code=303)
+
+    def _not_found(self, request: Request, what: str, session: Session) -> Response:
         return self._render(request, "message.html", status=404, title="Not found",
                             message=f"There is no {what} in this fleet.", continue_to=None,
-                            login_hint=False)
+                            login_hint=False, session=session)
 
     # Reads of the database and the device branches stay on the event loop, as in the
     # read API (the branch store's pygit2 repository is not shared across threads); only
@@ -510,9 +570,9 @@ class Dashboard:
     # --- overview ---
 
     async def overview(self, request: Request) -> Response:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        session = await self._access(request)
+        if isinstance(session, Response):
+            return session
         await self.fleet.api.catch_up()
         statuses, rows, deployments = self._fleet_now()
         polls = self.fleet.api.db.read(records.client_polls)
@@ -528,24 +588,24 @@ class Dashboard:
         applications = [(app_id, catalogue.applications.get(app_id), runs[app_id])
                         for app_id in sorted(set(catalogue.applications) | set(runs))]
         source = self.fleet.api.db.read(load_condition)
-        rollouts = [dict(view, plot=progress_points(view))
+        rollouts = [dict(view, plot=progress_points(view), actions=actions_for(view["status"]))
                     for view in await run_in_threadpool(self.fleet.rollout_views)]
         return self._render(request, "overview.html", title="Fleet overview", devices=devices,
                             counts=counts, catalogue=catalogue, applications=applications,
                             source=source, source_kind=self.fleet.source_kind,
-                            rollouts=rollouts)
+                            rollouts=rollouts, session=session)
 
     # --- one device ---
 
     async def device(self, request: Request) -> Response:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        session = await self._access(request)
+        if isinstance(session, Response):
+            return session
         device_id = request.path_params["deviceId"]
         await self.fleet.api.catch_up()
         row = self.fleet.device_row(device_id)
         if row is None:
-            return self._not_found(request, f"device {device_id!r}")
+            return self._not_found(request, f"device {device_id!r}", session)
         statuses = self.fleet.statuses()
         deployments = self.fleet.device_deployments(device_id, statuses)
         history = [_commit_view(c) for c in self.fleet.history(device_id)]
@@ -556,7 +616,8 @@ class Dashboard:
             request, "device.html", title=f"Device {device_id}",
             device=device_view(row, self.fleet.device_summary(row, statuses)),
             deployments=deployments, explanations=explanations, history=history,
-            eligibility_error=eligibility if isinstance(eligibility, str) else None)
+            eligibility_error=eligibility if isinstance(eligibility, str) else None,
+            session=session)
 
     # --- one application ---
 
@@ -564,9 +625,9 @@ class Dashboard:
         return load_catalogue(self.fleet.source), self.fleet.eligibility(device_ids)
 
     async def application(self, request: Request) -> Response:
-        denied = self._denied(request)
-        if denied is not None:
-            return denied
+        session = await self._access(request)
+        if isinstance(session, Response):
+            return session
         app_id = request.path_params["appId"]
         _, rows, deployments = self._fleet_now()
         runs = [{"device": device_id, **d} for device_id, served in deployments.items()
@@ -575,7 +636,7 @@ class Dashboard:
             self._explain_fleet, [row.device_id for row in rows])
         info = catalogue.applications.get(app_id)
         if info is None and not runs:
-            return self._not_found(request, f"application {app_id!r}")
+            return self._not_found(request, f"application {app_id!r}", session)
         blocked, unexplained = [], []
         for device_id, explained in eligibility.items():
             if isinstance(explained, str):
@@ -587,7 +648,7 @@ class Dashboard:
         return self._render(request, "application.html", title=f"Application {app_id}",
                             app_id=app_id, info=info, runs=runs, blocked=blocked,
                             unexplained=unexplained, source_error=catalogue.error,
-                            states=Counter(r["state"] for r in runs))
+                            states=Counter(r["state"] for r in runs), session=session)
 
     async def stylesheet(self, request: Request) -> Response:
         return FileResponse(TEMPLATES / "style.css", media_type="text/css",
@@ -600,7 +661,13 @@ class Dashboard:
             Route("/devices/{deviceId:path}", self.device, methods=["GET"]),
             Route("/applications/{appId}", self.application, methods=["GET"]),
             Route("/dashboard/style.css", self.stylesheet, methods=["GET"]),
+            Route("/rollouts/{intent}/{action}", self.rollout_action, methods=["POST"]),
+            Route("/signout", self.sign_out, methods=["POST"]),
         ]
+
+
+def _no_role(operator: Operator) -> str:
+    return f"{operator.name} has no role on this server; the dashboard needs a viewer's."
 
 
 def _commit_view(commit: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ safely while the server runs (SQLite WAL; the server re-reads the policy within 
 - `clients list [--json]`, `clients retire ID`.
 - `trust rotate --bundle FILE`: check and atomically install a new trust bundle; the server
   notices the changed file at the next handshake, no restart.
+
+Each change is recorded in the server's audit trail as `local:<OS user>`
+(`margo_cli.datastore.audited`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import argparse
 import datetime as dt
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from margo.files import write_atomically
+from margo_cli.datastore import audited, data_options, opened_store
 from margo_cli.usage import UsageError
 
 __all__ = ["register"]
@@ -39,7 +45,7 @@ def register(commands: Any) -> None:
     add.add_argument("client_id", metavar="CLIENT_ID")
     add.add_argument("--reactivate", action="store_true",
                      help="accept a retired client again (with a new token)")
-    _data(add)
+    data_options(add)
     add.add_argument("--json", action="store_true")
     add.set_defaults(run=run_clients_add)
 
@@ -54,7 +60,7 @@ def register(commands: Any) -> None:
     issue.add_argument("--hours", type=float, default=24 * 30,
                        help="validity (default 720 h: labs; production SVIDs live hours)")
     issue.add_argument("--key-type", choices=("ec-p256", "ec-p384"), default="ec-p256")
-    _data(issue)
+    data_options(issue)
     issue.add_argument("--json", action="store_true")
     issue.set_defaults(run=run_clients_issue)
 
@@ -63,17 +69,17 @@ def register(commands: Any) -> None:
     imported.add_argument("--cert", required=True, metavar="FILE")
     imported.add_argument("--trust-domain", metavar="TD", help="require this trust domain")
     imported.add_argument("--wfm-id", metavar="ID", help="require this WFM id")
-    _data(imported)
+    data_options(imported)
     imported.set_defaults(run=run_clients_import)
 
     listing = verbs.add_parser("list", help="every client and what proves it")
-    _data(listing)
+    data_options(listing)
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(run=run_clients_list)
 
     retire = verbs.add_parser("retire", help="refuse a client's requests from now on")
     retire.add_argument("client_id", metavar="CLIENT_ID")
-    _data(retire)
+    data_options(retire)
     retire.set_defaults(run=run_clients_retire)
 
     trust = commands.add_parser("trust", help="manage the server's client trust bundle")
@@ -82,7 +88,7 @@ def register(commands: Any) -> None:
                                                    "not merging, the anchors)")
     rotate.add_argument("--bundle", required=True, metavar="FILE",
                         help="PEM certificates or a SPIFFE bundle (JWK set)")
-    _data(rotate)
+    data_options(rotate)
     rotate.add_argument("--target", metavar="FILE",
                         help="the file `margo serve --trust-bundle` reads "
                              "(default: <data>/trust/bundle.pem)")
@@ -91,38 +97,28 @@ def register(commands: Any) -> None:
     rotate.set_defaults(run=run_trust_rotate)
 
 
-def _data(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="wfm-data", metavar="DIR",
-                        help="the server's state directory (default: ./wfm-data)")
-    parser.add_argument("--database", metavar="URL",
-                        help="the servers' PostgreSQL database (postgresql://...), when they "
-                             "run with --database; default: <data>/wfm.sqlite")
-
-
 def _fail(message: str) -> int:
     raise UsageError(f"margo: {message}")
 
 
 class _Registry:
-    """The client registry of a data directory, closed on exit."""
+    """The client registry of the store a command names; `audited` records a change in the
+    audit trail."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, db: Any):
         from wfm.identity.clients import ClientRegistry
-        from wfm.store.database import DatabaseUnavailable
-        from wfm.store.opening import open_database
-        from wfm.store.sqlitedb import DatabaseDamaged
 
-        try:
-            self.db = open_database(args.database or Path(args.data) / "wfm.sqlite")
-        except (DatabaseDamaged, DatabaseUnavailable) as exc:  # says what to do
-            _fail(str(exc))
-        self.clients = ClientRegistry(self.db)
+        self.db = db
+        self.clients = ClientRegistry(db)
 
-    def __enter__(self) -> Any:
-        return self.clients
+    def audited(self, action: str, target: str, detail: str | None = None) -> None:
+        audited(self.db, action, target, detail)
 
-    def __exit__(self, *exc: object) -> None:
-        self.db.close()
+
+@contextmanager
+def _registry(args: argparse.Namespace) -> Iterator[_Registry]:
+    with opened_store(args) as db:
+        yield _Registry(db)
 
 
 # --- clients add / retire / list -------------------------------------------------------
@@ -142,11 +138,14 @@ def run_clients_add(args: argparse.Namespace) -> int:
     from wfm.identity.clients import ClientRetired
 
     _check_client_id("add", args.client_id)
-    with _Registry(args) as clients:
+    with _registry(args) as registry:
         try:
-            client_id, token = clients.add(args.client_id, reactivate=args.reactivate)
+            client_id, token = registry.clients.add(args.client_id,
+                                                    reactivate=args.reactivate)
         except ClientRetired as exc:
             return _fail(f"clients add: {exc}")
+        registry.audited("client.add", client_id, "a new token" + (
+            " (reactivated)" if args.reactivate else ""))
     if args.json:
         print(json.dumps({"clientId": client_id, "token": token}))
     else:
@@ -156,16 +155,16 @@ def run_clients_add(args: argparse.Namespace) -> int:
 
 
 def run_clients_retire(args: argparse.Namespace) -> int:
-    with _Registry(args) as clients:
-        retired = clients.retire(args.client_id)
-    if not retired:
-        return _fail(f"clients: no client {args.client_id!r}")
+    with _registry(args) as registry:
+        if not registry.clients.retire(args.client_id):
+            return _fail(f"clients: no client {args.client_id!r}")
+        registry.audited("client.retire", args.client_id)
     return 0
 
 
 def run_clients_list(args: argparse.Namespace) -> int:
-    with _Registry(args) as clients:
-        rows = clients.describe()
+    with _registry(args) as registry:
+        rows = registry.clients.describe()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -274,10 +273,11 @@ def run_clients_issue(args: argparse.Namespace) -> int:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()))
     (out / "svid-ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    with _Registry(args) as clients:
-        clients.register_identity(args.client_id, spiffe_id=spiffe, certificate=pem.decode(),
-                                  not_after=cert.not_valid_after_utc.timestamp(),
-                                  source="issued")
+    with _registry(args) as registry:
+        registry.clients.register_identity(
+            args.client_id, spiffe_id=spiffe, certificate=pem.decode(),
+            not_after=cert.not_valid_after_utc.timestamp(), source="issued")
+        registry.audited("client.issue", args.client_id, spiffe)
     summary = {"clientId": args.client_id, "spiffeId": spiffe,
                "notAfter": cert.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
                "files": {name: str(out / name)
@@ -321,11 +321,12 @@ def _import_svid(args: argparse.Namespace, cert: Any) -> int:
         return _fail(f"clients import: not a Margo client SVID: {exc}")
     if named != args.client_id:
         return _fail(f"clients import: the SVID names client {named!r}, not {args.client_id!r}")
-    with _Registry(args) as clients:
-        clients.register_identity(
+    with _registry(args) as registry:
+        registry.clients.register_identity(
             args.client_id, spiffe_id=str(spiffe),
             certificate=cert.public_bytes(serialization.Encoding.PEM).decode(),
             not_after=cert.not_valid_after_utc.timestamp(), source="imported")
+        registry.audited("client.import", args.client_id, str(spiffe))
     print(f"imported {spiffe}")
     return 0
 
@@ -337,12 +338,13 @@ def _import_rc2_key(args: argparse.Namespace, data: bytes) -> int:
         key = onboarding_key({"certificate": data.decode("ascii", "replace")})
     except OnboardingError as exc:
         return _fail(f"clients import: {exc.detail}")
-    with _Registry(args) as clients:
-        bound = clients.add_key(args.client_id, key_id=key.key_id,
-                                public_key=key.public_key_pem,
-                                certificate=key.certificate_pem)
-    if bound != args.client_id:
-        return _fail(f"clients import: this key already belongs to client {bound!r}")
+    with _registry(args) as registry:
+        bound = registry.clients.add_key(args.client_id, key_id=key.key_id,
+                                         public_key=key.public_key_pem,
+                                         certificate=key.certificate_pem)
+        if bound != args.client_id:
+            return _fail(f"clients import: this key already belongs to client {bound!r}")
+        registry.audited("client.import", args.client_id, f"rc.2 key {key.key_id}")
     print(f"imported the rc.2 key {key.key_id} for {args.client_id}")
     return 0
 
@@ -378,5 +380,8 @@ def run_trust_rotate(args: argparse.Namespace) -> int:
                      f"{old_sequence} (a regressed bundle); --force to install it anyway")
     # Atomic replacement: the server reads either the old or the new bundle, never half.
     write_atomically(target, data)
+    with opened_store(args) as db:
+        audited(db, "trust.rotate", str(target), f"{len(anchors)} anchor(s)" + (
+            f", spiffe_sequence {new_sequence}" if new_sequence is not None else ""))
     print(f"installed {len(anchors)} anchor(s) into {target}")
     return 0

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from margo_cli import (
+    audit_command,
     compile_command,
     conformance_command,
     device_command,
@@ -18,6 +19,7 @@ from margo_cli import (
     init_command,
     lint_chart_command,
     match_command,
+    operators_command,
     rollout_command,
     secrets_command,
     serve_command,
@@ -41,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_command.register(commands)
     serve_command.register(commands)
     identity_command.register(commands)
+    operators_command.register(commands)
+    audit_command.register(commands)
     status_command.register(commands)
     rollout_command.register(commands)
     device_command.register(commands)

@@ -50,7 +50,8 @@ def register(commands: Any) -> None:
     serve.add_argument("--webhook-secret-file", metavar="FILE",
                        help="file holding the shared secret of POST /hooks/git")
     serve.add_argument("--admin-token-file", metavar="FILE",
-                       help="file holding the operator token the /api/fleet API requires")
+                       help="file holding a token of the admin role (operators with other "
+                            "roles: margo operators add; docs/operations.md)")
     serve.add_argument("--metrics-token-file", metavar="FILE",
                        help="file holding a bearer token that may read GET /metrics (a "
                             "Prometheus scraper's); the operator token may too; with neither "
@@ -90,6 +91,7 @@ def register(commands: Any) -> None:
                             "before (its database lost): no clients, manifestVersions start "
                             "over (docs/operations.md, 'Damaged state')")
     _identity_options(serve)
+    _operator_options(serve)
     _budget_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -109,6 +111,41 @@ def _source_options(serve: Any) -> None:
     serve.add_argument("--host-source", action="store_true",
                        help="host the fleet source at /git/source.git (push with the operator "
                             "token); pushes to --source-branch recompile")
+
+
+def _operator_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "operators", "who may read and change the fleet through the read API, the dashboard, "
+        "/metrics and the hosted source: --admin-token-file, `margo operators`, and OIDC "
+        "(docs/operations.md, 'Operators and roles')")
+    group.add_argument("--oidc-issuer", metavar="URL",
+                       help="accept bearer JWTs of this OpenID Connect issuer (https://; "
+                            "its keys come from its discovery document)")
+    group.add_argument("--oidc-audience", metavar="AUD",
+                       help="the audience (aud) the issuer's tokens must name")
+    group.add_argument("--oidc-role-claim", default="groups", metavar="CLAIM",
+                       help="the claim (a string or a list) that maps to a role "
+                            "(default: groups)")
+    group.add_argument("--oidc-role", action="append", default=[], metavar="VALUE=ROLE",
+                       help="a claim value and the role it gives: viewer, operator or admin "
+                            "(repeatable; the highest matching role counts; none: 403)")
+    group.add_argument("--audit-retention-days", type=float, default=365, metavar="DAYS",
+                       help="keep audit trail entries this many days (default 365)")
+
+
+def _oidc(args: argparse.Namespace) -> Any:
+    """The OIDC settings of the options (None without --oidc-issuer), with the other
+    operator options checked."""
+    from wfm.identity.oidc import OidcSettings, parse_role_mapping
+
+    if args.audit_retention_days <= 0:
+        raise ValueError("--audit-retention-days must be positive")
+    if args.oidc_issuer is None:
+        if args.oidc_audience or args.oidc_role:
+            raise ValueError("--oidc-audience and --oidc-role need --oidc-issuer")
+        return None
+    return OidcSettings(args.oidc_issuer, args.oidc_audience or "",
+                        parse_role_mapping(args.oidc_role), role_claim=args.oidc_role_claim)
 
 
 #: `margo serve --budget-*` defaults, MiB (wfm.admission.budgets.BudgetSettings).
@@ -191,6 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         tls, identity = identity_settings(args, data)
         contexts = ServerContexts(tls) if tls is not None else None
+        oidc = _oidc(args)
     except (ValueError, OSError, ssl.SSLError) as exc:
         raise SystemExit(f"margo serve: {exc}") from None
     used = () if args.database or args.new_database else _used_before(data)
@@ -210,7 +248,8 @@ def run_serve(args: argparse.Namespace) -> int:
         database_url=_database(args.database), stale_polls=args.stale_polls,
         max_devices_per_client=args.max_devices_per_client,
         body_timeout=args.body_timeout, budgets=_budgets(args),
-        metrics_token=_secret(args.metrics_token_file), otlp_endpoint=_otlp(args.otlp_endpoint)))
+        metrics_token=_secret(args.metrics_token_file), otlp_endpoint=_otlp(args.otlp_endpoint),
+        oidc=oidc, audit_retention_days=args.audit_retention_days))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}

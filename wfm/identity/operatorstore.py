@@ -62,7 +62,7 @@ class OperatorRegistry:
         def write(conn: Connection) -> None:
             existing = operator_rows.operator_row(conn, name)
             if existing is not None:
-                state = "revoked" if existing[2] is not None else f"a {existing[1]}"
+                state = "revoked" if existing[2] is not None else f"role {existing[1]}"
                 raise OperatorError(
                     f"operator {name!r} exists ({state}); names are not reused, so the "
                     "audit trail's entries keep meaning one holder: choose another name"

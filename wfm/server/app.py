@@ -48,6 +48,7 @@ from wfm.http.request_parts import MAX_BODY
 from wfm.http.webhooks import MAX_BODY_BYTES as MAX_HOOK_BYTES
 from wfm.identity.authority import ensure_ca, ensure_shared_ca
 from wfm.identity.clients import ClientRegistry
+from wfm.identity.oidc import OidcSettings, OidcVerifier
 from wfm.identity.operators import OperatorAuth
 from wfm.identity.operatorstore import StoreOperators
 from wfm.identity.proofs import Identity, IdentitySettings, SignatureMiddleware
@@ -101,6 +102,8 @@ class ServerConfig:
     otlp_endpoint: str | None = None
     #: Days the audit trail keeps its entries (`wfm.fleet.audit`).
     audit_retention_days: float = RETENTION_DAYS
+    #: An OIDC issuer whose tokens prove operators (`wfm.identity.oidc`); None: none.
+    oidc: OidcSettings | None = None
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -217,7 +220,8 @@ def create_app(config: ServerConfig) -> Starlette:
     edge = DeviceEdge(api)
     stats, late = HttpStats(), _Late()
     operators = StoreOperators()
-    auth = operator_auth(config, operators)
+    oidc = OidcVerifier(config.oidc) if config.oidc is not None else None
+    auth = operator_auth(config, operators, oidc)
     metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token,), auth=auth)
     api.max_devices = config.max_devices_per_client
     identity = Identity(config.identity)
@@ -230,10 +234,14 @@ def create_app(config: ServerConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         running = _start(config, api, identity, fleet, late)
         operators.open(running.db)
+        if oidc is not None:
+            oidc.start()
         app.state.api = api
         try:
             yield
         finally:
+            if oidc is not None:
+                oidc.stop()
             running.stop()
 
     return Starlette(
@@ -252,12 +260,13 @@ def create_app(config: ServerConfig) -> Starlette:
     )
 
 
-def operator_auth(config: ServerConfig, operators: StoreOperators) -> OperatorAuth:
+def operator_auth(config: ServerConfig, operators: StoreOperators,
+                  oidc: OidcVerifier | None = None) -> OperatorAuth:
     """Who may do what: the admin token, the store's operators, and the OIDC issuer's
     tokens when one is configured. Open until one of them exists (an operator registered
     while the server runs closes it within a second)."""
-    lookups = (operators,)
-    fixed = config.admin_token is not None
+    lookups: tuple[Any, ...] = (operators,) if oidc is None else (operators, oidc)
+    fixed = config.admin_token is not None or oidc is not None
     return OperatorAuth(admin_token=config.admin_token, lookups=lookups,
                         configured=lambda: fixed or operators.registered())
 

@@ -28,6 +28,7 @@ from compiler.secrets import FleetKey, SecretError
 from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
+from margo_cli import progress
 from margo_cli.fleetclient import call
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 
@@ -119,11 +120,7 @@ def _store(args: argparse.Namespace) -> tuple[DeviceStore, CompilerState]:
 
 def _progress(items: Iterable[Any], total: int) -> Iterable[Any]:
     """A progress bar on a terminal for long compiles; nothing otherwise."""
-    if not sys.stderr.isatty() or total < 20:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, total=total, desc="compiling", leave=False, file=sys.stderr)
+    return progress.iterate(items, total, "compiling", unit="device")
 
 
 def _print_errors(report: CompileReport) -> None:

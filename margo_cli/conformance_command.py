@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from margo_cli import progress
 from margo_cli.usage import UsageError
 
 __all__ = ["register"]
@@ -77,12 +78,15 @@ def run_wfm(args: argparse.Namespace) -> int:
                             registry_plain_http=args.registry_plain_http,
                             poll_interval=args.poll_interval, timeout=args.timeout)
 
-    def progress(result: StepResult) -> None:
-        print(result.line(), flush=True)
+    with progress.bar(suite.step_count, "conformance", enabled=not args.json,
+                      unit="step") as steps:
+        def stepped(result: StepResult) -> None:
+            steps.update()
+            steps.write(result.line())
 
-    with Runner(args.base_url, cert_dir, options,
-                on_result=None if args.json else progress) as runner:
-        report = runner.run_suite(suite)
+        with Runner(args.base_url, cert_dir, options,
+                    on_result=None if args.json else stepped) as runner:
+            report = runner.run_suite(suite)
     if args.json:
         print(json.dumps({"baseUrl": args.base_url, **report.as_dict()}, indent=2))
     else:

@@ -4,12 +4,29 @@ refusal into an error that says what the server said."""
 
 from __future__ import annotations
 
+import argparse
+import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["call"]
+__all__ = ["DEFAULT_URL", "add_server_options", "call"]
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """`--url` and `--token-file`, defaulting to `MARGO_URL` and `MARGO_TOKEN_FILE` so a
+    shell (and its completion, which cannot see options not typed yet) names the server
+    once."""
+    parser.add_argument("--url", default=os.environ.get("MARGO_URL") or DEFAULT_URL,
+                        help="the server's base URL (default: $MARGO_URL, else "
+                             f"{DEFAULT_URL})")
+    parser.add_argument("--token-file", metavar="FILE",
+                        default=os.environ.get("MARGO_TOKEN_FILE") or None,
+                        help="operator token, if the server requires one (default: "
+                             "$MARGO_TOKEN_FILE)")
 
 
 def call(url: str, path: str, *, token_file: str | None = None, method: str = "GET",

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from margo_cli import (
     audit_command,
     compile_command,
+    completion,
     conformance_command,
+    describe_command,
     device_command,
+    get_command,
     identity_command,
     init_command,
     lint_chart_command,
@@ -46,16 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     operators_command.register(commands)
     audit_command.register(commands)
     status_command.register(commands)
+    get_command.register(commands)
+    describe_command.register(commands)
     rollout_command.register(commands)
     device_command.register(commands)
     lint_chart_command.register(commands)
     conformance_command.register(commands)
     secrets_command.register(commands)
+    completion.register(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    completion.enable(parser)  # a shell asking for completions is answered here, and exits
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

@@ -10,7 +10,8 @@ from typing import Any
 
 import httpx
 
-from margo_cli.fleetclient import call
+from margo_cli import completion
+from margo_cli.fleetclient import add_server_options, call
 from margo_cli.usage import UsageError
 
 __all__ = ["register", "run"]
@@ -25,9 +26,9 @@ def register(commands: Any) -> None:
                     "further wave opens. resume INTENT. abort INTENT: roll back every "
                     "device the rollout moved.")
     parser.add_argument("action", choices=["status", "pause", "resume", "abort"])
-    parser.add_argument("intent", nargs="?", metavar="INTENT")
-    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
-    parser.add_argument("--token-file", metavar="FILE", help="operator token, if required")
+    intent = parser.add_argument("intent", nargs="?", metavar="INTENT")
+    completion.complete_with(intent, completion.intent_names)
+    add_server_options(parser)
     parser.add_argument("--json", action="store_true", help="print the API's JSON")
     parser.set_defaults(run=run)
 

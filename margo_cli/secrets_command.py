@@ -47,6 +47,7 @@ from compiler.secrets import (
 from margo.errors import DocumentError, Problem
 from margo.files import write_atomically
 from margo.loading import LoadedDocument, load_document
+from margo_cli import progress
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 
 __all__ = ["register"]
@@ -240,7 +241,7 @@ def _load_intents(verb: str, source: str) -> Iterator[tuple[Path, str, LoadedDoc
             problems.extend(exc.problems)
     if problems:
         raise _Problems(problems)
-    yield from loaded
+    yield from progress.iterate(loaded, len(loaded), verb, unit="intent")
 
 
 class _Problems(Exception):

@@ -9,7 +9,10 @@ from typing import Any
 
 import httpx
 
-from margo_cli.fleetclient import call
+from margo_cli import completion
+from margo_cli.device_view import eligibility_lines, history_lines
+from margo_cli.fleetclient import add_server_options, call
+from margo_cli.tables import ago, cell, counts, table
 from margo_cli.usage import UsageError
 
 __all__ = ["register", "run"]
@@ -17,18 +20,11 @@ __all__ = ["register", "run"]
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("status", help="show devices and deployments of a server")
-    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL")
-    parser.add_argument("--token-file", metavar="FILE", help="operator token, if required")
-    parser.add_argument("--device", metavar="ID", help="one device in detail")
+    add_server_options(parser)
+    device = parser.add_argument("--device", metavar="ID", help="one device in detail")
+    completion.complete_with(device, completion.device_ids)
     parser.add_argument("--json", action="store_true", help="print the API's JSON")
     parser.set_defaults(run=run)
-
-
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _get(args: argparse.Namespace, path: str) -> Any:
@@ -41,24 +37,12 @@ def _device(args: argparse.Namespace) -> str:
         return json.dumps(detail, indent=2)
     out = [f"device {detail['deviceId']} (client {detail['clientId']}, {detail['shape']} "
            f"capabilities)", ""]
-    out.append(_table([[d["intent"] or "?", d["applicationId"] or "?", d["state"],
-                        ", ".join(f"{c['name']}={c['state']}" for c in d["components"]) or "-",
-                        (d["error"] or {}).get("message", "")] for d in detail["deployments"]],
-                      ["INTENT", "APPLICATION", "STATE", "COMPONENTS", "ERROR"]))
-    eligibility = detail["eligibility"]
-    out += ["", "eligibility:"]
-    if isinstance(eligibility, str):
-        out.append(f"  {eligibility}")
-    else:
-        for entry in eligibility:
-            out.append(f"  {entry['intent']}: {entry['status']}")
-            for failure in entry["targeting"]:
-                out.append(f"    - {failure['message']}")
-            for attempt in entry["attempts"]:
-                out += [f"    - profile {attempt['profile']}: {f['message']}"
-                        for f in attempt["failures"]]
-    out += ["", "history:"] + [f"  {c['commit'][:10]} {c['message'].splitlines()[0]}"
-                               for c in detail["history"]]
+    out.append(table([[d["intent"] or "?", d["applicationId"] or "?", d["state"],
+                       ", ".join(f"{c['name']}={c['state']}" for c in d["components"]) or "-",
+                       cell((d["error"] or {}).get("message"))] for d in detail["deployments"]],
+                     ["INTENT", "APPLICATION", "STATE", "COMPONENTS", "ERROR"]))
+    out += ["", *eligibility_lines(detail["eligibility"]), "",
+            *history_lines(detail["history"])]
     return "\n".join(out)
 
 
@@ -81,17 +65,6 @@ def _freshness(freshness: dict[str, Any] | None) -> str:
     return "-" if not freshness else str(freshness["state"])
 
 
-def _ago(when: float | None, now: float) -> str:
-    """`12s ago`, `5m ago`, `3h ago`, `2d ago` (a server older than freshness: `-`)."""
-    if when is None:
-        return "-"
-    seconds = max(0, int(now - when))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit} ago"
-    return f"{seconds}s ago"
-
-
 def _optional(args: argparse.Namespace, path: str) -> Any:
     """`path`'s JSON, or None from a server too old to have it."""
     try:
@@ -104,27 +77,26 @@ def _optional(args: argparse.Namespace, path: str) -> Any:
 
 def _fleet(args: argparse.Namespace) -> str:
     devices = _get(args, "/api/fleet/devices")["devices"]
-    counts = _get(args, "/api/fleet/deployments")
+    by_state = _get(args, "/api/fleet/deployments")
     source = _optional(args, "/api/fleet/source")
     if args.json:
-        return json.dumps({"source": source, "devices": devices, "deployments": counts},
+        return json.dumps({"source": source, "devices": devices, "deployments": by_state},
                           indent=2)
     now = time.time()
     rows = [[d["deviceId"], d["clientId"], _freshness(d.get("freshness")),
-             _ago(d.get("freshness", {}).get("lastSeen"), now), str(d["deployments"]),
-             ", ".join(f"{k}={v}" for k, v in d["states"].items()) or "-"] for d in devices]
+             ago(d.get("freshness", {}).get("lastSeen"), now), str(d["deployments"]),
+             counts(d["states"])] for d in devices]
     out = [*_source_lines(source),
-           _table(rows, ["DEVICE", "CLIENT", "FRESHNESS", "LAST SEEN", "DEPLOYMENTS", "STATES"]),
+           table(rows, ["DEVICE", "CLIENT", "FRESHNESS", "LAST SEEN", "DEPLOYMENTS", "STATES"]),
            ""]
     failures = [f"  {d['deviceId']}: {e['intent'] or e['deploymentId']}: "
-                f"{e.get('message') or 'failed (no message)'}"
+                f"{cell(e.get('message'), 100) if e.get('message') else 'failed (no message)'}"
                 + (f" [{e['code']}]" if e.get("code") else "")
                 for d in devices for e in d.get("errors", [])]
     if failures:
         out += ["errors:", *failures, ""]
-    rows = [[name, ", ".join(f"{k}={v}" for k, v in states.items())]
-            for name, states in counts["byApplication"].items()]
-    out.append(_table(rows, ["APPLICATION", "STATES"]))
+    rows = [[name, counts(states)] for name, states in by_state["byApplication"].items()]
+    out.append(table(rows, ["APPLICATION", "STATES"]))
     return "\n".join(out)
 
 

@@ -39,6 +39,7 @@ from wfm.fleet.sources import RemoteSource, SourceWatcher, fetch_source
 from wfm.git.githttp import git_app
 from wfm.git.sourcehost import MAX_PUSH_BYTES, ensure_repository, source_app
 from wfm.git.upload_gate import MAX_REQUEST_BYTES
+from wfm.http.catalog import catalog_routes
 from wfm.http.dashboard import dashboard_routes
 from wfm.http.device_api import DEFAULT_MAX_DEVICES_PER_CLIENT, Api
 from wfm.http.device_routes import DeviceEdge, routes
@@ -289,6 +290,7 @@ def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
             Route("/livez", _livez, methods=["GET"]),
             Route("/readyz", _readyz, methods=["GET"]),
             Route("/metrics", metrics.serve, methods=["GET"]), *fleet.routes(),
+            *catalog_routes(fleet),
             *dashboard_routes(fleet), *hosted,
             Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
                                       edge.callers.may_fetch, lost=api.lost_branch,

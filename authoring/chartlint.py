@@ -32,15 +32,18 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Final
 
-import helm_python as helm
 import yaml
 
 from authoring.values import as_list, dig, schema_allows, suggest_key, values_define
 from authoring.workloads import containers, fixed_name, missing_resources
 from margo.component_values import helm_values, parse_helm_pointer, set_helm_value
 from margo.models import ApplicationDescription, Component, ProfileType
+
+if TYPE_CHECKING:
+    import helm_python as helm
 
 __all__ = [
     "LEVELS",
@@ -149,10 +152,21 @@ class AppInput:
 # --------------------------------------------------------------------------- opening
 
 
+def _engine() -> ModuleType:
+    """The Helm engine, loaded on first use: every `margo` command imports this module (the
+    CLI registers all its commands), and the engine is 80 MB of Go runtime that only
+    linting a chart needs. (A device then loads it under its own name first:
+    reconciler.helm_engine.)"""
+    import helm_python
+
+    return helm_python
+
+
 def _load(path: Path) -> helm.Chart:
+    engine = _engine()
     try:
-        return helm.Chart.load(path)
-    except helm.HelmError as exc:
+        return engine.Chart.load(path)  # type: ignore[no-any-return]
+    except engine.HelmError as exc:
         raise ChartUnusableError(f"{path}: cannot load the chart: {_one_line(str(exc))}") from None
 
 
@@ -192,9 +206,10 @@ def open_chart(path: str | os.PathLike[str]) -> Iterator[LoadedChart]:
         directory = source
         if source.is_file():
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            engine = _engine()
             try:
-                helm.expand(scratch, source)
-            except helm.HelmError as exc:
+                engine.expand(scratch, source)
+            except engine.HelmError as exc:
                 raise ChartUnusableError(
                     f"{display}: not a chart archive: {_one_line(str(exc))}") from None
             expanded = [p for p in scratch.iterdir() if p.is_dir()]
@@ -480,7 +495,7 @@ def _helm_lint_location(loaded: LoadedChart, path: str, text: str) -> tuple[str,
 
 def helm_lint(loaded: LoadedChart, values: dict[str, Any] | None = None) -> list[Finding]:
     """Helm's own `helm lint`, its severities mapped to ours (unknown counts as a warning)."""
-    report = helm.lint(loaded.directory, values)
+    report = _engine().lint(loaded.directory, values)
     out = []
     for message in report.get("messages") or []:
         text = _one_line(str(message.get("error", "")))
@@ -619,7 +634,7 @@ def app_checks(loaded: LoadedChart, app: AppInput) -> list[Finding]:
         for ref, count in _replica_probes(description, {name}):
             probe = copy.deepcopy(values)
             set_helm_value(probe, ref.pointer, count)
-            with contextlib.suppress(helm.HelmError):  # the schema forbids it: not possible
+            with contextlib.suppress(_engine().HelmError):  # the schema forbids it
                 out.extend(manifest_checks(loaded, _render(loaded, probe),
                                            f"parameter {ref.parameter!r} can set {ref.pointer} "
                                            "above 1"))
@@ -629,13 +644,14 @@ def app_checks(loaded: LoadedChart, app: AppInput) -> list[Finding]:
 def _render_checks(loaded: LoadedChart, file: str, values: dict[str, Any], what: str
                    ) -> list[Finding]:
     """Render with `values` and inspect the objects; a render failure is itself an error."""
+    engine = _engine()
     try:
         manifests = _render(loaded, values)
-    except helm.HelmValuesError as exc:
+    except engine.HelmValuesError as exc:
         return [Finding(file, None, "error", "values-schema",
                         f"{what} do not satisfy the chart's values.schema.json: "
                         f"{_one_line(str(exc))}")]
-    except helm.HelmError as exc:
+    except engine.HelmError as exc:
         return [Finding(file, None, "error", "render",
                         f"the chart does not render with {what}: {_one_line(str(exc))}")]
     return manifest_checks(loaded, manifests, what)

@@ -55,11 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import helm_python as helm
-
 from margo.digests import DigestError, digest_of, verify_digest
 from margo.files import write_atomically
 from reconciler.errors import ApplyError, ErrorCode
+from reconciler.helm_engine import helm
 from reconciler.registry_credentials import (
     Pairs,
     RegistryCredential,

@@ -92,14 +92,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import helm_python as helm
-
 from margo.digests import data_digest
 from reconciler.charts import ChartCache
 from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.helm_pull_secrets import PullSecrets
 from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
+from reconciler.helm_engine import helm
 from reconciler.kubernetes.client import KubeClient, KubeConfigError, KubeError, default_access
 from reconciler.kubernetes.objects import ObjectRef, ReleaseObjects, manifest_objects
 from reconciler.planner import Action, Step

@@ -73,7 +73,6 @@ from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-import helm_python as helm
 import yaml
 
 from margo.files import write_atomically
@@ -83,6 +82,7 @@ from reconciler.desired import DesiredComponent, DesiredDeployment
 from reconciler.drivers.compose import env_file_text
 from reconciler.drivers.readback import NOTHING, require_match
 from reconciler.errors import ApplyError, ErrorCode
+from reconciler.helm_engine import helm
 from reconciler.planner import Action, Step
 from reconciler.registry_grants import Granted, open_grants
 from reconciler.releases import (

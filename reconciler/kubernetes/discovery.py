@@ -147,7 +147,7 @@ def _read_otel(client: KubeClient, facts: ClusterFacts) -> bool | None:
     return found
 
 def helm_engine_version() -> str:
-    import helm_python  # 80 MB of Go runtime: only when discovery runs
+    from reconciler.helm_engine import helm as helm_python  # 80 MB of Go: only when needed
 
     return str(helm_python.helm_sdk_version())
 

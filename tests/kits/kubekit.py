@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-import helm_python as helm
-
 # websockets comes with uvicorn[standard] (pyproject.toml): exec is a WebSocket protocol.
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from reconciler.helm_engine import helm
 from tools.kube.controlplane import ControlPlane
 from tools.kube.kubeadmin import KubeAdmin, NotFound, tls_context
 from tools.kube.kubenodes import CONTROL_PLANE_TAINT, THREE_NODES, SimNode, apply_nodes

@@ -232,7 +232,7 @@ def test_a_failing_canary_rolls_back_and_the_rest_never_sees_the_bad_version(
 
 # The soak must outlast starting the CLI for `pause` on a busy machine (it once took over
 # 2 s under the full suite, and the next wave had opened before the pause arrived).
-PAUSABLE_SOAK = 8
+PAUSABLE_SOAK = 4
 PAUSABLE = {"waves": [{"name": "canary", "devices": 1}, {"name": "rest"}],
             "soak": f"{PAUSABLE_SOAK}s"}
 
@@ -255,7 +255,10 @@ def test_pause_holds_the_next_wave_and_resume_lets_it_open(
     again = rollout_cli(base, "pause", "web")
     assert again.returncode != 0 and "is paused" in again.stderr
     assert rollout_cli(base, "resume", "web").returncode == 0
-    until("the rollout to complete", devices, base, lambda v: v["status"] == "complete")
+    # The next wave opens at once (its soak passed long ago); completing would only add
+    # the last wave's soak, which the three-wave test covers.
+    until("the next wave to open", devices, base, lambda v: v["openWave"] == 1
+          and len(devices.on("v2")) == len(DEVICES))
     assert devices.on("v2") == set(DEVICES)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -161,8 +162,16 @@ def run(args: argparse.Namespace) -> int:
         requirements = parse_selector(args.selector)
     except SelectorError as exc:
         raise UsageError(f"margo get: -l: {exc}") from None
-    if not args.interval > 0:
+    if not (args.interval > 0 and math.isfinite(args.interval)):
         raise UsageError("margo get: --interval must be a positive number of seconds")
+    try:
+        _list(args, kind, requirements)
+    except KeyboardInterrupt:  # how a watch ends; a plain listing cut short is not a success
+        return 0 if args.watch else 130
+    return 0
+
+
+def _list(args: argparse.Namespace, kind: Kind, requirements: tuple[Requirement, ...]) -> None:
     try:
         items = fetch(args, kind, requirements)
     except (RuntimeError, httpx.HTTPError, OSError) as exc:
@@ -170,8 +179,4 @@ def run(args: argparse.Namespace) -> int:
     printer = Printer(kind, args.output, watching=args.watch)
     printer.first(items)
     if args.watch:
-        try:
-            _watch(args, kind, requirements, printer)
-        except KeyboardInterrupt:
-            return 0
-    return 0
+        _watch(args, kind, requirements, printer)

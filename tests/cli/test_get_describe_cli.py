@@ -119,6 +119,7 @@ def test_selectors_on_deployments_and_intents(cli_fleet: CliFleet,
     ["get", "devices", "-l", "site in plant-a"],
     ["get", "devices", "--interval", "0", "--watch"],
     ["get", "devices", "--interval", "nan", "--watch"],
+    ["get", "devices", "--interval", "inf", "--watch"],
 ])
 def test_bad_options_are_usage_errors(cli_fleet: CliFleet, capsys: pytest.CaptureFixture[str],
                                       argv: list[str]) -> None:

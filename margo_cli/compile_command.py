@@ -28,7 +28,7 @@ from compiler.secrets import FleetKey, SecretError
 from compiler.snapshot import SnapshotError, load_snapshot
 from compiler.source import SourceError, load_source
 from compiler.state import CompilerState
-from margo_cli import progress
+from margo_cli import completion, progress
 from margo_cli.fleetclient import call
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 
@@ -77,8 +77,12 @@ def register(commands: Any) -> None:
                     "'not targeted' (counted, not listed, unless --all). Inputs: --source and "
                     "--capabilities, or --url of a running server (its reports).")
     _inputs(explain_parser, repos_required=False, inputs_required=False)
-    explain_parser.add_argument("--device", metavar="ID")
-    explain_parser.add_argument("--intent", metavar="NAME")
+    completion.complete_with(explain_parser.add_argument(
+        "--device", metavar="ID", help="one device: why each intent does or does not deploy "
+                                       "on it"), completion.device_ids)
+    completion.complete_with(explain_parser.add_argument(
+        "--intent", metavar="NAME", help="one intent (fleet-wide without --device)"),
+        completion.intent_names)
     explain_parser.add_argument("--app", metavar="ID", help="an application id (fleet-wide)")
     explain_parser.add_argument("--url", help="a running server to ask (GET /api/fleet/...)")
     explain_parser.add_argument("--token-file", metavar="FILE",

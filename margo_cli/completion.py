@@ -12,6 +12,7 @@ command line being edited).
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,13 +68,16 @@ def choices(names: Iterable[str]) -> Completer:
 
 
 def _names(parsed_args: argparse.Namespace, kind_name: str) -> list[str]:
-    """The keys of the server's objects of one kind; nothing on any failure."""
+    """The keys of the server's objects of one kind; nothing on any failure. The server:
+    the command's `--url` (`margo explain`'s has no default), else `$MARGO_URL`."""
     kind = kind_named(kind_name)
     if kind is None:
         return []
+    url = getattr(parsed_args, "url", None) or os.environ.get("MARGO_URL") or DEFAULT_URL
+    token_file = (getattr(parsed_args, "token_file", None)
+                  or os.environ.get("MARGO_TOKEN_FILE") or None)
     try:
-        answer = call(getattr(parsed_args, "url", None) or DEFAULT_URL, kind.path,
-                      token_file=getattr(parsed_args, "token_file", None), timeout=TIMEOUT)
+        answer = call(url, kind.path, token_file=token_file, timeout=TIMEOUT)
         return sorted(kind.key(item) for item in answer[kind.items])
     except Exception:  # a completion says nothing about a server it could not ask
         return []

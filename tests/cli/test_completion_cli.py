@@ -75,6 +75,7 @@ def test_device_ids_and_intent_names_complete_from_the_server(
     assert complete("margo rollout status g", env=env, tmp_path=tmp_path) == ["gpu"]
     assert complete("margo status --device gp", env=env, tmp_path=tmp_path) == ["gpu-1"]
     assert complete("margo get intents b", env=env, tmp_path=tmp_path) == ["broken"]
+    assert complete("margo explain --intent we", env=env, tmp_path=tmp_path) == ["web"]
     # --url and --token-file on the line itself, no environment
     line = (f"margo describe device --url {cli_fleet.url} --token-file "
             f"{cli_fleet.token_file} gpu")

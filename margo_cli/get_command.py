@@ -30,7 +30,7 @@ from margo_cli.selectors import Requirement, SelectorError, matches, parse_selec
 from margo_cli.tables import column_widths, row_line, table
 from margo_cli.usage import UsageError
 
-__all__ = ["register", "run"]
+__all__ = ["Printer", "register", "run"]
 
 OUTPUTS = ("table", "json", "yaml")
 

@@ -16,6 +16,7 @@ import yaml
 from kits.clikit import CliFleet
 from kits.fleetkit import device
 
+from margo_cli.get_command import Printer
 from margo_cli.main import main
 from margo_cli.resources import KINDS
 from margo_cli.selectors import SelectorError, matches, parse_selector
@@ -230,3 +231,29 @@ def test_status_still_shows_the_fleet_with_one_line_errors(
     assert code == 0 and "edge-a: web: image pull failed: manifest unknown" + ELLIPSIS in out
     code, out, _ = margo(capsys, "status", "--device", "gpu-1", *cli_fleet.server())
     assert code == 0 and "gpu: eligible" in out
+
+
+def _device_item(state: str, reported: float) -> dict[str, object]:
+    return {"deviceId": "d1", "clientId": "c", "shape": "rc.3", "deployments": 1,
+            "states": {state: 1}, "freshness": {"state": "current"}, "reportedAt": reported,
+            "labels": {}, "errors": []}
+
+
+def test_a_watch_prints_events_and_ignores_rows_that_only_aged(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    devices = next(k for k in KINDS if k.name == "devices")
+    for output in ("json", "table"):
+        printer = Printer(devices, output, watching=True)
+        printer.first({})
+        printer.changes({"d1": _device_item("pending", 1.0)})
+        printer.changes({"d1": _device_item("pending", 2.0)})  # only AGE moved
+        printer.changes({"d1": _device_item("installed", 2.0)})
+        printer.changes({})
+        lines = capsys.readouterr().out.splitlines()
+        if output == "json":
+            events = [json.loads(line) for line in lines]
+            assert [e["event"] for e in events] == ["ADDED", "MODIFIED", "DELETED"]
+            assert events[1]["object"]["states"] == {"installed": 1}
+        else:
+            assert [line.split()[0] for line in lines] == ["ID", "d1", "d1", "d1"]
+            assert "installed=1" in lines[2] and lines[3].split()[1] == "<deleted>"

@@ -41,8 +41,8 @@ from wfm.identity.operators import (
     Operator,
     OperatorAuth,
     Role,
-    bearer_token,
     caller_address,
+    refusal,
 )
 from wfm.identity.operatorstore import OperatorRegistry
 from wfm.problems import ProblemError
@@ -126,16 +126,14 @@ class FleetApi:
         """The caller, when it may act as `role` (`OperatorAuth.require`: else 401 or 403).
         For a change (`action` named: `rollout.pause`...), a known caller refused below
         the role is recorded in the audit trail before the 403 goes out."""
-        try:
-            return self.auth.require(request, role)
-        except ProblemError as refusal:
-            if action is not None and refusal.status == 403:
-                caller = self.auth.authenticate(bearer_token(request))
-                if caller is not None:
-                    await self.audit.record(caller, action, target, outcome=REFUSED,
-                                            detail=refusal.detail,
-                                            address=caller_address(request))
-            raise
+        caller = self.auth.caller(request)
+        if caller.may(role):
+            return caller
+        refused = refusal(caller, role)
+        if action is not None:
+            await self.audit.record(caller, action, target, outcome=REFUSED,
+                                    detail=refused.detail, address=caller_address(request))
+        raise refused
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         """Every deployment's last reported status, by deployment id."""

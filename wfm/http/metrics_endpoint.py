@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from wfm.identity.credentials import same_secret
-from wfm.identity.operators import OperatorAuth, Role, bearer_token
+from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
 from wfm.telemetry.metrics import PROCESS, TEXT_FORMAT
 
@@ -190,8 +190,10 @@ class MetricsEndpoint:
         token = bearer_token(request)
         if token is not None and any(same_secret(token, t) for t in self._tokens):
             return
-        if auth is not None and auth.configured and auth.authenticate(token) is not None:
-            auth.require(request, Role.VIEWER)  # 403 below the viewer role
+        caller = auth.authenticate(token) if auth is not None and auth.configured else None
+        if caller is not None:
+            if not caller.may(Role.VIEWER):
+                raise refusal(caller, Role.VIEWER)
             return
         raise ProblemError(401, "a metrics scrape token or an operator credential is "
                            "required", headers={"WWW-Authenticate":

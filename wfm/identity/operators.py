@@ -129,9 +129,9 @@ class OperatorAuth:
                 return found
         return None
 
-    def require(self, request: Request, role: Role) -> Operator:
-        """The caller, when it may act as `role`; else a 401 (no or unknown credential) or
-        403 (known, below `role`) problem."""
+    def caller(self, request: Request) -> Operator:
+        """Who the request's bearer token proves, whatever its role (`ANONYMOUS` on an open
+        server); else a 401 problem (no credential, or one that is not valid)."""
         if self.open:
             return ANONYMOUS
         token = bearer_token(request)
@@ -140,6 +140,12 @@ class OperatorAuth:
             detail = ("the operator token is required" if token is None
                       else "that operator credential is not valid")
             raise ProblemError(401, detail, headers={"WWW-Authenticate": REALM})
+        return caller
+
+    def require(self, request: Request, role: Role) -> Operator:
+        """The caller, when it may act as `role`; else a 401 (no or unknown credential) or
+        403 (known, below `role`) problem."""
+        caller = self.caller(request)
         if not caller.may(role):
             raise refusal(caller, role)
         return caller

@@ -1,4 +1,4 @@
-"""The internal model → documents in the newest spec shape (or Oct-2024 for old devices).
+"""The internal model → documents in the shape of each spec generation (rc.3, rc.2, Oct-2024).
 
 Documents are built as dicts in a fixed field order and serialized by `margo.canonical`,
 never by text templating, so the bytes (and therefore digests) are stable. Content the
@@ -7,6 +7,7 @@ spec says to copy verbatim (deviceConstraints, x-…-extensions) is copied as it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from margo import models as m
@@ -14,16 +15,54 @@ from margo.canonical import Cached, canonical_json, canonical_yaml
 from margo.kinds import Shape
 
 __all__ = [
+    "CONSTRAINTS_EXTENSION",
+    "DEPLOYMENT_API_VERSION",
     "OCT_2024_DEPLOYMENT_API_VERSION",
     "capabilities_document",
     "deployment_document",
     "deployment_yaml",
+    "emitted_shape",
     "manifest_document",
+    "profile_type_spelling",
     "status_document",
 ]
 
-OCT_2024_DEPLOYMENT_API_VERSION = "application.margo.org/v1alpha1"
-_OCT_2024_TYPES = {m.ProfileType.HELM: "helm.v3", m.ProfileType.COMPOSE: "docker-compose"}
+#: The `apiVersion` of rc.2 and Oct-2024 ApplicationDeployments: every official example of
+#: both spells it so (the rc.2 OpenAPI's `default: margo.org` names no version; rc.3 dropped
+#: the field).
+DEPLOYMENT_API_VERSION = "application.margo.org/v1alpha1"
+OCT_2024_DEPLOYMENT_API_VERSION = DEPLOYMENT_API_VERSION
+#: How each shape spells a profile type; a type missing from a shape cannot be emitted in it.
+_SPELLINGS: dict[str, dict[m.ProfileType, str]] = {
+    Shape.OCT_2024: {m.ProfileType.HELM: "helm.v3", m.ProfileType.COMPOSE: "docker-compose"},
+    Shape.RC2: {m.ProfileType.HELM: "helm", m.ProfileType.COMPOSE: "compose"},
+    Shape.RC3: {m.ProfileType.HELM: "helm", m.ProfileType.COMPOSE: "compose",
+                m.ProfileType.CUSTOM: "custom"},
+}
+#: Where an rc.2 document keeps its profile's `deviceConstraints`: the rc.2 profile has no
+#: such field (the rc.2 OpenAPI closes it) but takes `x-…-extensions`, and the compiler reads
+#: what a file on a device takes back from the file itself (`compiler.storedfiles`).
+CONSTRAINTS_EXTENSION = ("x-margo-gitops-extensions", "deviceConstraints")
+_HEAD = f"apiVersion: {DEPLOYMENT_API_VERSION}\nkind: ApplicationDeployment\n".encode()
+
+
+def profile_type_spelling(shape: str, profile_type: m.ProfileType) -> str | None:
+    """How `shape` spells a profile type; None when that generation has no such type."""
+    return _SPELLINGS.get(shape, {}).get(profile_type)
+
+
+def emitted_shape(data: bytes) -> Shape | None:
+    """The shape of a document `deployment_yaml` wrote, told from its first lines (rc.3
+    begins with its id; rc.2 and Oct-2024 with apiVersion and kind, then the id or the
+    metadata); None for anything else."""
+    if data.startswith(b"id: "):
+        return Shape.RC3
+    if not data.startswith(_HEAD):
+        return None
+    rest = data[len(_HEAD):]
+    if rest.startswith(b"id: "):
+        return Shape.RC2
+    return Shape.OCT_2024 if rest.startswith(b"metadata:\n") else None
 
 
 def _properties(props: m.ComponentProperties) -> dict[str, Any]:
@@ -64,53 +103,107 @@ def _parameters(parameters: dict[str, m.Parameter] | Any) -> dict[str, Any]:
 
 def deployment_document(deployment: m.ApplicationDeployment, *, shape: str = Shape.RC3,
                         spec_key: Any = None) -> dict[str, Any]:
-    """An ApplicationDeployment as a dict: `rc.3` (default) or `oct-2024` for old devices.
+    """An ApplicationDeployment as a dict in the shape of a spec generation: `rc.3` (the
+    default), `rc.2` or `oct-2024`, for devices that speak those.
 
     `spec_key`, when given, must identify the content of `spec` (e.g. the digest of the
     description, the profile id and the parameter values): its YAML text is then produced
     once and reused for every device that gets the same spec (`margo.canonical.Cached`).
+    `ValueError` for a shape that cannot hold the deployment (a profile type it lacks):
+    callers that emit for devices check `profile_type_spelling` first and say why.
     """
-    profile = deployment.profile
-    if shape == Shape.OCT_2024:
-        if profile.type not in _OCT_2024_TYPES:
-            raise ValueError(f"profile type {profile.type} has no Oct-2024 spelling")
-        annotations = {"id": deployment.id, "applicationId": deployment.application_id,
-                       **dict(sorted(deployment.annotations.items()))}
-        metadata: dict[str, Any] = {"annotations": annotations, "name": deployment.name,
-                                    "namespace": deployment.namespace}
-        if deployment.labels:
-            metadata["labels"] = dict(sorted(deployment.labels.items()))
-        oct_profile: dict[str, Any] = {
-            "type": _OCT_2024_TYPES[profile.type],
-            "components": [_component(c, extensions=False) for c in profile.components],
-        }
-        spec: dict[str, Any] = {"deploymentProfile": oct_profile}
-        if deployment.parameters:
-            spec["parameters"] = _parameters(deployment.parameters)
-        return {"apiVersion": OCT_2024_DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
-                "metadata": metadata, "spec": _maybe_cached(spec, spec_key, shape)}
-    if shape != Shape.RC3:
+    builder = _BUILDERS.get(shape)
+    if builder is None:
         raise ValueError(f"cannot emit an ApplicationDeployment in shape {shape!r}")
-    metadata = {"name": deployment.name, "namespace": deployment.namespace}
+    spelling = profile_type_spelling(shape, deployment.profile.type)
+    if spelling is None:
+        raise ValueError(f"profile type {deployment.profile.type} has no {shape} spelling")
+    return builder(deployment, spelling, spec_key)
+
+
+def _oct_2024(deployment: m.ApplicationDeployment, spelling: str,
+              spec_key: Any) -> dict[str, Any]:
+    """Oct-2024: ids in annotations, no device id, no constraints and no extensions
+    anywhere (its schema closes every object)."""
+    annotations = {"id": deployment.id, "applicationId": deployment.application_id,
+                   **dict(sorted(deployment.annotations.items()))}
+    metadata: dict[str, Any] = {"annotations": annotations, "name": deployment.name,
+                                "namespace": deployment.namespace}
+    if deployment.labels:
+        metadata["labels"] = dict(sorted(deployment.labels.items()))
+    profile: dict[str, Any] = {
+        "type": spelling,
+        "components": [_component(c, extensions=False) for c in deployment.profile.components],
+    }
+    spec: dict[str, Any] = {"deploymentProfile": profile}
+    if deployment.parameters:
+        spec["parameters"] = _parameters(deployment.parameters)
+    return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
+            "metadata": metadata, "spec": _maybe_cached(spec, spec_key, Shape.OCT_2024)}
+
+
+def _rc2(deployment: m.ApplicationDeployment, spelling: str,
+         spec_key: Any) -> dict[str, Any]:
+    """rc.2 (the rc.2 OpenAPI's `appDeploymentManifest`): apiVersion and kind, the id on
+    top, `metadata.deviceId` and `metadata.annotations` (both required there), the
+    application id in `spec` and, as the intermediate examples have it, in the annotations;
+    constraints in an extension (`CONSTRAINTS_EXTENSION`)."""
+    metadata = _metadata(deployment)
+    metadata["annotations"] = {"applicationId": deployment.application_id,
+                               **dict(sorted(deployment.annotations.items()))}
+    profile = _profile(deployment.profile, spelling, constraints=False)
+    if deployment.profile.device_constraints is not None:
+        ours, field = CONSTRAINTS_EXTENSION
+        profile[ours] = {**profile.get(ours, {}), field: deployment.profile.device_constraints}
+    spec = _spec(deployment, profile)
+    return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": "ApplicationDeployment",
+            "id": deployment.id, "metadata": metadata,
+            "spec": _maybe_cached(spec, spec_key, Shape.RC2)}
+
+
+def _rc3(deployment: m.ApplicationDeployment, spelling: str,
+         spec_key: Any) -> dict[str, Any]:
+    """rc.3: no apiVersion or kind, the id on top, constraints in the profile."""
+    metadata = _metadata(deployment)
+    if deployment.annotations:
+        metadata["annotations"] = dict(sorted(deployment.annotations.items()))
+    spec = _spec(deployment, _profile(deployment.profile, spelling, constraints=True))
+    return {"id": deployment.id, "metadata": metadata,
+            "spec": _maybe_cached(spec, spec_key, Shape.RC3)}
+
+
+def _metadata(deployment: m.ApplicationDeployment) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": deployment.name, "namespace": deployment.namespace}
     if deployment.device_id is not None:
         metadata["deviceId"] = deployment.device_id
     if deployment.labels:
         metadata["labels"] = dict(sorted(deployment.labels.items()))
-    if deployment.annotations:
-        metadata["annotations"] = dict(sorted(deployment.annotations.items()))
-    profile_doc: dict[str, Any] = {
-        "type": str(profile.type),
+    return metadata
+
+
+def _profile(profile: m.DeploymentProfile, spelling: str, *,
+             constraints: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": spelling,
         "components": [_component(c, extensions=True) for c in profile.components],
     }
-    if profile.device_constraints is not None:
-        profile_doc["deviceConstraints"] = profile.device_constraints
-    profile_doc.update(profile.extensions)
-    spec = {"applicationId": deployment.application_id, "deploymentProfile": profile_doc}
+    if constraints and profile.device_constraints is not None:
+        out["deviceConstraints"] = profile.device_constraints
+    out.update(profile.extensions)
+    return out
+
+
+def _spec(deployment: m.ApplicationDeployment, profile: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"applicationId": deployment.application_id,
+                            "deploymentProfile": profile}
     if deployment.parameters:
         spec["parameters"] = _parameters(deployment.parameters)
     spec.update(deployment.extensions)
-    return {"id": deployment.id, "metadata": metadata,
-            "spec": _maybe_cached(spec, spec_key, shape)}
+    return spec
+
+
+_BUILDERS: dict[str, Callable[[m.ApplicationDeployment, str, Any], dict[str, Any]]] = {
+    Shape.OCT_2024: _oct_2024, Shape.RC2: _rc2, Shape.RC3: _rc3}
 
 
 def _maybe_cached(spec: dict[str, Any], key: Any, shape: str) -> dict[str, Any]:

@@ -94,6 +94,8 @@ def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
 def _deployment_shape(doc: dict[str, Any]) -> Shape:
     metadata, spec = _object(doc, "metadata"), _object(doc, "spec")
     annotations = _object(metadata, "annotations")
+    if {"apiVersion", "kind", "id"} <= doc.keys() and "applicationId" in annotations:
+        return Shape.RC2  # rc.3 drops apiVersion and kind and keeps the id in spec only
     if "applicationId" in spec or ("deviceId" in metadata and "applicationId" not in annotations):
         return Shape.RC3
     if "id" in doc:

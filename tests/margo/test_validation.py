@@ -7,11 +7,24 @@ import dataclasses
 from typing import Any
 
 import pytest
+from kits.serverkit import assert_deployment_in_generation
 
 from margo.canonical import canonical_yaml
-from margo.emit import deployment_document, deployment_yaml
+from margo.emit import (
+    CONSTRAINTS_EXTENSION,
+    deployment_document,
+    deployment_yaml,
+    emitted_shape,
+    profile_type_spelling,
+)
 from margo.kinds import Kind, Shape
-from margo.models import ApplicationDeployment, DeploymentState, DeviceCapabilities, ProfileType
+from margo.models import (
+    ApplicationDeployment,
+    ApplicationDescription,
+    DeploymentState,
+    DeviceCapabilities,
+    ProfileType,
+)
 from margo.validation import validate_document
 
 DESCRIPTION: dict[str, Any] = {
@@ -262,7 +275,7 @@ def test_state_manifest_rules(manifest: dict[str, Any], expected: str | None) ->
         assert any(expected in m for m in found), found
 
 
-def test_deployments_emit_newest_and_oct_2024_shapes_that_validate() -> None:
+def test_deployments_emit_newest_rc2_and_oct_2024_shapes_that_validate() -> None:
     old = {"apiVersion": "application.margo.org/v1alpha1", "kind": "ApplicationDeployment",
            "metadata": {"annotations": {"id": "a3e2f5dc-912e-494f-8395-52cf3769bc06",
                                         "applicationId": "com-example-app"},
@@ -289,6 +302,44 @@ def test_deployments_emit_newest_and_oct_2024_shapes_that_validate() -> None:
     placed = dataclasses.replace(model, device_id="dev-1")
     assert deployment_yaml(placed) == deployment_yaml(validate(deployment_document(placed)).model)
     assert deployment_yaml(placed) == canonical_yaml(deployment_document(placed))
+    # rc.2: the official OpenAPI's appDeploymentManifest and our rc.2 schema alike; read
+    # back, it is the same deployment.
+    rc2 = deployment_yaml(placed, shape="rc.2")
+    rc2_doc = assert_deployment_in_generation("rc.2", rc2)
+    assert list(rc2_doc) == ["apiVersion", "kind", "id", "metadata", "spec"]
+    assert rc2_doc["apiVersion"] == "application.margo.org/v1alpha1"
+    assert rc2_doc["metadata"]["annotations"] == {"applicationId": "com-example-app"}
+    assert rc2_doc["spec"]["applicationId"] == "com-example-app"
+    assert rc2_doc["spec"]["deploymentProfile"]["type"] == "helm"
+    assert dataclasses.replace(validate(rc2_doc).model, shape=placed.shape) == placed
+    assert emitted_shape(rc2) is Shape.RC2 and emitted_shape(deployment_yaml(placed)) is Shape.RC3
+    assert emitted_shape(canonical_yaml(oct_doc)) is Shape.OCT_2024
+
+
+def test_each_shape_says_what_it_cannot_hold_and_rc2_keeps_constraints_in_an_extension(
+        ) -> None:
+    description: ApplicationDescription = validate(DESCRIPTION).model
+    helm = description.profile("helm-a")
+    assert helm is not None
+    placed = ApplicationDeployment(
+        id="a3e2f5dc-912e-494f-8395-52cf3769bc06", name="app", namespace="margo",
+        application_id=description.id, profile=helm, parameters={}, device_id="dev-1")
+    rc2 = deployment_document(placed, shape="rc.2")
+    profile = rc2["spec"]["deploymentProfile"]
+    assert "deviceConstraints" not in profile  # the rc.2 OpenAPI closes the profile
+    assert profile[CONSTRAINTS_EXTENSION[0]] == {CONSTRAINTS_EXTENSION[1]: {
+        "capacityRequirements": {"memory": "1Gi"}}}
+    assert profile["x-acme-extensions"] == {"profile": 1}  # the application's own, kept
+    assert_deployment_in_generation("rc.2", canonical_yaml(rc2))
+    custom = dataclasses.replace(placed, profile=dataclasses.replace(
+        helm, type=ProfileType.CUSTOM))
+    for shape in ("rc.2", "oct-2024"):
+        assert profile_type_spelling(shape, ProfileType.CUSTOM) is None
+        with pytest.raises(ValueError, match=f"no {shape} spelling"):
+            deployment_document(custom, shape=shape)
+    assert deployment_document(custom)["spec"]["deploymentProfile"]["type"] == "custom"
+    with pytest.raises(ValueError, match=r"shape 'rc\.1'"):
+        deployment_document(placed, shape="rc.1")
 
 
 def test_problem_detail_formats_are_checked() -> None:

@@ -47,7 +47,7 @@ texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 
 @settings(max_examples=150, deadline=None)
 @given(device=texts, name=texts, intent=texts, value=texts,
-       shape=st.sampled_from([Shape.RC3, Shape.OCT_2024]), seed=st.integers(0, 2**64))
+       shape=st.sampled_from([Shape.RC3, Shape.RC2, Shape.OCT_2024]), seed=st.integers(0, 2**64))
 def test_emitted_documents_read_as_a_yaml_reader_reads_them(
         device: str, name: str, intent: str, value: str, shape: str, seed: int) -> None:
     deployment_id = str(uuid.UUID(int=seed % 2**128, version=5))

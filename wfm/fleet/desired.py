@@ -109,12 +109,16 @@ class ClientState:
                      if d.deployment_id == deployment_id and d.digest == digest), None)
 
 
-#: How our own emitter (`margo.canonical`) begins an rc.3 and an Oct-2024 deployment
-#: document: the id is the first key of the top-level block mapping (rc.3), or the first
-#: annotation (Oct-2024), as a plain scalar. A match is exactly what a YAML reader would
-#: take as the id; anything else is read in full.
+#: How our own emitter (`margo.canonical`) begins an rc.3, an rc.2 and an Oct-2024
+#: deployment document: the id is the first key of the top-level block mapping (rc.3), the
+#: third, after apiVersion and kind (rc.2), or the first annotation (Oct-2024), as a plain
+#: scalar. A match is exactly what a YAML reader would take as the id; anything else is
+#: read in full.
 _HEADS = (
     re.compile(rb"id: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\n"
+               rb"metadata:\n"),
+    re.compile(rb"apiVersion: application\.margo\.org/v1alpha1\nkind: ApplicationDeployment\n"
+               rb"id: ([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\n"
                rb"metadata:\n"),
     re.compile(rb"apiVersion: application\.margo\.org/v1alpha1\nkind: ApplicationDeployment\n"
                rb"metadata:\n  annotations:\n    id: "

@@ -123,7 +123,7 @@ class CompileContext:
     now: float
     targets: TargetIndex
     renders: RenderCache = field(default_factory=RenderCache)
-    stored: StoredFiles = field(default_factory=StoredFiles)  # what files on devices take
+    stored: StoredFiles = field(init=False)  # what files on devices take
     #: Every intent a device's tree may hold a file of, sorted (worked out once, not per
     #: device); a tree's other files are of deleted intents.
     names: list[str] = field(init=False)
@@ -150,6 +150,7 @@ class CompileContext:
     digest_lines: dict[str, bytes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.stored = StoredFiles(self.source.applications, self.renders)
         self.known = frozenset(self.intents.usable) | self.intents.frozen
         self.names = sorted(self.known)
         self.steady = {name: file_name(name) for name in self.names

@@ -133,12 +133,18 @@ class _Round:
 
     capacity: DeviceCapacity
     files: Mapping[str, bytes]
-    stored: StoredFiles = field(default_factory=StoredFiles)
+    stored: StoredFiles
     shares: list[_Share] = field(default_factory=list)
     upgrades: list[tuple[Intent, Any, _Upgrade, IntentExplanation]] = field(
         default_factory=list)
     new: list[tuple[Intent, Any, Placement, IntentExplanation]] = field(default_factory=list)
     accounted: list[IntentExplanation] = field(default_factory=list)  # say what they take
+
+    @classmethod
+    def start(cls, capacity: DeviceCapacity, placed: Collection[str] | Mapping[str, bytes],
+              stored: StoredFiles) -> _Round:
+        """A device's round, with its files when `placed` gives them."""
+        return cls(capacity, placed if isinstance(placed, Mapping) else {}, stored)
 
     def keep_file(self, intent: Intent | None, name: str) -> None:
         """A file the compiler keeps as it is (frozen intent, grace period, error)."""
@@ -184,7 +190,7 @@ def explain_device(source: FleetSource, snapshot: Snapshot, device_id: str, *,
     records = placements or {}
     placed = {n for n, r in records.items() if r.deployed} if placed is None else placed
     capacity = DeviceCapacity(device, constraints)
-    round_ = _Round(capacity, placed if isinstance(placed, Mapping) else {})
+    round_ = _Round.start(capacity, placed, StoredFiles(source.applications, renders))
     cluster = is_cluster(device)
     out: list[IntentExplanation] = []
     for name in names:

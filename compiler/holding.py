@@ -13,10 +13,13 @@ intent with `overcommit: true`.
 
 What a file the tree keeps takes is read from the file itself when it is not what its intent
 renders now (held, kept by a rollout or after an error, kept for a grace period, or of a
-frozen intent): rc.3 files carry their profile's `deviceConstraints` verbatim. The compiler's
-state is only a cache; the branch is the truth, so a compile from scratch decides exactly as
-an incremental one. Files of the oct-2024 shape carry no constraints: such a file is counted
-at what its intent's profile takes now, and a change of it is never held.
+frozen intent): rc.3 files carry their profile's `deviceConstraints` verbatim, rc.2 files in
+our extension, and an Oct-2024 file takes what the one application profile whose text it
+holds takes (`compiler.storedfiles`). The compiler's state is only a cache; the branch is
+the truth, so a compile from scratch decides exactly as an incremental one. A file that does
+not say (an Oct-2024 file whose profile the source no longer has, or has in versions that
+take different amounts) is counted at what its intent's profile takes now, and a change of
+it is never held.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.identifiers import DEVICE_ID as DEVICE_ID_NAME
 from margo.identifiers import DNS_LABEL as DNS_LABEL_NAME
 from margo.identifiers import REGISTRY_HOST
-from margo.kinds import Shape
+from margo.kinds import GENERATIONS
 from margo.loading import LoadedDocument
 from margo.models import ProfileType
 from margo.schemas import python_patterns
@@ -76,7 +76,8 @@ def intent_schema() -> dict[str, Any]:
             "username": {"type": "string", "minLength": 1},
             "password": closed({SECRET: {"type": "string"}}, [SECRET]),
         }, ["registry", "username", "password"])},
-        "outputShape": {"enum": [Shape.RC3.value, Shape.OCT_2024.value]},
+        # Absent: each device gets the shape of the generation it speaks (docs/server.md).
+        "outputShape": {"enum": list(GENERATIONS)},
         "rollout": closed({
             "waves": {"type": "array", "minItems": 1, "items": closed({
                 "name": {"type": "string", "pattern": DNS_LABEL},
@@ -172,7 +173,9 @@ class Intent:
     priority: int
     #: Placed without capacity accounting, and not counted against other placements.
     overcommit: bool
-    output_shape: str
+    #: The shape every device's document is written in; None: each device's own generation
+    #: (`compiler.snapshot.Device.generation`).
+    output_shape: str | None
     digest: str
     #: Digest of what decides which devices get a deployment and with which profile (the
     #: application named, profile, targets, constraints): an intent edited elsewhere
@@ -362,7 +365,7 @@ def load_intent(loaded: LoadedDocument, *, expected_name: str | None = None) -> 
         grace_seconds=parse_duration(spec["gracePeriod"]) if "gracePeriod" in spec else 0,
         priority=int(spec.get("priority", 0)),
         overcommit=bool(spec.get("overcommit", False)),
-        output_shape=spec.get("outputShape", Shape.RC3.value),
+        output_shape=spec.get("outputShape"),
         digest=data_digest(doc),
         placement_digest=data_digest({key: spec[key] for key in _PLACEMENT_FIELDS
                                       if key in spec}),

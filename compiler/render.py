@@ -35,7 +35,7 @@ from compiler.secrets import SECRET, FleetKey, SecretError, is_secret
 from compiler.snapshot import Device
 from compiler.source import AppVersion
 from margo.canonical import Slot, YamlTemplate, yaml_template
-from margo.emit import deployment_document
+from margo.emit import deployment_document, profile_type_spelling
 from margo.errors import Problem
 from margo.kinds import Shape
 from margo.models import ApplicationDeployment, DeploymentProfile, Parameter, ParameterTarget
@@ -43,7 +43,7 @@ from margo.parameters import EMPTY, check_immutable, validate_value
 from margo.sealing import device_recipient, is_sealed
 
 __all__ = ["INTENT_LABEL", "RenderCache", "RenderError", "Rendered", "deployment_id", "file_name",
-           "plain_value_problem", "previous_values", "render"]
+           "output_shape", "plain_value_problem", "previous_values", "render"]
 
 #: Namespace for deployment ids: uuid5(NAMESPACE, "<intent>/<device>") is stable, so editing
 #: an intent updates the same deployment instead of replacing it.
@@ -469,14 +469,16 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     secrets = sorted(n for n in hidden if n in plan.targets and values[n] is not EMPTY)
     items: list[SealItem] = []
     before = previous_values(previous)
+    shape = output_shape(intent, device)
+    problems += _shape_problems(intent, plan.profile, device, shape)
     if hidden or intent.registry_credentials:
         items, before, found = _to_seal(intent, app, device, values, secrets, before, cache)
         problems += found
     # Everything the document holds but the two device-specific strings (its id and the
-    # device id): the intent (name, namespace, shape: its digest), the application, the
+    # device id): the intent (name, namespace: its digest), the shape, the application, the
     # profile and every parameter's value (also those the configuration rules check that
     # do not reach this profile: a known key means the rules passed these exact values).
-    key = (intent.name, intent.digest, app.digest, profile.id, tuple(keys.values()))
+    key = (intent.name, intent.digest, shape, app.digest, profile.id, tuple(keys.values()))
     template = cache.templates.get(key)
     found = _check_values(worked_out, app, plan, device, before, intent, cache,
                           checked=template is not None)
@@ -488,15 +490,42 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
         slots.update(seal_for(cache.secrets, device.id, device.capabilities.extensions,
                               items, previous_envelopes(previous)))
     if template is None:
-        template = _template(intent, app, profile.id, plan, values, keys, secrets)
+        template = _template(intent, app, profile.id, plan, values, keys, secrets, shape)
         cache.remember(key, template)
     return Rendered(file_name(intent.name), template.fill(slots))
 
 
-#: Where each output shape holds the deployment id and the device id.
+#: Where each output shape holds the deployment id and the device id (Oct-2024 has none).
 _SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     Shape.RC3: {"id": ("id",), "device": ("metadata", "deviceId")},
+    Shape.RC2: {"id": ("id",), "device": ("metadata", "deviceId")},
     Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
+
+
+def output_shape(intent: Intent, device: Device) -> str:
+    """The shape of the device's document of `intent`: the one the intent forces
+    (`outputShape`), else the generation the device speaks."""
+    return intent.output_shape or device.generation
+
+
+def _forced(intent: Intent) -> str:
+    """How a shape problem's message names where the shape came from."""
+    if intent.output_shape is None:
+        return "the device speaks"
+    return "this intent's outputShape asks for"
+
+
+def _shape_problems(intent: Intent, profile: DeploymentProfile, device: Device,
+                    shape: str) -> list[Problem]:
+    """What the device's document cannot hold in `shape`: a profile type that generation
+    does not have (rc.2 and Oct-2024 know helm and compose only)."""
+    if profile_type_spelling(shape, profile.type) is not None:
+        return []
+    path = ("spec", "outputShape") if intent.output_shape else ("spec", "application")
+    return [intent.locate(Problem(path, f"on device {device.id}: the profile is of type "
+                                  f"{profile.type}, which {shape} documents cannot hold "
+                                  f"({_forced(intent)} {shape})",
+                                  expected="a helm or compose profile, or an rc.3 device"))]
 
 
 def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[str, Any],
@@ -510,10 +539,12 @@ def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[st
     items = [parameter_item(n, values[n]) for n in secrets]
     items += [grant_item(registry, password) for registry, _, password in grants]
     problems: list[Problem] = []
-    if intent.registry_credentials and intent.output_shape == Shape.OCT_2024:
-        problems.append(intent.locate(Problem(("spec", "registryCredentials"), "an "
-                        "Oct-2024 document has no place for registry credentials (its spec "
-                        "takes no extensions): use outputShape rc.3")))
+    if intent.registry_credentials and output_shape(intent, device) == Shape.OCT_2024:
+        problems.append(intent.locate(Problem(("spec", "registryCredentials"), "on device "
+                        f"{device.id}: an Oct-2024 document has no place for registry "
+                        f"credentials (its spec takes no extensions; {_forced(intent)} "
+                        "oct-2024): set outputShape rc.2 or rc.3 if the device's client reads "
+                        "that shape")))
     if items and cache.secrets is not None:
         before = compare_previous(cache.secrets, device.id, values, secrets, before)
         if device_recipient(device.capabilities.extensions) is None:
@@ -523,7 +554,7 @@ def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[st
 
 def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _ProfilePlan,
               values: Mapping[str, Any], keys: Mapping[str, str],
-              secrets: list[str]) -> YamlTemplate:
+              secrets: list[str], shape: str) -> YamlTemplate:
     """The document of (intent, application, profile, values) for any device, with its id,
     device id and sealed values open (a secret's plaintext never enters the template)."""
     parameters = {name: Parameter(name, targets, Slot(parameter_item(name, "").slot)
@@ -539,9 +570,9 @@ def _template(intent: Intent, app: AppVersion, profile_id: str | None, plan: _Pr
         device_id="", labels={INTENT_LABEL: intent.name},
         extensions={GRANTS[0]: {GRANTS[1]: grants}} if grants else {})
     spec_key = (app.digest, profile_id, tuple((name, keys[name]) for name in parameters))
-    document = deployment_document(deployment, shape=intent.output_shape,
+    document = deployment_document(deployment, shape=shape,
                                    spec_key=None if secrets or grants else spec_key)
-    for name, path in _SLOT_PATHS[intent.output_shape].items():
+    for name, path in _SLOT_PATHS[shape].items():
         *parents, last = path
         holder = document
         for part in parents:

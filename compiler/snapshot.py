@@ -2,10 +2,12 @@
 
 Offline compiles read it from a directory (one document per file, any spec shape) or from
 one YAML/JSON file keyed by device id; the fleet server builds the same from its database
-with `snapshot_from_documents`. A broken document is a located problem and its device is
-left alone (its previous desired state stays), never dropped; so is a device whose id is
-not a valid `margo.identifiers.DEVICE_ID` (one stored before the server bounded ids: no
-branch can be named for it). A cluster proposal's `ClusterCapabilitiesManifest` is read
+with `snapshot_from_documents`, telling each device's generation too (`ReportedDocuments`:
+the API its client called, which the document's shape cannot always tell). A broken
+document is a located problem and its device is left alone (its previous desired state
+stays), never dropped; so is a device whose id is not a valid
+`margo.identifiers.DEVICE_ID` (one stored before the server bounded ids: no branch can be
+named for it). A cluster proposal's `ClusterCapabilitiesManifest` is read
 as the rc.3 document `margo.cluster` converts it to, exactly as the server stores it, so
 both bodies of one cluster compile alike.
 
@@ -36,14 +38,14 @@ from margo.constraints import matching_view
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem, short_repr
 from margo.identifiers import device_id_problem
-from margo.kinds import Kind, detect
+from margo.kinds import GENERATIONS, Kind, detect
 from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
 from margo.models import DeviceCapabilities
 from margo.normalize import normalise
 from margo.validation import validate_loaded
 
-__all__ = ["Device", "Snapshot", "SnapshotError", "SnapshotMemo", "TrustedDigests",
-           "load_snapshot", "snapshot_from_documents"]
+__all__ = ["Device", "ReportedDocuments", "Snapshot", "SnapshotError", "SnapshotMemo",
+           "TrustedDigests", "load_snapshot", "snapshot_from_documents", "with_generation"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
 #: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
@@ -66,18 +68,24 @@ class Device:
     them. Immutable once built.
     """
 
-    __slots__ = ("_capabilities", "_document", "_matching", "_span", "digest", "file", "id")
+    __slots__ = ("_capabilities", "_document", "_generation", "_matching", "_span", "digest",
+                 "file", "id")
 
     id: str
-    digest: str  # sha256 of the document's sorted-key compact JSON: changes iff content does
+    #: sha256 of the document's sorted-key compact JSON, and of the generation the device
+    #: speaks when the server told it (`with_generation`): changes iff either does.
+    digest: str
     file: str | None
 
     def __init__(self, id: str, capabilities: DeviceCapabilities | None, digest: str,
                  file: str | None = None, *, document: Mapping[str, Any] | None = None,
-                 span: tuple[str, int, int] | None = None) -> None:
+                 span: tuple[str, int, int] | None = None,
+                 generation: str | None = None) -> None:
         """Give `capabilities`, or the `document` of an already validated device (whose
         ``properties.id`` is `id`) to normalise when first needed, or the `span` of JSON
-        text (text, start, end) that decodes to that document."""
+        text (text, start, end) that decodes to that document. `generation`: the spec
+        generation the device's client speaks, when known otherwise than from its document
+        (the server sees which API it calls)."""
         if capabilities is None and document is None and span is None:
             raise ValueError("a Device needs its capabilities or its validated document")
         self.id, self.digest, self.file = id, digest, file
@@ -85,6 +93,7 @@ class Device:
         self._document = document
         self._span = span
         self._matching: Mapping[str, Any] | None = None
+        self._generation = generation
 
     def __repr__(self) -> str:
         return f"Device({self.id!r}, digest={self.digest!r}, file={self.file!r})"
@@ -106,6 +115,15 @@ class Device:
             self._capabilities = normalise(detection.kind, detection.shape, document)
             self._document = None
         return self._capabilities
+
+    @property
+    def generation(self) -> str:
+        """The spec generation the device speaks, whose shape its documents are written in
+        unless an intent forces one: what the server saw its client use, else the shape of
+        its capability report (an offline compile knows nothing more)."""
+        if self._generation is not None:
+            return self._generation
+        return str(self.capabilities.shape)
 
     def _validated_document(self) -> Mapping[str, Any]:
         if self._document is None:
@@ -228,8 +246,10 @@ def _from_cluster_manifest(snapshot: Snapshot, loaded: LoadedDocument,
 
 
 def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
-         trusted: Mapping[str, str], known: Mapping[str, str] | None = None) -> None:
-    """Add one document; `known` maps keys to digests established for these exact bytes."""
+         trusted: Mapping[str, str], known: Mapping[str, str] | None = None, *,
+         generation: str | None = None) -> None:
+    """Add one document; `known` maps keys to digests established for these exact bytes;
+    `generation`: the one the device speaks, when the server told it."""
     if is_cluster_manifest(loaded.value):
         converted = _from_cluster_manifest(snapshot, loaded, key)
         if converted is None:
@@ -238,6 +258,8 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
     digest = known.get(key) if known and key is not None else None
     if digest is None:
         digest = data_digest(loaded.value)
+    if generation is not None:
+        digest = with_generation(digest, generation)
     caps: DeviceCapabilities | None = None
     if trusted and _is_trusted(loaded.value, digest, trusted):
         device_id = _claimed_id(loaded.value)
@@ -270,16 +292,43 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
         snapshot.broken.add(device_id)
         return
     snapshot.devices[device_id] = Device(device_id, caps, digest, loaded.file,
-                                         document=None if caps else loaded.value)
+                                         document=None if caps else loaded.value,
+                                         generation=generation)
+
+
+class ReportedDocuments(dict[str, Any]):
+    """Device id -> capability document as the fleet server stored it, carrying
+    `generations`: device id -> the spec generation its client spoke when it reported it
+    (the API it called), which its documents are written in.
+
+    Why a dict carrying the generations: every caller hands the store's documents straight
+    to `snapshot_from_documents` (the compile, the explanations), and both come from the
+    same rows in one read, so they always agree (as `TrustedDigests` carries its memo).
+    """
+
+    def __init__(self, documents: Mapping[str, Any], generations: Mapping[str, str]) -> None:
+        super().__init__(documents)
+        self.generations = dict(generations)
+
+
+def with_generation(digest: str, generation: str) -> str:
+    """A device's `Device.digest` when the server told its generation: a client that moves
+    to another API generation changes what its documents are, like a new report does."""
+    return "sha256:" + hashlib.sha256(f"{digest}\0{generation}".encode()).hexdigest()
 
 
 @collection_paused()
 def snapshot_from_documents(documents: Mapping[str, Any], *, file: str | None = None,
                             trusted: Mapping[str, str] | None = None) -> Snapshot:
-    """A snapshot from already-decoded documents keyed by device id (e.g. the WFM's store)."""
+    """A snapshot from already-decoded documents keyed by device id (e.g. the WFM's store;
+    a `ReportedDocuments` also tells each device's generation: one that is not a known
+    generation is ignored, and the device's report tells it)."""
     snapshot = Snapshot()
+    generations = getattr(documents, "generations", None) or {}
     for key in sorted(documents):
-        _add(snapshot, LoadedDocument.unlocated(documents[key], file), key, trusted or {})
+        generation = generations.get(key)
+        _add(snapshot, LoadedDocument.unlocated(documents[key], file), key, trusted or {},
+             generation=generation if generation in GENERATIONS else None)
     return snapshot
 
 

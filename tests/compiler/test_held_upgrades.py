@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kits.fleetkit import Fleet, app, device, intent
 
@@ -18,6 +19,8 @@ from compiler.explain import explain_device
 from compiler.snapshot import load_snapshot
 from compiler.source import load_source
 from margo.canonical import canonical_yaml
+from margo.kinds import GENERATIONS, detect
+from reconciler.capabilities import shape_capabilities
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "com-example-app"
@@ -39,17 +42,22 @@ def description(version: str, cores: float, *, memory: str | None = None,
     return doc
 
 
-def box(cores: float, memory: str = "8Gi") -> dict[str, Any]:
-    return device("box", cores=cores, memory=memory, types=("compose",))
+def box(cores: float, memory: str = "8Gi", generation: str = "rc.3") -> dict[str, Any]:
+    """The box's report as a client of `generation` writes it: its files are written in
+    that generation's shape, and each says what it takes in its own way (rc.3 and rc.2 in
+    the file, Oct-2024 through the profile it holds: `compiler.storedfiles`)."""
+    return shape_capabilities(device("box", cores=cores, memory=memory, types=("compose",)),
+                              generation)
 
 
-def fleet_of(tmp_path: Path, *names: str, cores: float, **spec: Any) -> Fleet:
+def fleet_of(tmp_path: Path, *names: str, cores: float, generation: str = "rc.3",
+             **spec: Any) -> Fleet:
     """Intents `names` of the application's version 1.0.0 (1 core) on one box."""
     fleet = Fleet(tmp_path / "fleet")
     fleet.apps[APP] = description("1.0.0", 1)
     for name in names:
         fleet.intents[name] = intent(name, APP, **spec.get(name, {}))
-    fleet.devices["box"] = box(cores)
+    fleet.devices["box"] = box(cores, generation=generation)
     return fleet
 
 
@@ -78,11 +86,15 @@ def changes(report: Any) -> list[tuple[str, str]]:
     return [(c.action, c.intent) for r in report.results for c in r.changes]
 
 
-def test_an_upgrade_that_no_longer_fits_is_held_at_its_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_an_upgrade_that_no_longer_fits_is_held_at_its_version(tmp_path: Path,
+                                                               generation: str) -> None:
     """The issue's case: two 1-core deployments on 2 cores; the next version needs 1.5."""
-    fleet = fleet_of(tmp_path, "x", "y", cores=2)
+    fleet = fleet_of(tmp_path, "x", "y", cores=2, generation=generation)
     fleet.compile(now=1_000)
     assert versions(fleet) == {"x": "1.0.0", "y": "1.0.0"}
+    assert {detect(yaml.safe_load(data)).shape for data in fleet.tree("box").values()} == {
+        generation}
     release(fleet, "2.0.0", 1.5)
     report = fleet.compile(now=2_000)
     assert not report.errors
@@ -96,7 +108,7 @@ def test_an_upgrade_that_no_longer_fits_is_held_at_its_version(tmp_path: Path) -
     # Compiled again with nothing changed: still held, nothing committed.
     assert fleet.compile(now=3_000).commits == 0
     # Capacity added: both move on.
-    fleet.devices["box"] = box(3)
+    fleet.devices["box"] = box(3, generation=generation)
     report = fleet.compile(now=4_000)
     assert changes(report) == [("update", "x"), ("update", "y")]
     assert versions(fleet) == {"x": "2.0.0", "y": "2.0.0"}
@@ -187,8 +199,9 @@ def test_an_intent_edit_that_raises_the_demand_is_held_too(tmp_path: Path) -> No
     assert notes(report) == [] and changes(report) == []
 
 
-def test_held_upgrades_decide_the_same_from_scratch(tmp_path: Path) -> None:
-    fleet = fleet_of(tmp_path, "x", "y", cores=2.5)
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_held_upgrades_decide_the_same_from_scratch(tmp_path: Path, generation: str) -> None:
+    fleet = fleet_of(tmp_path, "x", "y", cores=2.5, generation=generation)
     fleet.compile(now=1_000)
     release(fleet, "2.0.0", 1.5)
     fleet.compile(now=2_000)
@@ -200,6 +213,12 @@ def test_held_upgrades_decide_the_same_from_scratch(tmp_path: Path) -> None:
     (fleet.repos / "compiler-state.sqlite").unlink()
     assert fleet.compile(now=4_000).commits == 0
     assert fleet.tree("box") == incremental
+    # The library, with the device's files only (the server's read API), says the same.
+    files = {n.removesuffix(".yaml"): d for n, d in incremental.items()}
+    by_name = {e.intent: e for e in explain_device(
+        load_source(fleet.source), load_snapshot(fleet.caps), "box", placed=files)}
+    assert (by_name["y"].status, by_name["y"].held_at) == ("held for capacity", "1.0.0")
+    assert by_name["y"].assigned == {"cpu": 1}
 
 
 def test_explain_plan_and_compile_say_why_it_is_held(tmp_path: Path) -> None:

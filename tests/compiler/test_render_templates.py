@@ -16,8 +16,9 @@ from kits.fleetkit import Fleet, app, device, intent
 from compiler.compilation import resolve_intents
 from compiler.placement import ProfileConstraints, place
 from compiler.render import NAMESPACE, RenderCache, RenderError, deployment_id, render
-from compiler.snapshot import load_snapshot, snapshot_from_documents
+from compiler.snapshot import ReportedDocuments, load_snapshot, snapshot_from_documents
 from compiler.source import load_source
+from margo.kinds import detect
 
 
 @settings(max_examples=300, deadline=None)
@@ -47,13 +48,18 @@ def _varied_fleet(root: Path) -> Fleet:
         fleet.devices[f"dev-{index:02d}"] = device(f"dev-{index:02d}", labels=labels,
                                                    types=types)
     fleet.devices["true"] = device("true", labels={"site": "x", "n": 1})  # id needs quotes
+    for generation in ("rc.2", "oct-2024"):  # their own shapes, through the same cache
+        fleet.devices[f"old-{generation}"] = device(f"old-{generation}",
+                                                    labels={"site": "x", "n": 1})
     fleet.write()
     return fleet
 
 
 def test_a_shared_cache_renders_each_device_as_a_fresh_one_does(tmp_path: Path) -> None:
     fleet = _varied_fleet(tmp_path)
-    source, snapshot = load_source(fleet.source), load_snapshot(fleet.caps)
+    source = load_source(fleet.source)
+    snapshot = snapshot_from_documents(ReportedDocuments(fleet.devices, {  # as the server
+        "old-rc.2": "rc.2", "old-oct-2024": "oct-2024"}))                  # knows them
     shared, constraints, rendered = RenderCache(), ProfileConstraints(), 0
     for intent_obj, app_version in resolve_intents(source).usable.values():
         for dev in snapshot.devices.values():
@@ -64,13 +70,15 @@ def test_a_shared_cache_renders_each_device_as_a_fresh_one_does(tmp_path: Path) 
             assert together == alone
             document = yaml.safe_load(together.data)
             expected_id = deployment_id(intent_obj.name, dev.id)
-            if intent_obj.output_shape == "oct-2024":
+            shape = intent_obj.output_shape or dev.generation
+            assert detect(document).shape == shape
+            if shape == "oct-2024":
                 assert document["metadata"]["annotations"]["id"] == expected_id
             else:
                 assert (document["id"], document["metadata"]["deviceId"]) == (expected_id,
                                                                               dev.id)
             rendered += 1
-    assert rendered == 3 * 13
+    assert rendered == 3 * 15
     # Devices with the same values share one template per intent and profile.
     assert len(shared.templates) < rendered
 

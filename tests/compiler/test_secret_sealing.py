@@ -20,8 +20,10 @@ from compiler.secrets import FleetKey, encrypt_secret, new_identity_text, write_
 from compiler.snapshot import load_snapshot
 from compiler.source import load_source
 from margo.errors import DocumentError
+from margo.kinds import detect
 from margo.sealing import EXTENSION, key_report, open_sealed, parse_sealed
 from margo.validation import validate_value
+from reconciler.capabilities import shape_capabilities
 
 APP = "com-example-app"
 PLAINTEXT = "s3cr3t-Pa55-for-the-db"
@@ -167,10 +169,12 @@ def test_rule_violations_on_a_secret_do_not_quote_it(tmp_path: Path) -> None:
         assert "secret value of password" in problem.message
 
 
-def test_oct_2024_documents_carry_the_envelope_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shape", ["oct-2024", "rc.2"])
+def test_older_shapes_carry_the_envelope_too(tmp_path: Path, shape: str) -> None:
     key = fleet_key(tmp_path)
-    fleet, identities = secret_fleet(tmp_path, key, outputShape="oct-2024")
+    fleet, identities = secret_fleet(tmp_path, key, outputShape=shape)
     assert fleet.compile(fleet_key=key).errors == []
+    assert detect(yaml.safe_load(fleet.tree("b")["db.yaml"])).shape == shape
     assert open_sealed(sealed_value(fleet, "b"), identities["b"]) == PLAINTEXT
     parse_sealed(sealed_value(fleet, "a"))
 
@@ -226,6 +230,21 @@ def test_registry_grants_need_a_key_and_a_shape_that_can_carry_them(tmp_path: Pa
     assert any("plain reported no encryption key" in m and "registry registry.example.com"
                in m for m in messages)
     assert all("robot-token-1" not in m for m in messages)
+    # Without outputShape each device gets its own generation's shape: an Oct-2024 device
+    # cannot be given the grant (a located problem naming it), an rc.2 device can.
+    del fleet.intents["db"]["spec"]["outputShape"]
+    del fleet.devices["plain"]
+    identity = pyrage.x25519.Identity.generate()
+    fleet.devices["b"] = shape_capabilities(with_key(device("b"), identity), "rc.2")
+    fleet.devices["old"] = shape_capabilities(with_key(device("old"), identity), "oct-2024")
+    report = fleet.compile(fleet_key=key)
+    [(device_id, problem)] = report.errors
+    assert device_id == "old" and problem.path == ("spec", "registryCredentials")
+    assert problem.message.startswith("on device old: an Oct-2024 document has no place for "
+                                      "registry credentials"), problem.message
+    assert "the device speaks oct-2024" in problem.message
+    assert detect(yaml.safe_load(fleet.tree("b")["db.yaml"])).shape == "rc.2"
+    assert open_sealed(grant_of(fleet, "b")["password"], identity) == "robot-token-1"
 
 
 def test_a_registry_granted_twice_or_a_password_in_clear_is_refused(tmp_path: Path) -> None:

@@ -100,20 +100,18 @@ def _derive(secret: bytes, purpose: bytes) -> bytes:
 
 
 def _read_secret(conn: Connection) -> str | None:
-    return identity_rows.ca_certificate(conn, SECRET_NAME)
+    return identity_rows.shared_secret(conn, SECRET_NAME)
 
 
 async def shared_secret(db: Database) -> bytes:
     """The secret every replica derives the session keys from: 32 random bytes the first
     replica that needed them offered to the store (a concurrent second one keeps the
-    first's). The `authority` rows are what replicas must share and the first one makes;
-    their reader returns the `certificate` column, so the secret is kept there (and under
-    `key`, where a secret belongs). Readable by whoever reads the database, as the CA's key
-    is."""
+    first's), kept with the other secrets replicas share (`identity_rows.offer_secret`).
+    Readable by whoever reads the database, as the CA's key is."""
     found = await db.aread(_read_secret)
     if found is None:
         text = base64.b64encode(secrets.token_bytes(32)).decode("ascii")
-        await db.write(lambda conn: identity_rows.offer_ca(conn, SECRET_NAME, text, text))
+        await db.write(lambda conn: identity_rows.offer_secret(conn, SECRET_NAME, text))
         found = await db.aread(_read_secret)
     if found is None:  # the write committed, so the row is there: a broken store
         raise RuntimeError("the dashboard session secret was not stored")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from kits.matrixcells import ROOT, SETTLE, Cell, FreshnessNotReached, Mix, Row, 
 from kits.matrixengines import ComposeView, EngineView, HelmView, RenderView, Workload
 from kits.matrixparts import FleetHost, MatrixParts
 from kits.pkikit import make_self_signed, write_pem
+from kits.serverkit import assert_deployment_in_generation
+from margo.digests import digest_of
 from tools.polling import poll_until
 
 
@@ -241,6 +244,24 @@ class MatrixDevice:
 
         return self._wait(f"{count} deployment(s) {state} since the change", settled,
                           lambda: _summary(self.deployments()))
+
+    def adopted_documents(self) -> dict[str, bytes]:
+        """The ApplicationDeployments the device adopted, by deployment id: its state's
+        copies of the exact bytes it was served (REST manifest and bundle, or its branch)."""
+        path = self.home / "data" / "device-state.sqlite"
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            return {row[0]: bytes(row[1]) for row in
+                    conn.execute("SELECT deployment_id, data FROM documents")}
+
+    def assert_served_in_its_generation(self) -> None:
+        """What the device adopted is what the read API names (one set of bytes per device,
+        whichever way it travelled), each document in the shape of the generation the
+        device speaks, valid against that generation's schemas (issue 33)."""
+        adopted = self.adopted_documents()
+        assert {i: digest_of(data) for i, data in adopted.items()} == {
+            d["deploymentId"]: d["digest"] for d in self.deployments()}
+        for data in adopted.values():
+            assert_deployment_in_generation(self.cell.row.api, data)
 
     def wait_removed(self) -> None:
         """Until the read API lists no deployment of the device (the compile took it off

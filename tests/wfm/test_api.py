@@ -19,12 +19,15 @@ import pytest
 from kits.serverkit import (
     ROOT,
     add_client,
+    assert_deployment_in_generation,
     assert_matches_openapi,
     check_response,
     killable_server,
     running_server,
 )
 
+from margo.kinds import detect
+from margo.loading import load_document
 from tools.polling import poll_until
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
@@ -119,6 +122,18 @@ def test_capabilities_created_then_updated_then_rejected(server: dict[str, Any])
         assert response.json()["type"].endswith("#gateway-not-found")
 
 
+#: The generation each device of these tests speaks (the API its capabilities went through).
+GENERATION_OF = {"k8s-cluster-gpu": "rc.3", "k8s-single-amd64": "rc.3",
+                 "compose-box-amd64": "rc.2", "legacy-box-oct2024": "oct-2024"}
+
+
+def assert_in_their_generations(documents: list[bytes]) -> None:
+    """Each served ApplicationDeployment in the shape of its device's generation."""
+    for data in documents:
+        device_id = load_document(data).value["metadata"].get("deviceId")
+        assert_deployment_in_generation(GENERATION_OF[device_id], data)
+
+
 def test_desired_state_flows_from_capabilities_to_the_manifest(server: dict[str, Any]) -> None:
     with client(server) as http:
         http.put("/api/v1/capabilities/k8s-cluster-gpu", json=caps("k8s-cluster-gpu"))
@@ -146,6 +161,7 @@ def test_desired_state_flows_from_capabilities_to_the_manifest(server: dict[str,
             assert yaml_response.headers["vary"] == "Accept-Encoding"
             assert yaml_response.headers["content-type"].startswith("application/yaml")
             files[f"{ref['deploymentId']}.yaml"] = yaml_response.content
+        assert_in_their_generations(list(files.values()))
         bundle = http.get(manifest["bundle"]["url"])
         assert sha256(bundle.content) == manifest["bundle"]["digest"]
         with tarfile.open(fileobj=io.BytesIO(bundle.content)) as tar:
@@ -195,6 +211,17 @@ def test_rc2_paths_are_scoped_to_the_path_client(server: dict[str, Any]) -> None
         assert http.put(f"{rc2}/capabilities/compose-box-amd64", json=body).status_code == 201
         manifest = wait_for_deployments(http, f"{rc2}/deployments", at_least=1)
         assert_matches_openapi("rc.2", "UnsignedAppStateManifest", manifest)
+
+        def box_documents() -> list[bytes] | None:
+            """The manifest once it names the box's deployments (the client's other
+            devices' may come first), each fetched; the box speaks rc.2."""
+            found = http.get(f"{rc2}/deployments").json()["deployments"]
+            documents = [http.get(ref["url"]).content for ref in found]
+            return documents if any(b"compose-box-amd64" in d for d in documents) else None
+
+        assert_in_their_generations(poll_until("the box's deployments", box_documents,
+                                               timeout=90, interval=0.2))
+        manifest = http.get(f"{rc2}/deployments").json()
         assert all(ref["url"].startswith(f"{rc2}/deployments/") for ref in
                    manifest["deployments"])
         report = {"apiVersion": "deployment.margo.org/v1alpha1",
@@ -211,7 +238,38 @@ def test_rc2_paths_are_scoped_to_the_path_client(server: dict[str, Any]) -> None
         assert http.get("/api/v1/clients/site-b/deployments").status_code == 403
 
 
-def test_oct_2024_paths_and_oauth_tokens(server: dict[str, Any]) -> None:
+def test_a_device_whose_client_moves_to_rc2_gets_rc2_documents(
+        server: dict[str, Any]) -> None:
+    """The same capability document through the rc.2 API: the device now speaks rc.2 (the
+    read API says so) and its documents are rewritten in that shape; the REST digests and
+    the bundle are those bytes."""
+    doc = caps("k8s-single-arm64")
+
+    def documents_in(generation: str) -> list[bytes] | None:
+        manifest = http.get("/api/v1/deployments").json()
+        served = [http.get(ref["url"]).content for ref in manifest["deployments"]]
+        mine = [d for d in served if b"deviceId: k8s-single-arm64" in d]
+        shapes = {detect(load_document(d).value).shape for d in mine}
+        return mine if mine and shapes == {generation} else None
+
+    with client(server, "site-b") as http:
+        assert http.put("/api/v1/capabilities/k8s-single-arm64", json=doc).status_code == 201
+        poll_until("rc.3 documents", lambda: documents_in("rc.3"), timeout=90, interval=0.2)
+        moved = http.put("/api/v1/clients/site-b/capabilities/k8s-single-arm64", json=doc)
+        assert moved.status_code == 201
+        for data in poll_until("rc.2 documents", lambda: documents_in("rc.2"), timeout=90,
+                               interval=0.2):
+            assert_deployment_in_generation("rc.2", data)
+        manifest = http.get("/api/v1/deployments").json()
+        bundle = http.get(manifest["bundle"]["url"]).content
+        with tarfile.open(fileobj=io.BytesIO(bundle)) as tar:
+            assert sorted(sha256(tar.extractfile(m).read())  # type: ignore[union-attr]
+                          for m in tar) == sorted(r["digest"] for r in manifest["deployments"])
+    detail = httpx.get(f"{server['base']}/api/fleet/devices/k8s-single-arm64").json()
+    assert detail["shape"] == "rc.2"
+
+
+def test_oct_2024_paths_and_oauth_tokens(server: dict[str, Any], tmp_path: Path) -> None:
     token = server["tokens"]["site-a"]
     response = httpx.post(f"{server['base']}/oauth/token",
                           data={"grant_type": "client_credentials", "client_id": "site-a",
@@ -228,6 +286,23 @@ def test_oct_2024_paths_and_oauth_tokens(server: dict[str, Any]) -> None:
         old = json.loads((ROOT / "examples" / "capabilities" / "legacy-box-oct2024.json")
                          .read_text())
         assert http.post("/device/legacy-box-oct2024/capabilities", json=old).status_code == 201
+    # Its branch (what an Oct-2024 device clones) holds Oct-2024 documents.
+    files = poll_until("the old box's branch", lambda: branch_files(
+        server, "legacy-box-oct2024", tmp_path / f"clone-{time.monotonic_ns()}") or None,
+        timeout=90, interval=0.2)
+    for data in files.values():
+        assert_deployment_in_generation("oct-2024", data)
+
+
+def branch_files(server: dict[str, Any], device_id: str, into: Path) -> dict[str, bytes]:
+    """The documents of a device's branch, cloned over Git HTTP as its client would."""
+    import subprocess
+
+    url = server["base"].replace("http://", f"http://site-a:{server['tokens']['site-a']}@")
+    env = {"PATH": "/usr/bin:/bin", "GIT_TERMINAL_PROMPT": "0", "HOME": str(into.parent)}
+    subprocess.run(["git", "clone", "-q", f"{url}/git/devices/{device_id}.git", str(into)],
+                   capture_output=True, env=env, check=False)
+    return {p.name: p.read_bytes() for p in into.glob("*.yaml")}
 
 
 def test_manifest_version_survives_a_restart_and_grows_on_change(tmp_path: Path) -> None:

@@ -26,13 +26,13 @@ from margo.cluster import (
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem, short_repr
 from margo.identifiers import DEVICE_ID, LABEL_KEY, label_value_problem
-from margo.kinds import Kind
+from margo.kinds import Kind, Shape
 from margo.models import DeviceCapabilities
 from margo.sealing import ENCRYPTION_KEY, EXTENSION, KEY_TYPE, device_recipient
 from margo.validation import validate_value
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
-from wfm.http.request_parts import check_identifier, json_body
+from wfm.http.request_parts import check_identifier, generation, json_body
 from wfm.identity.clients import Client
 from wfm.problems import ProblemError, semantic_error
 from wfm.store import records
@@ -57,7 +57,7 @@ class CapabilityIntake:
             device_id = _reported_id(doc)
         else:
             check_identifier(DEVICE_ID, device_id, "deviceId")
-        created = await self.report(client, device_id, doc)
+        created = await self.report(client, device_id, doc, generation(request))
         rc3 = request.scope["path"].startswith("/api/v1/capabilities/")
         return Response(status_code=201 if created or not rc3 else 200)
 
@@ -67,11 +67,16 @@ class CapabilityIntake:
         doc = await json_body(request)
         device_id = request.path_params["deviceId"]
         check_identifier(DEVICE_ID, device_id, "deviceId")
-        await self.report(client, device_id, doc)
+        await self.report(client, device_id, doc, Shape.OCT_2024)
         return Response(status_code=201)
 
-    async def report(self, client: Client, device_id: str, doc: dict[str, Any]) -> bool:
-        """Validate and store a device's capabilities; whether the device is new."""
+    async def report(self, client: Client, device_id: str, doc: dict[str, Any],
+                     speaks: str) -> bool:
+        """Validate and store a device's capabilities; whether the device is new. `speaks`:
+        the API generation the report came through, stored as the device's generation
+        (its documents' shape: docs/server.md "Generations"), not the shape of the
+        document, which cannot tell rc.2 from rc.3 (rc.3 examples carry rc.2's apiVersion
+        and kind, our rc.2 client sends labels)."""
         if is_cluster_manifest(doc):
             doc = _cluster_document(device_id, doc)
         try:
@@ -94,7 +99,7 @@ class CapabilityIntake:
                 lambda c: records.device_owner(c, parent)) != client.client_id:
             raise ProblemError(404, f"no gateway {parent!r} of this client has reported its "
                                "capabilities", margo_type="gateway-not-found")
-        result = await self._store(client, device_id, doc, str(caps.shape))
+        result = await self._store(client, device_id, doc, speaks)
         if result.created:
             self.api.devices.changed(client.client_id)
             self.api.desired.bump()

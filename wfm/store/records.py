@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from compiler.snapshot import ReportedDocuments
 from margo.digests import data_digest
 from wfm.store.database import Connection
 
@@ -197,10 +198,11 @@ def client_devices(conn: Connection, client_id: str) -> tuple[str, ...]:
     return tuple(r[0] for r in rows)
 
 
-def device_documents(conn: Connection) -> dict[str, Any]:
-    """Every device's current capability document (the compiler's snapshot)."""
-    return {r[0]: json.loads(r[1]) for r in conn.execute("SELECT device_id, document "
-                                                         "FROM devices")}
+def device_documents(conn: Connection) -> ReportedDocuments:
+    """Every device's current capability document, with the generation its client spoke
+    (the compiler's snapshot: `compiler.snapshot.ReportedDocuments`)."""
+    rows = conn.execute("SELECT device_id, document, shape FROM devices").fetchall()
+    return ReportedDocuments({r[0]: json.loads(r[1]) for r in rows}, {r[0]: r[2] for r in rows})
 
 
 class DeviceLimitReached(Exception):
@@ -219,7 +221,7 @@ def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
     `DeviceLimitReached` (every device costs its history and a branch, so one client's
     credentials must not be able to fill the server)."""
     now = time.time()
-    existing = conn.execute("SELECT client_id, digest FROM devices WHERE device_id = ?",
+    existing = conn.execute("SELECT client_id, digest, shape FROM devices WHERE device_id = ?",
                             (device_id,)).fetchone()
     if existing is not None and existing[0] != client_id:
         raise PermissionError(device_id)
@@ -234,7 +236,9 @@ def store_capabilities(conn: Connection, *, client_id: str, device_id: str,
         "document = excluded.document, digest = excluded.digest, shape = excluded.shape, "
         "reported_at = excluded.reported_at",
         (device_id, client_id, text, digest, shape, now, now))
-    changed = existing is None or existing[1] != digest
+    # A device whose client moved to another API generation changed too: its documents'
+    # shape follows (the history then holds the same document twice).
+    changed = existing is None or existing[1] != digest or existing[2] != shape
     if changed:
         conn.execute("INSERT INTO capability_reports (device_id, client_id, digest, document, "
                      "reported_at) VALUES (?, ?, ?, ?, ?)",

@@ -123,10 +123,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
         hostile_box = caps("compose-box-amd64", "hostile-box", **{"example.com/note": HOSTILE})
         hostile_box["properties"]["vendor"] = HOSTILE
-        for device_id, doc in (("plant-a-cluster", cluster_document("plant-a-cluster")),
-                               ("plant-a-edge", caps("k8s-single-amd64", "plant-a-edge")),
-                               ("hostile-box", hostile_box)):
-            response = http.put(f"/api/v1/capabilities/{device_id}", json=doc)
+        for device_id, doc, path in (
+                ("plant-a-cluster", cluster_document("plant-a-cluster"), "/api/v1"),
+                ("plant-a-edge", caps("k8s-single-amd64", "plant-a-edge"), "/api/v1"),
+                ("hostile-box", hostile_box, "/api/v1/clients/edge")):  # an rc.2 device
+            response = http.put(f"{path}/capabilities/{device_id}", json=doc)
             assert response.status_code in (200, 201), response.text
         fleet = Fleet(base, http, data)
 
@@ -208,6 +209,8 @@ def test_device_page_shows_nodes_deployments_eligibility_and_history(fleet: Flee
     assert "Required Actual" in vision  # the clause table's headers
 
     box = fleet.get("/devices/hostile-box").text
+    assert "client edge · speaks rc.2 ·" in text(box)  # the API its client called
+    assert "client edge · speaks rc.3 ·" in text(page)
     failed = text(row(box, "deployment", fleet.deployment_id("hostile-box", "hello-everywhere")))
     assert "failed" in failed and "E-PULL" in failed and HOSTILE in failed
     line = text(row(box, "intent", "line-monitor"))

@@ -43,7 +43,7 @@ from margo.parameters import EMPTY, check_immutable, validate_value
 from margo.sealing import device_recipient, is_sealed
 
 __all__ = ["INTENT_LABEL", "RenderCache", "RenderError", "Rendered", "deployment_id", "file_name",
-           "output_shape", "plain_value_problem", "previous_values", "render"]
+           "plain_value_problem", "previous_values", "render"]
 
 #: Namespace for deployment ids: uuid5(NAMESPACE, "<intent>/<device>") is stable, so editing
 #: an intent updates the same deployment instead of replacing it.
@@ -469,7 +469,7 @@ def render(intent: Intent, app: AppVersion, profile: DeploymentProfile, device: 
     secrets = sorted(n for n in hidden if n in plan.targets and values[n] is not EMPTY)
     items: list[SealItem] = []
     before = previous_values(previous)
-    shape = output_shape(intent, device)
+    shape = _output_shape(intent, device)
     problems += _shape_problems(intent, plan.profile, device, shape)
     if hidden or intent.registry_credentials:
         items, before, found = _to_seal(intent, app, device, values, secrets, before, cache)
@@ -502,7 +502,7 @@ _SLOT_PATHS: dict[str, dict[str, tuple[str, ...]]] = {
     Shape.OCT_2024: {"id": ("metadata", "annotations", "id")}}
 
 
-def output_shape(intent: Intent, device: Device) -> str:
+def _output_shape(intent: Intent, device: Device) -> str:
     """The shape of the device's document of `intent`: the one the intent forces
     (`outputShape`), else the generation the device speaks."""
     return intent.output_shape or device.generation
@@ -539,7 +539,7 @@ def _to_seal(intent: Intent, app: AppVersion, device: Device, values: Mapping[st
     items = [parameter_item(n, values[n]) for n in secrets]
     items += [grant_item(registry, password) for registry, _, password in grants]
     problems: list[Problem] = []
-    if intent.registry_credentials and output_shape(intent, device) == Shape.OCT_2024:
+    if intent.registry_credentials and _output_shape(intent, device) == Shape.OCT_2024:
         problems.append(intent.locate(Problem(("spec", "registryCredentials"), "on device "
                         f"{device.id}: an Oct-2024 document has no place for registry "
                         f"credentials (its spec takes no extensions; {_forced(intent)} "

@@ -45,7 +45,7 @@ from margo.normalize import normalise
 from margo.validation import validate_loaded
 
 __all__ = ["Device", "ReportedDocuments", "Snapshot", "SnapshotError", "SnapshotMemo",
-           "TrustedDigests", "load_snapshot", "snapshot_from_documents", "with_generation"]
+           "TrustedDigests", "load_snapshot", "snapshot_from_documents"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
 #: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
@@ -73,7 +73,7 @@ class Device:
 
     id: str
     #: sha256 of the document's sorted-key compact JSON, and of the generation the device
-    #: speaks when the server told it (`with_generation`): changes iff either does.
+    #: speaks when the server told it (`_with_generation`): changes iff either does.
     digest: str
     file: str | None
 
@@ -259,7 +259,7 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
     if digest is None:
         digest = data_digest(loaded.value)
     if generation is not None:
-        digest = with_generation(digest, generation)
+        digest = _with_generation(digest, generation)
     caps: DeviceCapabilities | None = None
     if trusted and _is_trusted(loaded.value, digest, trusted):
         device_id = _claimed_id(loaded.value)
@@ -311,7 +311,7 @@ class ReportedDocuments(dict[str, Any]):
         self.generations = dict(generations)
 
 
-def with_generation(digest: str, generation: str) -> str:
+def _with_generation(digest: str, generation: str) -> str:
     """A device's `Device.digest` when the server told its generation: a client that moves
     to another API generation changes what its documents are, like a new report does."""
     return "sha256:" + hashlib.sha256(f"{digest}\0{generation}".encode()).hexdigest()

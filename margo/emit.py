@@ -16,7 +16,6 @@ from margo.kinds import Shape
 
 __all__ = [
     "CONSTRAINTS_EXTENSION",
-    "DEPLOYMENT_API_VERSION",
     "OCT_2024_DEPLOYMENT_API_VERSION",
     "capabilities_document",
     "deployment_document",

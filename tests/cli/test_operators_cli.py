@@ -93,6 +93,7 @@ def test_operators_refuse_bad_input_with_exit_2(target: list[str],
                                             "not reused",
         ("add", "oidc:x", "--role", "admin"): "names with ':' are the server's own",
         ("add", "", "--role", "admin"): "operator name ''",
+        ("add", "anonymous", "--role", "viewer"): "'anonymous' is the server's own",
         ("rotate", "nobody"): "no operator 'nobody'",
         ("revoke", "nobody"): "no operator 'nobody'",
     }

@@ -17,7 +17,7 @@ import psycopg
 from kits import serverkit
 from kits.pgkit import database_for
 from kits.serverkit import margo, running_server, store_args
-from test_fleet_api import fleet_repository
+from test_fleet_api import fleet_repository, git
 
 from tools.polling import poll_until
 
@@ -105,6 +105,9 @@ def test_each_role_may_what_it_should_and_the_trail_records_it(tmp_path: Path) -
         viewer_push = push(pushed_by["vera"], work)
         assert viewer_push.returncode != 0 and "403" in viewer_push.stderr
         assert push(pushed_by["otto"], work).returncode == 0
+        (work / "deployments" / "hello-everywhere.yaml").write_text("spec: [unclosed\n")
+        git("commit", "-q", "-am", "broken", cwd=work)
+        assert push(pushed_by["otto"], work).returncode != 0  # the server's check refuses it
         clone = subprocess.run(["git", "clone", "-q", pushed_by["vera"], str(tmp_path / "c")],
                                capture_output=True, text=True, check=False)
         assert clone.returncode == 0, clone.stderr  # a viewer may fetch
@@ -128,17 +131,19 @@ def test_each_role_may_what_it_should_and_the_trail_records_it(tmp_path: Path) -
             ("otto", "operator", "rollout.pause", "web", "failed"),
             ("vera", "viewer", "source.push", "source.git", "refused"),
             ("otto", "operator", "source.push", "source.git", "ok"),
+            ("otto", "operator", "source.push", "source.git", "refused"),
         ], seen
-        assert entries[-1]["detail"] == "refs/heads/main updated"
+        assert entries[-2]["detail"] == "refs/heads/main updated"
+        assert entries[-1]["detail"].startswith("refs/heads/main refused: ")
         assert entries[3]["address"] == "127.0.0.1" and entries[3]["via"] == "token"
         assert [e["action"] for e in trail(base, ADMIN_TOKEN, actor="otto")] == [
-            "rollout.pause", "source.push"]
+            "rollout.pause", "source.push", "source.push"]
         assert trail(base, admin, since=str(time.time() + 60)) == []
         assert len(trail(base, admin, limit="2")) == 2
         exported = margo("audit", "--url", base, "--token-file", str(admin_file), "--jsonl",
                          "--actor", "otto", "--since", "1h")
-        assert [json.loads(line)["action"] for line in exported.stdout.splitlines()] == [
-            "rollout.pause", "source.push"]
+        assert [json.loads(line)["outcome"] for line in exported.stdout.splitlines()] == [
+            "failed", "ok", "refused"]
         viewer_file = tmp_path / "viewer-token"
         viewer_file.write_text(viewer)
         denied = margo("audit", "--url", base, "--token-file", str(viewer_file), check=False)

@@ -52,9 +52,8 @@ __all__ = ["ensure_repository", "source_app"]
 
 MAX_PUSH_BYTES = 64 * 1024 * 1024
 _SERVICES = ("git-upload-pack", "git-receive-pack")
-#: A ref the push's report says was not updated (`ng <ref> <why>`, pkt-line framed).
-_REFUSED = re.compile(rb"(?:^|[^g-zA-Z])ng refs/")
-#: Each ref of the push's report: `ok <ref>` or `ng <ref> <why>`.
+#: Each ref of the push's report (pkt-line framed): `ok <ref>`, or `ng <ref> <why>` for one
+#: that was not updated.
 _REPORTED = re.compile(rb"(?:^|[^g-zA-Z])(ok|ng) (refs/[^\s\x00]+)(?: ([^\n\x00]*))?")
 
 
@@ -119,13 +118,14 @@ def _push_outcome(status: int, payload: bytes) -> tuple[str, str, str]:
     """(the pushes metric's label, the audit outcome, what the report says of each ref)."""
     if status != 200:
         return "failed", FAILED, f"git answered {status}"
-    found = [f"{ref.decode(errors='replace')} "
-             + ("updated" if verdict == b"ok" else
-                f"refused: {(why or b'').decode(errors='replace').strip()}")
-             for verdict, ref, why in _REPORTED.findall(payload)]
-    detail = "; ".join(found) or "no ref reported"
-    return ("refused", REFUSED, detail) if _REFUSED.search(payload) else ("accepted", OK,
-                                                                          detail)
+    reported = _REPORTED.findall(payload)
+    detail = "; ".join(f"{ref.decode(errors='replace')} " + (
+        "updated" if verdict == b"ok" else
+        f"refused: {(why or b'').decode(errors='replace').strip()}")
+        for verdict, ref, why in reported) or "no ref reported"
+    if any(verdict == b"ng" for verdict, _, _ in reported):
+        return "refused", REFUSED, detail
+    return "accepted", OK, detail
 
 
 async def _run_backend(repository: Path, request: Request, rest: str) -> tuple[int, dict[str, str],
@@ -197,9 +197,6 @@ def source_app(repository: Path, auth: OperatorAuth, on_push: Callable[[float], 
     accepted; `arrived`, when its request came (Unix time). `audit`: where each push (and
     each refused below the role) is recorded."""
 
-    async def recorded(request: Request, caller: Operator, outcome: str, detail: str) -> None:
-        await _audited(audit, request, caller, outcome, detail)
-
     async def endpoint(request: Request) -> Response:
         arrived = time.time()
         rest = request.path_params["rest"]
@@ -207,7 +204,7 @@ def source_app(repository: Path, auth: OperatorAuth, on_push: Callable[[float], 
             caller, pushing = _admit(request, auth, rest)
         except ProblemError as exc:
             if isinstance(exc, _BelowRole) and exc.pushing:
-                await recorded(request, exc.caller, REFUSED, exc.detail)
+                await _audited(audit, request, exc.caller, REFUSED, exc.detail)
             return problem_response(exc, instance=request.url.path)
         coordinator = replicas()
         turn = coordinator.source_update() if coordinator is not None and pushing else None
@@ -223,7 +220,8 @@ def source_app(repository: Path, auth: OperatorAuth, on_push: Callable[[float], 
             if turn is not None:  # the replicas' turn at the source ends either way
                 await run_in_threadpool(turn.finish, publish=False)
             if rest == "git-receive-pack":
-                await recorded(request, caller, FAILED, str(exc) or "the client went away")
+                await _audited(audit, request, caller, FAILED,
+                               str(exc) or "the client went away")
             if isinstance(exc, ClientDisconnect):
                 raise  # wfm.server.app logs it in one line
             return problem_response(exc, instance=request.url.path)
@@ -233,7 +231,7 @@ def source_app(repository: Path, auth: OperatorAuth, on_push: Callable[[float], 
         if rest == "git-receive-pack":
             label, outcome, detail = _push_outcome(status, payload)
             PUSHES.labels(label).inc()
-            await recorded(request, caller, outcome, detail)
+            await _audited(audit, request, caller, outcome, detail)
         if rest == "git-receive-pack" and status == 200:
             on_push(arrived)  # the pushed refs are in place once receive-pack has answered
         return Response(payload, status_code=status, headers=headers)

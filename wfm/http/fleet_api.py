@@ -32,7 +32,7 @@ from wfm.fleet.audit import FAILED, OK, REFUSED, Auditor, entries
 from wfm.fleet.compiles import SourceConfig
 from wfm.fleet.freshness import STALE_POLLS, Freshness, device_freshness
 from wfm.fleet.leadtime import LeadTimes
-from wfm.fleet.rollouts import RolloutController, RolloutError, served_from
+from wfm.fleet.rollouts import ACTIONS, RolloutController, RolloutError, served_from
 from wfm.fleet.sourcecondition import load_condition
 from wfm.fleet.sources import RemoteSource, fetch_source
 from wfm.http.device_api import Api
@@ -50,9 +50,8 @@ from wfm.store import records
 from wfm.store.fleet_rows import load_rollouts
 from wfm.telemetry.metrics import WEBHOOKS
 
-__all__ = ["AUDIT_LIMIT", "ROLLOUT_ACTIONS", "FleetApi"]
+__all__ = ["AUDIT_LIMIT", "FleetApi"]
 
-ROLLOUT_ACTIONS = ("pause", "resume", "abort")
 #: The most audit entries one read returns (`?limit=`).
 AUDIT_LIMIT = 10_000
 
@@ -270,7 +269,7 @@ class FleetApi:
     async def rollout_action(self, request: Request) -> Response:
         """pause | resume | abort: the operator role."""
         name, action = request.path_params["intent"], request.path_params["action"]
-        if action not in ROLLOUT_ACTIONS:
+        if action not in ACTIONS:
             raise ProblemError(404, f"unknown action {action!r} (pause, resume or abort)")
         caller = await self.authorize(request, Role.OPERATOR, action=f"rollout.{action}",
                                       target=name)

@@ -30,6 +30,8 @@ __all__ = ["OperatorError", "OperatorRegistry", "StoreOperators", "check_name"]
 #: What an operator's name may be: it is shown in the audit trail and on the dashboard.
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._@-")
 NAME_LENGTH = 64
+#: The names the server gives callers that are no registered operator.
+RESERVED = frozenset({"admin-token", "anonymous"})
 
 
 class OperatorError(Exception):
@@ -44,6 +46,9 @@ def check_name(name: str) -> str:
             f"operator name {name!r}: 1 to {NAME_LENGTH} letters, digits, '.', '_', '@' or "
             "'-', not starting with '.' or '-' (names with ':' are the server's own: "
             "oidc:..., local:...)")
+    if name in RESERVED:
+        raise OperatorError(f"operator name {name!r} is the server's own (the audit trail "
+                            "names the admin token and callers of an open server so)")
     return name
 
 

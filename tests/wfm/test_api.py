@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from kits.serverkit import (
     ROOT,
     add_client,
@@ -292,6 +293,22 @@ def test_oct_2024_paths_and_oauth_tokens(server: dict[str, Any], tmp_path: Path)
         timeout=90, interval=0.2)
     for data in files.values():
         assert_deployment_in_generation("oct-2024", data)
+    # Its documents name no device, so a sibling reading the client's REST manifest would
+    # take them for its own: they stay on the box's branch.
+    box = {yaml.safe_load(data)["metadata"]["annotations"]["id"] for data in files.values()}
+    with client(server) as http:
+        assert http.put("/api/v1/capabilities/k8s-single-amd64",
+                        json=caps("k8s-single-amd64")).status_code in (200, 201)
+        manifest = wait_for_deployments(http)
+    assert box and not box & {ref["deploymentId"] for ref in manifest["deployments"]}
+    # ... and the box's reports about them are still its own.
+    deployment = sorted(box)[0]
+    report = {"apiVersion": "deployment.margo.org/v1alpha1",
+              "kind": "DeploymentStatusManifest", "deploymentId": deployment,
+              "status": {"state": "Installed"}, "components": []}
+    posted = httpx.post(f"{server['base']}/device/legacy-box-oct2024/deployment/{deployment}"
+                        "/status", json=report, headers={"Authorization": f"Bearer {access}"})
+    assert posted.status_code == 201, posted.text
 
 
 def branch_files(server: dict[str, Any], device_id: str, into: Path) -> dict[str, bytes]:

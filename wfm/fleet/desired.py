@@ -14,7 +14,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,10 @@ class ServedDeployment:
         return self._document.data
 
     @property
+    def names_device(self) -> bool:
+        return self._document.names_device
+
+    @property
     def intent(self) -> str | None:
         return self._document.details()[0]
 
@@ -132,29 +136,34 @@ class _Document:
     document's first lines when our emitter wrote them (no YAML parse), the rest (intent,
     application) is parsed when a person's view first asks for it."""
 
-    __slots__ = ("_details", "data", "deployment_id", "digest")
+    __slots__ = ("_details", "data", "deployment_id", "digest", "names_device")
 
-    def __init__(self, deployment_id: str, data: bytes,
+    def __init__(self, deployment_id: str, data: bytes, *, names_device: bool,
                  details: tuple[str | None, str | None] | None = None):
         self.deployment_id = deployment_id
         self.digest = digest_of(data)
         self.data = data
+        #: Whether the document says which device it is for (rc.3 and rc.2 shapes do, in
+        #: `metadata.deviceId`; an Oct-2024 document cannot).
+        self.names_device = names_device
         self._details = details
 
     @classmethod
     def read(cls, data: bytes) -> _Document | None:
         """None when this is not a deployment document with an id (any shape)."""
-        for head in _HEADS:
+        for head, names_device in zip(_HEADS, (True, True, False), strict=True):
             match = head.match(data)
             if match is not None:
-                return cls(match.group(1).decode("ascii"), data)
+                return cls(match.group(1).decode("ascii"), data, names_device=names_device)
         doc = _load(data)
         if doc is None:
             return None
         deployment_id = doc.get("id") or (_annotations(doc)).get("id")
         if not isinstance(deployment_id, str):
             return None
-        return cls(deployment_id, data, _details(doc))
+        metadata = doc.get("metadata")
+        names_device = isinstance(metadata, dict) and isinstance(metadata.get("deviceId"), str)
+        return cls(deployment_id, data, names_device=names_device, details=_details(doc))
 
     def details(self) -> tuple[str | None, str | None]:
         """(intent, application id), as the document says."""
@@ -162,6 +171,20 @@ class _Document:
             doc = _load(self.data)
             self._details = _details(doc) if doc is not None else (None, None)
         return self._details
+
+
+def _shared_manifest(device_ids: tuple[str, ...],
+                     served: Callable[[str], list[ServedDeployment]]
+                     ) -> Iterator[ServedDeployment]:
+    """The documents of a client's REST manifest. Every device of the client reads the same
+    manifest and keeps the documents naming it (`metadata.deviceId`), so with several
+    devices a document that names none (Oct-2024's shape: a device that fetches its own Git
+    branch) would be taken by every sibling: it stays on its branch only. A client with one
+    device gets all its documents, whatever their shape (an intent may force Oct-2024's)."""
+    for device_id in device_ids:
+        for deployment in served(device_id):
+            if len(device_ids) == 1 or deployment.names_device:
+                yield deployment
 
 
 def _load(data: bytes) -> dict[str, Any] | None:
@@ -334,7 +357,7 @@ class DesiredState:
         if cached and cached[0] == self._generation and cached[1] == device_ids:
             return cached[2]
         generation = self._generation
-        deployments = sorted((d for device_id in device_ids for d in self._served(device_id)),
+        deployments = sorted(_shared_manifest(device_ids, self._served),
                              key=lambda d: (d.deployment_id, d.digest))
         refs = [[d.deployment_id, d.digest] for d in deployments]
         state_digest = "sha256:" + hashlib.sha256(canonical_json(refs)).hexdigest()

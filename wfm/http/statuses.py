@@ -105,11 +105,19 @@ class StatusIntake:
         return self._rollouts_moving
 
     async def _deployment_device(self, client: Client, deployment_id: str) -> str | None:
+        """The client's device the deployment is assigned to: in its recent REST manifests,
+        else on a device's branch (a document that names no device, Oct-2024's shape, is
+        served on its device's branch only, never in a REST manifest its siblings share),
+        else where its last report was filed."""
         await self.api.served_state(client)
         for state in self.api.desired.recent_states(client.client_id):
             for served in state.deployments:
                 if served.deployment_id == deployment_id:
                     return served.device_id
+        for device_id in await self.api.devices_of(client):
+            if any(served.deployment_id == deployment_id
+                   for served in self.api.desired.device_deployments(device_id)):
+                return device_id
         return await self.api.db.aread(lambda conn: records.status_device(conn, deployment_id,
                                                                           client.client_id))
 

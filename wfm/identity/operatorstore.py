@@ -9,7 +9,9 @@ follows). `StoreOperators` is the server's lookup for `OperatorAuth`: it holds t
 (small) table in memory, token hash to operator, and reads it again when the epoch moved,
 checked at most every `check_seconds` (one small query however many people call): a revoked
 operator or a replaced token is refused within that, on every replica, without a restart.
-An unknown token costs a hash and a dictionary lookup, never a query.
+An unknown token costs a hash and a dictionary lookup, never a query. While the store cannot
+be read, a server goes on with the operators it read last (it still answers `/metrics` and
+the read API's callers then; a change made meanwhile cannot have reached its store either).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from wfm.identity.clients import token_hash
 from wfm.identity.credentialcache import EPOCH_CHECK_SECONDS
 from wfm.identity.operators import Operator, Role
 from wfm.store import client_rows, operator_rows
-from wfm.store.database import Connection, Database
+from wfm.store.database import Connection, Database, DatabaseUnavailable
 
 __all__ = ["OperatorError", "OperatorRegistry", "StoreOperators", "check_name"]
 
@@ -129,7 +131,10 @@ class StoreOperators:
         self._checked = -1e18
 
     def open(self, db: Database) -> None:
+        """Read the operators of `db` now (the server starts with them: never open by
+        mistake because the store was away at its first request)."""
         self._db = db
+        self._refresh()
 
     def __call__(self, token: str) -> Operator | None:
         self._refresh()
@@ -149,12 +154,17 @@ class StoreOperators:
             if now - self._checked < self.check_seconds:
                 return
             self._checked = now
-            epoch = db.read(client_rows.credentials_epoch)
-            if epoch == self._epoch:
-                return
-            # The epoch first, then the table: a change committed in between moves the
-            # epoch past what is remembered, and the next check reads the table again.
-            rows, registered = db.read(operator_rows.token_table)
+            try:
+                epoch = db.read(client_rows.credentials_epoch)
+                if epoch == self._epoch:
+                    return
+                # The epoch first, then the table: a change committed in between moves the
+                # epoch past what is remembered, and the next check reads the table again.
+                rows, registered = db.read(operator_rows.token_table)
+            except DatabaseUnavailable:
+                if self._epoch is None:
+                    raise  # nothing read yet: refuse (503) rather than guess
+                return  # what was read last holds until the store answers again
             self._tokens = {digest: Operator(name, Role.parse(role), "token")
                             for digest, name, role in rows}
             self._registered, self._epoch = registered, epoch

@@ -54,6 +54,7 @@ from wfm.identity.operators import OperatorAuth
 from wfm.identity.operatorstore import StoreOperators
 from wfm.identity.proofs import Identity, IdentitySettings, SignatureMiddleware
 from wfm.problems import ProblemError, problem_response
+from wfm.server.accesslog import install as install_redaction
 from wfm.server.datalock import DataDirLock
 from wfm.server.gcpolicy import tune_for_serving
 from wfm.store import records
@@ -217,6 +218,7 @@ class _Late:
 
 def create_app(config: ServerConfig) -> Starlette:
     """The server app; its resources open when it starts and close when it stops."""
+    install_redaction()  # `/?token=` never reaches uvicorn's access log (wfm.server.accesslog)
     api = Api()
     edge = DeviceEdge(api)
     stats, late = HttpStats(), _Late()

@@ -153,10 +153,8 @@ class AppInput:
 
 
 def _engine() -> ModuleType:
-    """The Helm engine, loaded on first use: every `margo` command imports this module (the
-    CLI registers all its commands), and the engine is 80 MB of Go runtime that only
-    linting a chart needs. (A device then loads it under its own name first:
-    reconciler.helm_engine.)"""
+    """The Helm engine, loaded on first use: it is 80 MB of Go runtime that only linting a
+    chart needs, and the CLI imports this module for every command."""
     import helm_python
 
     return helm_python

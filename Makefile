@@ -124,6 +124,7 @@ bench: venv
 	$(BIN)/python -m bench.reconcile
 	$(BIN)/python -m bench.kube
 	$(BIN)/python -m bench.kube_nodes
+	$(BIN)/python -m bench.device_memory
 	$(BIN)/python -m bench.fleet
 
 clean:

@@ -1,13 +1,15 @@
 """What the device-client benchmarks share: the Hello World intent they deploy many of, one
-timed cycle, the process's memory, a p90, and the digests a recompile changes."""
+timed cycle, a process's memory (and what it is made of), a p90, and the digests a
+recompile changes."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HELLO_INTENT", "digests", "memory_kib", "p90", "timed"]
+__all__ = ["HELLO_INTENT", "digests", "memory_kib", "p90", "resident_by_mapping", "timed"]
 
 #: One Hello World deployment (Helm) per intent: `name`, `index` (its namespace),
 #: `greeting` and `device` to fill in.
@@ -25,12 +27,27 @@ spec:
 """
 
 
-def memory_kib(field: str) -> int:
-    """`VmRSS`, `VmHWM`, ... of this process, in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def memory_kib(field: str, pid: int | str = "self") -> int:
+    """`VmRSS`, `VmHWM`, ... of this process (or of `pid`), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def resident_by_mapping(pid: int | str = "self") -> list[tuple[str, int]]:
+    """What a process's resident memory is made of: KiB resident per mapped file (a shared
+    library's code and data together), `[heap]`, `[stack]` and `[anonymous]` (mmap'd
+    arenas: the Python heap and a Go runtime's), largest first (/proc/<pid>/smaps)."""
+    sizes: Counter[str] = Counter()
+    name = "[anonymous]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode
+            name = fields[5] if len(fields) > 5 else "[anonymous]"
+        elif fields[0] == "Rss:":
+            sizes[name] += int(fields[1])
+    return sizes.most_common()
 
 
 def timed(reconciler: Any) -> tuple[float, float, int]:

@@ -43,63 +43,18 @@ from pathlib import Path
 import yaml
 
 from bench.benchkit import HELLO_INTENT, digests, memory_kib, p90, timed
-from margo.archive import deterministic_targz
+from bench.composefleet import compose_box
 from reconciler.assembly import open_reconciler
 from reconciler.config import load_config
-from reconciler.oci import OciClient
 from reconciler.runner import Reconciler
 from tools.charts import publish_example_charts
-from tools.docker.dockerengine import running_engine, why_unavailable
-from tools.docker.testimages import push_image, web_image
+from tools.docker.dockerengine import why_unavailable
 from tools.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
 from tools.otel.collector import running_collector
 from tools.processes import unanswered_port
 from tools.registry import running_registry
 
 ROOT = Path(__file__).resolve().parents[1]
-
-COMPOSE_APP = """\
-apiVersion: margo.org/v1-alpha1
-kind: ApplicationDescription
-id: com-example-bench-web
-metadata:
-  name: Bench Web
-  version: 1.0.0
-  catalog: {{organization: [{{name: Bench}}]}}
-deploymentProfiles:
-  - type: compose
-    id: web
-    components:
-      - name: web
-        properties: {{repository: "oci://{registry}/bench/web", revision: 1.0.0, wait: true,
-                     timeout: 1m0s}}
-parameters:
-  greeting:
-    value: Hello
-    targets: [{{pointer: GREETING, components: [web]}}]
-"""
-COMPOSE_INTENT = """\
-apiVersion: margo-gitops.dev/v1alpha1
-kind: DeploymentIntent
-metadata: {{name: {name}}}
-spec:
-  application: {{id: com-example-bench-web}}
-  profile: {{type: compose}}
-  parameters:
-    greeting: {greeting}
-  targets: {{devices: [bench-compose]}}
-"""
-COMPOSE_FILE = """\
-services:
-  web:
-    image: {image}
-    environment: {{GREETING: "${{GREETING}}"}}
-    healthcheck:
-      test: ["CMD", "wget", "-q", "-O-", "http://127.0.0.1:8080/"]
-      interval: 1s
-      retries: 5
-"""
-
 
 def device_home(workdir: Path, server: FleetServer, device_id: str, source: str,
                 deployments: int) -> Path:
@@ -247,55 +202,25 @@ def compose_cycles(work: Path, registry: str, n: int, cycles: int) -> None:
     if reason is not None:
         print(f"compose driver on a real Docker engine: skipped ({reason})")
         return
-    with running_engine(work / "docker") as engine:
-        image = f"{registry}/bench/web-image:1.0"
-        web_image(engine, image, "1.0")
-        push_image(engine, image)
-        engine.run("rmi", image)
-        with OciClient() as oci:
-            oci.push_artifact(f"oci://{registry}/bench/web", "1.0.0", deterministic_targz(
-                {"web/compose.yaml": COMPOSE_FILE.format(image=image).encode()}))
-        fleet = write_fleet(work / "compose-fleet", registry=registry, intents={})
-        app = fleet / "apps" / "com-example-bench-web" / "margo.yaml"
-        app.parent.mkdir(parents=True)
-        app.write_text(COMPOSE_APP.format(registry=registry))
-        with fleet_server(work / "compose-server", fleet=fleet) as server:
-            home = work / "bench-compose"
-            home.mkdir()
-            (home / "token").write_text(server.token)
-            doc = capabilities("compose-box-amd64", "bench-compose")
-            (home / "caps.json").write_text(json.dumps(doc))
-            server.put_capabilities(doc)
-            (home / "device.yaml").write_text(yaml.safe_dump({
-                "device": {"id": "bench-compose"},
-                "server": {"url": server.base, "clientId": server.client_id,
-                           "tokenFile": "token"},
-                "source": {"type": "margo-rest"},
-                "driver": {"type": "compose", "compose": engine.compose,
-                           "dockerHost": engine.host},
-                "dataDir": "data", "capabilities": {"file": "caps.json"}}))
+    with compose_box(work, registry, "bench-compose", n) as (server, config):
+        print(f"device client, compose driver on a real Docker engine, {n} deployments "
+              "(health check, wait: true)")
+        with open_reconciler(load_config(config)) as reconciler:
+            wall, cpu, steps = timed(reconciler)
+            print(f"  first cycle: {steps} installs (image pull, create, healthy) in "
+                  f"{wall:.1f} s wall, {cpu:.2f} s CPU")
+            timed(reconciler)  # statuses settle
+            walls, cpus = unchanged(reconciler, cycles)
+            print(f"  unchanged cycle: median {statistics.median(walls):.1f} ms wall "
+                  f"(p90 {p90(walls):.1f}), {statistics.median(cpus):.1f} ms CPU")
+            before = digests(server, "bench-compose")
             for index in range(n):
-                server.edit_intent(f"web-{index}", COMPOSE_INTENT.format(
-                    name=f"web-{index}", greeting=f"Hello{index}"))
-            server.wait_for_deployments(n, device_id="bench-compose", timeout=60)
-            print(f"device client, compose driver on a real Docker engine, {n} deployments "
-                  "(health check, wait: true)")
-            with open_reconciler(load_config(home / "device.yaml")) as reconciler:
-                wall, cpu, steps = timed(reconciler)
-                print(f"  first cycle: {steps} installs (image pull, create, healthy) in "
-                      f"{wall:.1f} s wall, {cpu:.2f} s CPU")
-                timed(reconciler)  # statuses settle
-                walls, cpus = unchanged(reconciler, cycles)
-                print(f"  unchanged cycle: median {statistics.median(walls):.1f} ms wall "
-                      f"(p90 {p90(walls):.1f}), {statistics.median(cpus):.1f} ms CPU")
-                before = digests(server, "bench-compose")
-                for index in range(n):
-                    server.set_parameter(f"web-{index}", "greeting", f"Changed{index}")
-                server.wait_for(lambda: not (digests(server, "bench-compose") & before), 60,
-                                "every deployment to be recompiled")
-                wall, cpu, steps = timed(reconciler)
-                print(f"  reconfigure cycle: {steps} containers recreated in {wall:.1f} s "
-                      f"wall, {cpu:.2f} s CPU")
+                server.set_parameter(f"web-{index}", "greeting", f"Changed{index}")
+            server.wait_for(lambda: not (digests(server, "bench-compose") & before), 60,
+                            "every deployment to be recompiled")
+            wall, cpu, steps = timed(reconciler)
+            print(f"  reconfigure cycle: {steps} containers recreated in {wall:.1f} s "
+                  f"wall, {cpu:.2f} s CPU")
 
 
 if __name__ == "__main__":

@@ -186,10 +186,15 @@ def _unmount_under(folder: Path) -> None:
 
 
 def _remove_everything(docker: str, host: str) -> None:
-    """Remove every container first, so dockerd shuts down fast and unmounts cleanly."""
+    """Remove every container first, so dockerd shuts down fast and unmounts cleanly, then
+    every network: a stopped dockerd leaves its networks' bridges in the host's network
+    namespace, each holding one of the address pools every engine here draws from, and
+    after some thirty of them no engine can make a network ("could not find an available,
+    non-overlapping IPv4 address pool")."""
     env = {**os.environ, "DOCKER_HOST": host}
     listed = subprocess.run([docker, "ps", "-aq"], env=env, capture_output=True, text=True,
                             timeout=30)
     ids = listed.stdout.split()
     if ids:
         subprocess.run([docker, "rm", "-f", *ids], env=env, capture_output=True, timeout=120)
+    subprocess.run([docker, "network", "prune", "-f"], env=env, capture_output=True, timeout=60)

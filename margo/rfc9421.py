@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from http_message_signatures import HTTPSignatureAlgorithm, algorithms
 
+from margo.signature_names import ALGORITHM_NAMES
+
 __all__ = ["ALGORITHMS", "ONBOARDING_API_VERSION", "ONBOARDING_KIND", "RSA_PSS_SHA256",
            "key_id", "profile_algorithms"]
 
@@ -51,12 +53,10 @@ class RSA_PSS_SHA256(algorithms.RSA_PSS_SHA512):
                                                    salt_length=padding.PSS.AUTO))
 
 
-ALGORITHMS: dict[str, type[HTTPSignatureAlgorithm]] = {
-    "ecdsa-p256-sha256": algorithms.ECDSA_P256_SHA256,
-    "ecdsa-p384-sha384": algorithms.ECDSA_P384_SHA384,
-    "rsa-v1_5-sha256": algorithms.RSA_V1_5_SHA256,
-    "rsa-pss-sha256": RSA_PSS_SHA256,
-}
+#: Each of `ALGORITHM_NAMES` (the names, light to import) with its implementation.
+ALGORITHMS: dict[str, type[HTTPSignatureAlgorithm]] = dict(zip(ALGORITHM_NAMES, (
+    algorithms.ECDSA_P256_SHA256, algorithms.ECDSA_P384_SHA384, algorithms.RSA_V1_5_SHA256,
+    RSA_PSS_SHA256), strict=True))
 
 
 def key_id(public_key: Any) -> str:

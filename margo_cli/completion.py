@@ -7,6 +7,9 @@ parsing. The names come from the server of `--url` (or `$MARGO_URL`) with `--tok
 (or `$MARGO_TOKEN_FILE`), asked with a short timeout: a server that is down, slow or
 refuses costs the user a moment and no message (a completion must never print into the
 command line being edited).
+
+argcomplete itself is imported only when a shell asks (or for the script): most runs of
+`margo`, the device client's above all, never need it.
 """
 
 from __future__ import annotations
@@ -16,14 +19,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import argcomplete
-from argcomplete.shell_integration import shellcode
-
 from margo_cli.fleetclient import DEFAULT_URL, call
 from margo_cli.resources import kind_named
 
-__all__ = ["SHELLS", "choices", "complete_with", "device_ids", "enable", "intent_names",
-           "names_of_kind", "register"]
+__all__ = ["SHELLS", "choices", "complete_with", "completed_words", "device_ids", "enable",
+           "intent_names", "names_of_kind", "register"]
 
 SHELLS = ("bash", "zsh", "fish")
 #: Seconds a completion waits for the server.
@@ -43,6 +43,8 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from argcomplete.shell_integration import shellcode
+
     print(shellcode(["margo"], shell=args.shell), end="")
     return 0
 
@@ -50,7 +52,27 @@ def run(args: argparse.Namespace) -> int:
 def enable(parser: argparse.ArgumentParser) -> None:
     """Answer a completion request (and exit) when the shell made one; else return.
     Options are offered once a `-` is typed (else they would bury the names)."""
+    if "_ARGCOMPLETE" not in os.environ:  # argcomplete's own test, before importing it
+        return
+    import argcomplete
+
     argcomplete.autocomplete(parser, always_complete_options=False)
+
+
+def completed_words() -> list[str] | None:
+    """The words after `margo` a shell asking for completions has finished typing (the one
+    being typed excluded), split as argcomplete splits them; None when no shell asks or the
+    line cannot be read. `margo_cli.main` builds the parser of their command only."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return None
+    from argcomplete.lexers import split_line
+
+    try:
+        words = split_line(os.environ["COMP_LINE"], int(os.environ["COMP_POINT"]))[3]
+        start = int(os.environ["_ARGCOMPLETE"])  # 1: `margo ...`, 2: `python margo ...`
+    except (KeyError, ValueError):
+        return None
+    return list(words[start:])
 
 
 def complete_with(action: argparse.Action, completer: Completer) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from margo.errors import DocumentError
 from margo_cli import doctor_command, plan_command
 from margo_cli.device_config import device_config
+from margo_cli.heap import release_freed_memory
 from margo_cli.usage import UsageError
 from reconciler.runner import CycleResult
 
@@ -136,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
     from reconciler.assembly import open_reconciler
     from reconciler.datadir import BusyError
     from reconciler.encryption_key import EncryptionKeyError
-    from reconciler.identity import IdentityError
-    from reconciler.signing import OnboardingError, SigningError
+    from reconciler.identity_errors import IdentityError, OnboardingError, SigningError
     from reconciler.state import StateError
 
     def show(result: CycleResult) -> None:
         print(_as_json(result) if args.json else describe(result), flush=True)
+        release_freed_memory()  # what the cycle freed, handed back while the client waits
 
     try:
         with open_reconciler(config) as reconciler:

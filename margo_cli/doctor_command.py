@@ -13,6 +13,10 @@ cluster (the Compose or render driver) is checked on this host: its client, and 
 OpenTelemetry collector answers OTLP at `telemetry.collector`; with `--kubeconfig`, that file; with
 neither, what kubectl would use ($KUBECONFIG, ~/.kube/config) or, in a pod, its service
 account.
+
+The Kubernetes client and checks are imported when a check runs: `margo device run`
+imports this module (the `doctor` verb is its sibling), and a Compose device never needs
+them.
 """
 
 from __future__ import annotations
@@ -25,22 +29,18 @@ import platform
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from margo_cli.device_config import device_config
 from margo_cli.usage import EXIT_FAILED, EXIT_OK, UsageError
 from reconciler.config import DeviceConfig
 from reconciler.datadir import LocalClient, probe_data_dir
-from reconciler.kubernetes.client import (
-    KubeClient,
-    KubeConfigError,
-    KubeError,
-    default_kubeconfig,
-)
-from reconciler.kubernetes.doctor import Check, DoctorReport, doctor
 
-__all__ = ["Target", "UsageError", "default_kubeconfig", "format_table", "register",
-           "resolve_target", "run"]
+if TYPE_CHECKING:
+    from reconciler.kubernetes.client import KubeClient
+    from reconciler.kubernetes.doctor import Check, DoctorReport
+
+__all__ = ["Target", "UsageError", "format_table", "register", "resolve_target", "run"]
 
 
 
@@ -78,6 +78,8 @@ def register(verbs: Any) -> None:
 
 
 def _implicit(context: str | None, environ: Mapping[str, str]) -> Target:
+    from reconciler.kubernetes.client import default_kubeconfig
+
     found = default_kubeconfig(environ)
     if found is not None:
         return Target(found, context)
@@ -118,6 +120,8 @@ def resolve_target(args: argparse.Namespace,
 
 
 def _open(target: Target) -> KubeClient:
+    from reconciler.kubernetes.client import KubeClient
+
     if target.kubeconfig is None:
         return KubeClient.in_cluster()
     return KubeClient.from_kubeconfig(target.kubeconfig, target.context)
@@ -142,6 +146,7 @@ def format_table(report: DoctorReport) -> str:
 def _host_report(config: DeviceConfig, local: LocalClient | None) -> DoctorReport:
     """A device that is no cluster: the device client on this host, and its collector
     (`reconciler.telemetry.probe`: the configured endpoint answers OTLP)."""
+    from reconciler.kubernetes.doctor import Check, DoctorReport
     from reconciler.telemetry.probe import probe_collector
 
     if local is not None and local.running:
@@ -165,6 +170,7 @@ def key_check(path: Path) -> Check:
     """`encryption-key`: the device's own key for sealed values (docs/secrets.md) can be
     read; none yet is a warning (the client makes it at its first start)."""
     from reconciler.encryption_key import DeviceKey, EncryptionKeyError
+    from reconciler.kubernetes.doctor import Check
 
     try:
         key = DeviceKey.existing(path)
@@ -186,6 +192,9 @@ def _with_key(report: DoctorReport, target: Target) -> DoctorReport:
 
 
 def run(args: argparse.Namespace) -> int:
+    from reconciler.kubernetes.client import KubeConfigError, KubeError
+    from reconciler.kubernetes.doctor import doctor
+
     target = resolve_target(args)
     if target.host is not None:
         report = _with_key(_host_report(target.host, target.local_client), target)

@@ -20,8 +20,8 @@ from jsonschema import Draft202012Validator
 from margo.errors import DocumentError, Problem
 from margo.kinds import GENERATIONS, Shape
 from margo.loading import LoadedDocument, load_document
-from margo.rfc9421 import ALGORITHMS
 from margo.schemas import python_patterns
+from margo.signature_names import ALGORITHM_NAMES
 from margo.validation import explain_schema_errors
 from reconciler.desired import parse_duration
 from reconciler.encryption_key import default_key_path
@@ -118,7 +118,7 @@ def _identity_schema() -> dict[str, Any]:
         "wfmId": {"type": "string", "pattern": r"^[A-Za-z0-9._~-]+$"},
         "tls12": {"type": "boolean"},
         "rc2": _closed({"key": _TEXT, "certificate": _TEXT,
-                        "algorithm": {"enum": list(ALGORITHMS)}},
+                        "algorithm": {"enum": list(ALGORITHM_NAMES)}},
                        ["key", "certificate"]),
         # the age identity sealed values are opened with (default: <dataDir>/keys/...)
         "encryptionKey": _TEXT,

@@ -49,6 +49,7 @@ from margo.spiffe import (
     parse_spiffe_id,
     svid_spiffe_id,
 )
+from reconciler.identity_errors import IdentityError
 
 __all__ = [
     "IdentityError",
@@ -65,11 +66,6 @@ log = logging.getLogger("margo.device.identity")
 # A rotated file set is read at most this often while it stays broken (a half-written rotation
 # would otherwise be re-read, and logged, on every request).
 RETRY_BROKEN_SECONDS = 5.0
-
-
-class IdentityError(Exception):
-    """The identity material cannot be used: a missing or unreadable file, a certificate that
-    is not a client SVID, a key that does not match, an empty trust bundle."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from margo.rfc9421 import (
     key_id,
     profile_algorithms,
 )
+from reconciler.identity_errors import OnboardingError, SigningError
 
 __all__ = [
     "COVERED_COMPONENTS",
@@ -65,22 +66,6 @@ ONBOARDING_PATH = "/api/v1/onboarding"
 SIGNATURE_LABEL = "sig1"
 COVERED_COMPONENTS = ("@method", "@target-uri", "@authority")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._~-]{1,200}\Z")  # it becomes a path segment
-
-
-class SigningError(Exception):
-    """The rc.2 key or certificate cannot be used (unreadable, unsupported type, mismatch)."""
-
-
-class OnboardingError(Exception):
-    """Onboarding did not give a clientId. `status` is the HTTP status (None: no answer);
-    `retryable` is False when the same request cannot succeed later (an unreadable
-    certificate), True when it may (no connection; a rejection an operator can lift)."""
-
-    def __init__(self, message: str, *, status: int | None = None,
-                 retryable: bool = True) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retryable = retryable
 
 
 @dataclass(frozen=True)

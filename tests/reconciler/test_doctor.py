@@ -40,10 +40,9 @@ from kits.clusterkit import (
 from kits.kubeemu import Emulator, running_emulator, write_kubeconfig
 
 from margo.cluster import LABEL_PREFIX
-from margo_cli.doctor_command import default_kubeconfig
 from margo_cli.main import main
 from reconciler.datadir import LocalClient, probe_data_dir
-from reconciler.kubernetes.client import KubeClient
+from reconciler.kubernetes.client import KubeClient, default_kubeconfig
 from reconciler.kubernetes.doctor import (
     CHECK_IDS,
     Check,

@@ -1,0 +1,36 @@
+"""Give the C heap's freed memory back to the operating system after a device cycle.
+
+glibc's malloc keeps what was freed at the top of its main heap (`[heap]` in
+/proc/<pid>/smaps) for the next allocation instead of returning it, so one busy moment
+stays resident for the rest of a long-lived process. A device client has such moments:
+its first cycles compile the fastjsonschema gates of the documents it validates
+(`margo.schemas.fast_check_for`: Python compiles generated source, several MiB of
+short-lived syntax tree for an rc.3 ApplicationDeployment), and any cycle may parse a large
+manifest. `malloc_trim(0)` hands that back; `bench/device_memory.py` measures what it
+saves (about 5 MiB of a device's steady resident memory, docs/benchmarks.md).
+
+Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from functools import cache
+
+__all__ = ["release_freed_memory"]
+
+
+@cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        found: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+    return found
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the system; True when any was returned."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False

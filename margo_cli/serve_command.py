@@ -85,6 +85,7 @@ def register(commands: Any) -> None:
                        help="connections served at once (idle keep-alive ones count); a "
                             "request on one more is answered 503 and its connection closed "
                             f"(default {DEFAULT_MAX_CONNECTIONS}; keep it below ulimit -n)")
+    _waiting_options(serve)
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--new-database", action="store_true",
                        help="start on a new, empty <data>/wfm.sqlite although <data> was used "
@@ -94,6 +95,24 @@ def register(commands: Any) -> None:
     _operator_options(serve)
     _budget_options(serve)
     serve.set_defaults(run=run_serve)
+
+
+#: `margo serve --max-wait` and `--max-waiters` defaults (wfm.fleet.waiters).
+DEFAULT_MAX_WAIT = 60
+DEFAULT_MAX_WAITERS = 15_000
+
+
+def _waiting_options(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group(
+        "waiting polls", "a device's conditional poll with 'Prefer: wait=N' is held until its "
+        "desired state changes or N seconds pass (docs/server.md, 'Waiting polls')")
+    group.add_argument("--max-wait", type=float, default=DEFAULT_MAX_WAIT, metavar="SECONDS",
+                       help=f"the longest a poll is held (default {DEFAULT_MAX_WAIT}; 0: none "
+                            "is held); proxies in front need idle timeouts above it")
+    group.add_argument("--max-waiters", type=int, default=DEFAULT_MAX_WAITERS, metavar="N",
+                       help="polls held at once; one more is answered at once, as a plain "
+                            f"poll (default {DEFAULT_MAX_WAITERS:,}; keep it below "
+                            "--max-connections)")
 
 
 def _source_options(serve: Any) -> None:
@@ -211,17 +230,15 @@ def _identity_options(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from wfm.admission.bodylimit import head_deadline_protocol
     from wfm.identity.tls import ServerContexts, TlsHttpProtocol
     from wfm.server.app import ServerConfig, create_app
     from wfm.server.datalock import DataDirBusy, DataDirLock
+    from wfm.server.serving import serve
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.max_devices_per_client < 1:
-        raise SystemExit("margo serve: --max-devices-per-client must be at least 1")
+    _check_limits(args)
     source = SourceConfig(Path(args.source).resolve() if args.source else None, args.ref,
                           fleet_key=_fleet_key(args.fleet_key))
     data = Path(args.data).resolve()
@@ -249,7 +266,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_devices_per_client=args.max_devices_per_client,
         body_timeout=args.body_timeout, budgets=_budgets(args),
         metrics_token=_secret(args.metrics_token_file), otlp_endpoint=_otlp(args.otlp_endpoint),
-        oidc=oidc, audit_retention_days=args.audit_retention_days))
+        oidc=oidc, audit_retention_days=args.audit_retention_days,
+        max_wait=args.max_wait, max_waiters=args.max_waiters))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
@@ -258,18 +276,27 @@ def run_serve(args: argparse.Namespace) -> int:
     protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
     if protocol is not None:
         transport["http"] = protocol
+    # uvicorn answers 503 to a request once connections (this one included) or requests
+    # in flight reach its limit: one more than ours lets exactly N connections be served.
+    # Held waiting polls are answered first when it stops (wfm.server.serving).
+    serve(app, release=app.state.waiters.close, host=args.host, port=args.port,
+          log_level=args.log_level, proxy_headers=False, server_header=False,
+          limit_concurrency=args.max_connections + 1, timeout_keep_alive=args.keep_alive,
+          **transport)
+    return 0
+
+
+def _check_limits(args: argparse.Namespace) -> None:
+    """The numeric options, before anything starts."""
+    if args.max_devices_per_client < 1:
+        raise SystemExit("margo serve: --max-devices-per-client must be at least 1")
+    if not 0 <= args.max_wait <= 3600 or args.max_waiters < 0:
+        raise SystemExit("margo serve: --max-wait must be 0 to 3600 seconds and "
+                         "--max-waiters at least 0")
     if args.max_connections < 1:
         raise SystemExit("margo serve: --max-connections must be at least 1")
     if args.keep_alive < 1:
         raise SystemExit("margo serve: --keep-alive must be at least 1 second")
-    # uvicorn answers 503 to a request once connections (this one included) or requests
-    # in flight reach its limit: one more than ours lets exactly N connections be served.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                proxy_headers=False, server_header=False,
-                limit_concurrency=args.max_connections + 1,
-                timeout_keep_alive=args.keep_alive,
-                **transport)
-    return 0
 
 
 def identity_settings(args: argparse.Namespace,

@@ -11,6 +11,8 @@ without a device another replica just registered: every lookup reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from wfm.store import records
 from wfm.store.database import Database
 
@@ -23,8 +25,12 @@ _MAX_REMEMBERED = 200_000
 class ClientDevices:
     """Per client, the ids of its devices (sorted), read from `devices`."""
 
-    def __init__(self, db: Database, *, sole_writer: bool):
+    def __init__(self, db: Database, *, sole_writer: bool,
+                 on_change: Callable[[str], None] | None = None):
+        """`on_change(client_id)` is told of every change (the client's waiting polls check
+        again: `wfm.fleet.waiters`)."""
         self._db = db
+        self._on_change = on_change
         self._sole_writer = sole_writer
         self._known: dict[str, tuple[str, ...]] = {}
         # Bumped by every change: a read that started before one is not remembered.
@@ -46,3 +52,5 @@ class ClientDevices:
         """A write registered or forgot devices of this client (call after it committed)."""
         self._changes += 1
         self._known.pop(client_id, None)
+        if self._on_change is not None:
+            self._on_change(client_id)

@@ -15,6 +15,11 @@ operations.md has the whole design):
   the holder too, syncs the repository it serves to the newest generation, under a lock that
   the manifest handler also takes, so what it computes a client's state from and the
   generation it says it served always agree.
+* **News**: a publication and a compile request are announced on a PostgreSQL channel in
+  their own transaction; each replica's loop listens (`wfm.fleet.news`) and acts as soon as
+  they commit, instead of at its next look at the database (which stays, every `poll`
+  seconds). After a sync, `on_synced` is told which devices' branches moved (the server
+  wakes their waiting polls: `wfm.fleet.waiters`).
 
 The compiler's own state (`compiler.state`) is a cache per replica: valid only while this
 replica was the last to publish (a sidecar records the generation it compiled and the lease
@@ -44,6 +49,7 @@ from typing import Any
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.state import CompilerState
 from margo.files import write_atomically
+from wfm.fleet.news import News
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
 from wfm.store import records, replica_rows
 from wfm.store.database import DatabaseUnavailable
@@ -90,6 +96,7 @@ def publish_deletion(conn: Any, device_ids: list[str]) -> int:
             refs[device_ref(device_id)] = None
     replica_rows.publish_rows(conn, REPO, generation, b"", refs, compact=False)
     replica_rows.set_counter(conn, REPO, generation)
+    replica_rows.announce(conn, f"{REPO} {generation}")
     return generation
 
 
@@ -120,7 +127,9 @@ class Coordinator:
         self._repaired = -REPAIR_EVERY
         #: Held while the served repository moves (and by readers that must not see it move).
         self.lock = threading.RLock()
-        self.on_synced: Callable[[], None] = lambda: None
+        #: Told, as each sync moves the served repository (under `lock`: it must not block),
+        #: which devices' branches moved (all of them after a repair).
+        self.on_synced: Callable[[frozenset[str]], None] = lambda devices: None
         self.on_compile_due: Callable[[], None] = lambda: None
         self._lease: PgConnection | None = None
         #: The lease is not taken again before this (monotonic clock): after a compile that
@@ -130,6 +139,7 @@ class Coordinator:
         self._requests_seen: int | None = None
         self._before: dict[str, str] = {}
         self._stopping = threading.Event()
+        self._news = News(db)
         self._thread = threading.Thread(target=self._loop, name="margo-replica", daemon=True)
 
     def start(self) -> None:
@@ -140,6 +150,7 @@ class Coordinator:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=30)
+        self._news.close()
         self._release()
 
     @property
@@ -154,7 +165,10 @@ class Coordinator:
     # --- the loop ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stopping.wait(self.poll):
+        while not self._stopping.is_set():
+            self._news.wait(self.poll, self._stopping)  # news, or the periodic look
+            if self._stopping.is_set():
+                return
             try:
                 self._tick()
             except _ERRORS as exc:
@@ -174,7 +188,7 @@ class Coordinator:
 
     def request_compile(self) -> None:
         """Ask the holder (whichever replica it is) to compile; does not wait."""
-        self.db.submit(replica_rows.request_compile)
+        self.db.submit(_request_compile)
 
     # --- the lease ---------------------------------------------------------------------
 
@@ -272,8 +286,11 @@ class Coordinator:
                 self.serving.add_objects(snapshot)
                 with self.lock:
                     moved = self.serving.move_to(snapshot)
-        if moved:
-            self.on_synced()
+                    if moved:
+                        # In the same step as the refs: a state computed in between would
+                        # be the previous generation's, served as this one's (replicas woken
+                        # together by the news sync at the same moment).
+                        self.on_synced(_devices(snapshot.refs))
         return moved
 
     # --- deleting a device (any replica) -----------------------------------------------
@@ -398,6 +415,7 @@ class Coordinator:
             replica_rows.publish_rows(conn, replica.repo, generation, pack,
                                       after if compact else moved, compact=compact)
             replica_rows.set_counter(conn, replica.repo, generation)
+            replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation
 
         generation = self.db.write_sync(write)
@@ -453,6 +471,17 @@ class SourceUpdate:
         finally:
             if conn is not None:
                 conn.close()  # ends the session: the advisory lock goes with it
+
+
+def _request_compile(conn: Any) -> None:
+    """A compile request, announced to the holder (`wfm.fleet.news`)."""
+    replica_rows.request_compile(conn)
+    replica_rows.announce(conn, "compile")
+
+
+def _devices(refs: dict[str, str | None]) -> frozenset[str]:
+    """The devices whose branches are among `refs` (ref names)."""
+    return frozenset(d for d in map(device_id_from_ref, refs) if d is not None)
 
 
 def _state_mark(directory: Path) -> tuple[int, int | None] | None:

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,9 +107,11 @@ class BackendExchange(Response):
     noticed while Git is still working.
     """
 
-    def __init__(self, cgi: CgiRequest, delivered: Delivered | None = None) -> None:
+    def __init__(self, cgi: CgiRequest, delivered: Delivered | None = None,
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """`headers`: added to what Git answers (the ref advertisement's ETag)."""
         super().__init__(status_code=200)
-        self.cgi, self.delivered = cgi, delivered
+        self.cgi, self.delivered, self.extra = cgi, delivered, tuple(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -130,7 +132,8 @@ class BackendExchange(Response):
                 return
             try:
                 async with asyncio.timeout(PROCESS_TIMEOUT):
-                    sent = await _exchange(self.cgi, process, scope, receive, tracking_send)
+                    sent = await _exchange(self.cgi, process, scope, receive, tracking_send,
+                                           self.extra)
                 self._tell_delivered(sent, process)
             except TimeoutError:
                 _log.warning("git %s for device %r killed after %.0f s", self.cgi.service,
@@ -205,7 +208,8 @@ async def _spawn(cgi: CgiRequest, view_root: Path) -> asyncio.subprocess.Process
 
 
 async def _exchange(cgi: CgiRequest, process: asyncio.subprocess.Process, scope: Scope,
-                    receive: Receive, send: Send) -> bool:
+                    receive: Receive, send: Send,
+                    extra: tuple[tuple[bytes, bytes], ...] = ()) -> bool:
     """Feed the body, relay Git's CGI answer; a refused request is answered by us. Whether
     Git's whole answer was sent and Git has exited."""
     assert process.stdin and process.stdout and process.stderr
@@ -227,6 +231,8 @@ async def _exchange(cgi: CgiRequest, process: asyncio.subprocess.Process, scope:
                          refusal)
             await problem(refusal.status, str(refusal))(scope, receive, send)
             return False
+        if status == 200:
+            headers.extend(extra)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if await _pump(process.stdout, receive, send):
             await process.wait()

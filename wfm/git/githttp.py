@@ -63,8 +63,13 @@ is streamed back (packs are never held in memory); no shell is involved and inhe
 ``GIT_*`` variables are dropped (except ``GIT_TRACE*``). The process group is killed when the
 client disconnects or after `PROCESS_TIMEOUT` seconds.
 
+Waiting polls. The ref advertisement carries an ETag; a request naming it in
+`If-None-Match` is answered 304, held first when it carries `Prefer: wait=N`
+(`wfm.git.refwaits`). Git never sends either header.
+
 The module's parts: the endpoints here; what an upload-pack request may name
-(`wfm.git.upload_gate`); running ``git http-backend`` (`wfm.git.backend`).
+(`wfm.git.upload_gate`); running ``git http-backend`` (`wfm.git.backend`); the ref
+advertisement's validator and waiting polls (`wfm.git.refwaits`).
 """
 
 from __future__ import annotations
@@ -85,7 +90,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from compiler.gitstore import device_ref
 from compiler.state import recorded_branch
 from wfm.fleet.desired import STATE_LOST_RETRY
+from wfm.fleet.waiters import Rewind
 from wfm.git.backend import BackendExchange, CgiRequest, Delivered, problem
+from wfm.git.refwaits import Moved, RefWaits
 from wfm.git.upload_gate import Gate
 
 __all__ = ["REALM", "Authorize", "Lost", "git_app"]
@@ -107,7 +114,7 @@ _log = logging.getLogger("wfm.githttp")
 
 def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
             git: str = "git", lost: Lost | None = None,
-            delivered: Delivered | None = None) -> ASGIApp:
+            delivered: Delivered | None = None, waits: RefWaits | None = None) -> ASGIApp:
     """The ASGI app serving every device's branch of `repository` (mount it at ``/git``).
 
     `repository` is the shared bare repository (``<repos>/fleet-state.git``); `git` is the
@@ -118,12 +125,13 @@ def git_app(repository: str | os.PathLike[str], authorize: Authorize, *,
     default the compiler's state next to the repository is asked. `delivered(device_id,
     commit)` is told whenever an upload-pack exchange that wanted the branch's tip ended
     with Git's whole answer sent: the server attributes the device's later status reports
-    to that commit when they do not name one themselves.
+    to that commit when they do not name one themselves. `waits`: the server's waiting
+    polls, which conditional ref advertisements are held in (without: answered at once).
     """
     repository = Path(repository).absolute()
     server = _GitServer(repository, authorize, git,
                         lost or (lambda device_id: _recorded_loss(repository, device_id)),
-                        delivered)
+                        delivered, waits or RefWaits())
     return Router(routes=[
         Route(f"{_DEVICE}/info/refs", _Endpoint(server.info_refs)),
         Route(f"{_DEVICE}/{_UPLOAD_PACK}", _Endpoint(server.upload_pack)),
@@ -144,17 +152,18 @@ class _Endpoint:
         self.handler = handler
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self.handler(Request(scope, receive, send))
-        await response(scope, receive, send)
+        rewind = Rewind(receive)  # a held ref advertisement's watch keeps what it read
+        response = await self.handler(Request(scope, rewind, send))
+        await response(scope, rewind, send)
 
 
 class _GitServer:
     """The two endpoints; everything they need to start one `BackendExchange`."""
 
     def __init__(self, repository: Path, authorize: Authorize, git: str, lost: Lost,
-                 delivered: Delivered | None) -> None:
+                 delivered: Delivered | None, waits: RefWaits) -> None:
         self.repository, self.authorize, self.git, self.lost = repository, authorize, git, lost
-        self.delivered = delivered
+        self.delivered, self.waits = delivered, waits
 
     async def info_refs(self, request: Request) -> Response:
         """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
@@ -171,8 +180,11 @@ class _GitServer:
             return _method_not_allowed("POST")
         return await self._serve(request, _UPLOAD_PACK, query="")
 
-    async def _serve(self, request: Request, service: str, *, query: str) -> Response:
-        """Authorize, then 404 for devices without a branch, else hand over to Git."""
+    async def _serve(self, request: Request, service: str, *, query: str,
+                     applied: str | None = None) -> Response:
+        """Authorize, then 404 for devices without a branch, else hand over to Git (a ref
+        advertisement may be answered 304 or held first: `wfm.git.refwaits`; `applied`:
+        served again after it was held)."""
         device_id = request.path_params["device"]
         if not await _call_authorize(self.authorize, request, device_id):
             return problem(401, f"credentials for device {device_id!r} are required",
@@ -181,6 +193,7 @@ class _GitServer:
             ref = device_ref(device_id)
         except ValueError:
             return problem(404, f"{device_id!r} is not a device id")
+        since = self.waits.mark()
         tip = await asyncio.to_thread(_branch_tip, self.repository, ref)
         if tip is None:
             # A branch the compiler made and the repository lost is lost state, never an
@@ -189,6 +202,16 @@ class _GitServer:
             if why is not None:
                 return problem(503, why, headers={"Retry-After": str(STATE_LOST_RETRY)})
             return problem(404, f"device {device_id!r} has no desired state yet")
+        extra: list[tuple[bytes, bytes]] = []
+        if service == "info/refs":
+            answer = await self.waits.answer(
+                request, device_id, ref, tip, since=since, applied=applied,
+                tip_of=lambda: asyncio.to_thread(_branch_tip, self.repository, ref))
+            if isinstance(answer, Moved):
+                return await self._serve(request, service, query=query, applied=answer.header)
+            if isinstance(answer, Response):
+                return answer
+            extra = answer
         protocol = _protocol_version(request.headers.get("git-protocol", ""))
         encoding = request.headers.get("content-encoding")
         if encoding is not None and encoding.strip().lower() not in _GZIP_ENCODINGS:
@@ -202,7 +225,7 @@ class _GitServer:
             content_length=request.headers.get("content-length"),
             # (upload-pack is given the gate's plain rewrite instead: `_cgi_environment`)
             content_encoding="gzip" if gzipped else None, gate=gate),
-            delivered=self.delivered if gate is not None else None)
+            delivered=self.delivered if gate is not None else None, headers=extra)
 
 
 async def _call_authorize(authorize: Authorize, request: Request, device_id: str) -> bool:

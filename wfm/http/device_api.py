@@ -24,6 +24,7 @@ from wfm.fleet.clientdevices import ClientDevices
 from wfm.fleet.compiles import CompileService
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.lastseen import PollClock
+from wfm.fleet.waiters import DEFAULT_MAX_WAIT, Waiters
 from wfm.identity.clients import Client, ClientRegistry
 from wfm.identity.credentialcache import CredentialCache
 from wfm.identity.proofs import Identity, IdentitySettings
@@ -38,6 +39,9 @@ __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
 DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000
+#: Clients whose device lists a replica remembers at once (`Api.served_devices`); past it,
+#: all are forgotten and read again.
+_MAX_DEVICE_LISTS = 200_000
 
 
 class Api:
@@ -55,6 +59,10 @@ class Api:
     identity: Identity
     coordinator: Coordinator | None = None  # replicas on PostgreSQL (wfm.fleet.coordination)
     lead_times: LeadTimes | None = None  # told of each stored status (wfm.fleet.leadtime)
+    #: Waiting polls (`wfm.fleet.waiters`): the requests held, and the longest hold
+    #: (`margo serve --max-waiters`, `--max-wait`); replaced when the app is built.
+    waiters: Waiters = Waiters()
+    max_wait: float = DEFAULT_MAX_WAIT
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
              compiles: CompileService, ca_certificate: str | None = None,
@@ -70,7 +78,10 @@ class Api:
         self.credentials = CredentialCache(
             lambda: db.offload(clients.credentials_epoch),
             lambda token: db.offload(clients.token_lookup, token))
-        self.devices = ClientDevices(db, sole_writer=coordinator is None)
+        self.devices = ClientDevices(db, sole_writer=coordinator is None,
+                                     on_change=lambda c: self.waiters.wake_clients((c,)))
+        #: Replicas: per client, its devices at the generation served (`served_devices`).
+        self._devices_at: dict[str, tuple[int, tuple[str, ...]]] = {}
         self.polls = PollClock(db)
         self.attribution = Attribution(db, desired.deployments_at,
                                        sole_writer=coordinator is None)
@@ -93,11 +104,32 @@ class Api:
     async def devices_of(self, client: Client) -> tuple[str, ...]:
         return await self.devices.of(client.client_id)
 
+    async def served_devices(self, client: Client) -> tuple[str, ...]:
+        """The client's devices as its served state is made of them. One server: its
+        devices (remembered until they change). Replicas: read once per generation served,
+        not on every poll. Safe because a device contributes to the state only through a
+        branch, and branches move only with a generation: one registered on another replica
+        meanwhile has none here until a sync brings it (and a new read), and a deletion is
+        itself a generation (`wfm.fleet.coordination.publish_deletion`); a state made
+        without a device whose id was deleted and registered again is refused by the
+        manifest versions' generation guard (`Coordinator.registered`)."""
+        if self.coordinator is None:
+            return await self.devices_of(client)
+        generation = self.coordinator.generation
+        known = self._devices_at.get(client.client_id)
+        if known is not None and known[0] == generation:
+            return known[1]
+        devices = await self.devices_of(client)
+        if len(self._devices_at) >= _MAX_DEVICE_LISTS:
+            self._devices_at.clear()
+        self._devices_at[client.client_id] = (generation, devices)
+        return devices
+
     async def served_state(self, client: Client) -> tuple[int, Any]:
         """The fleet generation this replica serves and the client's state at it, read
         together (a sync moves the repository under the coordinator's lock, held here only
         while the state is computed from the repository, never across a database read)."""
-        devices = await self.devices_of(client)
+        devices = await self.served_devices(client)
         if self.coordinator is None:
             return 0, self.desired.client_state(client.client_id, devices)
         with self.coordinator.lock:

@@ -17,14 +17,13 @@ from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api
 from wfm.http.httpcache import accepts, etag_matches, immutable
+from wfm.http.manifest_waits import MANIFEST_MEDIA_TYPE, manifest_answer
 from wfm.http.request_parts import header
 from wfm.identity.clients import Client
 from wfm.problems import ProblemError
 from wfm.store import records
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Manifests"]
-
-MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 
 
 class Manifests:
@@ -39,16 +38,26 @@ class Manifests:
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
                                margo_type="server-cannot-generate-response")
         self.api.polls.seen(client.client_id)
+        since = self.api.waiters.mark()  # a waiting poll wakes for what comes after this
+        condition = header(request, b"if-none-match")
+        body, etag = await self._manifest(client, prefix, condition)
+        return await manifest_answer(
+            request, self.api, client, since=since, condition=condition, body=body,
+            etag=etag, current=lambda: self._manifest(client, prefix, condition))
+
+    async def _manifest(self, client: Client, prefix: str,
+                        condition: str | None) -> tuple[bytes, str]:
+        """The client's manifest and its ETag: the one served at this generation, else a
+        fresh one. A cached one the client already holds (`condition`) is answered without
+        asking the database whether it is still the newest (`_still_current`): telling a
+        client it is current while another replica has a newer version for it is what an
+        earlier poll would have told it, while handing it an older one would not be."""
         cached = self.api.served_manifests.get((client.client_id, prefix))
-        if cached is not None and cached[0] == self.api.desired.generation and \
-                await self._still_current(client, cached[3]):
-            body, etag = cached[1], cached[2]
-        else:
-            body, etag = await self._fresh_manifest(client, prefix)
-        headers = {"ETag": etag, "Cache-Control": "private"}
-        if etag_matches(header(request, b"if-none-match"), etag):
-            return Response(status_code=304, headers=headers)
-        return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=headers)
+        if cached is not None and cached[0] == self.api.desired.generation and (
+                etag_matches(condition, cached[2])
+                or await self._still_current(client, cached[3])):
+            return cached[1], cached[2]
+        return await self._fresh_manifest(client, prefix)
 
     async def get_deployment(self, request: Request) -> Response:
         client, _ = await self.callers.scoped(request)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,9 @@ from wfm.fleet.leadtime import LeadTimes
 from wfm.fleet.rollouts import RolloutController, served_from
 from wfm.fleet.sourcecondition import store_condition
 from wfm.fleet.sources import RemoteSource, SourceWatcher, fetch_source
+from wfm.fleet.waiters import DEFAULT_MAX_WAIT, DEFAULT_MAX_WAITERS, Waiters
 from wfm.git.githttp import git_app
+from wfm.git.refwaits import RefWaits
 from wfm.git.sourcehost import MAX_PUSH_BYTES, ensure_repository, source_app
 from wfm.git.upload_gate import MAX_REQUEST_BYTES
 from wfm.http.catalog import catalog_routes
@@ -57,12 +59,13 @@ from wfm.problems import ProblemError, problem_response
 from wfm.server.accesslog import install as install_redaction
 from wfm.server.datalock import DataDirLock
 from wfm.server.gcpolicy import tune_for_serving
-from wfm.store import records
+from wfm.store import fleet_rows, records
 from wfm.store.database import Database, DatabaseUnavailable
 from wfm.store.opening import is_url, open_database
 from wfm.telemetry.tracing import Tracing
 
 if TYPE_CHECKING:
+    from compiler.report import CompileReport
     from wfm.fleet.coordination import Coordinator
 
 __all__ = ["GIT_BODY_TIMEOUT", "ServerConfig", "body_limits", "create_app"]
@@ -106,6 +109,10 @@ class ServerConfig:
     audit_retention_days: float = RETENTION_DAYS
     #: An OIDC issuer whose tokens prove operators (`wfm.identity.oidc`); None: none.
     oidc: OidcSettings | None = None
+    #: Waiting polls (`wfm.fleet.waiters`): the longest a request is held (seconds), and
+    #: how many are held at once.
+    max_wait: float = DEFAULT_MAX_WAIT
+    max_waiters: int = DEFAULT_MAX_WAITERS
 
     @property
     def remote(self) -> RemoteSource | None:
@@ -227,6 +234,7 @@ def create_app(config: ServerConfig) -> Starlette:
     auth = operator_auth(config, operators, oidc)
     metrics = MetricsEndpoint(stats, late, tokens=(config.metrics_token,), auth=auth)
     api.max_devices = config.max_devices_per_client
+    api.waiters, api.max_wait = Waiters(config.max_waiters), config.max_wait
     identity = Identity(config.identity)
     fleet = FleetApi(api, source=config.effective_source, admin_token=config.admin_token,
                      remote=config.remote, webhook_secret=config.webhook_secret,
@@ -243,11 +251,12 @@ def create_app(config: ServerConfig) -> Starlette:
         try:
             yield
         finally:
+            api.waiters.close()  # (`wfm.server.serving` did, before the connections closed)
             if oidc is not None:
                 oidc.stop()
             running.stop()
 
-    return Starlette(
+    app = Starlette(
         routes=_routes(config, edge, fleet, metrics, late),
         lifespan=lifespan,
         # Requests are counted outermost (refusals too); then body limits and budgets:
@@ -261,6 +270,9 @@ def create_app(config: ServerConfig) -> Starlette:
                             DatabaseUnavailable: _unavailable_handler,
                             ClientDisconnect: _gone_handler, Exception: _crash_handler},
     )
+    #: What `margo serve` releases first when it stops (`wfm.server.serving`).
+    app.state.waiters = api.waiters
+    return app
 
 
 def operator_auth(config: ServerConfig, operators: StoreOperators,
@@ -296,7 +308,8 @@ def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
             *dashboard_routes(fleet), *hosted,
             Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
                                       edge.callers.may_fetch, lost=api.lost_branch,
-                                      delivered=api.git_delivered))]
+                                      delivered=api.git_delivered,
+                                      waits=RefWaits(api.waiters, max_wait=config.max_wait)))]
 
 
 @dataclass
@@ -351,7 +364,8 @@ def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
     late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
                                  coordinator=coordinator)
     if coordinator is not None:
-        coordinator.on_synced = desired.bump
+        coordinator.on_synced = lambda moved: _published(desired, api.waiters, moved)
+        api.waiters.owners = lambda ids: db.aread(lambda c: fleet_rows.device_owners(c, ids))
         coordinator.start()
     tune_for_serving()  # few collections, none over what start-up built (wfm.server.gcpolicy)
     if config.watch_source and config.source.path is not None:
@@ -380,12 +394,26 @@ def _fleet_control(config: ServerConfig, api: Api, db: Database,
                      catch_up=coordinator.sync if coordinator is not None else None)
     compiles = CompileService(
         config.repos, config.effective_source, lambda: db.read(records.device_documents),
-        (lambda report: desired.bump()) if coordinator is None else (lambda report: None),
+        (lambda report: _published(desired, api.waiters, _committed(report)))
+        if coordinator is None else (lambda report: None),
         debounce=config.debounce, coordinator=coordinator,
         on_condition=lambda condition: db.submit(
             lambda conn: store_condition(conn, condition)), rollouts=rollouts,
         lead_times=lead)
     return desired, compiles, lead, tracing
+
+
+def _published(desired: DesiredState, waiters: Waiters, moved: Iterable[str]) -> None:
+    """New desired state is served (a compile here, or a replica's sync): recompute on
+    demand, and wake the waiting polls of the devices whose branches moved."""
+    desired.bump()
+    waiters.wake_devices(moved)
+
+
+def _committed(report: CompileReport | None) -> list[str]:
+    """The devices a compile committed to."""
+    return [] if report is None else [r.device_id for r in report.results
+                                      if r.status == "committed"]
 
 
 #: The shortest deadline for a Git request's body: a 64 MiB push at 256 KiB/s.

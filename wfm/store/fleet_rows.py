@@ -13,9 +13,9 @@ from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["fleet_generation", "gauge_devices", "gauge_statuses", "lead_marks_in_flight",
-           "load_rollouts", "save_rollout", "save_source_condition", "source_condition",
-           "status_verdicts"]
+__all__ = ["device_owners", "fleet_generation", "gauge_devices", "gauge_statuses",
+           "lead_marks_in_flight", "load_rollouts", "save_rollout", "save_source_condition",
+           "source_condition", "status_verdicts"]
 
 
 def load_rollouts(conn: Connection) -> dict[str, dict[str, Any]]:
@@ -70,3 +70,18 @@ def gauge_statuses(conn: Connection) -> dict[str, tuple[Any, Any, Any]]:
 def lead_marks_in_flight(conn: Connection) -> int:
     """How many compiled changes still wait for their installed report (lead times)."""
     return int(conn.execute("SELECT COUNT(*) FROM lead_marks").fetchone()[0])
+
+
+#: Ids per statement of `device_owners` (SQLite allows 32,766 parameters).
+_IDS_PER_STATEMENT = 500
+
+
+def device_owners(conn: Connection, device_ids: list[str]) -> list[str]:
+    """The clients owning any of these devices (each once)."""
+    owners: set[str] = set()
+    for start in range(0, len(device_ids), _IDS_PER_STATEMENT):
+        chunk = device_ids[start:start + _IDS_PER_STATEMENT]
+        marks = ", ".join("?" * len(chunk))
+        owners.update(row[0] for row in conn.execute(
+            f"SELECT DISTINCT client_id FROM devices WHERE device_id IN ({marks})", chunk))
+    return sorted(owners)

@@ -15,10 +15,10 @@ from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["COUNTERS", "Snapshot", "compile_state", "deleted_at", "lease_alive", "lock_counter",
-           "lock_device_generation", "publish_rows", "published_generation", "published_ref",
-           "read_snapshot", "request_compile", "set_counter", "take_lease", "try_advisory_lock",
-           "wait_advisory_lock"]
+__all__ = ["COUNTERS", "NEWS_CHANNEL", "Snapshot", "announce", "compile_state", "deleted_at",
+           "lease_alive", "listen", "lock_counter", "lock_device_generation", "publish_rows",
+           "published_generation", "published_ref", "read_snapshot", "request_compile",
+           "set_counter", "take_lease", "try_advisory_lock", "wait_advisory_lock"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,9 @@ class Snapshot:
 
 #: The `fleet_state` column counting each repository's generations.
 COUNTERS = {"devices": "generation", "source": "source_generation"}
+#: The PostgreSQL channel replicas are told on that a generation was published or a compile
+#: requested (`wfm.fleet.news`).
+NEWS_CHANNEL = "margo_fleet_news"
 
 
 def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str) -> Snapshot:
@@ -145,3 +148,14 @@ def wait_advisory_lock(conn: Connection, key: int, *, timeout_ms: int) -> None:
     """PostgreSQL's session advisory lock `key`, waiting at most `timeout_ms`."""
     conn.execute(f"SET statement_timeout = {timeout_ms}")
     conn.execute("SELECT pg_advisory_lock(?)", (key,))
+
+
+def announce(conn: Connection, what: str) -> None:
+    """Tell every replica's `listen`ing session `what` happened (PostgreSQL NOTIFY: sent
+    when the caller's transaction commits, not at all if it rolls back)."""
+    conn.execute("SELECT pg_notify(?, ?)", (NEWS_CHANNEL, what))
+
+
+def listen(conn: Connection) -> None:
+    """This session hears every `announce` from now on (PostgreSQL LISTEN)."""
+    conn.execute(f"LISTEN {NEWS_CHANNEL}")

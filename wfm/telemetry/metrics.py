@@ -29,8 +29,8 @@ from prometheus_client import (
 )
 
 __all__ = ["COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS", "DB_BATCH_SECONDS",
-           "DB_BATCH_WRITES", "GIT_SECONDS", "LAST_COMPILE", "LEAD_TIME", "LEAD_TIME_DROPPED",
-           "PROCESS", "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
+           "DB_BATCH_WRITES", "GIT_SECONDS", "HELD_POLLS", "HELD_POLL_ENDS", "LAST_COMPILE",
+           "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `*_created` series: twice the series for nothing we use
 #: The text exposition format every Prometheus reads (2.x and 3.x; our names need nothing
@@ -88,6 +88,13 @@ LEAD_TIME = Histogram(
 LEAD_TIME_DROPPED = Counter(
     "margo_lead_time_dropped_total", "Installed reports not checked for a lead time "
     "because the queue was full (no figure is wrong, some are missing).", registry=PROCESS)
+HELD_POLLS = Gauge("margo_waiting_polls_held", "Waiting polls (Prefer: wait) this process "
+                   "holds now (wfm.fleet.waiters).", registry=PROCESS)
+HELD_POLL_ENDS = Counter(
+    "margo_waiting_polls_total", "Waiting polls by how they ended: changed (answered with "
+    "the new state), timeout (304 after the wait), closed (304 as the server stopped), "
+    "shed (answered at once: too many held), gone (the client disconnected).", ["outcome"],
+    registry=PROCESS)
 
 # Every known label value from the start: a series that appears only when its first event
 # happens defeats rate() and absent() in alerts.

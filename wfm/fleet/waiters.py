@@ -1,0 +1,348 @@
+"""Waiting polls: conditional requests held until what they poll changes (RFC 7240 `Prefer:
+wait=N`), and the one place that wakes them.
+
+A device that sends its usual conditional poll (`If-None-Match` naming what it holds) with
+`Prefer: wait=N` is answered exactly as an immediate poll would be, only later: the request
+is held until its answer would change or N seconds pass (N clamped to the server's
+`--max-wait`), then answered 200 with the new state or 304, with `Preference-Applied:
+wait=N`. The REST manifests (`wfm.http.manifests`) and the Git ref advertisement
+(`wfm.git.githttp`) hold requests here; what they answer is theirs.
+
+A held request is a `_Ticket`, indexed under keys: ``client:<id>`` (a client's manifest)
+and ``device:<id>`` (each device whose branch the answer is made from). What publishes
+desired state wakes the tickets whose keys it touched: a compile's committed devices (one
+server), the refs a replica's sync moved (replicas), a client whose devices were registered
+or deleted. A woken request checks its answer again; if it is unchanged, it goes back to
+waiting for the rest of its time. A wake that comes between a request's first check and its
+ticket is not lost: every wake bumps `changes`, and a ticket entered after a newer one than
+its check saw checks again at once (`mark`).
+
+Wakes come from any thread (the compile thread, the replica's coordination thread) and are
+handed to the event loop the requests wait on; the index is only ever touched there.
+
+Bounds. At most `limit` tickets at once (`margo serve --max-waiters`): past it a request is
+answered at once, as a plain poll (no `Preference-Applied`), which sheds the load onto the
+device's polling interval instead of the server's memory. Each held request costs its
+connection and a ticket, a future, a timer and a task watching for the disconnect (the
+figure, measured: docs/server.md, "Waiting polls"). A client that disconnects is released
+at once (its request's `receive` reports the disconnect). `close` (server shutdown) answers
+every held request at once (304 with `Preference-Applied`: it was held, until now) and
+holds no new ones: the devices poll again at once, find the port closed (or, behind a
+balancer, another replica), and come back with jitter (`reconciler.sources.waiting`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from wfm.telemetry.metrics import HELD_POLL_ENDS, HELD_POLLS
+
+__all__ = ["DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Outcome", "Rewind", "Waiters",
+           "client_key", "device_key", "prefer_values", "requested_wait", "wait_headers"]
+
+log = logging.getLogger("margo.wfm.waiters")
+
+#: The longest a request is held unless `margo serve --max-wait` says otherwise (seconds).
+DEFAULT_MAX_WAIT = 60.0
+#: Requests held at once unless `margo serve --max-waiters` says otherwise: above the
+#: 10,000 devices one process serves, below its 16,384 connections (`--max-connections`),
+#: so requests that are not held always find a connection.
+DEFAULT_MAX_WAITERS = 15_000
+#: Digits of a wait value read at most; a longer one is clamped like any long wait.
+_DIGITS = 9
+
+#: What a woken request checks: whether its answer changed, and the keys it waits under now
+#: (a client's devices may have changed with it).
+Check = Callable[[], Awaitable[tuple[bool, frozenset[str]]]]
+#: The owners (client ids) of devices the index does not know (replicas: registered on
+#: another replica since the request began waiting).
+Owners = Callable[[list[str]], Awaitable[Iterable[str]]]
+
+
+class Outcome(enum.Enum):
+    """How a held request ended."""
+
+    CHANGED = "changed"  # its answer changed: answer the new one
+    TIMEOUT = "timeout"  # the wait ran out unchanged: 304
+    CLOSED = "closed"  # the server stops: 304 now, as held (the device comes back at once)
+    SHED = "shed"  # not held (too many held): answer as a plain poll
+    GONE = "gone"  # the client disconnected: nobody reads the answer
+
+
+_ENDS = {outcome: HELD_POLL_ENDS.labels(outcome.value) for outcome in Outcome}
+
+
+def client_key(client_id: str) -> str:
+    return f"client:{client_id}"
+
+
+def device_key(device_id: str) -> str:
+    return f"device:{device_id}"
+
+
+def requested_wait(values: Iterable[str], *, limit: float) -> int | None:
+    """The wait (whole seconds, at most `limit`) that `Prefer` header values ask for; None
+    when none asks for one. Tolerant, as RFC 7240 wants: preferences are comma-separated,
+    parameters after `;` are ignored, names are case-insensitive, a value may be quoted, the
+    first `wait` counts, and a malformed one is ignored (never an error)."""
+    for value in values:
+        for preference in value.split(","):
+            name, _, argument = preference.split(";", 1)[0].partition("=")
+            if name.strip().lower() != "wait":
+                continue
+            digits = argument.strip().strip('"').strip()
+            if not digits.isascii() or not digits.isdigit():
+                return None  # the first wait is malformed: no wait asked for
+            seconds = int(digits[:_DIGITS]) if len(digits) <= _DIGITS else int(limit)
+            return max(0, min(seconds, int(limit)))
+    return None
+
+
+class _Ticket:
+    """One held request: its keys, and the future its handler awaits (None between waits,
+    when a wake is remembered in `woken`)."""
+
+    __slots__ = ("future", "keys", "outcome")
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        self.keys = keys
+        self.future: asyncio.Future[Outcome] | None = None
+        self.outcome: Outcome | None = None  # a wake or disconnect that came between waits
+
+    def resolve(self, outcome: Outcome) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(outcome)
+        elif self.outcome is not Outcome.GONE:  # a disconnect outranks a wake
+            self.outcome = outcome
+
+
+class Waiters:
+    """The held requests of one server process (module docstring)."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_WAITERS, *,
+                 owners: Owners | None = None) -> None:
+        self.limit = limit
+        self.owners = owners
+        #: Bumped by every wake (module docstring: a wake between a check and its ticket).
+        self.changes = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._index: dict[str, set[_Ticket]] = {}
+        self._tickets: set[_Ticket] = set()
+        self._closing = False
+        self._lookups: set[asyncio.Future[None]] = set()  # owner look-ups under way
+        self._lock = threading.Lock()  # `_loop` is set once, read from any thread
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    # --- waking (any thread) -------------------------------------------------------------
+
+    def wake_devices(self, device_ids: Iterable[str]) -> None:
+        """These devices' desired state may have changed (their branches moved)."""
+        self._schedule(self._wake_devices, frozenset(device_ids))
+
+    def wake_clients(self, client_ids: Iterable[str]) -> None:
+        """These clients' devices were registered or deleted."""
+        self._schedule(self._wake_keys, frozenset(map(client_key, client_ids)))
+
+    def wake_all(self) -> None:
+        """Anything may have changed: every held request checks again."""
+        self._schedule(self._wake_every)
+
+    def close(self) -> None:
+        """The server stops: answer every held request now, hold no new ones."""
+        self._closing = True
+        self._schedule(self._release_all)
+
+    def _schedule(self, callback: Callable[..., None], *args: Any) -> None:
+        with self._lock:
+            loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # nothing ever waited: nothing to wake
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(callback, *args)
+
+    # --- on the event loop ---------------------------------------------------------------
+
+    def mark(self) -> int:
+        """Before a request checks its answer: what `hold` compares with (module
+        docstring). Called on the event loop the request runs on."""
+        if self._loop is None:
+            with self._lock:
+                self._loop = asyncio.get_running_loop()
+        return self.changes
+
+    def _wake_keys(self, keys: frozenset[str]) -> None:
+        self.changes += 1
+        for key in keys:
+            for ticket in tuple(self._index.get(key, ())):
+                ticket.resolve(Outcome.CHANGED)
+
+    def _wake_devices(self, device_ids: frozenset[str]) -> None:
+        self._wake_keys(frozenset(map(device_key, device_ids)))
+        unknown = [d for d in device_ids if device_key(d) not in self._index]
+        if unknown and self._tickets and self.owners is not None:
+            task = asyncio.ensure_future(self._wake_owners(unknown))
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
+
+    async def _wake_owners(self, device_ids: list[str]) -> None:
+        """Devices no held request is indexed under: their owners' held requests check again
+        (their device lists were read before those devices were registered elsewhere)."""
+        assert self.owners is not None
+        try:
+            owners = await self.owners(device_ids)
+        except Exception as exc:  # the requests still end when their wait runs out
+            log.warning("waking the owners of %d device(s) failed: %s", len(device_ids), exc)
+            return
+        self._wake_keys(frozenset(map(client_key, owners)))
+
+    def _wake_every(self) -> None:
+        self.changes += 1
+        for ticket in tuple(self._tickets):
+            ticket.resolve(Outcome.CHANGED)
+
+    def _release_all(self) -> None:
+        for ticket in tuple(self._tickets):
+            ticket.resolve(Outcome.CLOSED)
+
+    def _enter(self, keys: frozenset[str]) -> _Ticket | None:
+        if len(self._tickets) >= self.limit:
+            return None
+        ticket = _Ticket(keys)
+        self._tickets.add(ticket)
+        self._index_ticket(ticket)
+        HELD_POLLS.set(len(self._tickets))
+        return ticket
+
+    def _index_ticket(self, ticket: _Ticket) -> None:
+        for key in ticket.keys:
+            self._index.setdefault(key, set()).add(ticket)
+
+    def _unindex(self, ticket: _Ticket) -> None:
+        for key in ticket.keys:
+            held = self._index.get(key)
+            if held is not None:
+                held.discard(ticket)
+                if not held:
+                    del self._index[key]
+
+    def _leave(self, ticket: _Ticket) -> None:
+        self._unindex(ticket)
+        self._tickets.discard(ticket)
+        HELD_POLLS.set(len(self._tickets))
+
+    def _rekey(self, ticket: _Ticket, keys: frozenset[str]) -> None:
+        if keys != ticket.keys:
+            self._unindex(ticket)
+            ticket.keys = keys
+            self._index_ticket(ticket)
+
+    async def hold(self, keys: frozenset[str], seconds: float, *, since: int,
+                   receive: Callable[[], Awaitable[Any]], check: Check) -> Outcome:
+        """Hold a request whose answer, checked when `since` was `mark`ed, is unchanged:
+        until `check` finds it changed (after a wake), `seconds` pass, the client
+        disconnects or the server stops. `receive` is the request's ASGI receive: it
+        reports the disconnect; the body messages it gives first are given back when it
+        is a `Rewind` (whoever answers after the hold may need them)."""
+        if self._closing:
+            _ENDS[Outcome.CLOSED].inc()
+            return Outcome.CLOSED
+        ticket = self._enter(keys)
+        if ticket is None:
+            _ENDS[Outcome.SHED].inc()
+            return Outcome.SHED
+        outcome = await self._held(ticket, seconds, since=since, receive=receive, check=check)
+        _ENDS[outcome].inc()
+        return outcome
+
+    async def _held(self, ticket: _Ticket, seconds: float, *, since: int,
+                    receive: Callable[[], Awaitable[Any]], check: Check) -> Outcome:
+        """`hold` once the ticket is had; it is left whatever happens."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        watch = asyncio.ensure_future(_disconnected(receive))
+        watch.add_done_callback(lambda _: ticket.resolve(Outcome.GONE))
+        try:
+            if self.changes != since:
+                ticket.outcome = Outcome.CHANGED  # woken between the check and now
+            while True:
+                outcome = await self._next(ticket, loop, deadline)
+                if outcome is not Outcome.CHANGED:
+                    return outcome
+                changed, keys = await check()
+                if changed:
+                    return Outcome.CHANGED
+                self._rekey(ticket, keys)
+        finally:
+            watch.cancel()
+            self._leave(ticket)
+
+    async def _next(self, ticket: _Ticket, loop: asyncio.AbstractEventLoop,
+                    deadline: float) -> Outcome:
+        """The ticket's next event: a wake or disconnect that came while it was checking,
+        else the first of a wake, a disconnect, the server stopping and the deadline."""
+        if ticket.outcome is not None:
+            outcome, ticket.outcome = ticket.outcome, None
+            return outcome
+        if self._closing:
+            return Outcome.CLOSED
+        if loop.time() >= deadline:
+            return Outcome.TIMEOUT
+        future: asyncio.Future[Outcome] = loop.create_future()
+        ticket.future = future
+        timer = loop.call_at(deadline, ticket.resolve, Outcome.TIMEOUT)
+        try:
+            return await future
+        finally:
+            timer.cancel()
+            ticket.future = None
+
+
+class Rewind:
+    """An ASGI receive whose body messages a held request's disconnect watch reads are
+    kept for whoever answers it after the hold (the Git backend reads the body)."""
+
+    __slots__ = ("_kept", "_receive")
+
+    def __init__(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        self._receive = receive
+        self._kept: list[Any] = []
+
+    async def __call__(self) -> Any:
+        if self._kept:
+            return self._kept.pop(0)
+        return await self._receive()
+
+    async def disconnected(self) -> None:
+        """Return when the client disconnects, keeping what came before."""
+        while (message := await self._receive())["type"] != "http.disconnect":
+            self._kept.append(message)
+
+
+async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Return when the client disconnects, or when its connection cannot be read any more (a
+    body refused by `wfm.admission`). Body messages (a GET's one empty message) are skipped,
+    or kept by a `Rewind`."""
+    with contextlib.suppress(Exception):
+        if isinstance(receive, Rewind):
+            await receive.disconnected()
+            return
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+def wait_headers(seconds: int) -> dict[str, str]:
+    """What a held request's answer says it did (RFC 7240)."""
+    return {"Preference-Applied": f"wait={seconds}"}
+
+
+def prefer_values(headers: Sequence[tuple[bytes, bytes]]) -> list[str]:
+    """Every `Prefer` header of an ASGI scope's headers, decoded leniently."""
+    return [value.decode("latin-1") for name, value in headers if name == b"prefer"]

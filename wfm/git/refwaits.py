@@ -1,0 +1,112 @@
+"""The ref advertisement's validator and waiting polls, for Git-source devices.
+
+`GET .../info/refs?service=git-upload-pack` carries an ETag naming what it advertises: the
+device branch and its tip (weak, `W/"sha256:..."`: the advertisement's bytes also depend on
+the protocol version and Git's capabilities, its meaning only on the tip). A request with
+`If-None-Match` naming it is answered 304, and one that also carries `Prefer: wait=N` is
+held until the branch moves or N seconds pass, as the REST manifests' waiting polls are
+(`wfm.fleet.waiters`). Git itself never sends either header, so a plain `git fetch` or
+`git clone` is served exactly as before; the device client (`reconciler.sources.git_refs`)
+sends both, and fetches with Git only once the tip moved. Every generation's devices can
+use it: Oct-2024 devices know only Git.
+
+A device without a branch has nothing to wait on (404, as before): it learns its first
+state at its next poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from wfm.fleet.waiters import (
+    DEFAULT_MAX_WAIT,
+    Outcome,
+    Waiters,
+    device_key,
+    prefer_values,
+    requested_wait,
+    wait_headers,
+)
+
+__all__ = ["Moved", "RefWaits", "refs_etag"]
+
+#: Headers added to a ref advertisement (names lowercase, as ASGI sends them).
+Headers = list[tuple[bytes, bytes]]
+#: The device branch's tip now (None: it has none any more).
+TipOf = Callable[[], Awaitable[str | None]]
+
+
+def refs_etag(ref: str, tip: str) -> str:
+    """The advertisement's validator: the branch and its tip, digested."""
+    digest = hashlib.sha256(f"{ref} {tip}".encode()).hexdigest()
+    return f'W/"sha256:{digest}"'
+
+
+def _matches(condition: str | None, etag: str) -> bool:
+    """Weak comparison (RFC 9110, 13.1.2), as `If-None-Match` is always evaluated."""
+    if not condition:
+        return False
+    wanted = etag.removeprefix("W/")
+    return any(c.strip() == "*" or c.strip().removeprefix("W/") == wanted
+               for c in condition.split(","))
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """The branch moved while the request was held: serve the advertisement afresh, saying
+    the wait was applied (`header`, the `Preference-Applied` value)."""
+
+    header: str
+
+
+class RefWaits:
+    """Conditional and waiting ref advertisements over one server's `Waiters`."""
+
+    def __init__(self, waiters: Waiters | None = None, *,
+                 max_wait: float = DEFAULT_MAX_WAIT) -> None:
+        self.waiters, self.max_wait = waiters, max_wait
+
+    def mark(self) -> int:
+        """Before the tip is read (`Waiters.mark`: a move after it is not missed)."""
+        return self.waiters.mark() if self.waiters is not None else 0
+
+    async def answer(self, request: Request, device_id: str, ref: str, tip: str,
+                     tip_of: TipOf, *, since: int, applied: str | None = None
+                     ) -> Response | Headers | Moved:
+        """Before Git advertises `tip` (read after `since` was `mark`ed): a 304 when the
+        caller holds it (after holding a waiting poll until the branch moves: `Moved`), else
+        the headers the advertisement gets. `applied`: this is the advertisement served
+        after a held request (`Moved`), which is not held again."""
+        etag = refs_etag(ref, tip)
+        extra = {"Preference-Applied": applied} if applied else {}
+        if not _matches(request.headers.get("if-none-match"), etag):
+            return [(name.lower().encode(), value.encode())
+                    for name, value in {"ETag": etag, **extra}.items()]
+        wait = None
+        if self.waiters is not None and applied is None:
+            wait = requested_wait(prefer_values(request.scope["headers"]),
+                                  limit=self.max_wait)
+        if not wait or self.waiters is None:
+            return _not_modified(etag, extra)
+        key = frozenset((device_key(device_id),))
+
+        async def check() -> tuple[bool, frozenset[str]]:
+            return await tip_of() != tip, key
+
+        outcome = await self.waiters.hold(key, wait, since=since,
+                                          receive=request.receive, check=check)
+        applied_now = wait_headers(wait)
+        if outcome is Outcome.CHANGED:
+            return Moved(applied_now["Preference-Applied"])
+        held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
+        return _not_modified(etag, applied_now if held else None)
+
+
+def _not_modified(etag: str, extra: dict[str, str] | None = None) -> Response:
+    return Response(status_code=304, headers={"ETag": etag, "Cache-Control": "no-cache",
+                                              **(extra or {})})

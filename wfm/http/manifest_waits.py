@@ -1,0 +1,76 @@
+"""Waiting manifest polls (rc.3 and rc.2): a conditional `GET .../deployments` that matches
+the current ETag and carries `Prefer: wait=N` is held until the client's manifest changes or
+N seconds pass (`wfm.fleet.waiters` has the whole design), then answered exactly as an
+immediate poll: 200 with the new manifest, or 304; with `Preference-Applied: wait=N` when it
+was held. Every other request is answered as before, so a client that does not know the
+extension sees no difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from wfm.fleet.waiters import (
+    Outcome,
+    client_key,
+    device_key,
+    prefer_values,
+    requested_wait,
+    wait_headers,
+)
+from wfm.http.device_api import Api
+from wfm.http.httpcache import etag_matches
+from wfm.identity.clients import Client
+
+__all__ = ["MANIFEST_MEDIA_TYPE", "Current", "manifest_answer"]
+
+MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
+#: The client's manifest now: its exact bytes and ETag.
+Current = Callable[[], Awaitable[tuple[bytes, str]]]
+
+
+async def manifest_answer(request: Request, api: Api, client: Client, *, since: int,
+                          condition: str | None, body: bytes, etag: str,
+                          current: Current) -> Response:
+    """The answer to a manifest poll whose manifest, when `since` was marked, was `body`
+    under `etag`: held first when it is a waiting poll (module docstring)."""
+    if not etag_matches(condition, etag):
+        return _manifest(body, etag)
+    wait = requested_wait(prefer_values(request.scope["headers"]), limit=api.max_wait)
+    if not wait:
+        return _not_modified(etag)
+    latest = (body, etag)
+
+    async def check() -> tuple[bool, frozenset[str]]:
+        nonlocal latest
+        latest = await current()
+        return not etag_matches(condition, latest[1]), await _keys(api, client)
+
+    outcome = await api.waiters.hold(await _keys(api, client), wait, since=since,
+                                     receive=request.receive, check=check)
+    applied = wait_headers(wait)
+    if outcome is Outcome.CHANGED:
+        return _manifest(*latest, extra=applied)
+    held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
+    return _not_modified(latest[1], extra=applied if held else None)
+
+
+async def _keys(api: Api, client: Client) -> frozenset[str]:
+    """What wakes the client's held poll: the client itself and each of its devices."""
+    devices = await api.served_devices(client)
+    return frozenset((client_key(client.client_id), *map(device_key, devices)))
+
+
+def _headers(etag: str, extra: dict[str, str] | None) -> dict[str, str]:
+    return {"ETag": etag, "Cache-Control": "private", **(extra or {})}
+
+
+def _manifest(body: bytes, etag: str, *, extra: dict[str, str] | None = None) -> Response:
+    return Response(body, media_type=MANIFEST_MEDIA_TYPE, headers=_headers(etag, extra))
+
+
+def _not_modified(etag: str, *, extra: dict[str, str] | None = None) -> Response:
+    return Response(status_code=304, headers=_headers(etag, extra))

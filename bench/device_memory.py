@@ -1,7 +1,7 @@
 """Benchmark: the resident memory of `margo device run`, a Compose box and a Helm device.
 
     .venv/bin/python -m bench.device_memory [--deployments 3] [--cycles 5] [--breakdown]
-                                            [--only compose|helm]
+                                            [--timeline] [--only compose|helm]
 
 Each device is the real command (`python -m margo_cli.main device run --json`, its own
 process, polling every second) against a `margo serve` and an OCI registry on loopback:
@@ -16,7 +16,9 @@ Once the device has installed the N deployments and then run `--cycles` unchange
 the benchmark reads the process's /proc/<pid>/status and prints its peak resident memory
 (VmHWM: start-up, installs and cycles) and its steady resident memory (VmRSS, idle between
 cycles). `--breakdown` adds what the steady figure is made of (/proc/<pid>/smaps: per
-shared library, the heap, anonymous mappings), which says what bounds it.
+shared library, the heap, anonymous mappings), which says what bounds it; `--timeline`
+the resident memory sampled every 50 ms against the end of each cycle, which says when
+the peak happens.
 
 Targets (issue 34): Compose-only ≤ 64 MiB, Helm driver ≤ 120 MiB.
 """
@@ -29,8 +31,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,33 +59,78 @@ TIMEOUT = 300.0
 SCHEDULE = {"schedule": {"interval": "1s"}}
 
 
+class Timeline:
+    """A process's resident memory sampled every 50 ms (each move of 2 MiB or more kept)
+    and the end of each of its cycles: when its peak happens (`--timeline`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.started = pid, time.monotonic()
+        self.events: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        last = 0.0
+        while not self._stop.wait(0.05):
+            try:
+                resident = memory_kib("VmRSS", self.pid) / 1024
+            except OSError:  # the process is gone
+                return
+            if abs(resident - last) >= 2:
+                self.note(f"resident {resident:.1f} MiB")
+                last = resident
+
+    def note(self, what: str) -> None:
+        self.events.append((time.monotonic() - self.started, what))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass
+class Device:
+    """A running `margo device run`: its process, log and (optionally) timeline."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    timeline: Timeline | None
+
+    def cycles(self) -> Iterator[dict[str, Any]]:
+        """The device's cycles (`--json` lines) as they end; RuntimeError (with its log)
+        when it exits, or is killed after `TIMEOUT` seconds, while more are wanted."""
+        timer = threading.Timer(TIMEOUT, self.process.kill)
+        timer.start()
+        try:
+            assert self.process.stdout is not None
+            for line in self.process.stdout:
+                result: dict[str, Any] = json.loads(line)
+                if self.timeline is not None:
+                    actions = [step["action"] for step in result["steps"]]
+                    self.timeline.note(f"cycle ended, steps: {actions}")
+                yield result
+        finally:
+            timer.cancel()
+        raise RuntimeError(f"the device client stopped: {self.log.read_text()[-3000:]}")
+
+
 @contextmanager
-def device_process(config: Path) -> Iterator[subprocess.Popen[bytes]]:
+def running_device(config: Path, timeline: bool) -> Iterator[Device]:
     """`margo device run --json` on `config` in its own process; SIGTERM afterwards."""
-    log = open(config.parent / "device.log", "w")  # noqa: SIM115 (the child writes it)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "margo_cli.main", "device", "run", "--config", str(config),
-         "--json", "--log-level", "warning"], cwd=ROOT, stdout=subprocess.PIPE, stderr=log,
-        preexec_fn=die_with_parent)
-    log.close()
+    log = config.parent / "device.log"
+    with open(log, "w") as output:  # the child writes it
+        process = subprocess.Popen(
+            [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
+             str(config), "--json", "--log-level", "warning"], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=output, preexec_fn=die_with_parent)
+    device = Device(process, log, Timeline(process.pid) if timeline else None)
     try:
-        yield process
+        yield device
     finally:
+        if device.timeline is not None:
+            device.timeline.close()
         stop(process)
-
-
-def cycles_of(process: subprocess.Popen[bytes], log: Path) -> Iterator[dict[str, Any]]:
-    """The device's cycles (`--json` lines) as they end; RuntimeError (with its log) when
-    it exits, or is killed after `TIMEOUT` seconds, while more are wanted."""
-    timer = threading.Timer(TIMEOUT, process.kill)
-    timer.start()
-    try:
-        assert process.stdout is not None
-        for line in process.stdout:
-            yield json.loads(line)
-    finally:
-        timer.cancel()
-    raise RuntimeError(f"the device client stopped: {log.read_text()[-3000:]}")
 
 
 def settle(cycles: Iterator[dict[str, Any]], installs: int, quiet: int) -> None:
@@ -96,9 +145,10 @@ def settle(cycles: Iterator[dict[str, Any]], installs: int, quiet: int) -> None:
             return
 
 
-def report(label: str, process: subprocess.Popen[bytes], breakdown: bool) -> None:
-    """The process's peak and steady resident memory (and, optionally, what it holds)."""
-    pid = process.pid
+def report(label: str, device: Device, breakdown: bool) -> None:
+    """The process's peak and steady resident memory (and, optionally, what it holds and
+    how it got there)."""
+    pid = device.process.pid
     print(f"  [{label}] resident memory: peak (VmHWM) {memory_kib('VmHWM', pid) / 1024:.1f} "
           f"MiB, steady (VmRSS) {memory_kib('VmRSS', pid) / 1024:.1f} MiB")
     if breakdown:
@@ -107,21 +157,24 @@ def report(label: str, process: subprocess.Popen[bytes], breakdown: bool) -> Non
             print(f"      {kib / 1024:6.1f} MiB  {name}")
         rest = sum(kib for _, kib in mappings[12:])
         print(f"      {rest / 1024:6.1f} MiB  {len(mappings) - 12} other mappings")
+    if device.timeline is not None:
+        for at, what in device.timeline.events:
+            print(f"      {at:6.2f} s  {what}")
 
 
-def compose_device_memory(work: Path, registry: str, n: int, cycles: int,
-                          breakdown: bool) -> None:
+def compose_device_memory(work: Path, registry: str, args: argparse.Namespace) -> None:
     """A Compose-only device: N web deployments on a private Docker engine."""
     reason = why_unavailable()
     if reason is not None:
         print(f"Compose-only device: skipped ({reason})")
         return
+    n = args.deployments
     with compose_box(work, registry, "bench-compose", n, **SCHEDULE) as (_, config):
         print(f"margo device run, Compose driver on a real Docker engine, {n} deployments "
-              f"(health check, wait: true), REST source, then {cycles} unchanged cycles")
-        with device_process(config) as process:
-            settle(cycles_of(process, config.parent / "device.log"), n, cycles)
-            report("compose", process, breakdown)
+              f"(health check, wait: true), REST source, then {args.cycles} unchanged cycles")
+        with running_device(config, args.timeline) as device:
+            settle(device.cycles(), n, args.cycles)
+            report("compose", device, args.breakdown)
 
 
 def helm_device(work: Path, server: FleetServer, kubeconfig: Path) -> Path:
@@ -138,8 +191,7 @@ def helm_device(work: Path, server: FleetServer, kubeconfig: Path) -> Path:
     return home / "device.yaml"
 
 
-def helm_device_memory(work: Path, registry: str, n: int, cycles: int,
-                       breakdown: bool) -> None:
+def helm_device_memory(work: Path, registry: str, args: argparse.Namespace) -> None:
     """A Helm-driver device: N Hello World releases on the real control plane."""
     with ControlPlane(work / "kube", bin_dir=binaries()) as plane:
         with plane.admin() as admin:
@@ -150,18 +202,19 @@ def helm_device_memory(work: Path, registry: str, n: int, cycles: int,
         fleet = write_fleet(work / "helm-fleet", registry=registry, intents={})
         with fleet_server(work / "helm-server", fleet=fleet) as server:
             config = helm_device(work, server, kubeconfig)
+            n = args.deployments
             print(f"margo device run, Helm driver on the real control plane "
                   f"({len(THREE_NODES)} nodes), {n} Hello World releases (wait: true), "
-                  f"REST source, then {cycles} unchanged cycles")
-            with device_process(config) as process:
-                results = cycles_of(process, config.parent / "device.log")
+                  f"REST source, then {args.cycles} unchanged cycles")
+            with running_device(config, args.timeline) as device:
+                results = device.cycles()
                 next(results)  # the cluster's capabilities reported: the server places on them
                 for index in range(n):
                     server.edit_intent(f"hello-{index}", HELLO_INTENT.format(
                         name=f"hello-{index}", index=index, greeting=f"Hello{index}",
                         device="bench-helm"))
-                settle(results, n, cycles)
-                report("helm", process, breakdown)
+                settle(results, n, args.cycles)
+                report("helm", device, args.breakdown)
 
 
 def main() -> None:
@@ -171,6 +224,9 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true",
                         help="also print what the steady resident memory is made of")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print resident memory every 50 ms (moves of 2 MiB or more) "
+                             "and the end of each cycle: when the peak happens")
     parser.add_argument("--only", choices=["compose", "helm"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -178,11 +234,9 @@ def main() -> None:
         with running_registry(work / "registry") as registry:
             publish_example_charts(registry)
             if args.only != "helm":
-                compose_device_memory(work, registry, args.deployments, args.cycles,
-                                      args.breakdown)
+                compose_device_memory(work, registry, args)
             if args.only != "compose":
-                helm_device_memory(work, registry, args.deployments, args.cycles,
-                                   args.breakdown)
+                helm_device_memory(work, registry, args)
     print("targets (issue 34): Compose-only ≤ 64 MiB, Helm driver ≤ 120 MiB")
 
 

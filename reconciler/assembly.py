@@ -45,6 +45,7 @@ from reconciler.failover import FailoverClient, ServerList
 from reconciler.releases import DEFAULT_DRIFT
 from reconciler.runner import CycleObserver, Reconciler, StatusTarget
 from reconciler.sources import Source
+from reconciler.sources.waiting import WaitingPolls
 from reconciler.state import DeviceState
 
 __all__ = ["TokenAuth", "capability_provider", "open_driver", "open_reconciler",
@@ -139,7 +140,7 @@ def _git_servers(config: DeviceConfig, servers: ServerList) -> ServerList:
 
 
 def _source(config: DeviceConfig, http: httpx.Client, client_id: str,
-            servers: ServerList) -> Source:
+            servers: ServerList, waiting: WaitingPolls | None) -> Source:
     if config.source == "git":
         import pygit2
 
@@ -155,10 +156,11 @@ def _source(config: DeviceConfig, http: httpx.Client, client_id: str,
                          depth=config.git_depth,
                          accept_history_rewrite=config.git_accept_history_rewrite,
                          fallback_urls=config.git_fallback_urls,
-                         servers=_git_servers(config, servers))
+                         servers=_git_servers(config, servers), waiting=waiting,
+                         timeout=config.timeout)
     from reconciler.sources.rest_source import RestSource
     prefix = "/api/v1" if config.api == Shape.RC3 else f"/api/v1/clients/{client_id}"
-    return RestSource(http, prefix=prefix, device_id=config.device_id)
+    return RestSource(http, prefix=prefix, device_id=config.device_id, waiting=waiting)
 
 
 def _source_is_the_server(config: DeviceConfig) -> bool:
@@ -286,7 +288,9 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
         key = DeviceKey.open(config.encryption_key)
         servers = ServerList(config.server_urls, failback=config.failback)
         http, client_id = _connect(config, stack, servers)
-        source = _source(config, http, client_id, servers)
+        # Waiting polls (schedule.wait; off with "0s"): the source asks, the loop paces.
+        waiting = WaitingPolls(config.schedule.wait) if config.schedule.wait > 0 else None
+        source = _source(config, http, client_id, servers, waiting)
         stack.callback(source.close)
         driver = _driver(config, stack, key)
         stack.callback(driver.close)
@@ -323,4 +327,4 @@ def open_reconciler(config: DeviceConfig) -> Iterator[Reconciler]:
                          server_answered=server_answered if _source_is_the_server(config)
                          else None,
                          injection=config.telemetry.inject if config.telemetry else None,
-                         observer=observer)
+                         observer=observer, waiting=waiting)

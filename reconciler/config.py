@@ -170,6 +170,8 @@ def _schedule_schema() -> dict[str, Any]:
     return _closed({
         "interval": {"type": "string", "pattern": DURATION},
         "resync": {"type": "string", "pattern": DURATION},
+        # the most a poll asks the server to hold it until the state changes; "0s": plain
+        "wait": {"type": "string", "pattern": DURATION},
         "pollingWindows": {"type": "array", "items": _TEXT},
         "downtime": {"type": "array", "items": _TEXT},
         "timezone": _TEXT,
@@ -317,8 +319,9 @@ def _schedule(raw: dict[str, Any], problems: list[Problem]) -> Schedule:
     if interval <= 0:
         problems.append(Problem(("schedule", "interval"), "the polling interval must be > 0"))
     resync = parse_duration(raw.get("resync", "10m"))
+    wait = parse_duration(raw.get("wait", "60s"))
     return Schedule(interval=interval or 30.0, polling=tuple(polling),
-                    downtime=tuple(downtime), timezone=timezone, resync=resync)
+                    downtime=tuple(downtime), timezone=timezone, resync=resync, wait=wait)
 
 
 def _kubernetes(raw: dict[str, Any] | None, base: Path,

@@ -6,6 +6,11 @@ apply step by step (recording every transition in the durable journal before and
 each step, and reporting a step done only once its result, read back from the engine,
 shows what was applied: `Driver.confirm`), then deliver the journal again.
 
+With waiting polls (`reconciler.sources.waiting`), the fetch may be held by the server for
+the rest of the interval, until the desired state changes: the loop then starts the next
+cycle at once, so a change is applied within a second of its publication while the cycles
+keep the interval's pace.
+
 Why adopt before applying: the adopted documents are the device's durable copy of the
 desired state. A crash (even SIGKILL) between adopting and applying loses nothing: the next
 run plans the same documents against the engine's own records, which say what was really
@@ -34,6 +39,7 @@ from reconciler.errors import ApplyError, ErrorCode
 from reconciler.planner import Action, DeploymentPlan, Step, plan
 from reconciler.schedule import Schedule, now_utc
 from reconciler.sources import IntegrityError, Source, SourceError
+from reconciler.sources.waiting import WaitingPolls
 from reconciler.state import ComponentRecord, DamagedDocumentsError, DeviceState
 from reconciler.statuses import observed_now, status_body, status_path
 from reconciler.telemetry import Injection, with_injection
@@ -105,11 +111,13 @@ class Reconciler:
                  clock: Callable[[], float] = time.monotonic,
                  server_answered: Callable[[], None] | None = None,
                  injection: Injection | None = None,
-                 observer: CycleObserver | None = None) -> None:
-        """`injection`: the telemetry variables the drivers put into every container; the
-        planner sees them in each component's values digest (`telemetry.with_injection`), so
-        a change of them reconfigures what runs. `observer` hears of every finished cycle
-        and how long it took.
+                 observer: CycleObserver | None = None,
+                 waiting: WaitingPolls | None = None) -> None:
+        """`waiting`: the source's waiting polls, which the loop (`run`) turns on and paces
+        (module docstring). `injection`: the telemetry variables the drivers put into every
+        container; the planner sees them in each component's values digest
+        (`telemetry.with_injection`), so a change of them reconfigures what runs.
+        `observer` hears of every finished cycle and how long it took.
 
         `server_answered` is called whenever the source got an answer from the server
         that status reports go to (a poll, unchanged or not): queued reports waiting out a
@@ -132,6 +140,9 @@ class Reconciler:
         self._digests: dict[str, str] = {}
         self._retries: dict[tuple[str, str], _Retry] = {}
         self.stopping = threading.Event()
+        self._waiting = waiting
+        if waiting is not None:
+            waiting.stopping = self.stopping
 
     # --- desired state ------------------------------------------------------------------
 
@@ -420,6 +431,7 @@ class Reconciler:
             if problem and not self.schedule.in_downtime(now):
                 result.failures.append(f"reporting capabilities failed: {problem}")
         self._deliver()
+        self._allow_wait(now)
         self._fetch(result, now)
         try:
             desired = self._desired()
@@ -454,17 +466,41 @@ class Reconciler:
         self._finish_delivery(result)
         return result
 
+    def _allow_wait(self, started: datetime) -> None:
+        """How long this cycle's poll may be held: until the next cycle is due, and while
+        contact is allowed (a held poll must not run into downtime)."""
+        if self._waiting is None:
+            return
+        current = now_utc()
+        left = (self.schedule.next_check(started) - current).total_seconds()
+        self._waiting.allow(self.schedule.open_for(current, max(0.0, left)))
+
     def _finish_delivery(self, result: CycleResult) -> None:
         delivered, pending = self._deliver()
         result.delivered, result.pending_reports = delivered, pending
 
     def run(self, on_cycle: Callable[[CycleResult], None] | None = None) -> None:
         """Cycle on the schedule until `stopping` is set (SIGTERM/SIGINT set it; the current
-        step finishes first)."""
-        while not self.stopping.is_set():
-            started = now_utc()
-            result = self.cycle(started)
-            if on_cycle is not None:
-                on_cycle(result)
-            wait = (self.schedule.next_check(started) - now_utc()).total_seconds()
-            self.stopping.wait(max(0.0, wait))
+        step finishes first; a held poll is abandoned)."""
+        if self._waiting is not None:
+            self._waiting.active = True
+        try:
+            while not self.stopping.is_set():
+                started = now_utc()
+                result = self.cycle(started)
+                if on_cycle is not None:
+                    on_cycle(result)
+                self.stopping.wait(self._pause(started, result))
+        finally:
+            if self._waiting is not None:
+                self._waiting.active = False
+
+    def _pause(self, started: datetime, result: CycleResult) -> float:
+        """Seconds until the next cycle: the schedule's, or the waiting polls' say."""
+        ended = now_utc()
+        wait = max(0.0, (self.schedule.next_check(started) - ended).total_seconds())
+        if self._waiting is None:
+            return wait
+        return self._waiting.next_delay(wait, self.schedule.interval,
+                                        adopted=result.fetched == "adopted",
+                                        elapsed=(ended - started).total_seconds())

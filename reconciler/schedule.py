@@ -129,6 +129,9 @@ class Schedule:
     #: Seconds between re-assertions of every deployment's true state (0: never), so a
     #: status report that was lost, or one somebody forged, does not stand for long.
     resync: float = 600.0
+    #: The most seconds a poll asks the server to hold it until the desired state changes
+    #: (RFC 7240 `Prefer: wait`; 0: plain polls): `reconciler.sources.waiting`.
+    wait: float = 60.0
 
     def _local(self, when: datetime) -> datetime:
         return when.astimezone(ZoneInfo(self.timezone))
@@ -144,6 +147,20 @@ class Schedule:
     def may_contact(self, when: datetime) -> bool:
         """True inside a polling window and outside downtime."""
         return self.in_polling_window(when) and not self.in_downtime(when)
+
+    def open_for(self, when: datetime, horizon: float) -> float:
+        """Seconds from `when` (at most `horizon`) during which contact stays allowed: a
+        held poll must not run into downtime or past its polling window. Windows have
+        minute resolution, so the minutes ahead are probed."""
+        if not self.may_contact(when):
+            return 0.0
+        probe = when.replace(second=0, microsecond=0) + timedelta(minutes=1)
+        end = when + timedelta(seconds=horizon)
+        while probe < end:
+            if not self.may_contact(probe):
+                return (probe - when).total_seconds()
+            probe += timedelta(minutes=1)
+        return horizon
 
     def next_check(self, after: datetime) -> datetime:
         """The first allowed moment at least one interval after `after`. Searched minute by

@@ -71,10 +71,12 @@ class Device:
 
 def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest",
                url: str | None = None, app: str = HELLO, greeting: str = "Hello",
-               with_intent: bool = True, resync: str | None = None) -> Device:
+               with_intent: bool = True, resync: str | None = None,
+               interval: str = "1s", wait: str | None = None) -> Device:
     """A device directory (config, token, capabilities) and, unless `with_intent` is
     false, an intent targeting it; waits until the server compiled the device's
-    deployment. `resync`: the device's `schedule.resync` (default: the client's)."""
+    deployment. `resync`, `interval`, `wait`: the device's `schedule` (default: the
+    client's, but a one-second interval)."""
     home = server.data_dir.parent / device_id
     home.mkdir()
     (home / "token").write_text(server.token)
@@ -88,7 +90,8 @@ def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest
         "driver": {"type": "render", "outputDir": "rendered"},
         "dataDir": "data",
         "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": "1s", **({"resync": resync} if resync else {})},
+        "schedule": {"interval": interval, **({"resync": resync} if resync else {}),
+                     **({"wait": wait} if wait else {})},
     }))
     server.put_capabilities(doc)
     if with_intent:

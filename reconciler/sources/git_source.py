@@ -34,6 +34,11 @@ out, or HTTP 502/503/504, as `reconciler.failover` says), staying on the one tha
 server's). Rollback protection holds whichever URL answers: a tip from any of them must
 descend from the adopted commit.
 
+Waiting polls. With `waiting` (`reconciler.sources.waiting`) and HTTP(S) URLs, the loop's
+polls read the ref advertisement themselves (`reconciler.sources.git_refs`): conditional on
+what they read last, and held by the fleet server until the branch moves; libgit2 then
+fetches only a tip that moved.
+
 The bare repository in `cache_dir` is a cache and nothing more: the runner keeps the adopted
 documents itself. libgit2 writes packs and refs crash-safely (a pack is renamed into place
 once indexed) and checks every object's hash when it reads it, so a damaged cache (an
@@ -63,6 +68,8 @@ from reconciler.desired import (
 from reconciler.errors import ErrorCode
 from reconciler.failover import ServerList
 from reconciler.sources import Adopted, IntegrityError, SourceError
+from reconciler.sources.git_refs import RefProbe, RefsStatus, Unusable
+from reconciler.sources.waiting import Interrupted, WaitingPolls
 
 __all__ = ["COMMIT_ID", "LOCAL_REF", "MAX_PACKS", "NO_BRANCH_VERSION", "GitSource"]
 
@@ -125,6 +132,8 @@ class GitSource:
     libgit2 needs for local-path remotes since it cannot fetch shallowly from them).
     `fallback_urls` are the same repository through other servers, tried in turn with the
     choice kept in `servers` (one entry per URL; a list of its own when not given).
+    `waiting`: the loop's waiting polls, over HTTP(S) URLs (module docstring); `timeout`:
+    what one request of those may take, besides its wait.
     """
 
     name = "git"
@@ -133,7 +142,8 @@ class GitSource:
                  password: str | None = None, depth: int | None = 1,
                  accept_history_rewrite: str | None = None,
                  fallback_urls: Sequence[str] = (),
-                 servers: ServerList | None = None) -> None:
+                 servers: ServerList | None = None, waiting: WaitingPolls | None = None,
+                 timeout: float = 30.0) -> None:
         """`accept_history_rewrite`: the commit id of a tip an operator moved the branch to
         on purpose (see the module docstring); None refuses every non-descending tip."""
         if accept_history_rewrite is not None and not COMMIT_ID.match(accept_history_rewrite):
@@ -151,6 +161,10 @@ class GitSource:
         #: The last history verdict, (tip, adopted) -> descends: a refused tip is refused
         #: again on every poll, at the cost of the ref advertisement only.
         self._verdict: tuple[str, str, bool] | None = None
+        self._waiting = waiting
+        self._probe = RefProbe(username=username, password=password, timeout=timeout) \
+            if waiting is not None and all(u.startswith(("http://", "https://"))
+                                           for u in self._urls) else None
 
     @property
     def _url(self) -> str:
@@ -173,7 +187,10 @@ class GitSource:
         (`ROLLBACK`) unless the operator accepted it (module docstring). With
         `adopted.damaged`, the adopted commit is read again even though the tip has not
         moved."""
-        tip = self._advertised_tip()
+        try:
+            tip = self._advertised_tip()
+        except Interrupted:
+            return None  # the client is stopping: nothing changed
         if tip is None:
             if adopted.version is None:
                 return DesiredState(source=self.name, version=NO_BRANCH_VERSION,
@@ -272,6 +289,8 @@ class GitSource:
         if self._repo is not None:
             self._repo.free()
             self._repo = None
+        if self._probe is not None:
+            self._probe.close()
 
     def __enter__(self) -> GitSource:
         return self
@@ -282,7 +301,16 @@ class GitSource:
     # --- remote ------------------------------------------------------------------------------
 
     def _advertised_tip(self) -> str | None:
-        """The commit the remote's HEAD names (one ref advertisement), None without one."""
+        """The commit the remote's HEAD names (one ref advertisement), None without one:
+        read by the loop's waiting polls themselves (module docstring), else by libgit2."""
+        if self._probe is not None and self._waiting is not None and self._waiting.active:
+            try:
+                return self._each_url(self._probed_tip)
+            except Unusable as exc:
+                log.warning("%s: the ref advertisement cannot be read without Git (%s); "
+                            "polling with Git from now on", self._url, exc)
+                self._probe.close()
+                self._probe = None
         heads = self._call(lambda remote, callbacks: remote.list_heads(callbacks=callbacks))
         if heads is None:
             return None
@@ -308,18 +336,39 @@ class GitSource:
                               f"{exc}") from None
         return commit
 
+    def _probed_tip(self, url: str) -> str | None:
+        """The advertised tip at `url`, read (and held) by `RefProbe`, its answers told as
+        libgit2's are (`_classify`)."""
+        assert self._probe is not None
+        try:
+            return self._probe.tip(url, self._waiting)
+        except RefsStatus as status:
+            offered = self._username if self._password is not None else None
+            if status.status == 401:
+                raise SourceError(ErrorCode.UNAUTHORIZED, _refused(url, offered),
+                                  retryable=False) from None
+            error = _classify(url, Exception(f"unexpected http status code: "
+                                             f"{status.status}"))
+            assert error is not None
+            raise error from None
+
     def _call(self, operation: Callable[[pygit2.Remote, pygit2.RemoteCallbacks], _T]
               ) -> _T | None:
         """Run one network operation on the URL in use, moving on to the next while a URL
         gives no answer (module docstring); None when the server has no branch for the
         device (it answers 404 once the credentials are accepted); every failure a
         `SourceError` (when every URL failed, the first one's)."""
+        return self._each_url(lambda url: self._call_at(url, operation))
+
+    def _each_url(self, attempt: Callable[[str], _T | None]) -> _T | None:
+        """`attempt(url)` on the URL in use, then on the next ones while a URL gives no
+        answer (`_call`)."""
         if len(self._urls) == 1:
-            return self._call_at(self._urls[0], operation)
+            return attempt(self._urls[0])
         failures: list[SourceError] = []
         for index in self._servers.order():
             try:
-                result = self._call_at(self._urls[index], operation)
+                result = attempt(self._urls[index])
             except SourceError as exc:
                 if exc.code not in _NO_ANSWER:
                     raise

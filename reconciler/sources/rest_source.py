@@ -14,6 +14,10 @@ The spec's client algorithm, with nothing trusted before it is verified:
 4. every byte is checked against its digest before it is parsed, and every document must be
    a valid ApplicationDeployment whose id is the one the manifest names.
 
+With waiting polls (`reconciler.sources.waiting`), step 1 also asks the server to hold the
+conditional poll until the manifest changes (`Prefer: wait=N`); the answer is then read as
+any other.
+
 Any failure raises and returns nothing, so the device keeps its previous state: an update
 is used whole or not at all. A 404 for a document is never read as a deletion (the server
 may have compiled in between); only absence from a verified manifest removes a deployment.
@@ -41,6 +45,8 @@ from reconciler.desired import DesiredDeployment, DesiredState, parse_deployment
 from reconciler.errors import ErrorCode
 from reconciler.http_answers import parse_retry_after, problem_of
 from reconciler.sources import Adopted, IntegrityError, SourceError
+from reconciler.sources.http_errors import translated
+from reconciler.sources.waiting import Interrupted, WaitingPolls
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "MAX_RESPONSE_BYTES", "RestSource"]
 
@@ -51,6 +57,8 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 
 _NON_RETRYABLE = {401: ErrorCode.UNAUTHORIZED, 403: ErrorCode.FORBIDDEN}
 _THROTTLED = frozenset({429, 503})
+#: A waiting poll that ended with one of these got no answer (`WaitingPolls.cut`).
+_CUT = frozenset({ErrorCode.UNREACHABLE, "HTTP_502", "HTTP_503", "HTTP_504"})
 
 
 @dataclass(frozen=True)
@@ -72,16 +80,18 @@ class RestSource:
     The manifest is per client, not per device: a client fronting several devices (a
     gateway) sees all their deployments. With `device_id` set, only deployments whose
     `metadata.deviceId` is that device (or absent, as in older shapes) are kept; without it
-    every deployment is kept.
+    every deployment is kept. With `waiting`, conditional polls ask to be held
+    (`reconciler.sources.waiting`).
     """
 
     name = "margo-rest"
 
     def __init__(self, client: httpx.Client, *, prefix: str = "/api/v1",
-                 device_id: str | None = None) -> None:
+                 device_id: str | None = None, waiting: WaitingPolls | None = None) -> None:
         self._client = client
         self._prefix = prefix.rstrip("/")
         self._device_id = device_id
+        self._waiting = waiting
 
     # --- the Source protocol -----------------------------------------------------------------
 
@@ -93,8 +103,10 @@ class RestSource:
         headers = {"Accept": MANIFEST_MEDIA_TYPE}
         if adopted.etag and not adopted.damaged:
             headers["If-None-Match"] = adopted.etag
-        response = self._get(f"{self._prefix}/deployments", "the manifest", headers,
-                             not_modified_ok=True)
+        try:
+            response = self._poll(headers)
+        except Interrupted:
+            return None  # the client is stopping: nothing changed
         if response.status == 304:
             if adopted.damaged:  # we did not ask for this: never "unchanged" while damaged
                 raise SourceError(ErrorCode.BAD_RESPONSE, "the manifest: HTTP 304 to a request "
@@ -180,23 +192,39 @@ class RestSource:
 
     # --- HTTP --------------------------------------------------------------------------------
 
-    def _get(self, url: str, what: str, headers: Mapping[str, str] | None = None, *,
-             not_modified_ok: bool = False) -> _Response:
-        """GET one resource; every failure becomes a `SourceError` saying what it was for."""
+    def _poll(self, headers: dict[str, str]) -> _Response:
+        """The manifest poll: held by the server when it is conditional and waiting polls
+        are on (`reconciler.sources.waiting`)."""
+        url = f"{self._prefix}/deployments"
+        waiting = self._waiting
+        if waiting is None or "If-None-Match" not in headers or not waiting.wait():
+            return self._get(url, "the manifest", headers, not_modified_ok=True)
+        held = {**headers, **waiting.headers()}
+        timeout = waiting.timeout(self._client.timeout)
         try:
-            with self._client.stream("GET", url, headers=headers) as response:
-                if response.status_code == 200 or (
-                        not_modified_ok and response.status_code == 304):
-                    body = _read_capped(response, what)
-                    return _Response(response.status_code, response.headers, body)
-                response.read()
-                raise _http_error(response, what)
-        except httpx.TransportError as exc:
-            raise SourceError(ErrorCode.UNREACHABLE,
-                              f"{what}: {type(exc).__name__}: {exc}") from None
-        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as exc:
-            raise SourceError(ErrorCode.BAD_RESPONSE,
-                              f"{what}: {type(exc).__name__}: {exc}") from None
+            response = waiting.run(lambda: self._get(url, "the manifest", held,
+                                                     not_modified_ok=True, timeout=timeout))
+        except SourceError as exc:
+            if exc.code in _CUT:
+                waiting.cut()
+            raise
+        waiting.answered(response.headers)
+        return response
+
+    def _get(self, url: str, what: str, headers: Mapping[str, str] | None = None, *,
+             not_modified_ok: bool = False,
+             timeout: httpx.Timeout | None = None) -> _Response:
+        """GET one resource; every failure becomes a `SourceError` saying what it was for.
+        `timeout`: this request's own (a held poll's read timeout is longer)."""
+        with translated(what), self._client.stream(
+                "GET", url, headers=headers,
+                timeout=timeout or self._client.timeout) as response:
+            if response.status_code == 200 or (
+                    not_modified_ok and response.status_code == 304):
+                body = _read_capped(response, what)
+                return _Response(response.status_code, response.headers, body)
+            response.read()
+            raise _http_error(response, what)
 
 
 # --- manifest checks (pure) ----------------------------------------------------------------

@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 from kits.pgkit import fresh_database, shared_postgres
 
-# The Helm engine loads under the product's name, as in `margo device run`, whichever test
-# module imports it first (reconciler.helm_engine: the field manager of applied objects).
-import reconciler.helm_engine  # noqa: F401
 from tools.postgres import PostgresServer
 from wfm.store.database import Database
 from wfm.store.opening import open_database

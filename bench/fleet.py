@@ -1,6 +1,7 @@
 """Benchmark: a whole fleet takes up one pushed source change, on loopback.
 
     .venv/bin/python bench/fleet.py [--devices 10000] [--period 15] [--store sqlite|replicas|both]
+        [--polling interval|waiting] [--wait 60] [--quiet 60] [--restart]
 
 N simulated devices (default 10,000) speak the rc.3 REST protocol to real `margo serve`
 processes: each reports its capabilities once, then polls its manifest every P seconds
@@ -20,6 +21,14 @@ that moment is t = 0. Printed per store:
   yaml or bundle, status) with their p99 latency, and every error by kind and status code;
 * CPU seconds (user + sys, children included) of each server process and of PostgreSQL
   during the window, and each server's peak RSS (VmHWM, from /proc).
+
+Polling (issue 34): `interval` (the default) is the above; `waiting` makes every device send
+`Prefer: wait=N` (`--wait`) with its conditional polls, each over a connection of its own,
+and pace itself as the real client does (bench/waiting.py). `--quiet S` measures S seconds
+of steady state before the push (nothing changes): each server's CPU per minute, and
+PostgreSQL's. `--restart` (SQLite, waiting devices) restarts the server after the push
+(SIGTERM, then a new process on the same port and data) and measures how long until it
+holds every device's poll again, with the errors the devices met meanwhile.
 
 Stores: `sqlite` is one server process on its SQLite file; `replicas` is two server
 processes on one PostgreSQL database (tools/postgres.py: a private server, fsync=off).
@@ -47,6 +56,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import gzip
 import io
 import json
@@ -62,12 +72,13 @@ import tarfile
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import waiting
 from bench.serve import Connection, capabilities
 from tools.margoserver import MargoServer, margo_server
 from tools.postgres import running_postgres
@@ -214,6 +225,11 @@ class Device:
     version: int = 0  # the manifestVersion installed last
     digests: dict[str, str] = field(default_factory=dict)  # deploymentId -> digest installed
     updated_at: float | None = None  # when it reported the edit installed
+    # Waiting polls (bench/waiting.py): how the last poll ended (held, changed, plain, cut),
+    # whether the server held one before, failures in a row.
+    outcome: str | None = None
+    holding: bool = False
+    failures: int = 0
 
 
 class Fleet:
@@ -255,14 +271,12 @@ class Fleet:
             raise
 
     async def cycle(self, device: Device) -> None:
-        period, jitter = self.args.period, self.args.jitter
         while not await self.report_capabilities(device):
             await asyncio.sleep(1)
-        await asyncio.sleep(random.uniform(0, period))
+        await asyncio.sleep(random.uniform(0, self.args.period))
         while True:
             retry = await self.poll(device)
-            await asyncio.sleep(retry if retry is not None
-                                else period * random.uniform(1 - jitter, 1 + jitter))
+            await asyncio.sleep(waiting.pause(self.args, device, retry))
 
     async def report_capabilities(self, device: Device) -> bool:
         body = json.dumps(capabilities(device.index)).encode()
@@ -281,15 +295,20 @@ class Fleet:
     async def poll(self, device: Device) -> float | None:
         """One manifest poll and what follows it; a delay other than the period when the
         server asked for one (Retry-After)."""
-        headers = {"Accept": MANIFEST_MEDIA_TYPE}
+        headers = {"Accept": MANIFEST_MEDIA_TYPE, **waiting.prefer(self.args, device.etag)}
         if device.etag:
             headers["If-None-Match"] = device.etag
         try:
             status, reply, payload = await self.call(device, "manifest", "GET", MANIFEST_PATH,
                                                      headers)
+            held = "preference-applied" in reply
+            device.holding = device.holding or held
+            device.outcome = "held" if held else "cut" if status >= 500 else "plain"
             if status == 200:
+                device.outcome = "changed"
                 return await self.install(device, json.loads(payload), reply.get("etag"))
         except TRANSPORT_ERRORS:
+            device.outcome = "cut"
             return None
         return retry_after(status, reply)
 
@@ -387,24 +406,35 @@ def bundle_documents(payload: bytes) -> dict[str, bytes]:
 
 # --- the servers' side -------------------------------------------------------------------
 
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.compile_workers:
+        env["MARGO_COMPILE_WORKERS"] = str(args.compile_workers)
+    return env
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """Options every server gets: a `--max-wait` past the default when devices ask for it."""
+    return ["--max-wait", f"{args.wait:g}"] if args.polling == "waiting" and args.wait > 60 \
+        else []
+
+
 @contextlib.contextmanager
 def running_servers(data_dirs: list[Path], extra: list[str], logs: Path,
                     args: argparse.Namespace) -> Iterator[list[MargoServer]]:
     """One `margo serve` per data directory (hosting the fleet source), stopped at the end."""
-    env = dict(os.environ)
-    if args.compile_workers:
-        env["MARGO_COMPILE_WORKERS"] = str(args.compile_workers)
+    env, extra = server_env(args), [*extra, *server_args(args)]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(running_server(data, extra, logs, env))
                for data in data_dirs]
 
 
-def running_server(data: Path, extra: list[str], logs: Path,
-                   env: dict[str, str]) -> contextlib.AbstractContextManager[MargoServer]:
+def running_server(data: Path, extra: list[str], logs: Path, env: dict[str, str],
+                   port: int | None = None) -> contextlib.AbstractContextManager[MargoServer]:
     token_file = logs / "operator-token"
     token_file.write_text(OPERATOR_TOKEN)
     return margo_server(data, "--host-source", "--admin-token-file", str(token_file), *extra,
-                        log_dir=logs, cwd=ROOT, env=env, stopping=stop_server)
+                        log_dir=logs, cwd=ROOT, env=env, stopping=stop_server, port=port)
 
 
 def register_clients(db: Database, count: int) -> list[str]:
@@ -466,6 +496,8 @@ class Result:
     generator_cpu: float
     log_problems: list[str]
     setup_seconds: float
+    quiet: waiting.QuietFigures | None = None
+    restart: waiting.RestartFigures | None = None
 
 
 def run_store(store: str, args: argparse.Namespace) -> Result:
@@ -490,9 +522,14 @@ def run_sqlite(root: Path, work: Path, args: argparse.Namespace) -> Result:
     db = open_database(data / "wfm.sqlite")
     tokens = register_clients(db, args.devices)
     db.close()
-    with running_servers([data], [], root, args) as servers:
+    with running_servers([data], [], root, args) as servers, contextlib.ExitStack() as again:
+        def restart(port: int) -> MargoServer:
+            """A new server process on the old one's data and port."""
+            return again.enter_context(running_server(data, server_args(args), root,
+                                                      server_env(args), port=port))
+
         return measure("sqlite", servers, None, tokens, work, args,
-                       f"one server process, {connections_note(args, 1)}")
+                       f"one server process, {connections_note(args, 1)}", restart)
 
 
 def run_replicas(root: Path, work: Path, args: argparse.Namespace) -> Result:
@@ -513,15 +550,19 @@ def run_replicas(root: Path, work: Path, args: argparse.Namespace) -> Result:
 def connections_note(args: argparse.Namespace, servers: int) -> str:
     workers = (f", MARGO_COMPILE_WORKERS={args.compile_workers}" if args.compile_workers
                else "")
+    if args.polling == "waiting":
+        return f"waiting polls (wait={args.wait:g}), a connection per device" + workers
     if args.connections == 0:
         return "a connection per device" + workers
     return f"{max(1, args.connections // servers)} keep-alive connections per server{workers}"
 
 
 def measure(store: str, servers: list[MargoServer], postgres_pid: int | None, tokens: list[str],
-            work: Path, args: argparse.Namespace, note: str) -> Result:
+            work: Path, args: argparse.Namespace, note: str,
+            restart: Callable[[int], MargoServer] | None = None) -> Result:
     push(work, servers[0])  # the fleet's first source
-    result = run_loop(measure_async(store, servers, postgres_pid, tokens, work, args, note))
+    result = run_loop(measure_async(store, servers, postgres_pid, tokens, work, args, note,
+                                    restart))
     result.server_rss = [peak_rss_mib(s.process.pid) for s in servers]
     stop_all(servers)
     result.log_problems = [f"{s.log.name}: {line}" for s in servers
@@ -557,12 +598,12 @@ def run_loop(coroutine: Any) -> Result:
 
 async def measure_async(store: str, servers: list[MargoServer], postgres_pid: int | None,
                         tokens: list[str], work: Path, args: argparse.Namespace,
-                        note: str) -> Result:
+                        note: str, restart: Callable[[int], MargoServer] | None) -> Result:
     stats = Stats()
     size = args.connections // len(servers) if args.connections else 1
     shared = [Pool(s.port, max(1, size), stats) for s in servers]
     fleet = Fleet(shared, tokens, args, stats)
-    if args.connections == 0:  # a pool of one for each device
+    if args.connections == 0 or args.polling == "waiting":  # a pool of one for each device
         for device in fleet.devices:
             device.pool = Pool(servers[device.index % len(servers)].port, 1, stats)
     setup = time.monotonic()
@@ -571,13 +612,44 @@ async def measure_async(store: str, servers: list[MargoServer], postgres_pid: in
         await wait_for_steady_state(fleet, tasks, servers, args.setup_timeout)
         setup_seconds = time.monotonic() - setup
         await asyncio.sleep(args.settle)
+        quiet = None
+        if args.quiet:
+            print(f"  steady state after {setup_seconds:.0f} s: {args.quiet:g} s with nothing "
+                  "changing", flush=True)
+            quiet = await waiting.quiet_window(servers, postgres_pid, args.quiet, stats,
+                                               tree_cpu)
         print(f"  steady state after {setup_seconds:.0f} s: pushing the edit", flush=True)
-        return await push_and_wait(store, fleet, servers, postgres_pid, work, args, note,
-                                   setup_seconds)
+        result = await push_and_wait(store, fleet, servers, postgres_pid, work, args, note,
+                                     setup_seconds)
+        result.quiet = quiet
+        if args.restart and restart is not None and args.polling == "waiting":
+            result.restart = await restart_server(servers, restart, fleet, args)
+        return result
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def restart_server(servers: list[MargoServer], restart: Callable[[int], MargoServer],
+                         fleet: Fleet, args: argparse.Namespace) -> waiting.RestartFigures:
+    """SIGTERM the (only) server, start it again on its port, and wait until it holds every
+    device's poll again (bench/waiting.py)."""
+    await asyncio.sleep(args.settle + args.wait / 4)  # the devices back to waiting
+    old = servers[0]
+    print("  restarting the server", flush=True)
+    errors_before = Counter(fleet.stats.errors)
+    started = time.monotonic()
+    await asyncio.to_thread(stop_server, old)
+    stopped = time.monotonic() - started
+    servers[0] = await asyncio.to_thread(restart, old.port)
+    listening = time.monotonic() - started
+    back = await waiting.reconnected(old.port, OPERATOR_TOKEN, len(fleet.devices), started,
+                                     args.timeout)
+    return waiting.RestartFigures(stopped, listening, back,
+                                  waiting.held_polls(old.port, OPERATOR_TOKEN) or 0,
+                                  len(fleet.devices),
+                                  dict(Counter(fleet.stats.errors) - errors_before))
 
 
 async def wait_for_steady_state(fleet: Fleet, tasks: list[asyncio.Task[None]],
@@ -622,7 +694,7 @@ async def push_and_wait(store: str, fleet: Fleet, servers: list[MargoServer],
     return Result(
         store=store, devices=len(fleet.devices), note=note, updated=sorted(fleet.updated),
         first_manifest=fleet.first_manifest, push_seconds=push_seconds, window=window,
-        stats=fleet.stats,
+        stats=copy.deepcopy(fleet.stats),
         server_cpu=[(a[0] - b[0], a[1] - b[1]) for a, b in zip(cpu_after, cpu_before,
                                                                 strict=True)],
         server_rss=[], postgres_cpu=(tree_cpu(postgres_pid) - postgres_before
@@ -679,6 +751,7 @@ def print_results(results: list[Result], args: argparse.Namespace) -> None:
         postgres = f"; PostgreSQL: {r.postgres_cpu:.1f} s" if r.postgres_cpu is not None else ""
         print(f"  {r.store}: {servers}{postgres}; load generator: {r.generator_cpu:.1f} s "
               f"(of {r.window * 2:.0f} core-seconds)")
+    waiting.print_figures(results, args)
     for r in results:
         if r.log_problems:
             print(f"\nserver log lines with WARNING/ERROR ({r.store}, {len(r.log_problems)}; "
@@ -714,6 +787,17 @@ def parse_args() -> argparse.Namespace:
                              "deployment by then")
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds of steady polling between setup and the push")
+    parser.add_argument("--polling", choices=("interval", "waiting"), default="interval",
+                        help="interval: poll every --period; waiting: conditional polls "
+                             "held by the server (Prefer: wait), bench/waiting.py")
+    parser.add_argument("--wait", type=float, default=60.0,
+                        help="waiting polls: the wait asked for (seconds)")
+    parser.add_argument("--quiet", type=float, default=0.0,
+                        help="seconds of steady state (nothing changing) measured before "
+                             "the push: the servers' CPU per minute")
+    parser.add_argument("--restart", action="store_true",
+                        help="SQLite, waiting polls: restart the server after the push and "
+                             "measure until every device's poll is held again")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--keep", action="store_true", help="keep the server logs")
     return parser.parse_args()

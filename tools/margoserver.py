@@ -37,11 +37,12 @@ class MargoServer:
 def margo_server(data: Path, *extra: str, log_dir: Path | None = None,
                  log_level: str = "warning", cwd: Path | None = None,
                  env: Mapping[str, str] | None = None,
-                 stopping: Callable[[MargoServer], None] | None = None
-                 ) -> Iterator[MargoServer]:
+                 stopping: Callable[[MargoServer], None] | None = None,
+                 port: int | None = None) -> Iterator[MargoServer]:
     """One `margo serve --data DATA EXTRA...` (in `env`, default this process's), which dies
-    with this process; stopped by `stopping` (default: SIGTERM, then SIGKILL after 20 s)."""
-    port = free_port()
+    with this process; stopped by `stopping` (default: SIGTERM, then SIGKILL after 20 s).
+    `port`: the one it listens on (default: a free one; a restarted server keeps its own)."""
+    port = port or free_port()
     log_dir = log_dir or data.parent
     data.parent.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{port}.log"

@@ -92,6 +92,12 @@ def test_a_device_with_one_url_waits_for_it_as_before(pair: ReplicaPair, source:
     server = pair.servers[1]
     name = f"single-{source}"
     device = new_device(server, name, source=source, url=first.base)
+    if source == "git":
+        # The kit reported its capabilities through the rc.3 API; the device speaks Oct-2024
+        # once it reports, which would rewrite its documents in that shape after its first
+        # report: the intent keeps them rc.3 (same bytes) until the greeting changes.
+        server.edit_intent(name, intent(name).replace("spec:\n", "spec:\n  outputShape: rc.3\n",
+                                                      1))
     assert steps(once(device)) == [("install", "ok")]
     old = poll_until("the first report", lambda: current(server, name), timeout=30)
     first.kill()

@@ -288,22 +288,25 @@ def _cmdline(pid: Path) -> str:
         return ""
 
 
-def _node_cgroups(root: Path) -> set[str]:
-    """Every node's cgroup under every controller. The walk stops at a node's cgroup and
-    tolerates folders that vanish under it: the other real nodes' pods come and go while
-    it runs (pathlib's rglob raised FileNotFoundError in CI when one did)."""
+def _node_cgroups(root: Path, node: str) -> set[str]:
+    """The cgroups of the node named `node` (`margo-node-<pid>-<node>`) under every
+    controller. The walk stops at a node's cgroup and tolerates folders that vanish under
+    it: the other real nodes and their pods come and go while it runs (pathlib's rglob
+    raised FileNotFoundError in CI when one did), and only this node's are compared."""
     found: set[str] = set()
     for parent, folders, _ in os.walk(root):  # os.walk ignores folders that vanish
         for name in [name for name in folders if name.startswith("margo-node-")]:
-            found.add(os.path.join(parent, name))
+            if name.endswith(f"-{node}"):
+                found.add(os.path.join(parent, name))
             folders.remove(name)
     return found
 
 
-def host_state(folder: Path) -> dict[str, Any]:
+def host_state(folder: Path, node: str) -> dict[str, Any]:
     """What a node could leave on the host: mounts where a node mounts (its folder, /run,
     /var/lib, /var/log, /proc/sys), interfaces its CNI bridge or fabric would make,
-    iptables rules, cgroups, processes and the paths the components use by default.
+    iptables rules, the cgroups of `node`, processes and the paths the components use by
+    default.
     Docker engines that other tests run meanwhile mount and unmount too: theirs are left
     out by name."""
     places = (str(folder), "/run", "/var/lib", "/var/log", "/proc/sys")
@@ -316,7 +319,7 @@ def host_state(folder: Path) -> dict[str, Any]:
     rules = [line for line in subprocess.run(["iptables-save"], capture_output=True,
                                              text=True, check=True).stdout.splitlines()
              if not line.startswith(("#", ":"))]
-    cgroups = _node_cgroups(Path("/sys/fs/cgroup"))
+    cgroups = _node_cgroups(Path("/sys/fs/cgroup"), node)
     processes = [pid.name for pid in Path("/proc").iterdir()
                  if pid.name.isdigit() and str(folder) in _cmdline(pid)]
     return {"mounts": mounts, "links": links, "iptables": rules, "cgroups": cgroups,
@@ -329,7 +332,7 @@ def test_a_node_stopped_leaves_the_host_as_it_found_it(real_kube: RealCluster,
     stops: nothing of it is left on the host."""
     plane = real_kube.plane
     folder = tmp_path / "third"
-    before = host_state(folder)
+    before = host_state(folder, "real-c")
     with RealNodes(plane, folder) as extra:
         [node] = extra.start(RealNode("real-c"))
         assert node.ip == "172.31.250.3" and node.pod_cidr == "10.244.3.0/24"
@@ -342,9 +345,9 @@ def test_a_node_stopped_leaves_the_host_as_it_found_it(real_kube: RealCluster,
             "containers": [{"name": "c", "image": "registry.example.com/hello-world:1.0.0"}]}})
         real_kube.until("the pod Ready", lambda: ready(
             real_kube.admin.get("Pod", "visitor", "default")))
-        during = host_state(folder)
+        during = host_state(folder, "real-c")
         assert during["processes"] and during["cgroups"] - before["cgroups"]
     real_kube.admin.delete("Pod", "visitor", "default")
     assert real_kube.admin.find("Node", "real-c") is None  # forgotten
-    assert host_state(folder) == before
+    assert host_state(folder, "real-c") == before
     assert not any(folder.iterdir())  # its files are gone too

@@ -82,8 +82,10 @@ def test_each_role_may_what_it_should_and_the_trail_records_it(tmp_path: Path) -
         # added while the server runs: it knows within a second or so
         operator = add(data, "otto", "operator")
         admin = add(data, "ada", "admin")
-        poll_until("the new operator known", lambda: get("/api/fleet/devices", operator)
-                   .status_code == 200, timeout=10)
+        # (each token twice in a row: behind the replicas' balancer, once on each)
+        poll_until("the new operators known", lambda: all(
+            get("/api/fleet/devices", token).status_code == 200
+            for token in (operator, operator, admin, admin)), timeout=10)
         for token in (viewer, operator, admin, ADMIN_TOKEN):
             assert get("/api/fleet/devices", token).status_code == 200
             assert get("/metrics", token).status_code == 200

@@ -126,6 +126,8 @@ bench: venv
 	$(BIN)/python -m bench.kube_nodes
 	$(BIN)/python -m bench.device_memory
 	$(BIN)/python -m bench.fleet
+	$(BIN)/python -m bench.fleet --polling waiting --quiet 120 --restart
+	$(BIN)/python -m bench.held_polls --connections 10000
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

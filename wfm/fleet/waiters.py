@@ -23,8 +23,10 @@ handed to the event loop the requests wait on; the index is only ever touched th
 Bounds. At most `limit` tickets at once (`margo serve --max-waiters`): past it a request is
 answered at once, as a plain poll (no `Preference-Applied`), which sheds the load onto the
 device's polling interval instead of the server's memory. Each held request costs its
-connection and a ticket, a future, a timer and a task watching for the disconnect (the
-figure, measured: docs/server.md, "Waiting polls"). A client that disconnects is released
+connection (about 10 KiB kept alive) and, held, its request's frames through the ASGI
+stack, a ticket, a future, a timer and a task watching for the disconnect: about 14-16 KiB
+more (bench/held_polls.py, the server's RSS with 10,000 idle connections, then with a held
+poll on each; docs/benchmarks.md). A client that disconnects is released
 at once (its request's `receive` reports the disconnect). `close` (server shutdown) answers
 every held request at once (304 with `Preference-Applied`: it was held, until now) and
 holds no new ones: the devices poll again at once, find the port closed (or, behind a

@@ -116,7 +116,9 @@ class RefProbe:
         if held is not None and response.status_code in _NO_ANSWER:
             held.cut()
         elif held is not None:
-            held.answered(response.headers)
+            held.answered(response.headers, moved=response.status_code == 200 and
+                          response.headers.get("etag") not in (None, known.etag if known
+                                                                else None))
         return self._read(url, response, known)
 
     def _read(self, url: str, response: httpx.Response, known: _Known | None) -> str | None:

@@ -208,7 +208,8 @@ class RestSource:
             if exc.code in _CUT:
                 waiting.cut()
             raise
-        waiting.answered(response.headers)
+        waiting.answered(response.headers, moved=response.status == 200 and
+                         response.headers.get("etag") != headers["If-None-Match"])
         return response
 
     def _get(self, url: str, what: str, headers: Mapping[str, str] | None = None, *,

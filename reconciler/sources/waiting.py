@@ -15,8 +15,12 @@ cycle (`margo device once`, the tests' cycles) never does.
 
 When the next cycle comes (`next_delay`):
 
-* at once after a held answer (the wait was the pause between cycles) and after a new
-  state was adopted (the next poll waits for the change after it);
+* at once after a held answer (the wait was the pause between cycles), after a new state
+  was adopted (the next poll waits for the change after it), and after an answer whose
+  validator moved although nothing was adopted (the state had reached the device another
+  way, a Git fetch that found a newer tip than the advertisement): the next poll names the
+  new validator and can be held. Not more than `QUICK` times in a row without a held
+  answer: a server that makes up validators cannot make the client poll every second;
 * after a random delay, growing with each failure, when a waiting poll got no answer (cut
   by a proxy or a restart, timed out, refused, a 502/503/504), or when a server that held
   polls before answered one without holding it (it sheds load): devices cut off together
@@ -41,7 +45,8 @@ from typing import TypeVar
 
 import httpx
 
-__all__ = ["BACKOFF_FIRST", "MIN_CYCLE", "Interrupted", "WaitingPolls", "applied_wait"]
+__all__ = ["BACKOFF_FIRST", "MIN_CYCLE", "QUICK", "Interrupted", "WaitingPolls",
+           "applied_wait"]
 
 log = logging.getLogger("margo.device")
 
@@ -51,6 +56,8 @@ T = TypeVar("T")
 BACKOFF_FIRST = 1.0
 #: The shortest time between the starts of two cycles that follow each other at once.
 MIN_CYCLE = 1.0
+#: Answers with a new validator but nothing adopted followed at once, in a row.
+QUICK = 3
 #: How often a held request's caller looks whether the client is stopping (seconds).
 _STOP_CHECK = 0.5
 
@@ -86,6 +93,7 @@ class WaitingPolls:
         self._outcome: str | None = None  # this cycle's: held | plain | cut
         self._supported = False  # the server held a poll before
         self._failures = 0
+        self._quick = 0  # answers with a new validator followed at once, since a held one
 
     # --- before the poll (the loop, then the source) -------------------------------------
 
@@ -112,12 +120,13 @@ class WaitingPolls:
 
     # --- after the poll (the source) -----------------------------------------------------
 
-    def answered(self, headers: httpx.Headers) -> None:
-        """The waiting poll was answered (200 or 304)."""
+    def answered(self, headers: httpx.Headers, *, moved: bool = False) -> None:
+        """The waiting poll was answered (200 or 304); `moved`: with another validator than
+        the one it named."""
         if applied_wait(headers) is not None:
-            self._outcome, self._supported, self._failures = "held", True, 0
+            self._outcome, self._supported, self._failures, self._quick = "held", True, 0, 0
         else:
-            self._outcome = "plain"
+            self._outcome = "moved" if moved else "plain"
 
     def cut(self) -> None:
         """The waiting poll got no answer (cut, timed out, refused, or a 5xx)."""
@@ -160,9 +169,12 @@ class WaitingPolls:
         outcome, self._outcome = self._outcome, None
         if not self.active or not self.seconds:
             return scheduled
+        if outcome == "moved" and self._quick < QUICK:
+            self._quick += 1
+            adopted = True
         if outcome == "held" or adopted:
             return min(scheduled, max(0.0, MIN_CYCLE - elapsed))
-        if outcome is None or (outcome == "plain" and not self._supported):
+        if outcome is None or (outcome in ("plain", "moved") and not self._supported):
             return scheduled
         self._failures += 1
         window = BACKOFF_FIRST * 2 ** min(self._failures - 1, 30)

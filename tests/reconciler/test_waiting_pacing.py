@@ -83,6 +83,25 @@ def test_after_a_held_answer_or_a_new_state_the_next_cycle_comes_at_once() -> No
     assert waiting.next_delay(29.0, 30, adopted=True, elapsed=0.2) == pytest.approx(0.8)
 
 
+def test_a_moved_validator_is_polled_again_at_once_but_not_forever() -> None:
+    """The state reached the device another way (a Git fetch found a newer tip than the
+    advertisement): the next poll names the new validator and can be held. A server that
+    makes up validators gets `QUICK` such polls, then the schedule."""
+    waiting = polls()
+    delays = []
+    for _ in range(5):
+        waiting.allow(30)
+        waiting.answered(httpx.Headers(), moved=True)
+        delays.append(waiting.next_delay(29.0, 30, adopted=False, elapsed=2))
+    assert delays == [0.0, 0.0, 0.0, 29.0, 29.0]
+    waiting.allow(30)
+    waiting.answered(httpx.Headers({"Preference-Applied": "wait=30"}))  # held: counted anew
+    waiting.next_delay(0.0, 30, adopted=False, elapsed=30)
+    waiting.allow(30)
+    waiting.answered(httpx.Headers(), moved=True)
+    assert waiting.next_delay(29.0, 30, adopted=False, elapsed=2) == 0.0
+
+
 def test_a_server_that_never_held_a_poll_is_polled_on_the_schedule() -> None:
     waiting = polls()
     waiting.allow(30)

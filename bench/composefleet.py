@@ -4,19 +4,17 @@ registry, a server with an intent per deployment, and the box's configuration.""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from margo.archive import deterministic_targz
 from reconciler.oci import OciClient
+from tools.devices import compose_device
 from tools.docker.dockerengine import DockerEngine, running_engine
 from tools.docker.testimages import push_image, web_image
-from tools.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from tools.fleetserver import FleetServer, fleet_server, write_fleet
 
 __all__ = ["compose_box"]
 
@@ -81,24 +79,6 @@ def _compose_fleet(work: Path, engine: DockerEngine, registry: str) -> Path:
     return fleet
 
 
-def _compose_device(home: Path, server: FleetServer, engine: DockerEngine, device_id: str,
-                   **extra: Any) -> Path:
-    """A Compose box's home (token, capabilities reported to the server) and its
-    configuration file; `extra` adds top-level settings (e.g. `schedule`)."""
-    home.mkdir()
-    (home / "token").write_text(server.token)
-    doc = capabilities("compose-box-amd64", device_id)
-    (home / "caps.json").write_text(json.dumps(doc))
-    server.put_capabilities(doc)
-    (home / "device.yaml").write_text(yaml.safe_dump({
-        "device": {"id": device_id},
-        "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
-        "source": {"type": "margo-rest"},
-        "driver": {"type": "compose", "compose": engine.compose, "dockerHost": engine.host},
-        "dataDir": "data", "capabilities": {"file": "caps.json"}, **extra}))
-    return home / "device.yaml"
-
-
 @contextmanager
 def compose_box(work: Path, registry: str, device_id: str, deployments: int,
                 **extra: Any) -> Iterator[tuple[FleetServer, Path]]:
@@ -107,7 +87,7 @@ def compose_box(work: Path, registry: str, device_id: str, deployments: int,
     with running_engine(work / "docker") as engine:
         fleet = _compose_fleet(work, engine, registry)
         with fleet_server(work / "compose-server", fleet=fleet) as server:
-            config = _compose_device(work / device_id, server, engine, device_id, **extra)
+            config = compose_device(work / device_id, server, engine, device_id, **extra)
             for index in range(deployments):
                 server.edit_intent(f"web-{index}", COMPOSE_INTENT.format(
                     name=f"web-{index}", greeting=f"Hello{index}", device=device_id))

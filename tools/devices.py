@@ -20,13 +20,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from tools.docker.dockerengine import DockerEngine
 from tools.fleetserver import ROOT, FleetServer, capabilities
 from tools.processes import stop
 
-__all__ = ["HELLO", "Device", "current", "intent", "new_device", "new_digest",
+__all__ = ["HELLO", "Device", "compose_device", "current", "intent", "new_device", "new_digest",
            "running_device"]
 
 HELLO = "com-example-hello-world"
@@ -130,3 +132,21 @@ def new_digest(server: FleetServer, device_id: str, old: str) -> str | None:
     """The digest of the device's one deployment once it is no longer `old`."""
     [deployment] = server.device(device_id)["deployments"]
     return None if deployment["digest"] == old else str(deployment["digest"])
+
+
+def compose_device(home: Path, server: FleetServer, engine: DockerEngine, device_id: str,
+                   **extra: Any) -> Path:
+    """A Compose box's home (token, capabilities reported to the server) and its
+    configuration file; `extra` adds top-level settings (e.g. `schedule`)."""
+    home.mkdir()
+    (home / "token").write_text(server.token)
+    doc = capabilities("compose-box-amd64", device_id)
+    (home / "caps.json").write_text(json.dumps(doc))
+    server.put_capabilities(doc)
+    (home / "device.yaml").write_text(yaml.safe_dump({
+        "device": {"id": device_id},
+        "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
+        "source": {"type": "margo-rest"},
+        "driver": {"type": "compose", "compose": engine.compose, "dockerHost": engine.host},
+        "dataDir": "data", "capabilities": {"file": "caps.json"}, **extra}))
+    return home / "device.yaml"

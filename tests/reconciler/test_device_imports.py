@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 from kits.dockerkit import DockerEngine, ImageSet, clear_engine, compose_package, web_service
-from kits.fleetserver import capabilities, fleet_server, write_fleet
+from kits.fleetserver import fleet_server, write_fleet
 
 from reconciler.oci import OciClient
+from tools.devices import compose_device
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "light-box"
@@ -94,22 +94,11 @@ def test_a_compose_device_loads_no_helm_kubernetes_git_crypto_or_fleet_side(
         engine: DockerEngine, test_images: ImageSet, registry: str, tmp_path: Path) -> None:
     fleet = device_home(tmp_path, registry, test_images)
     with fleet_server(tmp_path, fleet=fleet) as server:
-        home = tmp_path / DEVICE
-        home.mkdir()
-        (home / "token").write_text(server.token)
-        doc = capabilities("compose-box-amd64", DEVICE)
-        (home / "caps.json").write_text(json.dumps(doc))
-        server.put_capabilities(doc)
-        (home / "device.yaml").write_text(yaml.safe_dump({
-            "device": {"id": DEVICE},
-            "server": {"url": server.base, "clientId": server.client_id, "tokenFile": "token"},
-            "source": {"type": "margo-rest"},
-            "driver": {"type": "compose", "compose": engine.compose, "dockerHost": engine.host},
-            "dataDir": "data", "capabilities": {"file": "caps.json"}}))
+        config = compose_device(tmp_path / DEVICE, server, engine, DEVICE)
         server.wait_for_deployments(1, device_id=DEVICE, timeout=60)
         done = subprocess.run(
             [sys.executable, "-c", PROBE, "device", "once", "--json", "--config",
-             str(home / "device.yaml")], cwd=ROOT, capture_output=True, text=True,
+             str(config)], cwd=ROOT, capture_output=True, text=True,
             timeout=180, check=False)
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2, done.stdout + done.stderr

@@ -22,7 +22,7 @@ from margo.errors import DocumentError, Path, Problem, short_repr
 from margo.kinds import Kind, Shape, detect
 from margo.loading import Limits, LoadedDocument, load_document, load_path
 from margo.normalize import normalise
-from margo.schemas import fast_check_for, shown_pattern, validator_for
+from margo.schemas import hot_gate, shown_pattern, validator_for
 from margo.schemas.source import APP_ID, COMPONENT_NAME, DEVICE_ID, SEMVER_UNDERSCORE, UUID
 from margo.semantics import semantic_problems
 
@@ -167,9 +167,15 @@ def _problems_from_error(error: ValidationError) -> list[tuple[Problem, bool]]:
 
 
 def schema_problems(instance: Any, kind: Kind, shape: Shape) -> list[tuple[Problem, bool]]:
-    """Every schema violation as (problem, located-at-key) pairs, in document order."""
+    """Every schema violation as (problem, located-at-key) pairs, in document order.
+
+    A kind this process validates in bulk passes the compiled gate first, and only a refused
+    document is explained; otherwise the explaining validator alone decides (`hot_gate`)."""
+    gate = hot_gate(str(kind), str(shape))
+    if gate is None:
+        return explain_schema_errors(validator_for(str(kind), str(shape)), instance)
     try:
-        fast_check_for(str(kind), str(shape))(instance)
+        gate(instance)
         return []
     except JsonSchemaException as refusal:
         return (explain_schema_errors(validator_for(str(kind), str(shape)), instance)

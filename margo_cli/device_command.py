@@ -22,6 +22,7 @@ from typing import Any
 from margo.errors import DocumentError
 from margo_cli import doctor_command, plan_command
 from margo_cli.device_config import device_config
+from margo_cli.go_runtime import restart_with_engine_settings
 from margo_cli.heap import release_freed_memory
 from margo_cli.usage import UsageError
 from reconciler.runner import CycleResult
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
     config = device_config(args.config)
+    restart_with_engine_settings(config.driver)  # GOGC for the Helm engine: go_runtime
     from reconciler.assembly import open_reconciler
     from reconciler.datadir import BusyError
     from reconciler.encryption_key import EncryptionKeyError

@@ -3,10 +3,7 @@
 glibc's malloc keeps what was freed at the top of its main heap (`[heap]` in
 /proc/<pid>/smaps) for the next allocation instead of returning it, so one busy moment
 stays resident for the rest of a long-lived process. A device client has such moments:
-its first cycles compile the fastjsonschema gates of the documents it validates
-(`margo.schemas.fast_check_for`: Python compiles generated source, several MiB of
-short-lived syntax tree for an rc.3 ApplicationDeployment), and any cycle may parse a large
-manifest. `malloc_trim(0)` hands that back; `bench/device_memory.py` measures what it
+any cycle may parse a large manifest or build a large plan. `malloc_trim(0)` hands that back; `bench/device_memory.py` measures what it
 saves (about 5 MiB of a device's steady resident memory, docs/benchmarks.md).
 
 Where the C library has no `malloc_trim` (musl, macOS) nothing is done.

@@ -14,9 +14,11 @@ import pytest
 from fastjsonschema import JsonSchemaException
 from jsonschema import Draft202012Validator
 
+from margo import schemas
 from margo.kinds import detect
 from margo.loading import load_path
-from margo.schemas import KINDS_AND_SHAPES, fast_check_for, load_schema, validator_for
+from margo.schemas import KINDS_AND_SHAPES, fast_check_for, hot_gate, load_schema, validator_for
+from margo.validation import schema_problems
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "fixtures" / "spec-examples"
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,3 +116,44 @@ def test_fast_intent_gate_agrees_with_the_full_validator(path: Path | None) -> N
     original = load_path(str(path)).value if path else _full_intent()
     assert _validator().is_valid(original)
     _assert_gate_agrees(original, fast_intent_check(), _validator())
+
+
+@pytest.fixture
+def cold_gates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No kind has been validated yet in this process, as in a device that just started."""
+    monkeypatch.setattr(schemas, "_heat", {})
+    monkeypatch.setattr(schemas, "_hot", set())
+
+
+@pytest.mark.usefixtures("cold_gates")
+def test_a_kind_gets_its_compiled_gate_only_once_validated_in_bulk() -> None:
+    kind, shape = "ApplicationDeployment", "rc.3"
+    assert all(hot_gate(kind, shape) is None for _ in range(schemas.HOT_COUNT - 1))
+    assert hot_gate("DeviceCapabilitiesManifest", "rc.3") is None  # each kind counts alone
+    assert hot_gate(kind, shape) is fast_check_for(kind, shape)
+    assert hot_gate(kind, shape) is fast_check_for(kind, shape)  # and stays hot
+
+
+@pytest.mark.usefixtures("cold_gates")
+def test_documents_spread_over_time_never_make_a_kind_hot() -> None:
+    kind, shape = "ApplicationDeployment", "rc.2"
+    for _ in range(3 * schemas.HOT_COUNT):
+        assert hot_gate(kind, shape) is None
+        schemas._heat[(kind, shape)].since -= schemas.HOT_WINDOW + 1  # a minute later
+
+
+@pytest.mark.usefixtures("cold_gates")
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*/*")), ids=lambda p: p.name)
+def test_cold_and_hot_validation_give_the_same_answer(path: Path) -> None:
+    """A device (cold: the explaining validator alone) and a server (hot: the gate first)
+    accept and refuse the same documents with the same located problems."""
+    original = load_path(str(path)).value
+    detection = detect(original)
+    assert detection.kind is not None and detection.shape is not None
+    variants = [original, *(value for _, value in _mutations(original))][:60]
+    cold = [schema_problems(v, detection.kind, detection.shape) for v in variants]
+    schemas._hot.add((str(detection.kind), str(detection.shape)))
+    hot = [schema_problems(v, detection.kind, detection.shape) for v in variants]
+    assert cold == hot
+    assert any(cold)
+    assert bool(cold[0]) is (path.parent.name == "invalid")

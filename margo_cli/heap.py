@@ -3,8 +3,9 @@
 glibc's malloc keeps what was freed at the top of its main heap (`[heap]` in
 /proc/<pid>/smaps) for the next allocation instead of returning it, so one busy moment
 stays resident for the rest of a long-lived process. A device client has such moments:
-any cycle may parse a large manifest or build a large plan. `malloc_trim(0)` hands that back; `bench/device_memory.py` measures what it
-saves (about 5 MiB of a device's steady resident memory, docs/benchmarks.md).
+any cycle may parse a large manifest or build a large plan. `malloc_trim(0)` hands that
+back; `bench/device_memory.py` measures what it saves (about 5 MiB of a device's steady
+resident memory, docs/benchmarks.md).
 
 Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
 """

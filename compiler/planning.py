@@ -10,11 +10,13 @@ its own and left out.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 
 from compiler.context import COMPILER_VERSION, CompileContext, ResolvedIntents, resolve_intents
 from compiler.device_compile import DeviceJob
+from compiler.gitformat import DEVICE_REF_PREFIX, all_plain_device_ids
 from compiler.gitstore import DeviceStore, branch_problem, device_ref
 from compiler.placement import ProfileConstraints
 from compiler.render import RenderCache
@@ -122,38 +124,60 @@ def _devices_to_compile(ctx: CompileContext, snapshot: Snapshot, store: DeviceSt
                         ) -> tuple[list[tuple[Device, DeviceRecord | None]], list[str]]:
     """The devices to compile with their records, in device order, and the devices whose
     branch the state recorded but the repository lost; the others are accounted as
-    unchanged in `report`."""
-    previous_devices = state.devices()
+    unchanged in `report`.
+
+    Worked out with set operations, comprehensions and C loops over the fleet, not Python
+    calls per device: this is most of what a no-op recompile of a large fleet does (a call
+    per device had cost 0.7 s at 100,000 devices)."""
+    previous = state.devices()
     in_grace = state.devices_in_grace()
     placed_by_changed = state.devices_placed_by(ctx.changed)
-    affected: set[str] | None = None
-
-    def affected_devices() -> set[str]:  # only worked out if some device may be skipped
-        nonlocal affected
-        if affected is None:
-            affected = _affected_devices(ctx, in_grace, placed_by_changed)
-        return affected
-
+    devices = snapshot.devices
+    ids = _usable_ids(sorted(devices), devices, report)
     # A device the state recorded whose branch is gone (its ref lost, e.g. `packed-refs`
     # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
     # staying missing because nothing it depends on changed.
-    refs = store.branch_names() if previous_devices else frozenset()
-    lost: list[str] = []
-    todo: list[tuple[Device, DeviceRecord | None]] = []
-    for device_id in sorted(snapshot.devices):
-        device = snapshot.devices[device_id]
-        if _unusable_id(device, report):
-            continue
-        record = previous_devices.get(device_id)
-        if record is not None and device_ref(device_id) not in refs:
-            lost.append(device_id)
-            record = None
-        if _needs_compile(device, record, affected_devices):
-            todo.append((device, record))
-        else:
-            report.unchanged += 1
-            report.deployments += record.deployments if record else 0
+    lost = _lost_branches(ids, previous, store)
+    gone = set(lost)
+    steady = {device_id for device_id in ids
+              if (record := previous.get(device_id)) is not None
+              and record.caps_digest == devices[device_id].digest and device_id not in gone}
+    if steady:  # only worked out if some device may be skipped (targeting costs)
+        steady -= _affected_devices(ctx, in_grace, placed_by_changed)
+    report.unchanged += len(steady)
+    report.deployments += sum(map(_DEPLOYMENTS, map(previous.__getitem__, steady)))
+    todo = [(devices[device_id], None if device_id in gone else previous.get(device_id))
+            for device_id in ids if device_id not in steady]
     return todo, lost
+
+
+#: A `DeviceRecord`'s deployments, read in C.
+_DEPLOYMENTS = attrgetter("deployments")
+
+
+def _usable_ids(ids: list[str], devices: Mapping[str, Device],
+                report: CompileReport) -> list[str]:
+    """`ids` but those that can name no branch (`_unusable_id`, which reports them); all
+    of a fleet's ids are usually plain, which one regular expression tells."""
+    if all_plain_device_ids(ids):
+        return ids
+    return [device_id for device_id in ids if not _unusable_id(devices[device_id], report)]
+
+
+def _lost_branches(ids: list[str], previous: Mapping[str, DeviceRecord],
+                   store: DeviceStore) -> list[str]:
+    """The devices of `ids` the state recorded whose branch the repository does not have,
+    in order; one listing of the refs answers for all of them."""
+    if not previous:
+        return []
+    refs = store.branch_names()
+    recorded = list(filter(previous.__contains__, ids))
+    if all_plain_device_ids(recorded):  # each is its branch's last component, unencoded
+        missing = set(map(DEVICE_REF_PREFIX.__add__, recorded)).difference(refs)
+        if not missing:
+            return []
+        return [device_id for device_id in recorded if DEVICE_REF_PREFIX + device_id in missing]
+    return [device_id for device_id in recorded if device_ref(device_id) not in refs]
 
 
 def _unusable_id(device: Device, report: CompileReport) -> bool:
@@ -168,14 +192,6 @@ def _unusable_id(device: Device, report: CompileReport) -> bool:
     report.results.append(DeviceResult(device.id, "error", problems=[located]))
     report.errors.append((device.id, located))
     return True
-
-
-def _needs_compile(device: Device, record: DeviceRecord | None,
-                   affected: Callable[[], set[str]]) -> bool:
-    """Whether anything that decides this device's tree may have changed."""
-    if record is None or record.caps_digest != device.digest:
-        return True
-    return device.id in affected()
 
 
 def _affected_devices(ctx: CompileContext, in_grace: set[str], placed_by_changed: set[str],

@@ -33,11 +33,11 @@ from types import MappingProxyType
 from typing import Any
 
 from compiler.gcpause import collection_paused
+from compiler.gitformat import all_plain_device_ids, branch_problem
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
 from margo.constraints import matching_view
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem, short_repr
-from margo.identifiers import device_id_problem
 from margo.kinds import GENERATIONS, Kind, detect
 from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
 from margo.models import DeviceCapabilities
@@ -278,7 +278,7 @@ def _add(snapshot: Snapshot, loaded: LoadedDocument, key: str | None,
             expected=key, found=device_id)))
         snapshot.broken.add(key)
         return
-    problem = device_id_problem(device_id)
+    problem = branch_problem(device_id)
     if problem is not None:  # e.g. stored before the server bounded ids: no branch for it
         snapshot.problems.append(loaded.locate(Problem(
             ("properties", "id"), f"device {short_repr(device_id)} is left alone: {problem}",
@@ -398,15 +398,30 @@ def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: Snapsho
     spans, plain, digests = memo.spans, memo.plain, memo.digests
     if not spans or len(plain) != len(spans):
         return False
-    for key in plain:
-        digest = digests.get(key)
-        if digest is None or trusted.get(key) != digest or device_id_problem(key) is not None:
-            return False
+    if not _all_trusted(plain, digests, trusted):
+        return False
     text = _json_text(data)
     devices = snapshot.devices
     for key in sorted(spans):
         start, end = spans[key]
         devices[key] = Device(key, None, digests[key], file, span=(text, start, end))
+    return True
+
+
+def _all_trusted(keys: frozenset[str], digests: Mapping[str, str],
+                 trusted: Mapping[str, str]) -> bool:
+    """Whether each key has a recorded digest, `trusted` vouches for that digest under the
+    key, and the key is a valid device id. Asked of every device on every recompile, so
+    the usual case is answered by C loops: the memo's digests are exactly the keys' and
+    all of them are trusted (dict views), and the ids are all plain ones (one regular
+    expression, `all_plain_device_ids`); anything else is checked key by key."""
+    if (keys == digests.keys() and digests.items() <= trusted.items()
+            and all_plain_device_ids(keys)):
+        return True
+    for key in keys:
+        digest = digests.get(key)
+        if digest is None or trusted.get(key) != digest or branch_problem(key) is not None:
+            return False
     return True
 
 
@@ -484,7 +499,7 @@ def _add_known(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
         digest = known.get(key)
         if (digest is not None and trusted.get(key) == digest and key not in devices
                 and _claimed_id(value) == key and not is_cluster_manifest(value)
-                and device_id_problem(key) is None):
+                and branch_problem(key) is None):
             devices[key] = Device(key, None, digest, file, document=value)
         else:
             _add(snapshot, _keyed(loaded, key), key, trusted, known)

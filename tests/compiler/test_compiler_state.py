@@ -163,3 +163,50 @@ def test_placements_saved_against_what_was_read_equal_a_full_replace(tmp_path: P
     finally:
         diffed.close()
         replaced.close()
+
+
+def test_the_memo_remembered_in_memory_is_only_served_while_the_state_holds_it(
+        tmp_path: Path, state: CompilerState) -> None:
+    """A recompile does not read the memo's rows again while the state still names the id
+    they were saved with; rows replaced by any other writer (a new id, or another key) are
+    read again, and a save rolled back leaves the memo that was committed."""
+    import sqlite3
+
+    state.save(**_records(2))  # type: ignore[arg-type]
+    assert state.snapshot_memo() == MEMO
+    raw = sqlite3.connect(tmp_path / "state.sqlite", isolation_level=None)
+    try:
+        # Another writer replaces the rows under the same key, with an id of its own.
+        raw.execute("UPDATE snapshot_documents SET digest = 'sha256:other' WHERE device_id='d0'")
+        raw.execute("UPDATE meta SET value = 'another-id' WHERE key = 'snapshot_id'")
+        assert state.snapshot_memo().digests["d0"] == "sha256:other"  # type: ignore[union-attr]
+        # A compiler that writes no id replaces the memo: its key differs.
+        raw.execute("UPDATE meta SET value = '1:def' WHERE key = 'snapshot'")
+        raw.execute("DELETE FROM meta WHERE key = 'snapshot_id'")
+        memo = state.snapshot_memo()
+        assert memo is not None and memo.key == "1:def"
+    finally:
+        raw.close()
+    changed = _records(2)
+    changed["snapshot"] = SnapshotMemo("1:ghi", {"d0": "sha256:9"}, {}, frozenset())
+    state.stage(**changed).rollback()  # type: ignore[arg-type]
+    memo = state.snapshot_memo()
+    assert memo is not None and memo.key == "1:def" and memo.digests["d0"] == "sha256:other"
+
+
+def test_a_memo_saved_without_an_id_gets_one_when_saved_again(tmp_path: Path,
+                                                              state: CompilerState) -> None:
+    """A state written by a compiler that saved no memo id gets one at the next compile that
+    reads the same file (which otherwise leaves the memo's rows as they are)."""
+    import sqlite3
+
+    state.save(**_records(1))  # type: ignore[arg-type]
+    raw = sqlite3.connect(tmp_path / "state.sqlite", isolation_level=None)
+    try:
+        raw.execute("DELETE FROM meta WHERE key = 'snapshot_id'")
+        assert state.snapshot_memo() == MEMO  # read from its rows
+        state.save(**_records(1))  # type: ignore[arg-type]
+        ids = raw.execute("SELECT value FROM meta WHERE key = 'snapshot_id'").fetchall()
+    finally:
+        raw.close()
+    assert len(ids) == 1 and state.snapshot_memo() == MEMO

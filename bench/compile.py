@@ -1,6 +1,7 @@
 """Benchmark: compiling a synthetic fleet into device branches.
 
     .venv/bin/python bench/compile.py [--devices 10000] [--apps 20] [--intents 30] [--runs 1]
+        [--server]
 
 Generates a fleet source (applications with Helm and Compose profiles, constraints and
 configuration schemas; intents with label/property selectors, literal and expression
@@ -12,7 +13,12 @@ parameters) and a capability snapshot, then prints:
   devices, and the ratio to the full compile;
 * the same trees and commits written by `git fast-import` from a prepared stream (Git's
   fastest writer: the practical lower bound for writing the objects), and the ratio of the
-  full compile to it.
+  full compile to it;
+* each compile's peak resident memory (VmHWM of this process, reset before each compile),
+  and the largest of its forked workers' and Git's.
+
+The fleet is generated and the fast-import stream prepared one device at a time, so
+``--devices 1000000`` fits this machine.
 
 With ``--runs N`` everything is measured N times from scratch and the ranges are printed:
 on a small virtual machine identical runs differ by 15% and more, so single figures
@@ -26,16 +32,21 @@ Set TMPDIR to measure on another file system (e.g. ``TMPDIR=/dev/shm`` leaves th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.benchkit import memory_kib
+from bench.server_snapshot import measure_server_snapshot
 from compiler.compilation import CompileReport, compile_fleet
 from compiler.gcpause import release_frozen
 from compiler.gitstore import DeviceStore, device_ref
@@ -148,8 +159,12 @@ def generate(root: Path, devices: int, apps: int, intents: int) -> tuple[Path, P
         (source / "deployments" / f"{doc['metadata']['name']}.yaml").write_bytes(
             canonical_yaml(doc))
     caps = root / "capabilities.json"
-    caps.write_text(json.dumps({f"device-{i:05d}": capabilities(i, rng)
-                                for i in range(devices)}))
+    with caps.open("w") as out:  # one device at a time: a million do not fit in memory whole
+        out.write("{")
+        for i in range(devices):
+            out.write(f'{", " if i else ""}"device-{i:05d}": '
+                      f"{json.dumps(capabilities(i, rng))}")
+        out.write("}")
     return source, caps
 
 
@@ -166,6 +181,7 @@ def settle() -> None:
 def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[CompileReport,
                                                                             float]:
     settle()
+    reset_peak_memory()
     start = time.perf_counter()
     state = CompilerState(repos / "compiler-state.sqlite")
     store = DeviceStore(repos)
@@ -182,31 +198,58 @@ def run_compile(source: Path, caps: Path, repos: Path, now: float) -> tuple[Comp
     return report, elapsed
 
 
-def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:
-    """Write every device's first commit (same tree, same message) with git fast-import."""
-    subprocess.run(["git", "init", "-q", "--bare", str(target)], check=True)
-    chunks: list[bytes] = []
+def fast_import_stream(store: DeviceStore) -> Iterator[bytes]:
+    """Every device's first commit (same tree, same message) as a `git fast-import` stream,
+    one device at a time: built whole, the stream of 100,000 devices had been most of this
+    benchmark's own peak memory."""
     for device_id in store.device_ids():
         first = store.history(device_id, limit=1000)[-1]
         files = store.read_files(device_id, first.id) or {}
         message = first.message.encode()
-        chunks.append(f"commit {device_ref(device_id)}\n".encode())
-        chunks.append(f"committer bench <bench@example.invalid> {first.timestamp} +0000\n"
-                      .encode())
-        chunks.append(b"data %d\n%s\n" % (len(message), message))
-        for name in sorted(files):
-            chunks.append(b"M 100644 inline %s\ndata %d\n%s\n" % (
-                name.encode(), len(files[name]), files[name]))
-        chunks.append(b"\n")
-    stream = b"".join(chunks) + b"done\n"
+        chunks = [f"commit {device_ref(device_id)}\n".encode(),
+                  f"committer bench <bench@example.invalid> {first.timestamp} +0000\n".encode(),
+                  b"data %d\n%s\n" % (len(message), message)]
+        chunks += [b"M 100644 inline %s\ndata %d\n%s\n" % (name.encode(), len(files[name]),
+                                                            files[name])
+                   for name in sorted(files)]
+        yield b"".join(chunks) + b"\n"
+    yield b"done\n"
+
+
+def fast_import_lower_bound(store: DeviceStore, target: Path) -> float:
+    """Write every device's first commit with git fast-import; its seconds. The stream is
+    prepared in a file first (untimed), so the timed run is Git's alone."""
+    subprocess.run(["git", "init", "-q", "--bare", str(target)], check=True)
+    stream = target / "bench-stream"
+    with stream.open("wb") as out:
+        out.writelines(fast_import_stream(store))
     settle()
     start = time.perf_counter()
-    subprocess.run(["git", "--git-dir", str(target), "fast-import", "--quiet", "--done"],
-                   input=stream, check=True)
+    with stream.open("rb") as feed:
+        subprocess.run(["git", "--git-dir", str(target), "fast-import", "--quiet", "--done"],
+                       stdin=feed, check=True)
     return time.perf_counter() - start
 
 
-def measure(devices: int, apps: int, intents: int) -> dict[str, float]:
+def reset_peak_memory() -> None:
+    """Start this process's peak resident memory (VmHWM) afresh: Linux resets it when "5"
+    is written to /proc/self/clear_refs, so each compile's own peak can be read after it."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory_mb() -> float:
+    """This process's peak resident memory since `reset_peak_memory`, in MB (10^6 bytes)."""
+    return memory_kib("VmHWM") * 1024 / 1e6
+
+
+def workers_peak_mb() -> float:
+    """The largest peak resident memory of any finished child (the compile's forked
+    workers and Git), in MB: what the compile needs besides its own process."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e6
+
+
+def measure(devices: int, apps: int, intents: int, *, server: bool = False) -> dict[str, float]:
     """One measurement of every figure, in a fresh directory; prints as it goes."""
     with tempfile.TemporaryDirectory(prefix="margo-bench-") as tmp:
         root = Path(tmp)
@@ -218,25 +261,29 @@ def measure(devices: int, apps: int, intents: int) -> dict[str, float]:
         state = CompilerState(repos / "compiler-state.sqlite")
         waiting = sum(len(names) for names in state.waiting().values())
         state.close()
+        full_peak = peak_memory_mb()
         print(f"full compile: {full:.1f} s, {devices / full:,.0f} devices/s "
               f"({report.devices} devices, {report.deployments} deployments, "
-              f"{waiting} waiting for capacity, {report.commits} commits)")
+              f"{waiting} waiting for capacity, {report.commits} commits); "
+              f"peak resident memory {full_peak:,.0f} MB (largest worker or Git "
+              f"{workers_peak_mb():,.0f} MB)")
         report, noop = run_compile(source, caps, repos, now=1_800_000_100)
         print(f"no-op recompile: {noop:.2f} s ({report.commits} commits, "
-              f"{report.unchanged} unchanged)")
+              f"{report.unchanged} unchanged); peak {peak_memory_mb():,.0f} MB")
         intent_file = source / "deployments" / "intent-00.yaml"
         intent_file.write_text(intent_file.read_text().replace("logLevel: warn",
                                                                "logLevel: debug"))
         report, incremental = run_compile(source, caps, repos, now=1_800_000_200)
         print(f"incremental (one intent's parameter, {report.commits} devices = "
               f"{report.commits / devices:.0%}): {incremental:.2f} s, "
-              f"{incremental / full:.3f} of full")
+              f"{incremental / full:.3f} of full; peak {peak_memory_mb():,.0f} MB")
+        figures = measure_server_snapshot(caps) if server else {}
         lower = fast_import_lower_bound(DeviceStore(repos), root / "fast-import.git")
         print(f"git fast-import of the same trees and commits: {lower:.1f} s; "
               f"full compile / fast-import = {full / lower:.2f}", flush=True)
     return {"full compile s": full, "no-op s": noop, "incremental s": incremental,
             "incremental / full": incremental / full, "fast-import s": lower,
-            "full / fast-import": full / lower}
+            "full / fast-import": full / lower, "full compile peak MB": full_peak, **figures}
 
 
 def main() -> None:
@@ -245,6 +292,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=10_000)
     parser.add_argument("--apps", type=int, default=20)
     parser.add_argument("--intents", type=int, default=30)
+    parser.add_argument("--server", action="store_true",
+                        help="also time the fleet server's compile input from its store "
+                             "(bench/server_snapshot.py)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat every measurement (fresh directories) and print ranges")
     args = parser.parse_args()
@@ -252,7 +302,7 @@ def main() -> None:
     for run in range(args.runs):
         if args.runs > 1:
             print(f"-- run {run + 1} of {args.runs}")
-        runs.append(measure(args.devices, args.apps, args.intents))
+        runs.append(measure(args.devices, args.apps, args.intents, server=args.server))
     if args.runs > 1:
         print(f"-- ranges over {args.runs} runs (min - median - max)")
         for figure in runs[0]:

@@ -15,6 +15,7 @@ from kits.damagekit import damage_table
 from kits.fleetkit import Fleet, app, device, intent
 from kits.serverkit import add_client, running_server
 
+from compiler.snapshot import snapshot_from_documents
 from tools.polling import poll_until
 from wfm.fleet.compiles import CompileService, SourceConfig
 
@@ -32,8 +33,10 @@ def test_damage_found_in_the_middle_of_a_compile_is_set_aside_and_compiled_again
         fleet.devices[f"edge-{index}"] = device(f"edge-{index}")
     fleet.write()
     repos = tmp_path / "repos"
-    service = CompileService(repos, SourceConfig(fleet.source), lambda: dict(fleet.devices),
-                             lambda report: None, debounce=0)
+    service = CompileService(
+        repos, SourceConfig(fleet.source),
+        lambda trusted: snapshot_from_documents(dict(fleet.devices), trusted=trusted),
+        lambda report: None, debounce=0)
     try:
         service.trigger()
         assert service.wait_idle() and service.compiles == 1 and service.last_error is None

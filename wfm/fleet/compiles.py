@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +24,7 @@ from compiler.compilation import CompileReport, compile_fleet
 from compiler.gcpause import freeze_survivors, release_frozen
 from compiler.gitstore import DeviceStore
 from compiler.secrets import FleetKey
-from compiler.snapshot import snapshot_from_documents
+from compiler.snapshot import Snapshot
 from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState, is_damage, is_sound, set_aside
 from wfm.fleet.sourcecondition import SourceCondition
@@ -80,14 +80,17 @@ class SourceConfig:
 
 class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
-                 documents: Callable[[], dict[str, object]],
+                 fleet: Callable[[Mapping[str, str]], Snapshot],
                  on_compiled: Callable[[CompileReport | None], None], *,
                  debounce: float = 0.3, coordinator: Coordinator | None = None,
                  on_condition: Callable[[SourceCondition], object] = lambda condition: None,
                  rollouts: RolloutController | None = None,
                  lead_times: LeadTimes | None = None):
-        """`lead_times`: told what each compile answers and changed (`wfm.fleet.leadtime`)."""
-        self._repos, self._source, self._documents = repos, source, documents
+        """`fleet(trusted)`: the snapshot of what the devices reported, a compile's input
+        (`wfm.fleet.reported.ReportedFleet.snapshot`; `trusted`: the compiler state's
+        digests of documents that validated before). `lead_times`: told what each compile
+        answers and changed (`wfm.fleet.leadtime`)."""
+        self._repos, self._source, self._fleet = repos, source, fleet
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
@@ -325,8 +328,7 @@ class CompileService:
             state.bind(store.identity)
             # The compiler remembers no intent: every device is evaluated (a full compile).
             self._kind = "incremental" if state.intents() else "full"
-            snapshot = snapshot_from_documents(self._documents(),
-                                               trusted=state.trusted_digests())
+            snapshot = self._fleet(state.trusted_digests())
             plans = self._rollouts.plans(source) if self._rollouts is not None else None
             key = FleetKey.load(self._source.fleet_key) if self._source.fleet_key else None
             return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key)

@@ -33,6 +33,7 @@ from wfm.fleet.desired import DesiredState
 from wfm.fleet.fleetmetrics import FleetCollector
 from wfm.fleet.freshness import STALE_POLLS
 from wfm.fleet.leadtime import LeadTimes
+from wfm.fleet.reported import ReportedFleet
 from wfm.fleet.rollouts import RolloutController, served_from
 from wfm.fleet.sourcecondition import store_condition
 from wfm.fleet.sources import RemoteSource, SourceWatcher, fetch_source
@@ -59,7 +60,7 @@ from wfm.problems import ProblemError, problem_response
 from wfm.server.accesslog import install as install_redaction
 from wfm.server.datalock import DataDirLock
 from wfm.server.gcpolicy import tune_for_serving
-from wfm.store import fleet_rows, records
+from wfm.store import fleet_rows
 from wfm.store.database import Database, DatabaseUnavailable
 from wfm.store.opening import is_url, open_database
 from wfm.telemetry.tracing import Tracing
@@ -393,7 +394,7 @@ def _fleet_control(config: ServerConfig, api: Api, db: Database,
                      handout=lambda device_id: api.attribution.handouts.when(device_id),
                      catch_up=coordinator.sync if coordinator is not None else None)
     compiles = CompileService(
-        config.repos, config.effective_source, lambda: db.read(records.device_documents),
+        config.repos, config.effective_source, ReportedFleet(db.read).snapshot,
         (lambda report: _published(desired, api.waiters, _committed(report)))
         if coordinator is None else (lambda report: None),
         debounce=config.debounce, coordinator=coordinator,

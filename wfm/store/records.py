@@ -20,7 +20,8 @@ __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HIST
            "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",
            "DeviceRow",
            "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
-           "device_documents", "device_owner", "device_row", "device_rows", "device_time",
+           "device_digests", "device_documents", "device_owner", "device_row", "device_rows",
+           "device_texts", "device_time",
            "forget_device", "git_handout", "git_handout_at", "manifest_contents",
            "manifest_contents_of", "manifest_version", "raise_manifest_generation",
            "record_git_handouts", "record_polls", "report_meaning",
@@ -203,6 +204,30 @@ def device_documents(conn: Connection) -> ReportedDocuments:
     (the compiler's snapshot: `compiler.snapshot.ReportedDocuments`)."""
     rows = conn.execute("SELECT device_id, document, shape FROM devices").fetchall()
     return ReportedDocuments({r[0]: json.loads(r[1]) for r in rows}, {r[0]: r[2] for r in rows})
+
+
+def device_digests(conn: Connection) -> dict[str, str]:
+    """Device id -> ``<digest> <shape>`` of its current capability document: what tells a
+    compile which documents changed since it last read them (`wfm.fleet.reported`) without
+    reading the documents (one string per device, so that 100,000 compare in C)."""
+    return dict(conn.execute("SELECT device_id, digest || ' ' || shape FROM devices"))
+
+
+#: Ids per statement of `device_texts` (SQLite allows 32,766 parameters).
+_IDS_PER_STATEMENT = 500
+
+
+def device_texts(conn: Connection, device_ids: list[str]) -> list[tuple[str, str, str, str]]:
+    """(device id, document as stored: compact sorted-key JSON, its digest, shape) of these
+    devices; a device no longer stored is left out."""
+    found: list[tuple[str, str, str, str]] = []
+    for start in range(0, len(device_ids), _IDS_PER_STATEMENT):
+        chunk = device_ids[start:start + _IDS_PER_STATEMENT]
+        marks = ", ".join("?" * len(chunk))
+        found += [(r[0], r[1], r[2], r[3]) for r in conn.execute(
+            "SELECT device_id, document, digest, shape FROM devices "
+            f"WHERE device_id IN ({marks})", chunk)]
+    return found
 
 
 class DeviceLimitReached(Exception):

@@ -70,7 +70,7 @@ from compiler.gitformat import (
     read_marks,
     tree_id_of,
 )
-from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs
+from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs, ref_names
 from compiler.stalelocks import recover_stale_locks
 
 __all__ = [
@@ -240,8 +240,13 @@ class DeviceStore:
     def branch_names(self) -> frozenset[str]:
         """The name of every ref, read in one listing: a recompile that skips most devices
         tells from it which recorded devices lost their branch (one set lookup each, not
-        one ref lookup each)."""
-        return frozenset(self._own_repo().listall_references())
+        one ref lookup each). Read from the files (`compiler.packedrefs.ref_names`: those
+        of ``packed-refs`` are remembered while the file is the same one), or by libgit2
+        from a ``packed-refs`` that module does not read."""
+        try:
+            return ref_names(self.path)
+        except PackedRefsError:
+            return frozenset(self._own_repo().listall_references())
 
     def tip(self, device_id: str) -> str | None:
         """The id of the newest commit of the device's branch; None when it has none."""

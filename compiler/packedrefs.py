@@ -25,9 +25,11 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
-__all__ = ["LooseRefsError", "PackedRefsError", "RefMovedError", "move_refs"]
+__all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError", "move_refs",
+           "packed_ref_names", "ref_names"]
 
 PACKED_REFS = "packed-refs"
 _LOCK_SUFFIX = ".lock"
@@ -43,6 +45,90 @@ _OID_RE, _REF_RE, _PEEL_RE = (re.compile(p) for p in (_OID, _REF_LINE, _PEEL_LIN
 _ENTRIES_RE = re.compile(rb"(?:%s\n(?:%s\n)?)*" % (_REF_LINE, _PEEL_LINE))
 # Git gives up on a held packed-refs.lock after one second (core.packedRefsTimeout).
 LOCK_TIMEOUT = 1.0
+#: What tells one ``packed-refs`` file from another without reading it: (device, inode,
+#: size, mtime_ns, ctime_ns). Every writer (Git, libgit2, this module) replaces the file by
+#: renaming a new one over it, so a rewrite is a new inode with new times: what Git's own
+#: cache of the file checks (``stat_validity``).
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def _identity(fd: int) -> FileIdentity:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+#: The ref names of the ``packed-refs`` this process last read or wrote, under the file's
+#: identity: listing 100,000 refs costs 40-130 ms (libgit2, or parsing), a `stat` nothing.
+_PACKED_NAMES: Remembered[frozenset[str]] = Remembered()
+
+
+def ref_names(git_dir: str | os.PathLike[str]) -> frozenset[str]:
+    """The name of every ref of the repository: those of ``packed-refs`` (remembered while
+    the file keeps its identity, `FileIdentity`) and the loose files under ``refs/``,
+    listed each time (usually none: this module writes packed refs). PackedRefsError for
+    a ``packed-refs`` not in Git's format."""
+    path = Path(git_dir) / PACKED_REFS
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        packed: frozenset[str] | None = frozenset()
+    else:
+        packed = _PACKED_NAMES.get(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                                          st.st_ctime_ns))
+    if packed is None:
+        identity, packed = packed_ref_names(git_dir)
+        _PACKED_NAMES.put(path, identity, packed)
+    loose = _loose_ref_names(Path(git_dir))
+    return packed | loose if loose else packed
+
+
+def _loose_ref_names(git_dir: Path) -> frozenset[str]:
+    """The ref files under ``refs/`` (lock files aside), by name."""
+    found: list[str] = []
+    pending = ["refs"]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = os.scandir(git_dir / directory)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(f"{directory}/{entry.name}")
+                elif not entry.name.endswith(_LOCK_SUFFIX):
+                    found.append(f"{directory}/{entry.name}")
+    return frozenset(found)
+
+
+def _remember_written(path: Path, replaced: FileIdentity | None, written: FileIdentity,
+                      updates: Mapping[str, tuple[str | None, str | None]]) -> None:
+    """Remember the names of the file just written, if those of the file it replaced are
+    (or there was none): they are the same with the updates applied."""
+    before = frozenset() if replaced is None else _PACKED_NAMES.get(path, replaced)
+    if before is None:
+        return
+    deleted = {name for name, (_, new) in updates.items() if new is None}
+    _PACKED_NAMES.put(path, written, before.union(updates).difference(deleted))
+
+
+def packed_ref_names(git_dir: str | os.PathLike[str]) -> tuple[FileIdentity | None,
+                                                              frozenset[str]]:
+    """The identity of the ``packed-refs`` file (None: there is none) and the name of each
+    ref it holds, read from one open file (name and identity agree, whoever replaces the
+    file meanwhile). PackedRefsError for a file not in Git's format."""
+    try:
+        fd = os.open(Path(git_dir) / PACKED_REFS, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, frozenset()
+    with os.fdopen(fd, "rb") as handle:
+        identity, data = _identity(fd), handle.read()
+    lines = data.split(b"\n")
+    refs = [line for line in lines[:-1] if not line.startswith((b"^", b"#"))]
+    if lines[-1] or not all(len(line) > 41 and line[40:41] == b" " for line in refs):
+        raise PackedRefsError(f"{git_dir}/{PACKED_REFS}: not in Git's packed format")
+    names = b"\n".join([line[41:] for line in refs])
+    return identity, frozenset(names.decode().split("\n")) if names else frozenset()
 
 
 class PackedRefsError(RuntimeError):
@@ -64,10 +150,13 @@ class LooseRefsError(PackedRefsError):
 
 def move_refs(git_dir: str | os.PathLike[str],
               updates: Mapping[str, tuple[str | None, str | None]],
-              *, timeout: float = LOCK_TIMEOUT) -> None:
+              *, timeout: float = LOCK_TIMEOUT,
+              ) -> tuple[FileIdentity | None, FileIdentity] | None:
     """Point each ref name at its new object id if it still points at its old one (old
     None: the ref must not exist yet; new None: delete the ref), all or nothing: one atomic
-    rename of ``packed-refs``.
+    rename of ``packed-refs``. Returns the identity of the file it replaced (None: none)
+    and of the one it wrote, which holds exactly the refs of the other with the updates
+    applied (None: nothing to update).
 
     The new file reaches the disk before it replaces the old one, so a crash leaves the old
     refs or the new ones, never an empty file, and a caller recording the move afterwards
@@ -78,10 +167,10 @@ def move_refs(git_dir: str | os.PathLike[str],
     for name, (old, new) in updates.items():
         _check_update(name, old, new)
     if not updates:
-        return
+        return None
     with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
         _refuse_loose(git_dir, updates)
-        current = _read(git_dir / PACKED_REFS)
+        replaced, current = _read(git_dir / PACKED_REFS)
         traits, entries = _parse(current, git_dir / PACKED_REFS)
         for name, (old, new) in updates.items():
             entry = entries.get(name.encode())
@@ -96,6 +185,9 @@ def move_refs(git_dir: str | os.PathLike[str],
         os.write(lock_fd, _render(traits, entries))
         os.fsync(lock_fd)
         os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
+        written = _identity(lock_fd)  # (its times as renamed)
+    _remember_written(git_dir / PACKED_REFS, replaced, written, updates)
+    return replaced, written
 
 
 def _check_update(name: str, old: str | None, new: str | None) -> None:
@@ -160,11 +252,13 @@ def _locked(path: Path, timeout: float) -> Iterator[int]:
         os.close(fd)
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path) -> tuple[FileIdentity | None, bytes]:
     try:
-        return path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return b""
+        return None, b""
+    with os.fdopen(fd, "rb") as handle:
+        return _identity(fd), handle.read()
 
 
 def _parse(data: bytes, path: Path) -> tuple[tuple[bytes, ...], dict[bytes, bytes]]:

@@ -23,7 +23,7 @@ from compiler.render import RenderCache
 from compiler.report import CompileReport, DeviceResult
 from compiler.rollout import RolloutPlan, assign_waves
 from compiler.secrets import FleetKey
-from compiler.snapshot import Device, Snapshot, SnapshotMemo
+from compiler.snapshot import Device, LazyDevices, Snapshot, SnapshotMemo
 from compiler.source import FleetSource
 from compiler.state import CompilerState, DeviceRecord, IntentRecord
 from compiler.targeting import TargetIndex
@@ -129,25 +129,26 @@ def _devices_to_compile(ctx: CompileContext, snapshot: Snapshot, store: DeviceSt
     Worked out with set operations, comprehensions and C loops over the fleet, not Python
     calls per device: this is most of what a no-op recompile of a large fleet does (a call
     per device had cost 0.7 s at 100,000 devices)."""
-    previous = state.devices()
+    previous, recorded_digests, recorded_deployments = state.device_records()
     in_grace = state.devices_in_grace()
     placed_by_changed = state.devices_placed_by(ctx.changed)
     devices = snapshot.devices
-    ids = _usable_ids(sorted(devices), devices, report)
+    ids, plain = _usable_ids(devices, report)
     # A device the state recorded whose branch is gone (its ref lost, e.g. `packed-refs`
     # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
     # staying missing because nothing it depends on changed.
-    lost = _lost_branches(ids, previous, store)
-    gone = set(lost)
-    steady = {device_id for device_id in ids
-              if (record := previous.get(device_id)) is not None
-              and record.caps_digest == devices[device_id].digest and device_id not in gone}
+    lost = _lost_branches(ids, plain, previous, store)
+    steady = _recorded_as_they_are(ids, devices, recorded_digests)
+    steady.difference_update(lost)
     if steady:  # only worked out if some device may be skipped (targeting costs)
         steady -= _affected_devices(ctx, in_grace, placed_by_changed)
     report.unchanged += len(steady)
-    report.deployments += sum(map(_DEPLOYMENTS, map(previous.__getitem__, steady)))
-    todo = [(devices[device_id], None if device_id in gone else previous.get(device_id))
-            for device_id in ids if device_id not in steady]
+    report.deployments += (recorded_deployments if len(steady) == len(previous)
+                           else sum(map(_DEPLOYMENTS, map(previous.__getitem__, steady))))
+    gone = set(lost)
+    todo = [] if len(steady) == len(ids) else [  # (steady: some of `ids`)
+        (devices[device_id], None if device_id in gone else previous.get(device_id))
+        for device_id in ids if device_id not in steady]
     return todo, lost
 
 
@@ -155,29 +156,67 @@ def _devices_to_compile(ctx: CompileContext, snapshot: Snapshot, store: DeviceSt
 _DEPLOYMENTS = attrgetter("deployments")
 
 
-def _usable_ids(ids: list[str], devices: Mapping[str, Device],
-                report: CompileReport) -> list[str]:
-    """`ids` but those that can name no branch (`_unusable_id`, which reports them); all
-    of a fleet's ids are usually plain, which one regular expression tells."""
+def _usable_ids(devices: Mapping[str, Device], report: CompileReport,
+                ) -> tuple[list[str], bool]:
+    """The sorted ids of `devices` but those that can name no branch (`_unusable_id`,
+    which reports them), and whether all are plain (`all_plain_device_ids`). A fleet's ids
+    are usually all plain, which a few C scans tell, or a `LazyDevices` already knows."""
+    if isinstance(devices, LazyDevices) and devices.plain_ids:
+        return devices.ids, True
+    ids = sorted(devices)
     if all_plain_device_ids(ids):
-        return ids
-    return [device_id for device_id in ids if not _unusable_id(devices[device_id], report)]
+        return ids, True
+    return [device_id for device_id in ids if not _unusable_id(devices[device_id], report)], False
 
 
-def _lost_branches(ids: list[str], previous: Mapping[str, DeviceRecord],
+def _recorded_as_they_are(ids: list[str], devices: Mapping[str, Device],
+                          recorded: Mapping[str, str]) -> set[str]:
+    """The devices of `ids` whose capability document is the one their record was compiled
+    from (`recorded`: device id -> that digest). The digests of a `LazyDevices` are its
+    memo's, compared all at once (C loops over two dicts' items) without building a device;
+    the usual answer of a recompile is every device."""
+    digests = devices.digests if isinstance(devices, LazyDevices) else None
+    if digests is not None and (digests == recorded or digests.items() <= recorded.items()):
+        return set(ids)
+    if digests is not None:
+        return {device_id for device_id in ids if recorded.get(device_id) == digests[device_id]}
+    return {device_id for device_id in ids
+            if recorded.get(device_id) == devices[device_id].digest}
+
+
+def _lost_branches(ids: list[str], plain: bool, previous: Mapping[str, DeviceRecord],
                    store: DeviceStore) -> list[str]:
     """The devices of `ids` the state recorded whose branch the repository does not have,
-    in order; one listing of the refs answers for all of them."""
+    in order; one listing of the refs answers for all of them (`plain`: every id is its
+    branch's last component, unencoded)."""
     if not previous:
         return []
     refs = store.branch_names()
-    recorded = list(filter(previous.__contains__, ids))
-    if all_plain_device_ids(recorded):  # each is its branch's last component, unencoded
-        missing = set(map(DEVICE_REF_PREFIX.__add__, recorded)).difference(refs)
-        if not missing:
+    recorded = (ids if all(map(previous.__contains__, ids))
+                else list(filter(previous.__contains__, ids)))
+    if plain:
+        branches = _device_branches(refs)
+        if branches.issuperset(recorded):
             return []
-        return [device_id for device_id in recorded if DEVICE_REF_PREFIX + device_id in missing]
+        return [device_id for device_id in recorded if device_id not in branches]
     return [device_id for device_id in recorded if device_ref(device_id) not in refs]
+
+
+#: The last `_device_branches` answer: (the listing asked about, its answer).
+_BRANCHES: tuple[frozenset[str], frozenset[str]] | None = None
+
+
+def _device_branches(refs: frozenset[str]) -> frozenset[str]:
+    """What follows `DEVICE_REF_PREFIX` in each name of `refs` that has it: a plain id's
+    branch is there iff the id is in this set, looked up with the id's own (cached) hash
+    instead of a new string per id. Worked out once per listing (the store hands out the
+    same listing while the refs are unchanged)."""
+    global _BRANCHES
+    if _BRANCHES is None or _BRANCHES[0] is not refs:
+        start = len(DEVICE_REF_PREFIX)
+        _BRANCHES = refs, frozenset(name[start:] for name in refs
+                                    if name.startswith(DEVICE_REF_PREFIX))
+    return _BRANCHES[1]
 
 
 def _unusable_id(device: Device, report: CompileReport) -> bool:

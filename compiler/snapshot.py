@@ -21,12 +21,13 @@ its recorded place in the text when first used, and a recompile uses few of them
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -44,8 +45,8 @@ from margo.models import DeviceCapabilities
 from margo.normalize import normalise
 from margo.validation import validate_loaded
 
-__all__ = ["Device", "ReportedDocuments", "Snapshot", "SnapshotError", "SnapshotMemo",
-           "TrustedDigests", "load_snapshot", "snapshot_from_documents"]
+__all__ = ["Device", "LazyDevices", "ReportedDocuments", "Snapshot", "SnapshotError",
+           "SnapshotMemo", "TrustedDigests", "load_snapshot", "snapshot_from_documents"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
 #: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
@@ -181,6 +182,92 @@ class SnapshotMemo:
     spans: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     plain: frozenset[str] = frozenset()
 
+    @functools.cached_property
+    def ids(self) -> list[str]:
+        """The keys of `spans`, sorted (once for every compile that reads these bytes)."""
+        return sorted(self.spans)
+
+    @functools.cached_property
+    def plain_ids(self) -> bool:
+        """Whether every key of `spans` is a plain device id (`all_plain_device_ids`)."""
+        return all_plain_device_ids(self.spans.keys())
+
+    @functools.cached_property
+    def all_plain_digested(self) -> bool:
+        """Whether the plain keys are exactly the keys with a digest."""
+        return self.plain == self.digests.keys()
+
+
+class LazyDevices(MutableMapping[str, Device]):
+    """The devices of a keyed JSON file whose every document the state trusts: each
+    `Device` is built when first asked for, from its memo's digest and span.
+
+    Why: a recompile that changes nothing builds none of them (0.1-0.16 s at 100,000
+    devices); it reads the digests (`digests`) and the sorted ids (`ids`) of the memo.
+    Changing the mapping builds every device first, then it behaves as a dict."""
+
+    __slots__ = ("_all", "_data", "_file", "_made", "_memo", "_text")
+
+    def __init__(self, memo: SnapshotMemo, data: bytes, file: str) -> None:
+        """`data`: the file's bytes, decoded when a first device is built (a recompile
+        that builds none does not decode 45 MB for 100,000 devices)."""
+        self._memo, self._data, self._file = memo, data, file
+        self._text: str | None = None
+        self._made: dict[str, Device] = {}
+        self._all: dict[str, Device] | None = None  # once changed
+
+    @property
+    def digests(self) -> Mapping[str, str]:
+        """Device id -> `Device.digest`, every device's, without building any (until the
+        mapping is changed: then each device's own)."""
+        return self._memo.digests if self._all is None else {
+            key: device.digest for key, device in self._all.items()}
+
+    @property
+    def ids(self) -> list[str]:
+        """The ids, sorted (the order of iteration); the caller's own list."""
+        return list(self._memo.ids) if self._all is None else sorted(self._all)
+
+    @property
+    def plain_ids(self) -> bool:
+        """Whether every id is a plain one (`all_plain_device_ids`), known from the memo."""
+        return self._all is None and self._memo.plain_ids
+
+    def __getitem__(self, key: str) -> Device:
+        if self._all is not None:
+            return self._all[key]
+        device = self._made.get(key)
+        if device is None:
+            start, end = self._memo.spans[key]
+            if self._text is None:
+                self._text = _json_text(self._data)
+            device = self._made[key] = Device(key, None, self._memo.digests[key], self._file,
+                                              span=(self._text, start, end))
+        return device
+
+    def __contains__(self, key: object) -> bool:
+        return key in (self._memo.spans if self._all is None else self._all)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._memo.ids if self._all is None else self._all)
+
+    def __len__(self) -> int:
+        return len(self._memo.spans if self._all is None else self._all)
+
+    def __setitem__(self, key: str, device: Device) -> None:
+        self._changed()[key] = device
+
+    def __delitem__(self, key: str) -> None:
+        del self._changed()[key]
+
+    def _changed(self) -> dict[str, Device]:
+        if self._all is None:
+            self._all = {key: self[key] for key in self._memo.ids}
+        return self._all
+
+    def __repr__(self) -> str:
+        return f"LazyDevices({len(self)} devices of {self._file!r})"
+
 
 class TrustedDigests(dict[str, str]):
     """Device id -> digest of a document that validated before, as `load_snapshot` takes
@@ -203,7 +290,8 @@ def memo_key(data: bytes) -> str:
 
 @dataclass
 class Snapshot:
-    devices: dict[str, Device] = field(default_factory=dict)
+    #: A dict, or for a keyed file the state wholly trusts, `LazyDevices`.
+    devices: MutableMapping[str, Device] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     broken: set[str] = field(default_factory=set)  # device ids (or file stems) not usable
     #: For a keyed file: what reading it established, for the state to remember (else None).
@@ -395,28 +483,24 @@ def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: Snapsho
     """Add every device of a JSON file without decoding it, if the memo of these bytes has
     every key's span and each key's document is plain and trusted with its recorded digest
     (what `_add_known` would add directly); False, adding nothing, otherwise."""
-    spans, plain, digests = memo.spans, memo.plain, memo.digests
-    if not spans or len(plain) != len(spans):
+    if not memo.spans or len(memo.plain) != len(memo.spans):
         return False
-    if not _all_trusted(plain, digests, trusted):
+    if not _all_trusted(memo, trusted):
         return False
-    text = _json_text(data)
-    devices = snapshot.devices
-    for key in sorted(spans):
-        start, end = spans[key]
-        devices[key] = Device(key, None, digests[key], file, span=(text, start, end))
+    snapshot.devices = LazyDevices(memo, data, file)
     return True
 
 
-def _all_trusted(keys: frozenset[str], digests: Mapping[str, str],
-                 trusted: Mapping[str, str]) -> bool:
+def _all_trusted(memo: SnapshotMemo, trusted: Mapping[str, str]) -> bool:
     """Whether each key has a recorded digest, `trusted` vouches for that digest under the
     key, and the key is a valid device id. Asked of every device on every recompile, so
     the usual case is answered by C loops: the memo's digests are exactly the keys' and
     all of them are trusted (dict views), and the ids are all plain ones (one regular
-    expression, `all_plain_device_ids`); anything else is checked key by key."""
-    if (keys == digests.keys() and digests.items() <= trusted.items()
-            and all_plain_device_ids(keys)):
+    expression, `all_plain_device_ids`, once per memo); anything else is checked key by
+    key."""
+    keys, digests = memo.plain, memo.digests
+    if (memo.all_plain_digested and memo.plain_ids
+            and (digests == trusted or digests.items() <= trusted.items())):
         return True
     for key in keys:
         digest = digests.get(key)

@@ -118,7 +118,8 @@ demo: venv
 
 bench: venv
 	$(BIN)/python -m bench.validate
-	$(BIN)/python -m bench.compile
+	$(BIN)/python -m bench.compile --server
+	if [ -n "$(BENCH_LARGE)" ]; then $(BIN)/python -m bench.compile --devices 100000 --server; fi
 	$(BIN)/python -m bench.serve
 	$(BIN)/python -m bench.bodies
 	$(BIN)/python -m bench.reconcile

@@ -49,8 +49,9 @@ __all__ = ["Device", "LazyDevices", "ReportedDocuments", "Snapshot", "SnapshotEr
            "SnapshotMemo", "TrustedDigests", "load_snapshot", "snapshot_from_documents"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
-#: One file holding every device of a large fleet is legitimately big (≈1 KiB per device).
-KEYED_SNAPSHOT_LIMITS = Limits(max_bytes=256 * 1024 * 1024)
+#: One file holding every device of a large fleet is legitimately big (0.5 to 1 KiB per
+#: device): 2 GiB holds a fleet of a million devices and more (256 MiB had refused one).
+KEYED_SNAPSHOT_LIMITS = Limits(max_bytes=2 * 1024 * 1024 * 1024)
 #: Bumped whenever the same bytes could be read differently (digests, cluster conversion),
 #: so a memo written by an older reader is never taken for this one's.
 MEMO_VERSION = "1"

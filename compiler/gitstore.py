@@ -126,6 +126,12 @@ _GIT_LOCATION_VARIABLES = (
 # ~70% of fast-import's run time. Keeping up to 64 MiB of freed heap avoids it (ignored by
 # other C libraries).
 _MALLOC_TUNABLES = "glibc.malloc.trim_threshold=67108864:glibc.malloc.mmap_threshold=33554432"
+# The pipe feeding Git holds 64 KiB by default: some 30 commits, so the compile stalls
+# whenever fast-import lags for a moment and fast-import idles whenever the compile does.
+# MEASURED (100,000 devices, 9,752 commits, on 2 busy cores): the compile blocked writing
+# 1.2-1.4 s of a 3-4 s recompile, 0.1-0.3 s with 1 MiB (Linux's default limit for an
+# unprivileged process), which lets each run ahead of the other.
+_PIPE_SIZE = 1 << 20
 
 
 class StoredTree:
@@ -535,6 +541,7 @@ class DeviceStore:
                                            stdout=subprocess.DEVNULL, stderr=err, env=_git_env())
             except OSError as exc:
                 raise GitStoreError(f"cannot run {command[0]!r}: {exc}") from None
+            _widen_pipe(process)
             _feed(process, stdin)
             status = process.wait()
             err.seek(0)
@@ -560,6 +567,15 @@ def _acquire(fd: int, lock_path: Path, timeout: float) -> None:
                     f"{f' by process {holder}' if holder else ''}); try again when it is done"
                 ) from None
             time.sleep(min(0.05, remaining))
+
+
+def _widen_pipe(process: subprocess.Popen[bytes]) -> None:
+    """Give the pipe to `process` `_PIPE_SIZE` bytes where the system allows (Linux);
+    elsewhere, or beyond the system's limit, it keeps its size: only speed depends on it."""
+    setter = getattr(fcntl, "F_SETPIPE_SZ", None)
+    if setter is not None and process.stdin is not None:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(process.stdin.fileno(), setter, _PIPE_SIZE)
 
 
 def _feed(process: subprocess.Popen[bytes], chunks: Iterable[bytes]) -> None:

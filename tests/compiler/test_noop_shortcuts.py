@@ -153,3 +153,29 @@ def test_forgetting_devices_is_noticed(fleet: Fleet) -> None:
         assert "d1" not in state.devices()
     finally:
         state.close()
+
+
+@pytest.mark.parametrize("ensure_ascii", [True, False])
+def test_lazy_devices_are_the_documents_of_the_file(fleet: Fleet, ensure_ascii: bool) -> None:
+    """ASCII files are read span by span from their bytes, others from their text: a device
+    with non-ASCII labels is the same either way, and the same as read eagerly."""
+    fleet.devices["d0"] = device("d0", labels={"site": "plant", "note": "caf\u00e9 \u2713"})
+    compile_keyed(fleet)
+    keyed = fleet.root / "caps.json"
+    keyed.write_text(json.dumps(fleet.devices, indent=1, ensure_ascii=ensure_ascii),
+                     encoding="utf-8")
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        snapshot = load_snapshot(keyed, trusted=state.trusted_digests())
+        compile_fleet(load_source(fleet.source), snapshot, DeviceStore(fleet.repos), state,
+                      now=2_000_000.0)
+        lazy = load_snapshot(keyed, trusted=state.trusted_digests()).devices
+    finally:
+        state.close()
+    eager = load_snapshot(keyed).devices
+    assert isinstance(lazy, LazyDevices) and not isinstance(eager, LazyDevices)
+    assert sorted(lazy) == sorted(eager)
+    for device_id in eager:
+        assert lazy[device_id].labels == eager[device_id].labels
+        assert lazy[device_id].capabilities == eager[device_id].capabilities
+        assert lazy[device_id] == eager[device_id]

@@ -15,6 +15,7 @@ from kits.fleetkit import Fleet, app, device, intent
 from compiler.compilation import CompileReport
 from compiler.render import deployment_id
 from margo.digests import digest_of
+from wfm.fleet import leadtime
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.leadtime import CompileOrigin, LeadTimes
 from wfm.store import lead_rows
@@ -57,8 +58,10 @@ def installed(lead: LeadTimes, fleet: Fleet, device_id: str) -> None:
 
 
 def test_one_server_publishes_first_and_still_times_every_report(
-        compiled: tuple[Fleet, CompileReport], db: SqliteDatabase) -> None:
+        compiled: tuple[Fleet, CompileReport], db: SqliteDatabase,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     fleet, report = compiled
+    monkeypatch.setattr(leadtime, "MARKS_PER_WRITE", 2)  # three marks: two transactions
     lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None),
                      marks_after_publication=True)
     try:

@@ -78,6 +78,13 @@ class SourceConfig:
     fleet_key: Path | None = None
 
 
+#: Seconds after a compile before the collector walks what it froze (`compiler.gcpause`),
+#: in the compile service's thread when no compile runs. Why not at once: a full collection
+#: walks the whole heap, holding the interpreter (1.2 s at 100,000 devices, measured by
+#: `bench/first_manifest.py`: the first manifest 3.9 s after the branches moved with it,
+#: 2.7 s without), and it would stall the devices' first polls of the new state.
+COLLECT_AFTER = 10.0
+
 class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
                  fleet: Callable[[Mapping[str, str]], Snapshot],
@@ -103,6 +110,10 @@ class CompileService:
         #: push or webhook started it).
         self._requested: float | None = None
         self._kind = "incremental"
+        #: A compile froze objects that go back to the collector after it (`_compile`),
+        #: and when that collection is due (time.monotonic(); None: not due).
+        self._compiled_objects = False
+        self._collect_at: float | None = None
         self._stopping = False
         self._grace_timer: threading.Timer | None = None
         self._retry_timer: threading.Timer | None = None
@@ -151,11 +162,18 @@ class CompileService:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._pending and not self._stopping:
-                    self._wake.wait()
+                while not self._pending and not self._stopping and not self._collection_due():
+                    self._wake.wait(self._until_collection())
                 if self._stopping:
                     return
-                self._running = True
+                collect = not self._pending
+                self._running = not collect
+                if collect:
+                    self._collect_at = None
+            if collect:
+                release_frozen()  # what the compile froze, back to the collector (gcpause),
+                freeze_survivors()  # then what survives it is out of request-time collections
+                continue
             time.sleep(self._debounce)  # let a burst of triggers settle
             with self._wake:
                 self._pending = False
@@ -240,6 +258,23 @@ class CompileService:
             return None
 
     def _compile(self, requested: float) -> None:
+        try:
+            self._compile_and_serve(requested)
+        finally:
+            if self._compiled_objects:
+                self._compiled_objects = False
+                with self._wake:
+                    self._collect_at = time.monotonic() + COLLECT_AFTER
+
+    def _collection_due(self) -> bool:
+        return self._collect_at is not None and time.monotonic() >= self._collect_at
+
+    def _until_collection(self) -> float | None:
+        """Seconds until the collection after the last compile (None: none is due)."""
+        return None if self._collect_at is None else \
+            max(0.0, self._collect_at - time.monotonic())
+
+    def _compile_and_serve(self, requested: float) -> None:
         # With replicas, first bring the compile directory and the fleet source to what the
         # replicas published: a push another replica took must be read here.
         repos = self._repos if self._coordinator is None else self._coordinator.prepare()
@@ -334,8 +369,8 @@ class CompileService:
             return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key)
         finally:
             state.close()
-            release_frozen()  # what the compile froze, back to the collector (see gcpause),
-            freeze_survivors()  # then what survives it is out of request-time collections
+            # The collector walks the whole heap then: `COLLECT_AFTER`.
+            self._compiled_objects = True
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

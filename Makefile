@@ -119,7 +119,9 @@ demo: venv
 bench: venv
 	$(BIN)/python -m bench.validate
 	$(BIN)/python -m bench.compile --server
-	if [ -n "$(BENCH_LARGE)" ]; then $(BIN)/python -m bench.compile --devices 100000 --server; fi
+	$(BIN)/python -m bench.first_manifest --devices 10000
+	if [ -n "$(BENCH_LARGE)" ]; then $(BIN)/python -m bench.compile --devices 100000 --server \
+		&& $(BIN)/python -m bench.first_manifest --devices 100000; fi
 	$(BIN)/python -m bench.serve
 	$(BIN)/python -m bench.bodies
 	$(BIN)/python -m bench.reconcile

@@ -80,7 +80,8 @@ def test_the_device_keeps_converging_through_its_second_url(pair: ReplicaPair, s
                 proxy.cut()
             new = change_greeting(server, device, old)
             poll_until("the new state installed and reported through replica B",
-                       lambda: current(server, name, new), timeout=90)
+                       lambda: current(server, name, new), timeout=90,
+                       describe=lambda: f"the device's log ends:\n{log.read_text()[-3000:]}")
     assert 'GREETING: "Bonjour"' in rendered(device)
     text = log.read_text()
     assert "failed (" in text and f"using {second.base} from now on" in text, text

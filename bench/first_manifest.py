@@ -16,7 +16,6 @@ deployments (issue 35: ≤ 2 s at 100,000 devices).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -25,11 +24,9 @@ from pathlib import Path
 import httpx
 
 from bench.compile import generate
-from margo.digests import data_digest
+from bench.server_snapshot import store_reports
 from tools.margoserver import margo_server
 from wfm.identity.clients import ClientRegistry
-from wfm.store import records
-from wfm.store.database import Connection
 from wfm.store.opening import open_database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,15 +37,7 @@ def store_fleet(data: Path, caps: Path) -> str:
     """Every device reported by a client of its own id; the polled device's token."""
     db = open_database(data / "wfm.sqlite")
     try:
-        documents = json.loads(caps.read_text())
-
-        def write(conn: Connection) -> None:
-            for device_id, document in documents.items():
-                records.store_capabilities(conn, client_id=device_id, device_id=device_id,
-                                           document=document, digest=data_digest(document),
-                                           shape="rc.3")
-
-        db.write_sync(write)
+        store_reports(db, caps, lambda device_id: device_id)
         _, token = ClientRegistry(db).add(POLLED)
         return token
     finally:

@@ -15,27 +15,29 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from compiler.snapshot import snapshot_from_documents
 from margo.digests import data_digest
 from wfm.fleet.reported import ReportedFleet
 from wfm.store import records
-from wfm.store.database import Connection
+from wfm.store.database import Connection, Database
 from wfm.store.sqlitedb import SqliteDatabase
 
-__all__ = ["measure_server_snapshot"]
+__all__ = ["measure_server_snapshot", "store_reports"]
 
 
-def _store_all(db: SqliteDatabase, caps: Path) -> None:
-    """Every device's document as the server stores a report (one transaction)."""
+def store_reports(db: Database, caps: Path, client_of: Callable[[str], str]) -> None:
+    """Every device's document of the capability file as the server stores a report (one
+    transaction), reported by client `client_of(device_id)`."""
     documents = json.loads(caps.read_text())
 
     def write(conn: Connection) -> None:
         for device_id, document in documents.items():
-            records.store_capabilities(conn, client_id="bench", device_id=device_id,
-                                       document=document, digest=data_digest(document),
-                                       shape="rc.3")
+            records.store_capabilities(conn, client_id=client_of(device_id),
+                                       device_id=device_id, document=document,
+                                       digest=data_digest(document), shape="rc.3")
 
     db.write_sync(write)
 
@@ -46,7 +48,7 @@ def measure_server_snapshot(caps: Path) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="margo-bench-server-") as tmp:
         db = SqliteDatabase(Path(tmp) / "wfm.sqlite")
         try:
-            _store_all(db, caps)
+            store_reports(db, caps, lambda device_id: "bench")
             fleet = ReportedFleet(db.read)
             start = time.perf_counter()
             snapshot = fleet.snapshot({})

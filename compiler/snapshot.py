@@ -46,7 +46,8 @@ from margo.normalize import normalise
 from margo.validation import validate_loaded
 
 __all__ = ["Device", "LazyDevices", "ReportedDocuments", "Snapshot", "SnapshotError",
-           "SnapshotMemo", "TrustedDigests", "load_snapshot", "snapshot_from_documents"]
+           "SnapshotMemo", "TrustedDigests", "load_snapshot", "snapshot_from_documents",
+           "used_as_reported"]
 
 _SUFFIXES = (".json", ".yaml", ".yml")
 #: One file holding every device of a large fleet is legitimately big (0.5 to 1 KiB per
@@ -309,6 +310,13 @@ class Snapshot:
         return "sha256:" + h.hexdigest()
 
 
+def used_as_reported(device_id: str, document: Any) -> bool:
+    """Whether a device's reported document is its capability document as it stands: it
+    claims that id and is not a cluster manifest (of which the compiler makes another
+    document). Only such a document can be remembered by its bytes alone."""
+    return _claimed_id(document) == device_id and not is_cluster_manifest(document)
+
+
 def _claimed_id(doc: Any) -> str | None:
     properties = doc.get("properties") if isinstance(doc, dict) else None
     claimed = properties.get("id") if isinstance(properties, dict) else None
@@ -532,7 +540,7 @@ def _json_spans(data: bytes, loaded: LoadedDocument,
     if spans is None or not isinstance(loaded.value, dict) or spans.keys() != loaded.value.keys():
         return {}, frozenset()
     plain = frozenset(key for key, value in loaded.value.items()
-                      if _claimed_id(value) == key and not is_cluster_manifest(value))
+                      if used_as_reported(key, value))
     return spans, plain
 
 
@@ -585,8 +593,7 @@ def _add_known(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
         value = loaded.value[key]
         digest = known.get(key)
         if (digest is not None and trusted.get(key) == digest and key not in devices
-                and _claimed_id(value) == key and not is_cluster_manifest(value)
-                and branch_problem(key) is None):
+                and used_as_reported(key, value) and branch_problem(key) is None):
             devices[key] = Device(key, None, digest, file, document=value)
         else:
             _add(snapshot, _keyed(loaded, key), key, trusted, known)
@@ -632,7 +639,7 @@ def _valid_digests(bounds: tuple[int, int]) -> dict[str, str]:
     valid: dict[str, str] = {}
     for key in keys[slice(*bounds)]:
         value = loaded.value[key]
-        if is_cluster_manifest(value) or _claimed_id(value) != key:
+        if not used_as_reported(key, value):
             continue
         digest = data_digest(value)
         if trusted.get(key) == digest or validate_loaded(

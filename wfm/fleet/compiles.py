@@ -110,9 +110,8 @@ class CompileService:
         #: push or webhook started it).
         self._requested: float | None = None
         self._kind = "incremental"
-        #: A compile froze objects that go back to the collector after it (`_compile`),
-        #: and when that collection is due (time.monotonic(); None: not due).
-        self._compiled_objects = False
+        #: When the objects the last compile froze go back to the collector
+        #: (time.monotonic(); None: no collection is due).
         self._collect_at: float | None = None
         self._stopping = False
         self._grace_timer: threading.Timer | None = None
@@ -257,15 +256,6 @@ class CompileService:
                 "unreadable", f"{exc}; the previous desired state stays in force"))
             return None
 
-    def _compile(self, requested: float) -> None:
-        try:
-            self._compile_and_serve(requested)
-        finally:
-            if self._compiled_objects:
-                self._compiled_objects = False
-                with self._wake:
-                    self._collect_at = time.monotonic() + COLLECT_AFTER
-
     def _collection_due(self) -> bool:
         return self._collect_at is not None and time.monotonic() >= self._collect_at
 
@@ -274,7 +264,7 @@ class CompileService:
         return None if self._collect_at is None else \
             max(0.0, self._collect_at - time.monotonic())
 
-    def _compile_and_serve(self, requested: float) -> None:
+    def _compile(self, requested: float) -> None:
         # With replicas, first bring the compile directory and the fleet source to what the
         # replicas published: a push another replica took must be read here.
         repos = self._repos if self._coordinator is None else self._coordinator.prepare()
@@ -369,8 +359,8 @@ class CompileService:
             return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key)
         finally:
             state.close()
-            # The collector walks the whole heap then: `COLLECT_AFTER`.
-            self._compiled_objects = True
+            with self._wake:  # the collector walks the whole heap then: `COLLECT_AFTER`
+                self._collect_at = time.monotonic() + COLLECT_AFTER
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

@@ -26,8 +26,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from compiler.gcpause import collection_paused
-from compiler.snapshot import Device, ReportedDocuments, Snapshot, snapshot_from_documents
-from margo.cluster import is_cluster_manifest
+from compiler.snapshot import (
+    Device,
+    ReportedDocuments,
+    Snapshot,
+    snapshot_from_documents,
+    used_as_reported,
+)
 from margo.kinds import GENERATIONS
 from wfm.store import records
 
@@ -85,18 +90,11 @@ class ReportedFleet:
             device = fresh.devices.get(device_id)
             self._keys.pop(device_id, None)
             self._known.pop(device_id, None)
-            if device is None or not _used_as_stored(device_id, documents[device_id]):
+            if device is None or not used_as_reported(device_id, documents[device_id]):
                 continue
             self._keys[device_id] = f"{digest} {shape}"
             self._known[device_id] = _Known((text, 0, len(text)), device.digest,
                                             shape if shape in GENERATIONS else None)
-
-
-def _used_as_stored(device_id: str, document: Any) -> bool:
-    """Whether the compiler uses this stored document as it is (see `_remember`)."""
-    properties = document.get("properties") if isinstance(document, dict) else None
-    return (isinstance(properties, dict) and properties.get("id") == device_id
-            and not is_cluster_manifest(document))
 
 
 def _merged(fresh: Snapshot, known: Mapping[str, _Known], device_ids: list[str]) -> Snapshot:

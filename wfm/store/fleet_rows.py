@@ -9,13 +9,24 @@ that knows the tables. Functions run inside the database's reader or writer thre
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["device_owners", "fleet_generation", "gauge_devices", "gauge_statuses",
-           "lead_marks_in_flight", "load_rollouts", "save_rollout", "save_source_condition",
-           "source_condition", "status_verdicts"]
+__all__ = [
+    "device_owners",
+    "fleet_generation",
+    "gauge_devices",
+    "gauge_statuses",
+    "id_lists",
+    "lead_marks_in_flight",
+    "load_rollouts",
+    "save_rollout",
+    "save_source_condition",
+    "source_condition",
+    "status_verdicts",
+]
 
 
 def load_rollouts(conn: Connection) -> dict[str, dict[str, Any]]:
@@ -72,16 +83,21 @@ def lead_marks_in_flight(conn: Connection) -> int:
     return int(conn.execute("SELECT COUNT(*) FROM lead_marks").fetchone()[0])
 
 
-#: Ids per statement of `device_owners` (SQLite allows 32,766 parameters).
+#: Ids per statement of a `WHERE ... IN (...)` (SQLite allows 32,766 parameters).
 _IDS_PER_STATEMENT = 500
+
+
+def id_lists(ids: list[str]) -> Iterator[tuple[list[str], str]]:
+    """`ids` in parts small enough for one statement, each with its ``?, ?, ...`` marks."""
+    for start in range(0, len(ids), _IDS_PER_STATEMENT):
+        chunk = ids[start:start + _IDS_PER_STATEMENT]
+        yield chunk, ", ".join("?" * len(chunk))
 
 
 def device_owners(conn: Connection, device_ids: list[str]) -> list[str]:
     """The clients owning any of these devices (each once)."""
     owners: set[str] = set()
-    for start in range(0, len(device_ids), _IDS_PER_STATEMENT):
-        chunk = device_ids[start:start + _IDS_PER_STATEMENT]
-        marks = ", ".join("?" * len(chunk))
+    for chunk, marks in id_lists(device_ids):
         owners.update(row[0] for row in conn.execute(
             f"SELECT DISTINCT client_id FROM devices WHERE device_id IN ({marks})", chunk))
     return sorted(owners)

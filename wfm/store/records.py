@@ -15,6 +15,7 @@ from typing import Any
 from compiler.snapshot import ReportedDocuments
 from margo.digests import data_digest
 from wfm.store.database import Connection
+from wfm.store.fleet_rows import id_lists
 
 __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
            "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",
@@ -213,17 +214,11 @@ def device_digests(conn: Connection) -> dict[str, str]:
     return dict(conn.execute("SELECT device_id, digest || ' ' || shape FROM devices"))
 
 
-#: Ids per statement of `device_texts` (SQLite allows 32,766 parameters).
-_IDS_PER_STATEMENT = 500
-
-
 def device_texts(conn: Connection, device_ids: list[str]) -> list[tuple[str, str, str, str]]:
     """(device id, document as stored: compact sorted-key JSON, its digest, shape) of these
     devices; a device no longer stored is left out."""
     found: list[tuple[str, str, str, str]] = []
-    for start in range(0, len(device_ids), _IDS_PER_STATEMENT):
-        chunk = device_ids[start:start + _IDS_PER_STATEMENT]
-        marks = ", ".join("?" * len(chunk))
+    for chunk, marks in id_lists(device_ids):
         found += [(r[0], r[1], r[2], r[3]) for r in conn.execute(
             "SELECT device_id, document, digest, shape FROM devices "
             f"WHERE device_id IN ({marks})", chunk)]

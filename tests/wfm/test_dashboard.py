@@ -525,3 +525,43 @@ def test_the_hostile_fixture_is_really_unusable_through_the_api(fleet: Fleet) ->
     response = fleet.device_http.put("/api/v1/capabilities/" + quote(HOSTILE_ID, safe=""),
                                      json=doc)
     assert response.status_code == 422
+
+
+def test_a_device_without_an_encryption_key_is_told_why_it_gets_no_secret(
+        tmp_path: Path) -> None:
+    """Issue 32: a device that reported no encryption key cannot receive a sensitive value;
+    its page and the application's say why, and the value appears nowhere on either."""
+    import pyrage
+    from kits.fleetkit import Fleet as Source
+    from kits.fleetkit import app, device, intent
+
+    from compiler.secrets import FleetKey, encrypt_secret, new_identity_text, write_identity_file
+    from margo.sealing import EXTENSION, key_report
+
+    key_file = tmp_path / "fleet.key"
+    write_identity_file(key_file, new_identity_text())
+    plaintext = "s3cr3t-for-the-dashboard"
+    source = Source(tmp_path / "source")
+    source.apps["com-example-app"] = app(parameters={"password": {
+        "sensitive": True, "targets": [{"pointer": "db.password", "components": ["web"]}]}})
+    source.intents["db"] = intent("db", parameters={"password": {"secret": encrypt_secret(
+        plaintext, [FleetKey.load(key_file).recipient])}})
+    source.write()
+    data = tmp_path / "data"
+    token = add_client(data, "edge")
+    keyed = device("keyed")
+    keyed[EXTENSION] = key_report(str(pyrage.x25519.Identity.generate().to_public()))
+    with running_server(data, "--source", str(source.source), "--fleet-key",
+                        str(key_file)) as base, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}) as http:
+        for name, doc in (("keyed", keyed), ("plain", device("plain"))):
+            response = http.put(f"/api/v1/capabilities/{name}", json=doc)
+            assert response.status_code in (200, 201), response.text
+        wait_for(lambda: [d["intent"] for d in http.get("/api/fleet/devices/keyed").json()
+                          ["deployments"]] == ["db"], "the compile")
+        device_page = http.get("/devices/plain").text
+        app_page = http.get("/applications/com-example-app").text
+    said = text(row(device_page, "intent", "db"))
+    assert "reported no encryption key" in said and "password" in said, said
+    assert "reported no encryption key" in text(app_page)
+    assert plaintext not in device_page + app_page

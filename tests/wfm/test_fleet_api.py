@@ -313,6 +313,35 @@ def test_a_push_whose_literal_value_no_device_could_take_is_refused(tmp_path: Pa
         assert git("ls-remote", url, "refs/heads/main", cwd=work).split()[0] != accepted
 
 
+def test_a_push_with_a_clear_or_damaged_secret_is_refused_without_any_key(
+        tmp_path: Path) -> None:
+    """Issue 32: the push check verifies secrets' shape without the fleet key (the server
+    here has none). A parameter marked sensitive but given in clear is refused at its line,
+    then a damaged age file is refused at its line; neither message quotes the value."""
+    with hosted_source(tmp_path) as (_http, url, work, _):
+        accepted = git("rev-parse", "HEAD", cwd=work)
+        descriptor = work / "apps" / "com-example-hello-world" / "margo.yaml"
+        descriptor.write_text(descriptor.read_text().replace(
+            "  greeting:\n    value: Hello\n", "  greeting:\n    sensitive: true\n", 1))
+        git("commit", "-q", "-am", "the greeting is sensitive", cwd=work)
+        _, remote = refused_push(url, work)
+        [clear] = [line for line in remote if line.startswith(f"{INTENT}:")]
+        assert "parameter 'greeting' is sensitive: give it as a secret" in clear, remote
+        assert "Hello from" not in "\n".join(remote)
+        intent = work / INTENT
+        text = intent.read_text()
+        greeting = text[text.index("    greeting: "):text.index("    # one replica")]
+        intent.write_text(text.replace(greeting, "    greeting:\n      secret: |\n"
+                                       "        -----BEGIN AGE ENCRYPTED FILE-----\n"
+                                       "        bm90IGFuIGFnZSBmaWxl\n"))
+        git("commit", "-q", "-am", "a damaged secret", cwd=work)
+        _, remote = refused_push(url, work)
+        [damaged] = [line for line in remote if line.startswith(f"{INTENT}:")]
+        assert "$.spec.parameters.greeting.secret" in damaged, remote
+        assert "ASCII-armored age file" in damaged and "bm90IGFu" not in damaged, remote
+        assert git("ls-remote", url, "refs/heads/main", cwd=work).split()[0] == accepted
+
+
 def test_a_mirrored_source_that_does_not_compile_cleanly_is_a_visible_condition(
         tmp_path: Path) -> None:
     """A mirrored source cannot refuse a push: a broken commit fetched on a push hook shows

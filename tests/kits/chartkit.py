@@ -21,8 +21,9 @@ from reconciler.drivers.base import Driver
 from reconciler.planner import Plan, plan
 from tools.charts import EXAMPLE_CHARTS, chart_digest, publish_chart, publish_example_charts
 
-__all__ = ["EXAMPLE_CHARTS", "actions", "chart_digest", "converge", "greeter", "make_deployment",
-           "publish_chart", "publish_example_charts", "write_chart"]
+__all__ = ["EXAMPLE_CHARTS", "actions", "chart_digest", "converge", "deployment_template",
+           "greeter", "make_deployment", "publish_chart", "publish_example_charts",
+           "write_chart"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,25 +45,22 @@ data:
 # On the real control plane the scheduler places the pods and kwok makes them Ready; a CPU
 # request larger than any node (`cpu=...` in write_chart) keeps them Pending, which is how
 # the tests show a readiness wait that never succeeds.
-DEPLOYMENT = """\
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: {{ .Release.Name }}
-spec:
-  replicas: {{ .Values.replicaCount }}
-  selector:
-    matchLabels: {app.kubernetes.io/instance: {{ .Release.Name }}}
-  template:
-    metadata:
-      labels: {app.kubernetes.io/instance: {{ .Release.Name }}}
-    spec:
-      containers:
-        - name: app
-          image: registry.example.com/greeter:{{ .Chart.Version }}
-          resources:
-            requests: {cpu: {{ .Values.cpu | quote }}}
-"""
+def deployment_template(container: str, *, replicas: str = "1", pod: str = "") -> str:
+    """A chart's Deployment template, named and selected by the release, around one container
+    `app`: `container` holds its lines after the name (indented 10 spaces), `pod` the pod
+    spec's lines before the containers (indented 6). The charts of every Helm test share it."""
+    return ("apiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: {{ .Release.Name }}\n"
+            f"spec:\n  replicas: {replicas}\n  selector:\n"
+            "    matchLabels: {app.kubernetes.io/instance: {{ .Release.Name }}}\n"
+            "  template:\n    metadata:\n"
+            "      labels: {app.kubernetes.io/instance: {{ .Release.Name }}}\n"
+            f"    spec:\n{pod}      containers:\n        - name: app\n{container}")
+
+
+DEPLOYMENT = deployment_template(
+    "          image: registry.example.com/greeter:{{ .Chart.Version }}\n"
+    "          resources:\n            requests: {cpu: {{ .Values.cpu | quote }}}\n",
+    replicas="{{ .Values.replicaCount }}")
 
 # Fails at render time with Helm's own message, unless config.token is set.
 BROKEN = '{{ required "config.token must be set" .Values.config.token }}\n'

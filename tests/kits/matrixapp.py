@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from compiler.secrets import encrypt_secret
-from kits.chartkit import publish_chart, write_chart
+from kits.chartkit import deployment_template, publish_chart, write_chart
 from kits.dockerkit import (
     compose_package,
     web_service,
@@ -43,26 +43,10 @@ DEFAULT_CONSTRAINTS = capacity(0.5)
 
 #: A chart Deployment whose pod requests a GPU (extended resources go in limits), for
 #: the Helm cells' GPU application (`templates={"deployment.yaml": GPU_DEPLOYMENT}`).
-GPU_DEPLOYMENT = """\
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: {{ .Release.Name }}
-spec:
-  replicas: 1
-  selector:
-    matchLabels: {app.kubernetes.io/instance: {{ .Release.Name }}}
-  template:
-    metadata:
-      labels: {app.kubernetes.io/instance: {{ .Release.Name }}}
-    spec:
-      containers:
-        - name: app
-          image: registry.example.com/greeter:{{ .Chart.Version }}
-          resources:
-            requests: {cpu: 50m}
-            limits: {nvidia.com/gpu: 1}
-"""
+GPU_DEPLOYMENT = deployment_template(
+    "          image: registry.example.com/greeter:{{ .Chart.Version }}\n"
+    "          resources:\n            requests: {cpu: 50m}\n"
+    "            limits: {nvidia.com/gpu: 1}\n")
 #: Its profile: half a core, and a node with a GPU available: the documented cluster clause
 #: (docs/kubernetes.md, docs/intents.md "Requirements on Kubernetes clusters").
 GPU_NODE_CONSTRAINTS = capacity(0.5, **{"x-margo-gitops-extensions": {"cluster": {"nodes": [

@@ -24,6 +24,7 @@ import pytest
 from kits.chartkit import (
     actions,
     converge,
+    deployment_template,
     greeter,
     make_deployment,
     publish_chart,
@@ -45,32 +46,20 @@ from tools.kube.realnode import REAL_NODE_LABEL, REAL_NODE_TAINT
 
 RELEASE = release_name("5f0c7a52-7f5e-4c1e-9d43-0b5a1d9e2a10", "greeter")
 
-# A Deployment whose container the kubelet probes (GET / on `probe`) every second.
-DEPLOYMENT = """\
-apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: "{{{{ .Release.Name }}}}"}}
-spec:
-  replicas: {{{{ .Values.replicaCount }}}}
-  selector: {{matchLabels: {{app.kubernetes.io/instance: "{{{{ .Release.Name }}}}"}}}}
-  template:
-    metadata: {{labels: {{app.kubernetes.io/instance: "{{{{ .Release.Name }}}}"}}}}
-    spec:
-      terminationGracePeriodSeconds: 1
-      containers:
-        - name: app
-          image: {image}
-          env: [{{name: GREETING, value: "{{{{ .Values.config.greeting }}}}"}}]
-          readinessProbe:
-            httpGet: {{path: /, port: {probe}}}
-            periodSeconds: 1
-"""
+def real_deployment(image: str, probe: int) -> str:
+    """A Deployment whose container the kubelet probes (GET / on `probe`) every second."""
+    return deployment_template(
+        f"          image: {image}\n"
+        '          env: [{name: GREETING, value: "{{ .Values.config.greeting }}"}]\n'
+        f"          readinessProbe:\n            httpGet: {{path: /, port: {probe}}}\n"
+        "            periodSeconds: 1\n",
+        replicas="{{ .Values.replicaCount }}", pod="      terminationGracePeriodSeconds: 1\n")
 
 
 def real_chart(root: Path, version: str, image: str, *, probe: int = 8080) -> Path:
     chart = write_chart(root, version=version)
     (chart / "templates" / "deployment.yaml").write_text(
-        DEPLOYMENT.format(image=image, probe=probe))
+        real_deployment(image, probe))
     return chart
 
 

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import json
 import shlex
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kits.chartkit import actions, converge, make_deployment, publish_chart, write_chart
+from kits.chartkit import (
+    actions,
+    converge,
+    deployment_template,
+    make_deployment,
+    publish_chart,
+    write_chart,
+)
 from kits.kubekit import RealCluster
 
 from reconciler.charts import ChartCache
@@ -80,22 +86,10 @@ def otlp_log() -> str:
         {"body": {"stringValue": MARKER}}]}]}]}, separators=(",", ":"))
 
 
-#: The workload: sends one log record to the injected endpoint, then keeps running.
-SENDER = textwrap.dedent("""\
-    apiVersion: apps/v1
-    kind: Deployment
-    metadata: {{name: "{{{{ .Release.Name }}}}"}}
-    spec:
-      selector: {{matchLabels: {{app.kubernetes.io/instance: "{{{{ .Release.Name }}}}"}}}}
-      template:
-        metadata: {{labels: {{app.kubernetes.io/instance: "{{{{ .Release.Name }}}}"}}}}
-        spec:
-          terminationGracePeriodSeconds: 1
-          containers:
-            - name: app
-              image: {image}
-              command: [sh, -c, {script}]
-    """)
+def sender_deployment(script: str) -> str:
+    """The workload: sends one log record to the injected endpoint, then keeps running."""
+    return deployment_template(f"          image: {IMAGE}\n          command: [sh, -c, {script}]\n",
+                               pod="      terminationGracePeriodSeconds: 1\n")
 
 
 @pytest.fixture
@@ -105,7 +99,7 @@ def sender_chart(registry: str, tmp_path: Path) -> str:
               f"\"${HTTP}/v1/logs\"; do sleep 1; done; echo sent; exec sleep 3600")
     chart = write_chart(tmp_path / "src", version="1.0.0")
     (chart / "templates" / "deployment.yaml").write_text(
-        SENDER.format(image=IMAGE, script=json.dumps(script)))
+        sender_deployment(json.dumps(script)))
     return publish_chart(registry, chart, repo_path="telemetry-real")
 
 

@@ -13,7 +13,7 @@ import pytest
 from tools.postgres import PostgresServer
 from wfm.identity.clients import ClientRegistry
 from wfm.store import records
-from wfm.store.database import Database, DatabaseUnavailable
+from wfm.store.database import Connection, Database, DatabaseUnavailable
 from wfm.store.opening import open_database
 from wfm.store.pgdb import translate
 from wfm.store.schema import MIGRATIONS, SchemaTooNew, schema_version
@@ -152,3 +152,49 @@ def test_postgresql_gone_is_unavailable_and_back_is_served(postgres: PostgresSer
         assert db.read(lambda c: records.manifest_version(c, "plant-a")) == (1, "s")
     finally:
         db.close()
+
+
+def test_bulk_marks_and_refs_upsert_alike_on_both_engines(store: Database) -> None:
+    """A compile's lead-time marks (PostgreSQL: through COPY beyond a few hundred) and a
+    publication's refs (statements of several hundred) land whole, and writing them again
+    updates each row in place, twice in one transaction included."""
+    from wfm.store import lead_rows, replica_rows
+
+    def marks(commit: str) -> list[tuple[object, ...]]:
+        return [(f"dep-{i:05d}", f"dev-{i // 5:05d}", commit, 1.0 + i, 2.0 + i, "push",
+                 None if i % 2 else f"trace-{i}") for i in range(1_234)]
+
+    store.write_sync(lambda conn: lead_rows.store_marks(conn, marks("a" * 40), 0))
+
+    def twice(conn: Connection) -> None:  # a batch may hold two compiles' writes
+        lead_rows.store_marks(conn, marks("b" * 40)[:700], 0)
+        lead_rows.store_marks(conn, marks("c" * 40)[500:], 0)
+    store.write_sync(twice)
+    wanted = [f"dep-{i:05d}" for i in (0, 499, 500, 699, 700, 1_233)]
+    found = store.read(lambda conn: lead_rows.marks_of(conn, wanted))
+    assert {d: m[1][0] for d, m in found.items()} == {
+        "dep-00000": "b", "dep-00499": "b", "dep-00500": "c", "dep-00699": "c",
+        "dep-00700": "c", "dep-01233": "c"}
+    assert found["dep-00500"] == ("dev-00100", "c" * 40, 501.0, 502.0, "push", "trace-500")
+    assert found["dep-00699"][5] is None
+    assert store.read(lambda conn: conn.execute(
+        "SELECT COUNT(*) FROM lead_marks").fetchone()[0]) == 1_234
+
+    refs: dict[str, str | None] = {f"refs/heads/devices/d{i:05d}": f"{i:040x}"
+                                   for i in range(1_201)}
+    refs["refs/heads/devices/gone"] = None
+    store.write_sync(lambda conn: replica_rows.publish_rows(conn, "devices", 1, b"pack", refs,
+                                                            compact=False))
+    moved = {"refs/heads/devices/d00007": "f" * 40, "refs/heads/devices/d01200": None}
+    store.write_sync(lambda conn: replica_rows.publish_rows(conn, "devices", 2, b"", moved,
+                                                            compact=False))
+    published = store.read(lambda conn: replica_rows.read_snapshot(
+        conn, "devices", -1, dialect=store.dialect))
+    assert published.generation == 0  # (the counter is set by the caller)
+    rows = store.read(lambda conn: dict(conn.execute(
+        "SELECT name, generation FROM git_refs WHERE repo = ?", ("devices",)).fetchall()))
+    assert len(rows) == 1_202 and rows["refs/heads/devices/d00007"] == 2
+    assert store.read(lambda conn: replica_rows.published_ref(
+        conn, "devices", "refs/heads/devices/d01200")) == (None, 2)
+    assert store.read(lambda conn: replica_rows.published_ref(
+        conn, "devices", "refs/heads/devices/d00006")) == (f"{6:040x}", 1)

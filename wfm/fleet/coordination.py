@@ -278,8 +278,10 @@ class Coordinator:
     def _sync(self, *, full: bool) -> bool:
         with self._sync_lock:  # one sync at a time; readers wait only for the refs
             since = -1 if full else self.serving.generation
-            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, REPO, since,
-                                                            dialect=self.db.dialect))
+            # (A repair reads every pack: the refs it rewrites follow from there being any.)
+            have = frozenset() if full else self.serving.linked_generations()
+            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
+                c, REPO, since, dialect=self.db.dialect, have=have))
             if snapshot.generation <= self.serving.generation and not snapshot.packs:
                 return False
             with GIT_SECONDS.labels("sync").time():
@@ -400,9 +402,9 @@ class Coordinator:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
-        pack = (replica.full_pack() if compact else
-                replica.pack({n: t for n, t in moved.items() if t is not None},
-                             before.values()))
+        pack, index = (replica.full_pack() if compact else
+                       replica.pack({n: t for n, t in moved.items() if t is not None},
+                                    before.values()))
 
         def write(conn: Any) -> int:
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
@@ -413,12 +415,17 @@ class Coordinator:
                 raise _DeletedMeanwhile(f"generation {published} was published meanwhile")
             generation = published + 1
             replica_rows.publish_rows(conn, replica.repo, generation, pack,
-                                      after if compact else moved, compact=compact)
+                                      after if compact else moved, compact=compact,
+                                      index=index)
             replica_rows.set_counter(conn, replica.repo, generation)
             replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation
 
+        # The served copy takes the objects from here, invisible until the refs move.
+        linked = replica is self.working and self.serving.link_objects_from(replica)
         generation = self.db.write_sync(write)
+        if linked:
+            self.serving.has_objects_of(generation)
         replica.mark_generation(generation)
         return Published(generation, len(moved), len(pack))
 

@@ -211,6 +211,13 @@ _OPERATORS = [_both(s) for s in (
     "CREATE INDEX IF NOT EXISTS audit_log_by_time ON audit_log (at)",
 )]
 
+_PACK_INDEXES = [_both(s) for s in (
+    # The pack's index as `git pack-objects` wrote it beside the pack: a replica stores
+    # both files as they are instead of indexing the pack again (NULL for packs published
+    # before, which are indexed as before).
+    "ALTER TABLE git_packs ADD COLUMN idx {bytes}",
+)]
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -239,6 +246,8 @@ MIGRATIONS: tuple[Migration, ...] = (
               tuple(s for s, _ in _LEAD_TIMES), tuple(p for _, p in _LEAD_TIMES)),
     Migration(12, "operators with roles, and the audit trail",
               tuple(s for s, _ in _OPERATORS), tuple(p for _, p in _OPERATORS)),
+    Migration(13, "replicas: each published pack's index",
+              tuple(s for s, _ in _PACK_INDEXES), tuple(p for _, p in _PACK_INDEXES)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

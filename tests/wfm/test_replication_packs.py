@@ -1,0 +1,105 @@
+"""`wfm.fleet.replication.RepoReplica`: a publication carries the pack's index as
+`git pack-objects` wrote it, and a replica stores both files as they are (no index-pack),
+but indexes a pack whose index does not belong to it, or one published without an index.
+The compiling replica's served copy takes the objects it is about to publish from its work
+repository by hard links, so its sync of that generation reads and indexes nothing. Real
+Git repositories (`git fast-import` writes the work repository's objects, as a compile
+does)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pygit2
+import pytest
+
+from wfm.fleet.replication import RepoReplica
+from wfm.store.replica_rows import PublishedPack, Snapshot
+
+NOT_A_PACK = b"PACK but not really"
+
+
+def fast_import(repository: Path, content: str, *, pack: bool = False) -> str:
+    """One commit on refs/heads/main holding a file with `content`; its id. Three objects:
+    loose, unless `pack` (Git's fast-import writes fewer than `fastimport.unpackLimit`
+    objects loose)."""
+    stream = (f"blob\nmark :1\ndata {len(content)}\n{content}\n"
+              "commit refs/heads/main\nmark :2\ncommitter a <a@b> 0 +0000\ndata 3\nnew\n"
+              "M 100644 :1 file\n\n").encode()
+    limit = ["-c", "fastimport.unpackLimit=0"] if pack else []
+    subprocess.run(["git", *limit, "--git-dir", str(repository), "fast-import", "--quiet",
+                    "--force"],
+                   input=stream, check=True)
+    return str(pygit2.Repository(str(repository)).references["refs/heads/main"].target)
+
+
+def test_linked_objects_are_there_and_their_generation_skips_index_pack(
+        tmp_path: Path) -> None:
+    work = RepoReplica("devices", tmp_path / "work.git")
+    serving = RepoReplica("devices", tmp_path / "serving.git")
+    commit = fast_import(work.path, "hello", pack=True)
+    assert commit not in pygit2.Repository(str(serving.path))
+    assert serving.link_objects_from(work)
+    assert commit in pygit2.Repository(str(serving.path))
+    def files(repository: RepoReplica) -> list[str]:
+        objects = repository.path / "objects"
+        return sorted(str(p.relative_to(objects)) for p in objects.rglob("*") if p.is_file()
+                      and p.parent.name != "info")
+    assert files(serving) == files(work) != []
+    assert serving.link_objects_from(work)  # again: nothing new, nothing fails
+
+    serving.has_objects_of(7)
+    serving.add_objects(Snapshot(7, [PublishedPack(7, NOT_A_PACK)], {}))  # linked already
+    assert serving.linked_generations() == {7}
+    with pytest.raises(RuntimeError, match="index-pack"):
+        serving.add_objects(Snapshot(8, [PublishedPack(7, NOT_A_PACK),
+                                         PublishedPack(8, NOT_A_PACK)], {}))
+
+
+def test_loose_objects_are_linked_too(tmp_path: Path) -> None:
+    """A small import leaves loose objects (fast-import's unpackLimit): linked as well."""
+    work = RepoReplica("devices", tmp_path / "work.git")
+    serving = RepoReplica("devices", tmp_path / "serving.git")
+    commit = fast_import(work.path, "small")
+    blob = str(pygit2.Repository(str(work.path)).create_blob(b"loose"))
+    assert serving.link_objects_from(work)
+    repository = pygit2.Repository(str(serving.path))
+    assert commit in repository and blob in repository
+
+
+def published(work: RepoReplica, old: tuple[str, ...] = ()) -> tuple[bytes, bytes | None]:
+    return work.pack(work.refs(), old)
+
+
+def test_a_pack_published_with_its_index_is_stored_as_it_is(tmp_path: Path) -> None:
+    work = RepoReplica("devices", tmp_path / "work.git")
+    first = fast_import(work.path, "one")
+    second = fast_import(work.path, "two")  # (a root commit: the branch is forced)
+    pack, index = published(work)
+    assert index is not None and pack.startswith(b"PACK")
+    other = RepoReplica("devices", tmp_path / "other.git")
+    other.add_objects(Snapshot(1, [PublishedPack(1, pack, index)], {}))
+    stored = sorted(p.name for p in (other.path / "objects" / "pack").iterdir())
+    assert stored == [f"pack-{pack[-20:].hex()}.{s}" for s in ("idx", "pack")]  # as they were
+    repository = pygit2.Repository(str(other.path))
+    assert second in repository and first not in repository  # what the refs reach
+    subprocess.run(["git", "--git-dir", str(other.path), "fsck", "--strict", "--no-dangling"],
+                   check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("damage", ["another pack's index", "not an index", "none"])
+def test_a_pack_whose_index_does_not_belong_is_indexed_again(tmp_path: Path,
+                                                             damage: str) -> None:
+    work = RepoReplica("devices", tmp_path / "work.git")
+    commit = fast_import(work.path, "one")
+    pack, _ = published(work)
+    fast_import(work.path, "two")
+    _, wrong = published(work)
+    index = {"another pack's index": wrong, "not an index": b"\377tOc" + bytes(60),
+             "none": None}[damage]
+    other = RepoReplica("devices", tmp_path / "other.git")
+    other.add_objects(Snapshot(1, [PublishedPack(1, pack, index)], {}))
+    assert commit in pygit2.Repository(str(other.path))
+    subprocess.run(["git", "--git-dir", str(other.path), "fsck", "--strict", "--no-dangling"],
+                   check=True, capture_output=True)

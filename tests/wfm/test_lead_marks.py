@@ -1,7 +1,8 @@
-"""`wfm.fleet.leadtime` on one server: a compile's lead-time marks are written after its
-state is published, by the thread that checks reports, and always before it checks a report
-that came after the compile; on replicas they are written before publication, as before.
-A real compile (`kits.fleetkit`), the real Git store and SQLite store."""
+"""`wfm.fleet.leadtime`: a compile's lead-time marks are written after its state is
+published, by the thread that checks reports. On one server always before it checks a
+report that came after the compile; on replicas a report that came first (through another
+replica) is looked at again until its mark is there. A real compile (`kits.fleetkit`), the
+real Git store and SQLite store."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from wfm.fleet.leadtime import CompileOrigin, LeadTimes
 from wfm.store import lead_rows
 from wfm.store.records import Applied
 from wfm.store.sqlitedb import SqliteDatabase
-from wfm.telemetry.metrics import LEAD_TIME
+from wfm.telemetry.metrics import LEAD_TIME, LEAD_TIME_DROPPED
 from wfm.telemetry.tracing import Tracing
 
 
@@ -62,12 +63,11 @@ def test_one_server_publishes_first_and_still_times_every_report(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fleet, report = compiled
     monkeypatch.setattr(leadtime, "MARKS_PER_WRITE", 2)  # three marks: two transactions
-    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None),
-                     marks_after_publication=True)
+    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None))
     try:
         before = observed()
         origin = CompileOrigin(time.time(), [], 0, time.time())
-        assert lead.compiled(origin, report) is None  # queued, not written yet
+        lead.compiled(origin, report)  # queued, written by the thread
         # Reports of the published state, at once: each is checked after the marks exist.
         for index in range(3):
             installed(lead, fleet, f"edge-{index}")
@@ -81,15 +81,68 @@ def test_one_server_publishes_first_and_still_times_every_report(
         lead.stop()
 
 
-def test_replicas_write_the_marks_before_publishing(
-        compiled: tuple[Fleet, CompileReport], db: SqliteDatabase) -> None:
+def wait_for_observed(count: float) -> None:
+    deadline = time.monotonic() + 10
+    while observed() < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def dropped() -> float:
+    return sum(sample.value for metric in LEAD_TIME_DROPPED.collect()
+               for sample in metric.samples if sample.name.endswith("_total"))
+
+
+def test_replicas_time_a_report_that_came_before_its_mark(
+        compiled: tuple[Fleet, CompileReport], db: SqliteDatabase,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The devices' reports reach a replica before the compiling one has written the marks
+    (it writes them after publishing): they are looked at again, and timed once."""
     fleet, report = compiled
-    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None))
+    monkeypatch.setattr(leadtime, "RECHECK_AFTER", (0.2, 0.4, 0.8))
+    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None), recheck=True)
     try:
-        assert lead.compiled(CompileOrigin(time.time(), [], 0, time.time()), report) == 3
-        marks = db.read(lambda conn: lead_rows.marks_of(
-            conn, [deployment_id("web", f"edge-{i}") for i in range(3)]))
-        assert len(marks) == 3  # in the database when `compiled` returns
+        before = observed()
+        for index in range(3):
+            installed(lead, fleet, f"edge-{index}")
+        time.sleep(0.3)  # checked once at least, no mark yet
+        assert observed() == before
+        lead.compiled(CompileOrigin(time.time(), [], 0, time.time()), report)
+        wait_for_observed(before + 3)
+        assert observed() == before + 3
+        time.sleep(1.0)  # nothing is counted twice
+        assert observed() == before + 3
+    finally:
+        lead.stop()
+
+
+def test_one_server_does_not_look_again_and_replicas_give_up(
+        compiled: tuple[Fleet, CompileReport], db: SqliteDatabase,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report no compile marked (a reinstall of unchanged bytes) is looked at as often as
+    `RECHECK_AFTER` says, then forgotten; beyond `RECHECK_LIMIT` it is counted dropped.
+    One server never looks again: its marks are written before it checks any report."""
+    fleet, report = compiled
+    monkeypatch.setattr(leadtime, "RECHECK_AFTER", (0.1, 0.2))
+    monkeypatch.setattr(leadtime, "RECHECK_LIMIT", 2)
+    for recheck in (False, True):
+        lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None), recheck=recheck)
+        try:
+            before, lost = observed(), dropped()
+            for index in range(3):
+                installed(lead, fleet, f"edge-{index}")
+            time.sleep(0.2)
+            assert dropped() == lost + (1 if recheck else 0)  # the third: over the limit
+            time.sleep(0.6)  # past the last look
+            assert observed() == before
+        finally:
+            lead.stop()
+    # The marks written afterwards time nothing: those reports were forgotten.
+    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None), recheck=True)
+    try:
+        before = observed()
+        lead.compiled(CompileOrigin(time.time(), [], 0, time.time()), report)
+        time.sleep(0.5)
+        assert observed() == before
     finally:
         lead.stop()
 
@@ -98,8 +151,7 @@ def test_marks_queued_at_stop_are_written(compiled: tuple[Fleet, CompileReport],
                                           db: SqliteDatabase) -> None:
     """A server stopping right after a compile leaves its marks for its next start."""
     fleet, report = compiled
-    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None),
-                     marks_after_publication=True)
+    lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None))
     lead.compiled(CompileOrigin(time.time(), [], 0, time.time()), report)
     lead.stop()
     marks = db.read(lambda conn: lead_rows.marks_of(

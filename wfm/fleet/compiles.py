@@ -312,8 +312,8 @@ class CompileService:
 
     def _compile_and_publish(self, source: FleetSource, repos: Path,
                              lead: CompileOrigin | None) -> CompileReport:
-        """Compile; mark what changed (`wfm.fleet.leadtime`) before anyone is served it; with
-        replicas, publish."""
+        """Compile; with replicas, publish; queue the marks of what changed
+        (`wfm.fleet.leadtime`)."""
         store = DeviceStore(repos)
         try:
             report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
@@ -325,14 +325,16 @@ class CompileService:
             # compile would not move the same way.
             set_aside(repos / "compiler-state.sqlite", exc)
             report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
-        if lead is not None and self._lead is not None:
-            self._lead.compiled(lead, report)
         if self._coordinator is not None:
             with GIT_SECONDS.labels("publish").time():
                 published = self._coordinator.publish()  # LeaseLost: logged by the loop
             if published is not None:
                 log.info("published generation %d (%d refs, %d bytes)", published.generation,
                          published.refs, published.pack_bytes)
+        # One server: before the state is served (`_on_compiled`); replicas: once published
+        # (a report reaching any replica first is looked at again, `wfm.fleet.leadtime`).
+        if lead is not None and self._lead is not None:
+            self._lead.compiled(lead, report)
         return report
 
     def _count(self, report: CompileReport, seconds: float) -> None:

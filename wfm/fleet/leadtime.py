@@ -20,23 +20,29 @@ different replica: every step is in the shared database.
   ids); the compiling replica reads them when it compiles and deletes them when done.
 * A compile writes one `lead_marks` row per deployment it changed (device, the commit of
   the device's branch that holds the new bytes, when the change was received and
-  compiled, the compile span's ids). On replicas before the new state is published (a
-  report may reach any replica); on one server after, by the thread that checks reports,
-  before it checks any report that came after the publication: a compile that changed
-  100,000 devices has 543,773 marks to write (about 4 s on SQLite), which had held back
-  every device's new state that long.
+  compiled, the compile span's ids), after its new state is published, by the thread that
+  checks reports: a compile that changed 100,000 devices has 543,773 marks to write (about
+  4 s on SQLite, 14 s on PostgreSQL beside a replica's publication), which had held back
+  every device's new state that long. On one server they are written before the thread
+  checks any report that came after the publication. On replicas a report may reach any
+  replica before the compiling one has written its mark: a report whose mark is not there
+  (or is an older compile's) is looked at again after 1, 2, 4 ... 32 s (`RECHECK_AFTER`),
+  at most `RECHECK_LIMIT` at a time; a compiling replica killed before it wrote its marks
+  leaves that compile untimed.
 * An `installed` report that changed the stored status is queued here (a few
   microseconds on the request path; nothing else is done there); a background thread
   checks the bytes it is about against the mark's commit and deletes the mark. Only the
   replica whose delete removed it observes the lead time, so each is counted once.
-Memory is bounded: at most `QUEUE` reports wait (beyond: counted in
-`margo_lead_time_dropped_total`), marks live in the database (one per deployment at most),
-and no span is held open for a device.
+Memory is bounded: at most `QUEUE` reports wait and `RECHECK_LIMIT` wait again (beyond:
+counted in `margo_lead_time_dropped_total`), marks live in the database (one per deployment
+at most), and no span is held open for a device.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -55,13 +61,20 @@ from wfm.store.records import Applied
 from wfm.telemetry.metrics import LEAD_TIME, LEAD_TIME_DROPPED
 from wfm.telemetry.tracing import OpenSpan, Tracing
 
-__all__ = ["MARKS_PER_WRITE", "QUEUE", "CompileOrigin", "LeadTimes"]
+__all__ = ["MARKS_PER_WRITE", "QUEUE", "RECHECK_AFTER", "RECHECK_LIMIT", "CompileOrigin",
+           "LeadTimes"]
 
 log = logging.getLogger("margo.wfm.leadtime")
 #: Installed reports waiting to be checked, at most.
 QUEUE = 10_000
-#: Marks written per transaction when they are written after publication.
+#: Marks written per transaction (after publication).
 MARKS_PER_WRITE = 2_000
+#: Replicas: when a report that found no mark of its bytes is looked at again, in seconds
+#: after it was first checked (the compiling replica writes a compile's marks after
+#: publishing it: 14 s for 100,000 devices on a busy machine).
+RECHECK_AFTER = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+#: Replicas: reports waiting to be looked at again, at most (about 200 bytes each).
+RECHECK_LIMIT = 100_000
 _CHANGED = ("add", "update", "reconfigure")
 
 
@@ -92,8 +105,9 @@ class CompileOrigin:
         return first.received_at, first.trigger
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Report:
+    queued: float  # monotonic: when it is looked at again counts from here
     reported_at: float
     client_id: str
     device_id: str
@@ -115,17 +129,19 @@ class LeadTimes:
     def __init__(self, db: Database, desired: DesiredState, tracing: Tracing, *,
                  handout: Callable[[str], tuple[str, float] | None] = lambda device: None,
                  catch_up: Callable[[], object] | None = None, queue: int = QUEUE,
-                 marks_after_publication: bool = False) -> None:
-        """`marks_after_publication`: this is the only server (its own reports are the only
-        ones that look for marks), so a compile's marks are written after its state is
-        published (see the module's docstring)."""
+                 recheck: bool = False) -> None:
+        """`recheck`: this is one of several replicas, so a report may come before the
+        mark it looks for (see the module's docstring)."""
         self._db, self._desired, self._tracing = db, desired, tracing
         self._handout, self._catch_up, self._limit = handout, catch_up, queue
-        self._marks_later = marks_after_publication
+        self._recheck = recheck
         #: Compiles published since the thread last wrote their marks, with when each was.
         self._pending_marks: collections.deque[
             tuple[CompileOrigin, CompileReport, float]] = collections.deque()
         self._queue: collections.deque[_Report] = collections.deque()
+        #: Replicas: (when, order, report, checks so far) of reports to look at again.
+        self._again: list[tuple[float, int, _Report, int]] = []
+        self._order = itertools.count()
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="margo-lead-times",
@@ -160,20 +176,13 @@ class LeadTimes:
             links=[o.trace for o in origins if o is not first and o.trace])
         return compile
 
-    def compiled(self, compile: CompileOrigin, report: CompileReport) -> int | None:
-        """The compile committed: mark each deployment it changed and forget the changes it
-        answered; how many were marked. With `marks_after_publication` the marks are only
-        queued (None is returned): the thread that checks reports works them out and
-        writes them before any report that comes after (a compile that changed 100,000
-        devices has 543,773 of them: 1.4 s of Python before the write)."""
-        if self._marks_later:  # before the state is published, so before any report of it
-            self._pending_marks.append((compile, report, time.time()))
-            self._wake.set()
-            return None
-        rows = self._marks(compile, report, time.time())
-        if not rows and not compile.last_id:
-            return 0
-        return len(rows) if self._store_marks(rows, compile.last_id) else 0
+    def compiled(self, compile: CompileOrigin, report: CompileReport) -> None:
+        """The compile committed (one server: before its state is published, so before any
+        report of it; replicas: once published): queue its marks. The thread that checks
+        reports works them out (a compile that changed 100,000 devices has 543,773 of
+        them: 1.4 s of Python) and writes them, and forgets the changes it answered."""
+        self._pending_marks.append((compile, report, time.time()))
+        self._wake.set()
 
     def _marks(self, compile: CompileOrigin, report: CompileReport,
                compiled_at: float) -> list[tuple[Any, ...]]:
@@ -212,10 +221,10 @@ class LeadTimes:
         return True
 
     def _store_pending_marks(self) -> None:
-        """The marks of every compile published so far (`marks_after_publication`), a
-        transaction per `MARKS_PER_WRITE`: the store has one writer, and the devices'
-        manifest versions and status reports of the new state queue behind these writes
-        (543,773 marks in one transaction had held them for 4 s)."""
+        """The marks of every compile published so far, a transaction per
+        `MARKS_PER_WRITE`: the store has one writer, and the devices' manifest versions and
+        status reports of the new state queue behind these writes (543,773 marks in one
+        transaction had held them for 4 s)."""
         while self._pending_marks:
             compile, report, compiled_at = self._pending_marks.popleft()
             rows, last_id = self._marks(compile, report, compiled_at), compile.last_id
@@ -243,8 +252,8 @@ class LeadTimes:
         if len(self._queue) >= self._limit:
             LEAD_TIME_DROPPED.inc()
             return
-        self._queue.append(_Report(time.time(), client_id, device_id, deployment_id,
-                                   applied.digest, claim_of(document)))
+        self._queue.append(_Report(time.monotonic(), time.time(), client_id, device_id,
+                                   deployment_id, applied.digest, claim_of(document)))
         self._wake.set()
 
     def stop(self) -> None:
@@ -254,7 +263,8 @@ class LeadTimes:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._wake.wait(1.0)
+            self._wake.wait(min(1.0, max(0.05, self._again[0][0] - time.monotonic()))
+                            if self._again else 1.0)
             self._wake.clear()
             self._store_pending_marks()
             while self._queue and not self._stopping:
@@ -262,22 +272,53 @@ class LeadTimes:
                 # After taking the batch: a report in it came after any compile whose marks
                 # were queued before it, and those marks are written before it is checked.
                 self._store_pending_marks()
-                try:
-                    self._settle(batch)
-                except Exception as exc:  # a report's lead time is not worth a thread
-                    log.warning("lead times of %d report(s) not observed: %s", len(batch),
-                                exc)
+                self._check([(report, 0) for report in batch])
+            self._check_again()
         self._store_pending_marks()  # stopping: what a restart's reports will look for
 
-    def _settle(self, batch: list[_Report]) -> None:
-        """Observe the lead time of every report that installed its mark's bytes."""
+    def _check(self, batch: list[tuple[_Report, int]]) -> None:
+        """Settle the reports (each with how often it was checked before); on replicas,
+        look at those without their mark again later."""
+        try:
+            unmatched = self._settle([report for report, _ in batch])
+        except Exception as exc:  # a report's lead time is not worth a thread
+            log.warning("lead times of %d report(s) not observed: %s", len(batch), exc)
+            return
+        if not self._recheck:
+            return
+        checks = {id(report): count for report, count in batch}
+        for report in unmatched:
+            count = checks[id(report)]
+            if count >= len(RECHECK_AFTER):
+                continue  # no mark came: nothing this fleet manager changed
+            if len(self._again) >= RECHECK_LIMIT:
+                LEAD_TIME_DROPPED.inc()
+                continue
+            due = report.queued + RECHECK_AFTER[count]
+            heapq.heappush(self._again, (due, next(self._order), report, count + 1))
+
+    def _check_again(self) -> None:
+        """The reports due to be looked at again, 500 at a time."""
+        now = time.monotonic()
+        while self._again and self._again[0][0] <= now and not self._stopping:
+            due: list[tuple[_Report, int]] = []
+            while self._again and self._again[0][0] <= now and len(due) < 500:
+                _, _, report, count = heapq.heappop(self._again)
+                due.append((report, count))
+            self._check(due)
+
+    def _settle(self, batch: list[_Report]) -> list[_Report]:
+        """Observe the lead time of every report that installed its mark's bytes; the
+        reports whose mark is not there, or names other bytes."""
         wanted = sorted({r.deployment_id for r in batch})
         marks = self._db.read(lambda conn: lead_rows.marks_of(conn, wanted))
         matched: list[tuple[_Report, tuple[Any, ...]]] = []
+        unmatched: list[_Report] = []
         caught_up = False
         for report in batch:
             mark = marks.get(report.deployment_id)
             if mark is None or mark[0] != report.device_id:
+                unmatched.append(report)
                 continue
             held = self._desired.deployments_at(report.device_id, mark[1])
             if held is None and self._catch_up is not None and not caught_up:
@@ -286,8 +327,10 @@ class LeadTimes:
                 held = self._desired.deployments_at(report.device_id, mark[1])
             if held is not None and held.get(report.deployment_id) == report.digest:
                 matched.append((report, mark))
+            else:
+                unmatched.append(report)
         if not matched:
-            return
+            return unmatched
 
         taken = [(report.deployment_id, mark[1]) for report, mark in matched]
         consumed = self._db.write_sync(lambda conn: lead_rows.consume_marks(conn, taken))
@@ -296,6 +339,7 @@ class LeadTimes:
                 LEAD_TIME.labels(mark[4]).observe(max(0.0, report.reported_at - mark[2]))
                 if self._tracing.enabled:
                     self._device_spans(report, mark)
+        return unmatched
 
     def _device_spans(self, report: _Report, mark: tuple[Any, ...]) -> None:
         """adopt (compiled -> handed out), then install (handed out -> reported), under

@@ -393,7 +393,7 @@ def _fleet_control(config: ServerConfig, api: Api, db: Database,
     lead = LeadTimes(db, desired, tracing,
                      handout=lambda device_id: api.attribution.handouts.when(device_id),
                      catch_up=coordinator.sync if coordinator is not None else None,
-                     marks_after_publication=coordinator is None)
+                     recheck=coordinator is not None)
     compiles = CompileService(
         config.repos, config.effective_source, ReportedFleet(db.read).snapshot,
         (lambda report: _published(desired, api.waiters, _committed(report)))

@@ -120,6 +120,7 @@ bench: venv
 	$(BIN)/python -m bench.validate
 	$(BIN)/python -m bench.compile --server
 	$(BIN)/python -m bench.first_manifest --devices 10000
+	$(BIN)/python -m bench.first_manifest --devices 10000 --store replicas
 	if [ -n "$(BENCH_LARGE)" ]; then $(BIN)/python -m bench.compile --devices 100000 --server \
 		&& $(BIN)/python -m bench.first_manifest --devices 100000; fi
 	$(BIN)/python -m bench.serve

@@ -14,6 +14,7 @@ from pathlib import Path
 import pygit2
 import pytest
 
+from wfm.fleet import replication
 from wfm.fleet.replication import RepoReplica
 from wfm.store.replica_rows import PublishedPack, Snapshot
 
@@ -103,3 +104,30 @@ def test_a_pack_whose_index_does_not_belong_is_indexed_again(tmp_path: Path,
     assert commit in pygit2.Repository(str(other.path))
     subprocess.run(["git", "--git-dir", str(other.path), "fsck", "--strict", "--no-dangling"],
                    check=True, capture_output=True)
+
+
+def test_objects_added_later_are_linked_later(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Folders listed before are listed again only when their time moved; one too recent
+    to tell is listed every time (a file added in the same clock tick leaves it)."""
+    work = RepoReplica("devices", tmp_path / "work.git")
+    serving = RepoReplica("devices", tmp_path / "serving.git")
+    repository = pygit2.Repository(str(work.path))
+    first = str(repository.create_blob(b"first"))
+    assert serving.link_objects_from(work)
+    folder = work.path / "objects" / first[:2]
+    same_folder = next(b for b in (f"blob {n}".encode() for n in range(100_000))
+                       if str(pygit2.hash(b))[:2] == first[:2])
+    second = str(repository.create_blob(same_folder))  # at once: within the same tick
+    assert serving.link_objects_from(work)
+    assert second in pygit2.Repository(str(serving.path))
+    monkeypatch.setattr(replication, "_SETTLED_NS", 0)  # every time is settled now
+    assert serving.link_objects_from(work)
+    listed = []
+    monkeypatch.setattr(Path, "iterdir", lambda self, real=Path.iterdir: (
+        listed.append(self.name), real(self))[1])
+    assert serving.link_objects_from(work)
+    assert folder.name not in listed  # unchanged since: not listed again
+    third = str(repository.create_blob(b"third"))
+    assert serving.link_objects_from(work)
+    assert third in pygit2.Repository(str(serving.path))

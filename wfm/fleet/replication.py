@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ __all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
 COMPACT_AFTER = 64
 _GENERATION_FILE = "margo-generation"
 _GIT = ("git", "-c", "core.warnAmbiguousRefs=false")
+#: A folder's modification time this old is no longer moved by a file added in its tick.
+_SETTLED_NS = 2_000_000_000
 #: How a pack index of version 2 starts (Git's `pack-format.txt`).
 _INDEX_V2 = b"\377tOc\0\0\0\2"
 
@@ -55,6 +58,9 @@ class RepoReplica:
         self._generation: int | None = None
         #: Generations whose objects are here already (`link_objects_from`).
         self._linked: set[int] = set()
+        #: Folders of another repository's objects, and their modification time when
+        #: `link_objects_from` last listed them.
+        self._listed: dict[Path, int] = {}
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             pygit2.init_repository(str(self.path), bare=True)
@@ -169,16 +175,33 @@ class RepoReplica:
         index-packs as usual) when a link fails."""
         source, target = other.path / "objects", self.path / "objects"
         try:
-            for index in sorted((source / "pack").glob("pack-*.idx")):
-                # The pack first, its index last: Git sees a pack once its .idx is there.
-                for part in (".pack", ".rev", ".idx"):
-                    _link_missing(index.with_suffix(part), target / "pack")
+            if self._changed(source / "pack"):
+                for index in sorted((source / "pack").glob("pack-*.idx")):
+                    # The pack first, its index last: Git sees a pack once its .idx is there.
+                    for part in (".pack", ".rev", ".idx"):
+                        _link_missing(index.with_suffix(part), target / "pack")
             for folder in source.iterdir():
-                if len(folder.name) == 2 and folder.is_dir():
+                if len(folder.name) == 2 and folder.is_dir() and self._changed(folder):
                     for loose in folder.iterdir():
                         _link_missing(loose, target / folder.name)
         except OSError:
+            self._listed.clear()  # (a folder may be half linked)
             return False
+        return True
+
+    def _changed(self, folder: Path) -> bool:
+        """Whether `folder` may hold files not linked yet: its modification time moved
+        since it was last listed (read before listing it, so a file added meanwhile moves
+        it again), or is too recent to tell (a file system's clock ticks coarser than its
+        nanoseconds: a file added in the same tick leaves the time as it was). A fleet's
+        first reports come as hundreds of small compiles, each leaving a few dozen loose
+        objects: listing every folder at each publication made linking grow with
+        everything ever written."""
+        stamp = folder.stat().st_mtime_ns
+        if self._listed.get(folder) == stamp:
+            return False
+        if time.time_ns() - stamp > _SETTLED_NS:
+            self._listed[folder] = stamp
         return True
 
     def linked_generations(self) -> frozenset[int]:

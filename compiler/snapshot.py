@@ -68,11 +68,11 @@ class Device:
     The model of a document trusted from an earlier compile (same digest, validated then) is
     built on first use: a recompile that skips most devices only reads their labels (to
     index selectors), which come straight from the document, exactly as normalising copies
-    them. Immutable once built.
+    them. Immutable once built (`release` only drops what its text builds again alike).
     """
 
-    __slots__ = ("_capabilities", "_document", "_generation", "_matching", "_span", "digest",
-                 "file", "id")
+    __slots__ = ("_capabilities", "_document", "_generation", "_matching", "_source", "_span",
+                 "digest", "file", "id")
 
     id: str
     #: sha256 of the document's sorted-key compact JSON, and of the generation the device
@@ -95,6 +95,7 @@ class Device:
         self._capabilities = capabilities
         self._document = document
         self._span = span
+        self._source = span  # the text the model is built from again (`release`)
         self._matching: Mapping[str, Any] | None = None
         self._generation = generation
 
@@ -127,6 +128,20 @@ class Device:
         if self._generation is not None:
             return self._generation
         return str(self.capabilities.shape)
+
+    def keep_span(self, span: tuple[str | bytes, int, int]) -> None:
+        """Name the JSON text (as `span` in `__init__`) that decodes to the very document
+        the model was validated from, so that `release` may drop the model."""
+        self._source = span
+
+    def release(self) -> None:
+        """Drop the model, if its text can build it again (the next use does). Why: once a
+        device's result is accounted its model (about 3.5 KB) is not used again; dropped
+        as the results stream, the results reuse its memory instead of the compile growing
+        by both (`compiler.writing.account_commits`)."""
+        if self._source is not None:
+            self._capabilities = self._matching = self._document = None
+            self._span = self._source
 
     def _validated_document(self) -> Mapping[str, Any]:
         if self._document is None:
@@ -486,7 +501,18 @@ def load_snapshot(path: str | os.PathLike[str], *,
     spans, plain = (memo.spans, memo.plain) if memo is not None else _json_spans(data, loaded)
     snapshot.memo = SnapshotMemo(key, {d: device.digest for d, device in
                                        snapshot.devices.items()}, spans, plain)
+    _keep_spans(snapshot.devices, data, spans, plain)
     return snapshot
+
+
+def _keep_spans(devices: Mapping[str, Device], data: bytes,
+                spans: Mapping[str, tuple[int, int]], plain: frozenset[str]) -> None:
+    """`Device.keep_span` for each device of a plain document: `_add` kept it only under
+    the id its document reports, so it was built from exactly what its span decodes to."""
+    keys = spans.keys() & plain & devices.keys()
+    text = (data if data.isascii() else _json_text(data)) if keys else b""  # (`LazyDevices`)
+    for key in keys:
+        devices[key].keep_span((text, *spans[key]))
 
 
 def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: SnapshotMemo,

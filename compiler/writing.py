@@ -58,9 +58,13 @@ def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: 
                     outcomes: CompileOutcomes, now: float,
                     ) -> Generator[DeviceCommit, None, None]:
     """The commits of the compiled devices, in device order, accounting every device in
-    `report` and `outcomes` as its result arrives (consume it fully before reading them)."""
+    `report` and `outcomes` as its result arrives (consume it fully before reading them).
+
+    Each device's model is released once its result is here (`Device.release`): nothing
+    in this process uses it again, and what the results take then reuses its memory."""
     for job, work in zip(jobs, works, strict=True):
         device_id, outcome = job.device.id, work.outcome
+        job.device.release()
         result = DeviceResult(device_id, "unchanged", outcome.changes, outcome.problems,
                               notes=outcome.notes, grace_until=outcome.grace_until)
         report.results.append(result)

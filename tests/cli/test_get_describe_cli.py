@@ -187,7 +187,12 @@ def test_watch_prints_a_change_and_stops_cleanly_on_ctrl_c(cli_fleet: CliFleet) 
         assert lines[1].split()[:4] == ["watch-1", "edge", "rc.3", "device"]
     finally:
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=20)
+        try:
+            _, err = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:  # never left running after the test
+            process.kill()
+            process.communicate()
+            raise
     assert process.returncode == 0, err
     assert "Traceback" not in err and len(lines) == 2
 

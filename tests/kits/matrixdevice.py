@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from kits.devicekit import engine_environment
 from kits.fleetserver import capabilities
 from kits.matrixapp import Application, Change
 from kits.matrixcells import ROOT, SETTLE, Cell, FreshnessNotReached, Mix, Row, T
@@ -26,6 +27,7 @@ from kits.matrixparts import FleetHost, MatrixParts
 from kits.pkikit import make_self_signed, write_pem
 from kits.serverkit import assert_deployment_in_generation
 from margo.digests import digest_of
+from margo_cli.go_runtime import ENGINE_DRIVERS
 from tools.polling import poll_until
 
 
@@ -73,7 +75,8 @@ class MatrixDevice:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
                  str(self.config), "--log-level", "warning", *(("--json",) if cycles else ())],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env=engine_environment() if self.cell.driver in ENGINE_DRIVERS else None)
 
     def cycles(self) -> list[dict[str, Any]]:
         """The cycles the client has finished (started with `cycles=True`), in order."""

@@ -146,7 +146,12 @@ class Box:
         name = self.containers().get(service)
         if name is None:
             return False
-        details = inspect(self.engine, name)
+        try:
+            details = inspect(self.engine, name)
+        except RuntimeError as exc:  # listed, then replaced before it could be inspected
+            if "No such object" in str(exc):
+                return False
+            raise
         return details["Config"]["Image"] == image and (
             details["State"].get("Health") or {}).get("Status") == "healthy"
 

@@ -188,3 +188,32 @@ def test_a_branch_naming_a_missing_commit_is_lost_state_too(tmp_path: Path) -> N
     with pytest.raises(StateLost) as lost:
         DesiredState(DeviceStore(fleet.repos)).client_state("c1", ("d1",))
     assert "cannot be read" in lost.value.detail
+
+
+def test_a_branch_that_appears_while_it_is_looked_for_is_served_not_lost(
+        tmp_path: Path) -> None:
+    """A device's first compile: the server reads no branch, the compile moves the branches
+    and commits its state, then the server reads the state (which now names a branch). That
+    is not lost state: the branch is read again and served. (The compile is made to land in
+    that window by the `recorded` callable, which the server asks after missing the branch;
+    the newest conformance suite's first manifest once met a 503 there.)"""
+    from kits.fleetkit import Fleet, app, device, intent
+
+    from compiler.gitstore import DeviceStore
+    from compiler.state import recorded_branch
+    from wfm.fleet.desired import DesiredState
+
+    fleet = Fleet(tmp_path)
+    fleet.apps["com-example-app"] = app()
+    fleet.intents["everywhere"] = intent("everywhere")
+    fleet.devices["d1"] = device("d1")
+
+    def compiled_meanwhile(device_id: str) -> str | None:
+        fleet.compile()
+        return recorded_branch(fleet.repos, device_id)
+
+    (fleet.repos).mkdir(parents=True, exist_ok=True)
+    desired = DesiredState(DeviceStore(fleet.repos), recorded=compiled_meanwhile)
+    state = desired.client_state("c1", ("d1",))
+    assert [d.intent for d in state.deployments] == ["everywhere"]
+    assert desired.missing_branch("d1") is None

@@ -9,6 +9,7 @@ added or removed); polls in between are answered from memory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -266,15 +267,13 @@ class DesiredState:
             self._older_blobs, self._blobs = self._blobs, {}
 
     def _served(self, device_id: str) -> list[ServedDeployment]:
-        try:
-            tree = self._store.tree_ids(device_id)
-        except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
-            raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
+        tree = self._tree_ids(device_id)
         if tree is None:
             lost = self.missing_branch(device_id)
             if lost is not None:
                 raise lost
-            tree = {}  # not compiled yet: no desired state, rightly empty
+            # Read again: a compile may have moved the branches since (`missing_branch`).
+            tree = self._tree_ids(device_id) or {}  # still none: not compiled yet, empty
         else:
             self._reported_lost.discard(device_id)
         blobs, older = self._blobs, self._older_blobs
@@ -304,8 +303,21 @@ class DesiredState:
         recorded = self._recorded(device_id)
         if recorded is None:
             return None
+        with contextlib.suppress(GitStoreError, pygit2.GitError, KeyError, ValueError):
+            if self._store.tree_ids(device_id) is not None:
+                # The branch was read before a compile moved the branches and the
+                # compiler's state after it committed (a device's first compile: both
+                # within milliseconds). Not lost: the caller reads the branch again.
+                return None
         return self._lost(device_id, f"its branch is missing from the repository (the last "
                           f"compile left it at {recorded})")
+
+    def _tree_ids(self, device_id: str) -> dict[str, str] | None:
+        """The device branch's files (name -> blob id), None without a branch."""
+        try:
+            return self._store.tree_ids(device_id)
+        except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
+            raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
 
     def _lost(self, device_id: str, why: str) -> StateLost:
         """The 503 for a device whose state is lost, logged as an error once (until its

@@ -201,6 +201,9 @@ class _GitServer:
             why = await asyncio.to_thread(self.lost, device_id)
             if why is not None:
                 return problem(503, why, headers={"Retry-After": str(STATE_LOST_RETRY)})
+            # Read again: a compile may have moved the branches since (`missing_branch`).
+            tip = await asyncio.to_thread(_branch_tip, self.repository, ref)
+        if tip is None:
             return problem(404, f"device {device_id!r} has no desired state yet")
         extra: list[tuple[bytes, bytes]] = []
         if service == "info/refs":

@@ -20,7 +20,7 @@ import promql_parser
 import pytest
 import yaml
 from kits.pgkit import database_for
-from kits.serverkit import ROOT, _one_server, add_client, use_store
+from kits.serverkit import ROOT, _one_server, add_client, margo, use_store
 from prometheus_client.parser import text_string_to_metric_families
 
 from tools.polling import poll_until
@@ -117,7 +117,7 @@ class Device:
 def eventually(bases: list[str], what: str, holds: Callable[[list[Samples]], bool]
                ) -> list[Samples]:
     """Every server's samples once `holds` is true of them (fleet gauges are computed at
-    most every 5 s)."""
+    most every `--metrics-cache-seconds`)."""
     last: list[list[Samples]] = [[]]
 
     def scraped() -> list[Samples] | None:
@@ -222,8 +222,10 @@ def repository(tmp_path: Path) -> Path:
 def _tokens(folder: Path) -> list[str]:
     (folder / "admin").write_text(ADMIN_TOKEN)
     (folder / "scrape").write_text(METRICS_TOKEN)
+    # (The fleet's gauges are computed at most every half second here, not every 5 s:
+    # the fleet's moves are seen sooner, and the tests wait that much less.)
     return ["--host-source", "--admin-token-file", str(folder / "admin"),
-            "--metrics-token-file", str(folder / "scrape")]
+            "--metrics-token-file", str(folder / "scrape"), "--metrics-cache-seconds", "0.5"]
 
 
 def test_metrics_move_with_the_fleet_on_one_server(tmp_path: Path, repository: Path) -> None:
@@ -313,3 +315,12 @@ def test_a_query_naming_an_unknown_metric_is_caught() -> None:
         "margo_devices", "margo_replica_compile_lease"}
     with pytest.raises(AssertionError, match="does not expose"):
         check_queries(set())
+
+
+@pytest.mark.parametrize("seconds", ["-1", "nan", "3601"])
+def test_a_metrics_cache_time_out_of_range_is_refused_before_starting(
+        tmp_path: Path, seconds: str) -> None:
+    result = margo("serve", "--data", str(tmp_path / "data"), "--port", "1",
+                   "--metrics-cache-seconds", seconds, check=False)
+    assert result.returncode != 0
+    assert "--metrics-cache-seconds must be 0 to 3600 seconds" in result.stderr

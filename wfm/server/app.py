@@ -30,7 +30,7 @@ from wfm.admission.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimm
 from wfm.fleet.audit import RETENTION_DAYS, Auditor
 from wfm.fleet.compiles import CompileService, SourceConfig
 from wfm.fleet.desired import DesiredState
-from wfm.fleet.fleetmetrics import FleetCollector
+from wfm.fleet.fleetmetrics import CACHE_SECONDS, FleetCollector
 from wfm.fleet.freshness import STALE_POLLS
 from wfm.fleet.leadtime import LeadTimes
 from wfm.fleet.reported import ReportedFleet
@@ -87,6 +87,8 @@ class ServerConfig:
     debounce: float = 0.3
     #: Polling intervals of silence after which a device is `stale` (wfm.fleet.freshness).
     stale_polls: float = STALE_POLLS
+    #: How long one computation of the fleet's gauges answers scrapes (wfm.fleet.fleetmetrics).
+    metrics_cache_seconds: float = CACHE_SECONDS
     #: The most devices one client may register (None: no limit).
     max_devices_per_client: int | None = DEFAULT_MAX_DEVICES_PER_CLIENT
     #: A `postgresql://` URL: the shared store of several replicas; None: `<data>/wfm.sqlite`.
@@ -363,7 +365,8 @@ def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
     api.lead_times = fleet.lead = late.lead = lead
     fleet.audit.open(db, replica=coordinator.name if coordinator is not None else None)
     late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
-                                 coordinator=coordinator)
+                                 coordinator=coordinator,
+                                 cache_seconds=config.metrics_cache_seconds)
     if coordinator is not None:
         coordinator.on_synced = lambda moved: _published(desired, api.waiters, moved)
         api.waiters.owners = lambda ids: db.aread(lambda c: fleet_rows.device_owners(c, ids))

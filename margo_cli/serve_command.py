@@ -52,23 +52,7 @@ def register(commands: Any) -> None:
     serve.add_argument("--admin-token-file", metavar="FILE",
                        help="file holding a token of the admin role (operators with other "
                             "roles: margo operators add; docs/operations.md)")
-    serve.add_argument("--metrics-token-file", metavar="FILE",
-                       help="file holding a bearer token that may read GET /metrics (a "
-                            "Prometheus scraper's); the operator token may too; with neither "
-                            "file, /metrics is open (docs/observability.md)")
-    serve.add_argument("--otlp-endpoint", metavar="URL",
-                       help="send OpenTelemetry spans of each change (push, compile, each "
-                            "device's adoption and report) to this OTLP/HTTP endpoint, e.g. "
-                            "http://collector:4318 (default: no tracing)")
-    serve.add_argument("--stale-polls", type=float, default=3, metavar="N",
-                       help="a device that has not been heard from for N of its polling "
-                            "intervals is stale (default 3; 15 minutes until its interval "
-                            "is known)")
-    serve.add_argument("--metrics-cache-seconds", type=float, default=5.0,
-                       metavar="S",
-                       help="how long one computation of the fleet's gauges on GET /metrics "
-                            "answers scrapes (default 5; it reads the whole fleet: about 30 "
-                            "ms of CPU per 1,000 devices)")
+    _observability_options(serve)
     serve.add_argument("--max-devices-per-client", type=int,
                        default=DEFAULT_MAX_DEVICES_PER_CLIENT, metavar="N",
                        help="the most devices one client may register (default "
@@ -100,6 +84,27 @@ def register(commands: Any) -> None:
     _operator_options(serve)
     _budget_options(serve)
     serve.set_defaults(run=run_serve)
+
+
+def _observability_options(serve: argparse.ArgumentParser) -> None:
+    """What the server tells about the fleet: metrics, traces, freshness."""
+    serve.add_argument("--metrics-token-file", metavar="FILE",
+                       help="file holding a bearer token that may read GET /metrics (a "
+                            "Prometheus scraper's); the operator token may too; with neither "
+                            "file, /metrics is open (docs/observability.md)")
+    serve.add_argument("--otlp-endpoint", metavar="URL",
+                       help="send OpenTelemetry spans of each change (push, compile, each "
+                            "device's adoption and report) to this OTLP/HTTP endpoint, e.g. "
+                            "http://collector:4318 (default: no tracing)")
+    serve.add_argument("--stale-polls", type=float, default=3, metavar="N",
+                       help="a device that has not been heard from for N of its polling "
+                            "intervals is stale (default 3; 15 minutes until its interval "
+                            "is known)")
+    serve.add_argument("--metrics-cache-seconds", type=float, default=5.0,
+                       metavar="S",
+                       help="how long one computation of the fleet's gauges on GET /metrics "
+                            "answers scrapes (default 5; it reads the whole fleet: about 30 "
+                            "ms of CPU per 1,000 devices)")
 
 
 #: `margo serve --max-wait` and `--max-waiters` defaults (wfm.fleet.waiters).

@@ -12,7 +12,7 @@ collector not touching every inherited object also keeps their memory shared.
 
 A long-running process (the fleet server) calls `release_frozen()` once a compile's
 results are dropped, so the few cycles a compile made are collected (and the C heap's free
-memory is returned, `compiler.heap`), then
+memory is returned, `margo.heap`), then
 `freeze_survivors()`, so what is left (its caches, the server's own start-up) is not walked
 by every full collection that request traffic triggers.
 """
@@ -23,7 +23,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from compiler.heap import release_freed_memory
+from margo.heap import release_freed_memory
 
 __all__ = ["collection_paused", "freeze_survivors", "release_frozen"]
 
@@ -46,7 +46,7 @@ def collection_paused() -> Iterator[None]:
 def release_frozen() -> None:
     """Hand everything frozen by pauses back to the collector (it is then walked and, if
     garbage, collected as usual), and the C heap's free memory back to the system
-    (`compiler.heap`): what callers do once a compile is over."""
+    (`margo.heap`): what callers do once a compile is over."""
     gc.unfreeze()
     release_freed_memory()
 

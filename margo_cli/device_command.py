@@ -20,10 +20,10 @@ import sys
 from typing import Any
 
 from margo.errors import DocumentError
+from margo.heap import release_freed_memory
 from margo_cli import doctor_command, plan_command
 from margo_cli.device_config import device_config
 from margo_cli.go_runtime import restart_with_engine_settings
-from margo_cli.heap import release_freed_memory
 from margo_cli.usage import UsageError
 from reconciler.runner import CycleResult
 

@@ -1,11 +1,14 @@
-"""Give the C heap's freed memory back to the operating system after a device cycle.
+"""Give the C heap's freed memory back to the operating system after a busy moment.
 
 glibc's malloc keeps what was freed at the top of its main heap (`[heap]` in
 /proc/<pid>/smaps) for the next allocation instead of returning it, so one busy moment
-stays resident for the rest of a long-lived process. A device client has such moments:
-any cycle may parse a large manifest or build a large plan. `malloc_trim(0)` hands that
-back; `bench/device_memory.py` measures what it saves (about 5 MiB of a device's steady
-resident memory, docs/benchmarks.md).
+stays resident for the rest of a long-lived process, and counts again in the next one's
+peak. `malloc_trim(0)` hands that back. Two such processes call it:
+* the device client after each cycle (any cycle may parse a large manifest or build a
+  large plan): about 5 MiB of a device's steady resident memory (`bench/device_memory.py`);
+* whatever compiles, once a compile is over (`compiler.gcpause.release_frozen`: the fleet
+  server, `margo compile --watch`, the benchmark): about 105 MiB after a full compile of
+  100,000 devices (`bench/compile.py`; docs/benchmarks.md).
 
 Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
 """

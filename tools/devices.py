@@ -14,6 +14,7 @@ stay independent.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,12 +25,13 @@ from typing import Any
 
 import yaml
 
+from margo_cli.go_runtime import GO_SETTINGS
 from tools.docker.dockerengine import DockerEngine
 from tools.fleetserver import ROOT, FleetServer, capabilities
 from tools.processes import stop
 
-__all__ = ["HELLO", "Device", "compose_device", "current", "intent", "new_device", "new_digest",
-           "running_device"]
+__all__ = ["HELLO", "Device", "compose_device", "current", "engine_environment", "intent",
+           "new_device", "new_digest", "running_device"]
 
 HELLO = "com-example-hello-world"
 
@@ -102,6 +104,15 @@ def new_device(server: FleetServer, device_id: str, *, source: str = "margo-rest
     return Device(device_id, home / "device.yaml", home / "rendered", home / "data")
 
 
+def engine_environment() -> dict[str, str]:
+    """This process's environment with the Go runtime settings a render or Helm device
+    gives itself (`margo_cli.go_runtime`; the environment's own win, as there): it starts
+    with them, instead of exec'ing itself once more to get them, which costs a second
+    interpreter start on every device process (tests/cli/test_go_runtime.py runs devices
+    without them and checks that exec)."""
+    return {**GO_SETTINGS, **os.environ}
+
+
 @contextmanager
 def running_device(device: Device) -> Iterator[Path]:
     """`margo device run` for the block (stopped with SIGTERM); yields its log file."""
@@ -109,7 +120,8 @@ def running_device(device: Device) -> Iterator[Path]:
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "margo_cli.main", "device", "run", "--config",
-             str(device.config), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log)
+             str(device.config), "--log-level", "info"], cwd=ROOT, stdout=log, stderr=log,
+            env=engine_environment())
         try:
             yield log_path
         finally:

@@ -11,31 +11,20 @@ benchmarks use too; this kit adds one cycle at a time (`once`) and what the test
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import Any
 
 from kits.fleetserver import FleetServer
 from kits.netkit import CuttableProxy
-from margo_cli.go_runtime import GO_SETTINGS
 from reconciler.desired import DesiredState
 from reconciler.runner import CycleResult, Reconciler
 from reconciler.sources import Adopted
-from tools.devices import HELLO, Device, intent, new_device
+from tools.devices import HELLO, Device, engine_environment, intent, new_device
 from tools.fleetserver import ROOT
 
 __all__ = ["HELLO", "ROOT", "Device", "cycle_losing_the_link", "engine_environment", "head",
            "intent", "new_device", "once", "steps", "wait_for_new_commit"]
-
-
-def engine_environment() -> dict[str, str]:
-    """This process's environment with the Go runtime settings a render or Helm device
-    gives itself (`margo_cli.go_runtime`; the environment's own win, as there): it starts
-    with them, instead of exec'ing itself once more to get them, which costs a second
-    interpreter start on every device process (tests/cli/test_go_runtime.py runs devices
-    without them and checks that exec)."""
-    return {**GO_SETTINGS, **os.environ}
 
 
 def once(device: Device, *, expect: int | None = 0) -> dict[str, Any]:

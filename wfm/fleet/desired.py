@@ -31,6 +31,8 @@ from wfm.problems import ProblemError
 
 __all__ = ["BUNDLE_MEDIA_TYPE", "STATE_LOST_RETRY", "ClientState", "DesiredState",
            "ServedDeployment", "StateLost", "manifest_body"]
+#: What reading a branch raises when it cannot be read (a damaged or half-synced store).
+_UNREADABLE = (GitStoreError, pygit2.GitError, KeyError, ValueError)
 
 BUNDLE_MEDIA_TYPE = "application/vnd.margo.bundle.v1+tar+gzip"
 #: Seconds a device is told to wait before asking again for a state the server lost.
@@ -303,7 +305,7 @@ class DesiredState:
         recorded = self._recorded(device_id)
         if recorded is None:
             return None
-        with contextlib.suppress(GitStoreError, pygit2.GitError, KeyError, ValueError):
+        with contextlib.suppress(*_UNREADABLE):
             if self._store.tree_ids(device_id) is not None:
                 # The branch was read before a compile moved the branches and the
                 # compiler's state after it committed (a device's first compile: both
@@ -316,7 +318,7 @@ class DesiredState:
         """The device branch's files (name -> blob id), None without a branch."""
         try:
             return self._store.tree_ids(device_id)
-        except (GitStoreError, pygit2.GitError, KeyError, ValueError) as exc:
+        except _UNREADABLE as exc:
             raise self._lost(device_id, f"its branch cannot be read ({exc})") from None
 
     def _lost(self, device_id: str, why: str) -> StateLost:
@@ -418,7 +420,7 @@ class DesiredState:
                 return self._at_commit[key]
         try:
             files = self._store.read_files(device_id, commit)
-        except (GitStoreError, pygit2.GitError, KeyError, ValueError):
+        except _UNREADABLE:
             files = None
         if files is None:  # (not kept: a replica may not have synced the commit yet)
             return None

@@ -243,6 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from wfm.admission.bodylimit import head_deadline_protocol
     from wfm.identity.tls import ServerContexts, TlsHttpProtocol
     from wfm.server.app import ServerConfig, create_app
+    from wfm.server.closing import closing_protocol
     from wfm.server.datalock import DataDirBusy, DataDirLock
     from wfm.server.serving import serve
 
@@ -284,9 +285,10 @@ def run_serve(args: argparse.Namespace) -> int:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
     # uvicorn has no deadline for a request's head; this protocol adds one
     # (wfm.admission.bodylimit).
+    # Each request is told when its connection closes (wfm.server.closing).
     protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
     if protocol is not None:
-        transport["http"] = protocol
+        transport["http"] = closing_protocol(protocol)
     # uvicorn answers 503 to a request once connections (this one included) or requests
     # in flight reach its limit: one more than ours lets exactly N connections be served.
     # Held waiting polls are answered first when it stops (wfm.server.serving).

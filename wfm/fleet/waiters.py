@@ -24,13 +24,15 @@ Bounds. At most `limit` tickets at once (`margo serve --max-waiters`): past it a
 answered at once, as a plain poll (no `Preference-Applied`), which sheds the load onto the
 device's polling interval instead of the server's memory. Each held request costs its
 connection (about 10 KiB kept alive) and, held, its request's frames through the ASGI
-stack, a ticket, a future, a timer and a task watching for the disconnect: about 14-16 KiB
-more (bench/held_polls.py, the server's RSS with 10,000 idle connections, then with a held
-poll on each; docs/benchmarks.md). A client that disconnects is released
-at once (its request's `receive` reports the disconnect). `close` (server shutdown) answers
-every held request at once (304 with `Preference-Applied`: it was held, until now) and
-holds no new ones: the devices poll again at once, find the port closed (or, behind a
-balancer, another replica), and come back with jitter (`reconciler.sources.waiting`).
+stack, a ticket, a future and a timer: about 14-16 KiB more (bench/held_polls.py, the
+server's RSS with 10,000 idle connections, then with a held poll on each;
+docs/benchmarks.md). A client that disconnects is released at once: its connection says so
+(`margo serve` gives each request its connection's `Closing`, `wfm.server.closing`), or,
+served without one, its request's `receive`, read by a task meanwhile. `close` (server
+shutdown) answers every held request at once (304 with `Preference-Applied`: it was held,
+until now) and holds no new ones: the devices poll again at once, find the port closed
+(or, behind a balancer, another replica), and come back with jitter
+(`reconciler.sources.waiting`).
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ import enum
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from wfm.telemetry.metrics import HELD_POLL_ENDS, HELD_POLLS
 
-__all__ = ["DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Outcome", "Rewind", "Waiters",
-           "client_key", "device_key", "prefer_values", "requested_wait", "wait_headers"]
+__all__ = ["CLOSING_SCOPE_KEY", "DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Closing", "Outcome",
+           "Rewind", "Waiters", "client_key", "device_key", "prefer_values", "requested_wait",
+           "wait_headers"]
 
 log = logging.getLogger("margo.wfm.waiters")
 
@@ -67,12 +70,26 @@ _DIGITS = 9
 #: out as they are ready.
 CONCURRENT_CHECKS = 64
 
+#: Where a request's scope holds its connection's `Closing`, when the server's HTTP protocol
+#: gives one (`wfm.server.closing`).
+CLOSING_SCOPE_KEY = "margo.closing"
+
 #: What a woken request checks: whether its answer changed, and the keys it waits under now
 #: (a client's devices may have changed with it).
 Check = Callable[[], Awaitable[tuple[bool, frozenset[str]]]]
 #: The owners (client ids) of devices the index does not know (replicas: registered on
 #: another replica since the request began waiting).
 Owners = Callable[[list[str]], Awaitable[Iterable[str]]]
+
+
+class Closing(Protocol):
+    """A connection that calls back whoever registered when it closes: how a held request
+    learns of its client's disconnect without a task of its own reading `receive`
+    (`wfm.server.closing`: that task was a tenth of a renewal's CPU)."""
+
+    def add(self, callback: Callable[[], None]) -> None: ...
+
+    def discard(self, callback: Callable[[], None]) -> None: ...
 
 
 class Outcome(enum.Enum):
@@ -256,11 +273,13 @@ class Waiters:
             self._index_ticket(ticket)
 
     async def hold(self, keys: frozenset[str], seconds: float, *, since: int,
-                   receive: Callable[[], Awaitable[Any]], check: Check) -> Outcome:
+                   receive: Callable[[], Awaitable[Any]], check: Check,
+                   closing: Closing | None = None) -> Outcome:
         """Hold a request whose answer, checked when `since` was `mark`ed, is unchanged:
         until `check` finds it changed (after a wake), `seconds` pass, the client
-        disconnects or the server stops. `receive` is the request's ASGI receive: it
-        reports the disconnect; the body messages it gives first are given back when it
+        disconnects or the server stops. The disconnect is told by `closing`, the
+        request's connection (`CLOSING_SCOPE_KEY`), else by `receive`, the request's ASGI
+        receive, read meanwhile: the body messages it gives first are given back when it
         is a `Rewind` (whoever answers after the hold may need them)."""
         if self._closing:
             _ENDS[Outcome.CLOSED].inc()
@@ -269,32 +288,31 @@ class Waiters:
         if ticket is None:
             _ENDS[Outcome.SHED].inc()
             return Outcome.SHED
-        outcome = await self._held(ticket, seconds, since=since, receive=receive, check=check)
+        unwatch = _watch_disconnect(ticket, receive, closing)
+        try:
+            outcome = await self._held(ticket, seconds, since=since, check=check)
+        finally:
+            unwatch()
+            self._leave(ticket)
         _ENDS[outcome].inc()
         return outcome
 
     async def _held(self, ticket: _Ticket, seconds: float, *, since: int,
-                    receive: Callable[[], Awaitable[Any]], check: Check) -> Outcome:
-        """`hold` once the ticket is had; it is left whatever happens."""
+                    check: Check) -> Outcome:
+        """`hold` once the ticket is had and its disconnect watched."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        watch = asyncio.ensure_future(_disconnected(receive))
-        watch.add_done_callback(lambda _: ticket.resolve(Outcome.GONE))
-        try:
-            if self.changes != since:
-                ticket.outcome = Outcome.CHANGED  # woken between the check and now
-            while True:
-                outcome = await self._next(ticket, loop, deadline)
-                if outcome is not Outcome.CHANGED:
-                    return outcome
-                async with self._checks:
-                    changed, keys = await check()
-                if changed:
-                    return Outcome.CHANGED
-                self._rekey(ticket, keys)
-        finally:
-            _stop_watch(watch, receive)
-            self._leave(ticket)
+        if self.changes != since:
+            ticket.outcome = Outcome.CHANGED  # woken between the check and now
+        while True:
+            outcome = await self._next(ticket, loop, deadline)
+            if outcome is not Outcome.CHANGED:
+                return outcome
+            async with self._checks:
+                changed, keys = await check()
+            if changed:
+                return Outcome.CHANGED
+            self._rekey(ticket, keys)
 
     async def _next(self, ticket: _Ticket, loop: asyncio.AbstractEventLoop,
                     deadline: float) -> Outcome:
@@ -336,6 +354,21 @@ class Rewind:
         """Return when the client disconnects, keeping what came before."""
         while (message := await self._receive())["type"] != "http.disconnect":
             self._kept.append(message)
+
+
+def _watch_disconnect(ticket: _Ticket, receive: Callable[[], Awaitable[Any]],
+                      closing: Closing | None) -> Callable[[], None]:
+    """Resolve the ticket `GONE` when its client disconnects, as told by the connection's
+    `closing` when there is one, else by a task reading `receive`; what stops watching."""
+    def gone(*_: Any) -> None:
+        ticket.resolve(Outcome.GONE)
+
+    if closing is not None:
+        closing.add(gone)
+        return lambda: closing.discard(gone)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    watch.add_done_callback(gone)
+    return lambda: _stop_watch(watch, receive)
 
 
 def _stop_watch(watch: asyncio.Future[None], receive: Callable[[], Awaitable[Any]]) -> None:

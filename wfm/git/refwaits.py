@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from wfm.fleet.waiters import (
+    CLOSING_SCOPE_KEY,
     DEFAULT_MAX_WAIT,
     Outcome,
     Waiters,
@@ -99,7 +100,8 @@ class RefWaits:
             return await tip_of() != tip, key
 
         outcome = await self.waiters.hold(key, wait, since=since,
-                                          receive=request.receive, check=check)
+                                          receive=request.receive, check=check,
+                                          closing=request.scope.get(CLOSING_SCOPE_KEY))
         applied_now = wait_headers(wait)
         if outcome is Outcome.CHANGED:
             return Moved(applied_now["Preference-Applied"])

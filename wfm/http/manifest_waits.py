@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from wfm.fleet.waiters import (
+    CLOSING_SCOPE_KEY,
     Outcome,
     client_key,
     device_key,
@@ -50,7 +51,8 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
         return not etag_matches(condition, latest[1]), await _keys(api, client)
 
     outcome = await api.waiters.hold(await _keys(api, client), wait, since=since,
-                                     receive=request.receive, check=check)
+                                     receive=request.receive, check=check,
+                                     closing=request.scope.get(CLOSING_SCOPE_KEY))
     applied = wait_headers(wait)
     if outcome is Outcome.CHANGED:
         return _manifest(*latest, extra=applied)

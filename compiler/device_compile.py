@@ -17,7 +17,10 @@ Runs in this process or in a forked worker (`compiler.workers`): nothing here wr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from compiler.context import COMPILER_VERSION, CompileContext
@@ -41,7 +44,8 @@ from compiler.source import AppVersion
 from compiler.state import DeviceRecord, PlacementRecord
 from margo.errors import Problem, short_repr
 
-__all__ = ["Branch", "DeviceJob", "DeviceWork", "compile_device", "compile_job", "read_branch"]
+__all__ = ["Branch", "DeviceJob", "DeviceWork", "compile_device", "compile_job",
+           "placement_changes", "read_branch"]
 
 _SUFFIX = ".yaml"
 #: A new placement, decided in the capacity round once every file the tree keeps is known.
@@ -57,8 +61,10 @@ class DeviceJob:
     record: DeviceRecord | None
     previous: dict[str, PlacementRecord]
     may_have_branch: bool
-    #: The commit the state says the branch was left at, and its files (name -> blob id).
-    known: tuple[str, dict[str, str]] | None = None
+    #: The commit the state says the branch was left at, and its files (name -> blob id)
+    #: as the JSON text the state stores (`CompilerState.tree_texts_of`): decoded by the
+    #: device's own compile, in whichever process runs it, not by the planning.
+    known: tuple[str, str] | None = None
     #: The branch is gone (its ref lost) and the state says it was left at this commit: the
     #: device is compiled as a new one and its new commit continues from that one.
     lost_tip: str | None = None
@@ -87,6 +93,11 @@ class DeviceWork:
     ids: dict[str, str] | None = None  # the new tree's files (None after problems)
     #: The branch is gone and `tip` is the commit it was at (`DeviceCommit.branch_lost`).
     branch_lost: bool = False
+    #: What the state must change of the device's placement rows (`placement_changes`):
+    #: the rows of `outcome.placements` it does not hold as they are, and the intents of
+    #: rows it holds that the outcome has none of.
+    placements_written: tuple[PlacementRecord, ...] = ()
+    placements_dropped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +118,7 @@ def compile_job(ctx: CompileContext, store: DeviceStore, job: DeviceJob) -> Devi
     keeps its branch as it is (like a device whose rendering fails) and the error names it.
     """
     try:
-        return compile_device(ctx, job, read_branch(store, job))
+        work = compile_device(ctx, job, read_branch(store, job))
     except Exception as exc:  # contained and reported, never swallowed
         problem = Problem((), f"device {short_repr(job.device.id)} could not be compiled "
                           f"and keeps its desired state: {type(exc).__name__}: "
@@ -115,6 +126,25 @@ def compile_job(ctx: CompileContext, store: DeviceStore, job: DeviceJob) -> Devi
         outcome = DeviceOutcome({}, [], [], [problem], [])
         return DeviceWork(outcome, None, None,
                           job.record.deployments if job.record else 0, None)
+    written, dropped = placement_changes(job.previous, work.outcome.placements)
+    if not written and not dropped:
+        return work
+    return dataclasses.replace(work, placements_written=written, placements_dropped=dropped)
+
+
+def placement_changes(previous: Mapping[str, PlacementRecord],
+                      placements: list[PlacementRecord],
+                      ) -> tuple[tuple[PlacementRecord, ...], tuple[str, ...]]:
+    """The rows of `placements` that `previous` (what the state holds of the device) does
+    not hold as they are, and the intents of `previous` that `placements` has no row for.
+
+    Why here: a recompile for one intent keeps almost every placement, and working this
+    out where the device compiles (a worker, in parallel) means only the few changed rows
+    cross back to the main process and the state's save does not walk every row again
+    (`CompilerState.stage`, `dropped_placements`)."""
+    written = tuple(p for p in placements if previous.get(p.intent) != p)
+    present = {p.intent for p in placements}
+    return written, tuple(name for name in previous if name not in present)
 
 
 def read_branch(store: DeviceStore, job: DeviceJob) -> Branch:
@@ -138,8 +168,14 @@ def _known_tree(store: DeviceStore, job: DeviceJob) -> StoredTree | None:
     known, record = job.known, job.record
     if known is None or record is None:
         return None
-    tip, ids = known
-    if store.branch_target(job.device.id) != tip or tree_id_of(ids) != record.tree:
+    tip, files = known
+    if store.branch_target(job.device.id) != tip:
+        return None
+    try:
+        ids = json.loads(files)
+    except ValueError:  # a damaged row: the branch says what the tree is
+        return None
+    if not isinstance(ids, dict) or tree_id_of(ids) != record.tree:
         return None
     return StoredTree(store, record.tree, ids, commit=tip)
 

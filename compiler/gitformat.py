@@ -211,9 +211,31 @@ def tree_id_of(ids: Mapping[str, str]) -> str:
     back after the write. Entries are ordered by the bytes of their names, as Git orders
     the entries of a tree of plain files (names are validated flat: no ``/``).
     """
-    entries = sorted((name.encode("utf-8"), oid) for name, oid in ids.items())
-    body = b"".join(b"100644 %s\0%s" % (name, bytes.fromhex(oid)) for name, oid in entries)
+    prefixes = _TREE_ENTRY_PREFIXES
+    parts: list[bytes] = []
+    # Sorted as strings: UTF-8 keeps the order of code points, so it is the order of the
+    # names' bytes (a name UTF-8 cannot encode fails below, as it must).
+    for name in sorted(ids):
+        prefix = prefixes.get(name)
+        if prefix is None:
+            prefix = _tree_entry_prefix(name)
+        parts += (prefix, bytes.fromhex(ids[name]))
+    body = b"".join(parts)
     return hashlib.sha1(b"tree %d\0%s" % (len(body), body), usedforsecurity=False).hexdigest()
+
+
+#: Name -> the bytes its tree entry starts with (`tree_id_of`): a fleet's trees reuse a
+#: few dozen names, and a compile works out two tree ids per device it compiles.
+_TREE_ENTRY_PREFIXES: dict[str, bytes] = {}
+
+
+def _tree_entry_prefix(name: str) -> bytes:
+    """``100644 <name>\\0``, remembered (up to 4,096 names: then started afresh)."""
+    prefix = b"100644 %s\0" % name.encode("utf-8")
+    if len(_TREE_ENTRY_PREFIXES) >= 4096:
+        _TREE_ENTRY_PREFIXES.clear()
+    _TREE_ENTRY_PREFIXES[name] = prefix
+    return prefix
 
 
 # --- validation -------------------------------------------------------------------------

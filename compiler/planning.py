@@ -103,8 +103,8 @@ def _jobs(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore, state: Co
     are accounted in `report` as unchanged."""
     todo, lost = _devices_to_compile(ctx, snapshot, store, state, report)
     placements = state.placements_of(device.id for device, _ in todo)
-    trees = state.trees_of(device.id for device, record in todo
-                           if record is not None and record.caps_digest == device.digest)
+    trees = state.tree_texts_of(device.id for device, record in todo
+                                if record is not None and record.caps_digest == device.digest)
     # Devices the state does not know may still have branches (e.g. the state was lost):
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)

@@ -81,19 +81,21 @@ def _pack(work: DeviceWork) -> tuple[Any, ...]:
     pickling ~10 objects per device costs more than rendering some of them."""
     o = work.outcome
     return (o.files, o.kept if work.message is not None else {},
-            [tuple(p) for p in o.placements],
+            [tuple(p) for p in work.placements_written],
             [tuple(getattr(c, n) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.on_parent, work.removed, work.ids, o.moves, work.branch_lost)
+            work.tip, work.on_parent, work.removed, work.ids, o.moves, work.branch_lost,
+            work.placements_dropped)
 
 
 def _unpack(packed: tuple[Any, ...]) -> DeviceWork:
-    """What the parent process needs of the `DeviceWork` that `_pack` was given (the
-    outcome's own `ids` stay behind: `ids` of the work is the same dict)."""
-    (files, kept, placements, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, on_parent, removed, ids, moves, branch_lost) = packed
-    outcome = DeviceOutcome(files, list(map(PlacementRecord._make, placements)),
-                            [Change(*c) for c in changes], problems, notes, grace_until,
-                            kept, moves=moves)
+    """What the parent process needs of the `DeviceWork` that `_pack` was given: the
+    outcome's own `ids` stay behind (`ids` of the work is the same dict), and so do its
+    placements, of which only the rows the state must write cross (`placements_written`:
+    a recompile for one intent keeps almost all of them)."""
+    (files, kept, written, changes, problems, notes, grace_until, message, tree,
+     stored_files, tip, on_parent, removed, ids, moves, branch_lost, dropped) = packed
+    outcome = DeviceOutcome(files, [], [Change(*c) for c in changes], problems, notes,
+                            grace_until, kept, moves=moves)
     return DeviceWork(outcome, message, tree, stored_files, tip, on_parent, removed, ids,
-                      branch_lost)
+                      branch_lost, tuple(map(PlacementRecord._make, written)), dropped)

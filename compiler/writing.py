@@ -39,8 +39,10 @@ class CompileOutcomes:
     forget: list[str] = field(default_factory=list)
     #: Devices committed with no parent (a branch of their own from nothing).
     restarted: list[str] = field(default_factory=list)
-    #: The placements the state had for the devices of `devices` (`DeviceJob.previous`).
-    before: dict[str, dict[str, PlacementRecord]] = field(default_factory=dict)
+    #: The placement rows of the devices of `devices` that the state holds and must
+    #: delete, as (device id, intent): `placements` are only the rows it must write
+    #: (`DeviceWork.placements_written`); the others it holds stay as they are.
+    dropped: list[tuple[str, str]] = field(default_factory=list)
     #: Device -> (its tip when unchanged, else None until Git says; its files).
     trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
 
@@ -99,8 +101,8 @@ def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
         report.rollout_moves.setdefault(name, {})[device_id] = base
     outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
                                                work.tree, len(work.ids))
-    outcomes.placements.extend(outcome.placements)
-    outcomes.before[device_id] = job.previous
+    outcomes.placements.extend(work.placements_written)
+    outcomes.dropped.extend((device_id, name) for name in work.placements_dropped)
     outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
 
 
@@ -151,7 +153,7 @@ def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes,
         devices=outcomes.devices.values(), placements=outcomes.placements,
         forget_devices=outcomes.forget, snapshot=plan.snapshot,
         restarted=outcomes.restarted,
-        trees=outcomes.trees_at(tips), placements_before=outcomes.before)
+        trees=outcomes.trees_at(tips), dropped_placements=outcomes.dropped)
 
 
 def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:

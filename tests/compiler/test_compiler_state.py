@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from compiler.device_compile import placement_changes
 from compiler.snapshot import SnapshotMemo
 from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
 
@@ -141,7 +142,8 @@ def test_recorded_trees_round_trip_and_go_with_their_devices(state: CompilerStat
 
 def test_placements_saved_against_what_was_read_equal_a_full_replace(tmp_path: Path) -> None:
     """Leaving alone the rows the state already holds gives the table that replacing every
-    row of the devices gives: kept, changed, dropped and added placements alike."""
+    row of the devices gives: kept, changed, dropped and added placements alike (the rows
+    to write and delete worked out by `placement_changes`, as a compile does)."""
     diffed, replaced = (CompilerState(tmp_path / f"{name}.sqlite")
                         for name in ("diffed", "replaced"))
     try:
@@ -154,7 +156,18 @@ def test_placements_saved_against_what_was_read_equal_a_full_replace(tmp_path: P
         placements = [p._replace(deployed=False) if (p.device_id, p.intent) == ("d2", "a")
                       else p for p in placements]
         again["placements"] = [*placements, PlacementRecord("d0", "c", True, True, None, None)]
-        diffed.save(**again, placements_before=before)  # type: ignore[arg-type]
+        written: list[PlacementRecord] = []
+        dropped: list[tuple[str, str]] = []
+        for device_id, previous in before.items():
+            changed, gone = placement_changes(previous, [
+                p for p in again["placements"] if p.device_id == device_id])  # type: ignore[attr-defined]
+            written += changed
+            dropped += [(device_id, name) for name in gone]
+        assert sorted(written) == [PlacementRecord("d0", "c", True, True, None, None),
+                                   placements[3]]  # (d2, a): no longer deployed
+        assert dropped == [("d1", "b")]
+        diffed.save(**{**again, "placements": written},  # type: ignore[arg-type]
+                    dropped_placements=dropped)
         replaced.save(**again)  # type: ignore[arg-type]
         ids = ["d0", "d1", "d2", "d3"]
         assert diffed.placements_of(ids) == replaced.placements_of(ids)

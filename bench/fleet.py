@@ -614,10 +614,10 @@ async def measure_async(store: str, servers: list[MargoServer], postgres_pid: in
         await asyncio.sleep(args.settle)
         quiet = None
         if args.quiet:
-            print(f"  steady state after {setup_seconds:.0f} s: {args.quiet:g} s with nothing "
+            seconds = waiting.quiet_seconds(args)
+            print(f"  steady state after {setup_seconds:.0f} s: {seconds:g} s with nothing "
                   "changing", flush=True)
-            quiet = await waiting.quiet_window(servers, postgres_pid, args.quiet, stats,
-                                               tree_cpu)
+            quiet = await waiting.quiet_window(servers, postgres_pid, seconds, stats, tree_cpu)
         print(f"  steady state after {setup_seconds:.0f} s: pushing the edit", flush=True)
         result = await push_and_wait(store, fleet, servers, postgres_pid, work, args, note,
                                      setup_seconds)
@@ -794,7 +794,8 @@ def parse_args() -> argparse.Namespace:
                         help="waiting polls: the wait asked for (seconds)")
     parser.add_argument("--quiet", type=float, default=0.0,
                         help="seconds of steady state (nothing changing) measured before "
-                             "the push: the servers' CPU per minute")
+                             "the push: the servers' CPU per minute (waiting polls: rounded "
+                             "up to whole waits)")
     parser.add_argument("--restart", action="store_true",
                         help="SQLite, waiting polls: restart the server after the push and "
                              "measure until every device's poll is held again")

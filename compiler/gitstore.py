@@ -45,7 +45,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, ClassVar, cast
@@ -449,7 +449,8 @@ class DeviceStore:
         self.move_branches(pending)
         return dict(pending.new_tips)
 
-    def write_objects(self, commits: Iterable[DeviceCommit]) -> PendingMove:
+    def write_objects(self, commits: Iterable[DeviceCommit],
+                      meanwhile: Callable[[], object] | None = None) -> PendingMove:
         """Write every object of these commits, moving no branch: what `move_branches` then
         moves, all at once. Several commits for one device are chained in the given order.
 
@@ -459,6 +460,10 @@ class DeviceStore:
         the generator itself, aborts the write). Each device's old tip is read when its first
         commit arrives. Why two steps: a caller records what was written between them (its
         records ready to commit the moment the branches have moved), with no callback.
+
+        `meanwhile`, if given, runs once Git has every commit and is still finishing its
+        pack (not at all without commits): what a caller can do without the new tips, on
+        this core while Git's tail runs on another. Git is waited for even if it raises.
         """
         if isinstance(commits, Sequence):
             for commit in commits:
@@ -476,7 +481,7 @@ class DeviceStore:
                                               old_tips)
             self._run_git(["fast-import", "--quiet", "--done", f"--depth={_DELTA_DEPTH}",
                            f"--export-marks={marks_path}"],
-                          stream, Path(scratch), "no device branch was changed")
+                          stream, Path(scratch), "no device branch was changed", meanwhile)
             marks = read_marks(marks_path)
         new_tips = {device_id: marks[mark] for mark, device_id in enumerate(order, start=1)}
         return PendingMove(new_tips, old_tips)
@@ -531,9 +536,10 @@ class DeviceStore:
                           "no device branch was changed")
 
     def _run_git(self, args: Sequence[str], stdin: Iterable[bytes], scratch: Path,
-                 consequence: str) -> None:
-        """Run ``git --git-dir=<repo> <args>`` fed from `stdin`; GitStoreError with its stderr
-        unless it exits 0. Stderr goes to a file, so a chatty failure cannot deadlock us."""
+                 consequence: str, meanwhile: Callable[[], object] | None = None) -> None:
+        """Run ``git --git-dir=<repo> <args>`` fed from `stdin`, then `meanwhile` while it
+        finishes; GitStoreError with its stderr unless it exits 0. Stderr goes to a file, so
+        a chatty failure cannot deadlock us."""
         command = [self.git_executable, *_GIT_OPTIONS, f"--git-dir={self.path}", *args]
         with open(scratch / "stderr", "w+b") as err:
             try:
@@ -543,7 +549,11 @@ class DeviceStore:
                 raise GitStoreError(f"cannot run {command[0]!r}: {exc}") from None
             _widen_pipe(process)
             _feed(process, stdin)
-            status = process.wait()
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            finally:
+                status = process.wait()
             err.seek(0)
             stderr = err.read().decode("utf-8", errors="replace").strip()
         if status != 0:

@@ -31,12 +31,11 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from compiler.gcpause import collection_paused
-from compiler.remembered import Remembered
+from compiler.remembered import DeviceRecords, Remembered
 from compiler.snapshot import SnapshotMemo, TrustedDigests
 
 __all__ = ["STATE_FILE_NAME", "CompilerState", "DeviceRecord", "IntentRecord",
@@ -84,7 +83,7 @@ CREATE INDEX IF NOT EXISTS placements_in_grace ON placements (ineligible_since)
 #: `_reset`), and the triggers above delete it whenever a row is written by anyone (another
 #: process, an older compiler, a hand edit), so an id still present names exactly the rows
 #: it was written with. What lets a process keep the records in memory between compiles
-#: (`_RememberedRecords`) instead of reading 100,000 rows again (0.1-0.2 s).
+#: (`compiler.remembered.DeviceRecords`) instead of reading 100,000 rows again (0.1-0.2 s).
 _DEVICES_ID = "devices_id"
 
 
@@ -283,7 +282,7 @@ class CompilerState:
         remembered = self._remembered_records()
         return dict(remembered.records), dict(remembered.digests), remembered.deployments
 
-    def _remembered_records(self) -> _RememberedRecords:
+    def _remembered_records(self) -> DeviceRecords[DeviceRecord]:
         """The records as this process remembers them, read again unless the state still
         names the id they were remembered under (read in one transaction with the rows)."""
         with self._reading():
@@ -292,7 +291,7 @@ class CompilerState:
             if remembered is None:
                 rows = self._db.execute("SELECT device_id, caps_digest, compiled_at, tree, "
                                         "deployments FROM devices").fetchall()
-                remembered = _RememberedRecords.of_rows(rows)
+                remembered = DeviceRecords.of_rows(rows, _new_device_record)
                 _RECORDS.put(self.path, version[0] and version, remembered)  # (no id: not)
         return remembered
 
@@ -447,7 +446,7 @@ class CompilerState:
     def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
               devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
               forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
-              trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
+              trees: Mapping[str, tuple[str | None, Mapping[str, str]]] | None = None,
               dropped_placements: Iterable[tuple[str, str]] | None = None,
               restarted: Iterable[str] = (),
               ) -> StagedSave:
@@ -457,6 +456,8 @@ class CompilerState:
 
         `trees` gives, for devices of `devices`, the commit their branch is left at and its
         files; a device of `devices` or `forget_devices` without one has none recorded.
+        A tip of None is given later (`StagedSave.record_tips`): what a compile stages
+        while Git still finishes writing its commits (`DeviceStore.write_objects`).
         `restarted` are devices this compile gave a branch with no parent: no longer
         `forgotten`.
 
@@ -491,16 +492,20 @@ class CompilerState:
                            [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
                              p.ineligible_since, p.profile, int(p.waiting))
                             for p in placements])
-            trees = trees or {}
-            db.executemany("DELETE FROM device_trees WHERE device_id=?",
-                           [(d.device_id,) for d in device_list if d.device_id not in trees]
-                           + forget)
-            db.executemany(_UPSERT_TREE,
-                           [(d, tip, _files_json(files)) for d, (tip, files) in trees.items()])
+            later = self._save_trees(device_list, forget, trees or {})
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return StagedSave(db)
+        return StagedSave(db, later)
+
+    def _save_trees(self, written: list[DeviceRecord], forget: list[tuple[str]],
+                    trees: Mapping[str, tuple[str | None, Mapping[str, str]]]) -> dict[str, str]:
+        """Write the trees with a tip, delete those of `forget` and of `written` without
+        one; the JSON text of those whose tip is to come (`StagedSave.record_tips`)."""
+        _write_trees(self._db, [(d, tip, _files_json(files))
+                                for d, (tip, files) in trees.items() if tip is not None],
+                     [(d.device_id,) for d in written if d.device_id not in trees] + forget)
+        return {d: _files_json(files) for d, (tip, files) in trees.items() if tip is None}
 
     def _save_devices(self, written: list[DeviceRecord], forget: list[tuple[str]]) -> None:
         """Write the records of `written` and delete those of `forget` (in that order, as
@@ -522,7 +527,7 @@ class CompilerState:
             _RECORDS.forget()
         else:
             _RECORDS.put(self.path, (records_id, before[1]),
-                         base.changed(written, [d for (d,) in forget]))
+                         base.changed(written, [d for (d,) in forget], DeviceRecord))
 
     def _save_memo(self, db: sqlite3.Connection, memo: SnapshotMemo | None) -> None:
         """Replace the memo unless it is the one already saved (the same bytes give the same
@@ -544,45 +549,8 @@ class CompilerState:
             _MEMO.put(self.path, (memo_id, memo.key), memo)  # used once committed (the id)
 
 
-@dataclass(frozen=True)
-class _RememberedRecords:
-    """The device records of one state file, and each device's capability digest (what
-    `CompilerState.trusted_digests` gives)."""
-
-    records: dict[str, DeviceRecord]
-    digests: dict[str, str]
-    deployments: int  # of every record, summed
-
-    @classmethod
-    def of_rows(cls, rows: list[Any]) -> _RememberedRecords:
-        """From rows of the `devices` table's five columns, with C calls only (`_make`
-        without its Python frame and length check): half the cost for 100,000 rows."""
-        ids = list(map(itemgetter(0), rows))
-        return cls(dict(zip(ids, map(_new_device_record, rows), strict=True)),
-                   dict(zip(ids, map(itemgetter(1), rows), strict=True)),
-                   sum(map(itemgetter(4), rows)))
-
-    def changed(self, written: list[DeviceRecord], deleted: list[str]) -> _RememberedRecords:
-        """These records with `written` stored (as SQLite gives them back: a REAL time, an
-        INTEGER count) and then `deleted` removed; this one is left as it is."""
-        records, digests, total = dict(self.records), dict(self.digests), self.deployments
-        for record in written:
-            replaced = records.get(record.device_id)
-            total -= 0 if replaced is None else replaced.deployments
-            records[record.device_id] = stored = DeviceRecord(
-                record.device_id, record.caps_digest, float(record.compiled_at),
-                record.tree, int(record.deployments))
-            digests[record.device_id] = record.caps_digest
-            total += stored.deployments
-        for device_id in deleted:
-            removed = records.pop(device_id, None)
-            digests.pop(device_id, None)
-            total -= 0 if removed is None else removed.deployments
-        return _RememberedRecords(records, digests, total)
-
-
 #: The device records this process last read or wrote, under their `_records_version`.
-_RECORDS: Remembered[_RememberedRecords] = Remembered()
+_RECORDS: Remembered[DeviceRecords[DeviceRecord]] = Remembered()
 
 
 #: The meta key of a random id written with every memo saved (`snapshot_memo`).
@@ -641,11 +609,32 @@ def set_aside(path: str | Path, exc: BaseException) -> Path:
     return aside
 
 
+def _write_trees(db: sqlite3.Connection, rows: list[tuple[str, str, str]],
+                 deleted: list[tuple[str]]) -> None:
+    """Delete the tree rows of `deleted`, then write `rows` (device id, tip, files' JSON)."""
+    db.executemany("DELETE FROM device_trees WHERE device_id=?", deleted)
+    db.executemany(_UPSERT_TREE, rows)
+
+
 class StagedSave:
     """A compile's records written but not yet committed (see `CompilerState.stage`)."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, later: dict[str, str] | None = None) -> None:
         self._db: sqlite3.Connection | None = db
+        self._later = later or {}  # device id -> its tree's JSON, staged without a tip
+
+    def record_tips(self, tips: Mapping[str, str]) -> None:
+        """Write the trees staged without a tip at theirs in `tips` (a device with none
+        there has no tree recorded, as `stage` does); rolled back if that fails."""
+        if self._db is None:
+            raise RuntimeError("this save was already committed or rolled back")
+        later, self._later = self._later, {}
+        try:
+            _write_trees(self._db, [(d, tips[d], text) for d, text in later.items() if d in tips],
+                         [(d,) for d in later if d not in tips])
+        except BaseException:
+            self.rollback()
+            raise
 
     @property
     def pending(self) -> bool:
@@ -653,6 +642,9 @@ class StagedSave:
         return self._db is not None
 
     def commit(self) -> None:
+        if self._later:  # it would keep the old tips of trees staged without one
+            self.rollback()
+            raise RuntimeError("trees staged without a tip were not given one")
         self._end("COMMIT")
 
     def rollback(self) -> None:

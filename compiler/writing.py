@@ -1,7 +1,7 @@
 """Write a compile: each device's result is accounted as it arrives and its commit streams
-to Git (`account_commits`); then, in a plain sequence, the objects are written, the state's
-records are staged, every branch moves at once, and the records are committed
-(`write_fleet`).
+to Git (`account_commits`); then, in a plain sequence, the state's records are staged while
+Git finishes writing the objects, the committed devices' trees get their new tips, every
+branch moves at once, and the records are committed (`write_fleet`).
 
 All or nothing: the branches move in one compare-and-swap (`DeviceStore.move_branches`),
 and the state is committed only once they have moved, so it never claims a tree that a
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from compiler.device_compile import DeviceJob, DeviceWork
@@ -45,15 +45,6 @@ class CompileOutcomes:
     dropped: list[tuple[str, str]] = field(default_factory=list)
     #: Device -> (its tip when unchanged, else None until Git says; its files).
     trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
-
-    def trees_at(self, tips: Mapping[str, str]) -> dict[str, tuple[str, dict[str, str]]]:
-        """`trees` with the new tips of the committed devices filled in."""
-        out = {}
-        for device_id, (tip, files) in self.trees.items():
-            tip = tip or tips.get(device_id)
-            if tip is not None:
-                out[device_id] = (tip, files)
-        return out
 
 
 def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: CompileReport,
@@ -112,21 +103,31 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
 
     Locked from the first commit until the state says what was written (no lock when
     nothing is written): write every object (the devices still compiling meanwhile), stage
-    the records with the new tips, move every branch, commit the records.
+    the records while Git finishes, give the trees their new tips, move every branch,
+    commit the records.
     """
     first = next(commits, None)
     if first is None:
-        _commit(_stage(state, plan, outcomes, {}))
+        nothing = _stage(state, plan, outcomes)
+        nothing.record_tips({})  # a device with no tip (no branch) has no tree recorded
+        _commit(nothing)
         return {}
     with store.lock():
-        pending = store.write_objects(itertools.chain([first], commits))
-        staged = _stage(state, plan, outcomes, pending.new_tips)  # every commit is made
+        staged: list[StagedSave] = []
         try:
+            # Every commit is made once Git has the stream: staged while Git finishes its
+            # pack, on this core while Git's tail runs on the other.
+            pending = store.write_objects(itertools.chain([first], commits), meanwhile=lambda:
+                                          staged.append(_stage(state, plan, outcomes)))
+            if not staged:
+                staged.append(_stage(state, plan, outcomes))
+            staged[0].record_tips(pending.new_tips)
             store.move_branches(pending)
         except BaseException:
-            staged.rollback()
+            if staged and staged[0].pending:
+                staged[0].rollback()
             raise
-        _commit(staged)
+        _commit(staged[0])
     return dict(pending.new_tips)
 
 
@@ -140,9 +141,9 @@ def _commit(staged: StagedSave) -> None:
         raise
 
 
-def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes,
-           tips: Mapping[str, str]) -> StagedSave:
-    """Write the compile's records into the state, uncommitted."""
+def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes) -> StagedSave:
+    """Write the compile's records into the state, uncommitted: the trees of committed
+    devices once given their new tips (`StagedSave.record_tips`)."""
     records, gated, frozen = plan.records, plan.gated, plan.context.intents.frozen
     previous = plan.context.previous_intents
     return state.stage(
@@ -153,7 +154,7 @@ def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes,
         devices=outcomes.devices.values(), placements=outcomes.placements,
         forget_devices=outcomes.forget, snapshot=plan.snapshot,
         restarted=outcomes.restarted,
-        trees=outcomes.trees_at(tips), dropped_placements=outcomes.dropped)
+        trees=outcomes.trees, dropped_placements=outcomes.dropped)
 
 
 def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:

@@ -60,6 +60,29 @@ def test_a_staged_save_is_invisible_until_committed(tmp_path: Path,
         staged.rollback()
 
 
+def test_trees_staged_without_a_tip_are_recorded_at_the_tips_given_later(
+        state: CompilerState) -> None:
+    """What a compile stages while Git still writes: the trees of committed devices get
+    their tips before the commit; one given none has no tree recorded, and committing
+    before the tips are given is refused (it would keep the old tips)."""
+    records = _records(3)
+    records["trees"] = {"d0": ("tip0", {"f": "1"}), "d1": ("old1", {"f": "2"}),
+                        "d2": ("old2", {"f": "3"})}
+    state.save(**records)  # type: ignore[arg-type]
+    records["trees"] = {"d0": ("tip0", {"f": "1"}), "d1": (None, {"f": "4"}),
+                        "d2": (None, {"f": "5"})}
+    staged = state.stage(**records)  # type: ignore[arg-type]
+    staged.record_tips({"d1": "new1"})
+    staged.commit()
+    assert state.trees_of(["d0", "d1", "d2"]) == {"d0": ("tip0", {"f": "1"}),
+                                                  "d1": ("new1", {"f": "4"})}
+    staged = state.stage(**records)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="without a tip were not given one"):
+        staged.commit()
+    assert not staged.pending
+    assert state.trees_of(["d1"]) == {"d1": ("new1", {"f": "4"})}  # rolled back
+
+
 def test_a_rolled_back_save_changes_nothing(state: CompilerState) -> None:
     state.save(**_records(2))  # type: ignore[arg-type]
     before = (state.intents(), state.devices(), state.placements_of(["d0", "d1"]),

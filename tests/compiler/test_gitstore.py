@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -597,6 +598,28 @@ def test_written_objects_move_no_branch_until_the_branches_are_moved(
     nothing = store.write_objects([])
     assert nothing.new_tips == {}
     store.move_branches(nothing)  # nothing to move
+
+
+def test_what_runs_while_git_finishes_sees_every_commit_made(store: DeviceStore) -> None:
+    """`meanwhile` runs once, after the last commit was taken from the stream and before
+    the write returns; what it raises is raised, with Git waited for and no branch moved."""
+    taken: list[str] = []
+    seen: list[list[str]] = []
+
+    def commits() -> Iterator[DeviceCommit]:
+        for device_id in ("a", "b"):
+            taken.append(device_id)
+            yield DeviceCommit(device_id, files(1), "m\n", TS)
+
+    pending = store.write_objects(commits(), meanwhile=lambda: seen.append(list(taken)))
+    assert seen == [["a", "b"]] and set(pending.new_tips) == {"a", "b"}
+
+    def fail() -> None:
+        raise RuntimeError("staging failed")
+
+    with pytest.raises(RuntimeError, match="staging failed"):
+        store.write_objects([DeviceCommit("c", files(2), "m\n", TS)], meanwhile=fail)
+    assert store.device_ids() == [] and _our_git_processes() == []
 
 
 def test_moving_branches_that_moved_meanwhile_moves_none_of_them(

@@ -85,7 +85,7 @@ Owners = Callable[[list[str]], Awaitable[Iterable[str]]]
 class Closing(Protocol):
     """A connection that calls back whoever registered when it closes: how a held request
     learns of its client's disconnect without a task of its own reading `receive`
-    (`wfm.server.closing`: that task was a tenth of a renewal's CPU)."""
+    (`wfm.server.closing`)."""
 
     def add(self, callback: Callable[[], None]) -> None: ...
 
@@ -376,9 +376,9 @@ def _stop_watch(watch: asyncio.Future[None], receive: Callable[[], Awaitable[Any
     cancelled: it reads body messages that whoever answers next must get. A plain one is
     left to end by itself: the ASGI server reports a completed response to a pending
     `receive` as a disconnect (uvicorn and Starlette's test client do), while cancelling
-    it threw an exception through its frames (`bench/held_polls.py --renewals`, five
-    alternating pairs: a renewal's server CPU, median 145 µs before, 136 µs after). An app
-    that never answers would keep it until the connection closes, which then ends it."""
+    it threw an exception through its frames, CPU spent on every renewal (too little to
+    tell apart in `bench/held_polls.py --renewals`, whose runs vary by more). An app that
+    never answers would keep it until the connection closes, which then ends it."""
     if isinstance(receive, Rewind):
         watch.cancel()
 

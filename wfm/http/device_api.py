@@ -39,7 +39,10 @@ __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
 DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000
-#: Clients whose device lists a replica remembers at once (`Api.served_devices`); past it,
+#: How many times `Api.served_state` reads a client's device list for the generation it
+#: serves before it settles for a list of an older one.
+_STATE_READS = 3
+#: Clients whose device lists a replica remembers at once (`Api.served_state`); past it,
 #: all are forgotten and read again.
 _MAX_DEVICE_LISTS = 200_000
 
@@ -105,36 +108,54 @@ class Api:
         return await self.devices.of(client.client_id)
 
     async def served_devices(self, client: Client) -> tuple[str, ...]:
-        """The client's devices as its served state is made of them. One server: its
-        devices (remembered until they change). Replicas: read once per generation served,
-        not on every poll. Safe because a device contributes to the state only through a
-        branch, and branches move only with a generation: one registered on another replica
-        meanwhile has none here until a sync brings it (and a new read), and a deletion is
-        itself a generation (`wfm.fleet.coordination.publish_deletion`); a state made
-        without a device whose id was deleted and registered again is refused by the
-        manifest versions' generation guard (`Coordinator.registered`)."""
+        """The client's devices as its served state is made of them (`_devices_at`)."""
+        return (await self._devices_at_generation(client))[1]
+
+    async def _devices_at_generation(self, client: Client) -> tuple[int, tuple[str, ...]]:
+        """The client's devices, and the generation they were read for. One server: its
+        devices (remembered until they change), generation 0. Replicas: read once per
+        generation served, not on every poll. Safe because a device contributes to the
+        state only through a branch, and branches move only with a generation: one
+        registered on another replica meanwhile has none here until a sync brings it (and a
+        new read), and a deletion is itself a generation
+        (`wfm.fleet.coordination.publish_deletion`); a state made without a device whose
+        id was deleted and registered again is refused by the manifest versions'
+        generation guard (`Coordinator.registered`)."""
         if self.coordinator is None:
-            return await self.devices_of(client)
+            return 0, await self.devices_of(client)
         generation = self.coordinator.generation
         known = self._devices_at.get(client.client_id)
         if known is not None and known[0] == generation:
-            return known[1]
+            return known
         devices = await self.devices_of(client)
         if len(self._devices_at) >= _MAX_DEVICE_LISTS:
             self._devices_at.clear()
         self._devices_at[client.client_id] = (generation, devices)
-        return devices
+        return generation, devices
 
     async def served_state(self, client: Client) -> tuple[int, Any]:
         """The fleet generation this replica serves and the client's state at it, read
         together (a sync moves the repository under the coordinator's lock, held here only
-        while the state is computed from the repository, never across a database read)."""
-        devices = await self.served_devices(client)
+        while the state is computed from the repository, never across a database read).
+
+        The device list must belong to that generation too: a list read before a sync
+        that brought a newly registered device's first branch lacks the device, and a
+        state made from it, labelled with the newer generation, would pass the manifest
+        versions' generation guard and hand the client its older (empty) state under a
+        newer version. So a list read for an older generation is read again; a sync after
+        every read (replicas publishing without pause) labels the state with the list's
+        generation, which the guard only treats more strictly."""
         if self.coordinator is None:
-            return 0, self.desired.client_state(client.client_id, devices)
+            return 0, self.desired.client_state(client.client_id,
+                                                await self.devices_of(client))
+        for _ in range(_STATE_READS):
+            listed, devices = await self._devices_at_generation(client)
+            with self.coordinator.lock:
+                generation = self.coordinator.generation
+                if generation == listed:
+                    return generation, self.desired.client_state(client.client_id, devices)
         with self.coordinator.lock:
-            return (self.coordinator.generation,
-                    self.desired.client_state(client.client_id, devices))
+            return listed, self.desired.client_state(client.client_id, devices)
 
     async def catch_up(self) -> None:
         """With replicas: serve the newest published generation before answering (the read

@@ -72,6 +72,9 @@ _PUBLISH_ATTEMPTS = 5
 _STATE_FILE = "compiler-state.sqlite"
 _STATE_GENERATION = "compiler-state.generation"
 _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
+#: How long after the coordination loop last read the database a replica still counts as
+#: reaching it (`database_reached`): eight looks at the default `poll`.
+REACHED_FOR = 2.0
 
 
 class LeaseLost(RuntimeError):
@@ -140,6 +143,8 @@ class Coordinator:
         self._before: dict[str, str] = {}
         self._stopping = threading.Event()
         self._news = News(db)
+        #: When the loop last read the database (monotonic clock; -inf after a failed look).
+        self._reached = float("-inf")
         self._thread = threading.Thread(target=self._loop, name="margo-replica", daemon=True)
 
     def start(self) -> None:
@@ -158,6 +163,15 @@ class Coordinator:
         return self._lease is not None
 
     @property
+    def database_reached(self) -> bool:
+        """Whether the coordination loop read the database within `REACHED_FOR` seconds and
+        has not failed to since. A replica that does not reach it must not tell a device
+        "unchanged" from memory: it hears no news (another replica may have published), and
+        it must answer 503 so that the device turns to another replica. While it does, a
+        manifest poll needs no read of its own (`wfm.http.manifests`)."""
+        return time.monotonic() - self._reached < REACHED_FOR
+
+    @property
     def generation(self) -> int:
         """The generation this replica serves."""
         return max(self.serving.generation, 0)
@@ -172,14 +186,17 @@ class Coordinator:
             try:
                 self._tick()
             except _ERRORS as exc:
+                self._reached = float("-inf")
                 log.warning("replica coordination: %s", exc)
             except Exception:  # anything else: say so in full, and keep coordinating
+                self._reached = float("-inf")
                 log.exception("replica coordination failed; trying again")
 
     def _tick(self) -> None:
         self._repair_if_asked()
         self._keep_lease()
         generation, requests = self.db.read(replica_rows.compile_state)
+        self._reached = time.monotonic()
         if generation > self.serving.generation:
             self.sync()
         if self.holding and requests != self._requests_seen:

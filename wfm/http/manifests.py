@@ -52,13 +52,15 @@ class Manifests:
         asking the database whether it is still the newest (`_still_current`): telling a
         client it is current while another replica has a newer version for it is what an
         earlier poll would have told it, while handing it an older one would not be. A
-        replica asks the database all the same: one cut off from it hears no news and would
-        tell its devices "unchanged" forever, where it must answer 503 so that they turn to
-        another replica (tests/reconciler/test_device_failover.py)."""
+        replica does so only while it reaches the database (`Coordinator.database_reached`):
+        one cut off from it hears no news and would tell its devices "unchanged" forever,
+        where it must answer 503 so that they turn to another replica
+        (tests/reconciler/test_device_failover.py)."""
         cached = self.api.served_manifests.get((client.client_id, prefix))
-        single = self.api.coordinator is None
+        coordinator = self.api.coordinator
+        from_memory = coordinator is None or coordinator.database_reached
         if cached is not None and cached[0] == self.api.desired.generation and (
-                (single and etag_matches(condition, cached[2]))
+                (from_memory and etag_matches(condition, cached[2]))
                 or await self._still_current(client, cached[3])):
             return cached[1], cached[2]
         return await self._fresh_manifest(client, prefix)

@@ -52,6 +52,7 @@ from typing import IO, ClassVar, cast
 
 import pygit2
 
+from compiler.branchset import carry_components
 from compiler.gitformat import (
     DEVICE_ID_PATTERN,
     DEVICE_REF_PREFIX,
@@ -516,8 +517,9 @@ class DeviceStore:
         none."""
         if not pending.new_tips:
             return
-        updates = {device_ref(d): (pending.old_tips[d], new)
-                   for d, new in pending.new_tips.items()}
+        refs = {d: device_ref(d) for d in pending.new_tips}
+        updates = {refs[d]: (pending.old_tips[d], new) for d, new in pending.new_tips.items()}
+        before = self.branch_names()
         try:
             try:
                 move_refs(self.path, updates)
@@ -527,6 +529,8 @@ class DeviceStore:
         except PackedRefsError as exc:
             raise GitStoreError(f"moving the device branches in {self.path} failed; no "
                                 f"device branch was changed: {exc}") from None
+        created = {d: ref for d, ref in refs.items() if pending.old_tips[d] is None}
+        carry_components(before, self.branch_names(), created)
 
     def _pack_refs(self) -> None:
         """Fold loose refs into ``packed-refs`` with Git itself (every ref keeps its value;

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from itertools import filterfalse
 from operator import attrgetter
 
+from compiler.branchset import branch_components
 from compiler.context import COMPILER_VERSION, CompileContext, ResolvedIntents, resolve_intents
 from compiler.device_compile import DeviceJob
-from compiler.gitformat import DEVICE_REF_PREFIX, all_plain_device_ids
+from compiler.gitformat import all_plain_device_ids
 from compiler.gitstore import DeviceStore, branch_problem, device_ref
 from compiler.placement import ProfileConstraints
 from compiler.render import RenderCache
@@ -210,28 +211,11 @@ def _lost_branches(ids: list[str], plain: bool, previous: Mapping[str, DeviceRec
     recorded = (ids if all(map(previous.__contains__, ids))
                 else list(filter(previous.__contains__, ids)))
     if plain:
-        branches = _device_branches(refs)
+        branches = branch_components(refs)
         if branches.issuperset(recorded):
             return []
         return [device_id for device_id in recorded if device_id not in branches]
     return [device_id for device_id in recorded if device_ref(device_id) not in refs]
-
-
-#: The last `_device_branches` answer: (the listing asked about, its answer).
-_BRANCHES: tuple[frozenset[str], frozenset[str]] | None = None
-
-
-def _device_branches(refs: frozenset[str]) -> frozenset[str]:
-    """What follows `DEVICE_REF_PREFIX` in each name of `refs` that has it: a plain id's
-    branch is there iff the id is in this set, looked up with the id's own (cached) hash
-    instead of a new string per id. Worked out once per listing (the store hands out the
-    same listing while the refs are unchanged)."""
-    global _BRANCHES
-    if _BRANCHES is None or _BRANCHES[0] is not refs:
-        start = len(DEVICE_REF_PREFIX)
-        _BRANCHES = refs, frozenset(name[start:] for name in refs
-                                    if name.startswith(DEVICE_REF_PREFIX))
-    return _BRANCHES[1]
 
 
 def _unusable_id(device: Device, report: CompileReport) -> bool:

@@ -3,11 +3,12 @@
 One pipeline, read top to bottom in `compile_fleet`:
 
 1. plan the compile (`compiler.planning`): resolve the intents, find what changed since the
-   last compile, and list the devices that must be compiled, with what each needs from
-   the state; the others are accounted as unchanged without rendering anything;
+   last compile, and list the devices that must be compiled, with their records; the
+   others are accounted as unchanged without rendering anything;
 2. compile each device (`compiler.device_compile`, run by `compiler.workers` here or in
-   forked processes): a pure function of the compile's context (`compiler.context`), the
-   device's job and its branch, deciding each intent once (`compiler.decisions`) and
+   forked processes, each reading the state's rows of the devices it compiles): a pure
+   function of the compile's context (`compiler.context`), the device's job (its record
+   and rows) and its branch, deciding each intent once (`compiler.decisions`) and
    what needs room in one capacity round (`compiler.holding`);
 3. write (`compiler.writing`): each device's result is accounted as it arrives and its
    commit streams to Git while later devices still compile; then the state's records are
@@ -67,7 +68,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                         now=time.time() if now is None else now, rollouts=rollouts or {},
                         fleet_key=fleet_key)
     report, outcomes = plan.report, CompileOutcomes()
-    works = run_jobs(plan.context, store, plan.jobs, progress)
+    works = run_jobs(plan.context, store, state, plan.jobs, progress)
     commits = account_commits(plan.jobs, works, report, outcomes, plan.context.now)
     try:
         if dry_run:

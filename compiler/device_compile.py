@@ -54,20 +54,22 @@ NewPlacement = tuple[Intent, AppVersion, Placement]
 
 @dataclass(frozen=True, slots=True)
 class DeviceJob:
-    """What a device's compile needs from the state, read up front. Its branch is read by
-    whoever compiles it (a worker process, in parallel), unless it is known to have none."""
+    """What a device's compile needs from the state. The planning gives the device, its
+    record and what it knows of its branch; the rows the state holds of it (`previous`,
+    `known`) are read by whoever compiles it (`compiler.workers`: a worker process reads
+    those of the devices it compiles), and its branch too, unless it is known to have none."""
 
     device: Device
     record: DeviceRecord | None
-    previous: dict[str, PlacementRecord]
     may_have_branch: bool
-    #: The commit the state says the branch was left at, and its files (name -> blob id)
-    #: as the JSON text the state stores (`CompilerState.tree_texts_of`): decoded by the
-    #: device's own compile, in whichever process runs it, not by the planning.
-    known: tuple[str, str] | None = None
     #: The branch is gone (its ref lost) and the state says it was left at this commit: the
     #: device is compiled as a new one and its new commit continues from that one.
     lost_tip: str | None = None
+    previous: dict[str, PlacementRecord] = dataclasses.field(default_factory=dict)
+    #: The commit the state says the branch was left at, and its files (name -> blob id)
+    #: as the JSON text the state stores (`CompilerState.tree_texts_of`): decoded by the
+    #: device's own compile, in whichever process runs it.
+    known: tuple[str, str] | None = None
 
     @property
     def likely_reuse(self) -> bool:

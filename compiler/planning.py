@@ -1,5 +1,6 @@
 """Plan a compile: which intents changed since the last one, which devices must be
-compiled, and what each of them needs read from the state up front (`plan_compile`).
+compiled, and what each of them needs of its branch (`plan_compile`); the state's rows of
+each device are read by whoever compiles it (`compiler.workers`).
 
 A device whose capabilities did not change and that no changed intent targets (now or
 before), places (before) or keeps in a grace period is not compiled at all: it is
@@ -100,12 +101,10 @@ def _assign_waves(ctx: CompileContext, snapshot: Snapshot, gated: dict[str, Roll
 
 def _jobs(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore, state: CompilerState,
           report: CompileReport) -> list[DeviceJob]:
-    """The devices that must be compiled, with what they need read up front; the others
-    are accounted in `report` as unchanged."""
+    """The devices that must be compiled, with what they need to know of their branch (the
+    state's rows of each are read where it compiles, `compiler.workers`); the others are
+    accounted in `report` as unchanged."""
     todo, lost = _devices_to_compile(ctx, snapshot, store, state, report)
-    placements = state.placements_of(device.id for device, _ in todo)
-    trees = state.tree_texts_of(device.id for device, record in todo
-                                if record is not None and record.caps_digest == device.digest)
     # Devices the state does not know may still have branches (e.g. the state was lost):
     # one listing answers for all of them when there are many (a first compile).
     unknown = sum(record is None for _, record in todo)
@@ -115,8 +114,7 @@ def _jobs(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore, state: Co
     forgotten = state.forgotten()
     lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()
                  if device_id not in forgotten}
-    return [DeviceJob(device, record, placements[device.id],
-                      branches is None or device.id in branches, trees.get(device.id),
+    return [DeviceJob(device, record, branches is None or device.id in branches,
                       lost_tips.get(device.id))
             for device, record in todo]
 

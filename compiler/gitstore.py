@@ -519,7 +519,8 @@ class DeviceStore:
             return
         refs = {d: device_ref(d) for d in pending.new_tips}
         updates = {refs[d]: (pending.old_tips[d], new) for d, new in pending.new_tips.items()}
-        before = self.branch_names()
+        created = {d: ref for d, ref in refs.items() if pending.old_tips[d] is None}
+        before = self.branch_names() if created else None  # moves only: the same listing
         try:
             try:
                 move_refs(self.path, updates)
@@ -529,8 +530,8 @@ class DeviceStore:
         except PackedRefsError as exc:
             raise GitStoreError(f"moving the device branches in {self.path} failed; no "
                                 f"device branch was changed: {exc}") from None
-        created = {d: ref for d, ref in refs.items() if pending.old_tips[d] is None}
-        carry_components(before, self.branch_names(), created)
+        if before is not None:
+            carry_components(before, self.branch_names(), created)
 
     def _pack_refs(self) -> None:
         """Fold loose refs into ``packed-refs`` with Git itself (every ref keeps its value;

@@ -28,6 +28,7 @@ from wfm.fleet.waiters import DEFAULT_MAX_WAIT, Waiters
 from wfm.identity.clients import Client, ClientRegistry
 from wfm.identity.credentialcache import CredentialCache
 from wfm.identity.proofs import Identity, IdentitySettings
+from wfm.problems import ProblemError
 from wfm.store.database import Database
 
 if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
@@ -40,7 +41,7 @@ __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
 DEFAULT_MAX_DEVICES_PER_CLIENT = 100_000
 #: How many times `Api.served_state` reads a client's device list for the generation it
-#: serves before it settles for a list of an older one.
+#: serves before it answers 503 (the generation moved after every read).
 _STATE_READS = 3
 #: Clients whose device lists a replica remembers at once (`Api.served_state`); past it,
 #: all are forgotten and read again.
@@ -108,7 +109,8 @@ class Api:
         return await self.devices.of(client.client_id)
 
     async def served_devices(self, client: Client) -> tuple[str, ...]:
-        """The client's devices as its served state is made of them (`_devices_at`)."""
+        """The client's devices as its served state is made of them
+        (`_devices_at_generation`)."""
         return (await self._devices_at_generation(client))[1]
 
     async def _devices_at_generation(self, client: Client) -> tuple[int, tuple[str, ...]]:
@@ -142,9 +144,11 @@ class Api:
         that brought a newly registered device's first branch lacks the device, and a
         state made from it, labelled with the newer generation, would pass the manifest
         versions' generation guard and hand the client its older (empty) state under a
-        newer version. So a list read for an older generation is read again; a sync after
-        every read (replicas publishing without pause) labels the state with the list's
-        generation, which the guard only treats more strictly."""
+        newer version. So a list read for an older generation is read again. Neither
+        generation is a true label for a list of one and branches of the other (the older
+        one, recorded, would let a replica still at it hand out older branches under a
+        newer version), so a sync after every read (replicas publishing without pause) is
+        answered 503 with Retry-After."""
         if self.coordinator is None:
             return 0, self.desired.client_state(client.client_id,
                                                 await self.devices_of(client))
@@ -154,8 +158,8 @@ class Api:
                 generation = self.coordinator.generation
                 if generation == listed:
                     return generation, self.desired.client_state(client.client_id, devices)
-        with self.coordinator.lock:
-            return listed, self.desired.client_state(client.client_id, devices)
+        raise ProblemError(503, "the fleet's desired state kept moving while it was read",
+                           retry_after=1)
 
     async def catch_up(self) -> None:
         """With replicas: serve the newest published generation before answering (the read

@@ -10,12 +10,19 @@ open and carry no byte, new ones are accepted and never answered. That is a peer
 answering (a hung host, a link that drops packets), which a client only notices by its own
 timeout. (`tools.processes.unanswered_port` is the other kind of dead host: one whose
 connection attempts are never answered, so a client's connect times out.)
+
+While dropped, the kernel's packet filter (iptables, on loopback) discards every packet to
+and from the proxy's port: no byte is delivered and none is acknowledged, as on a real
+partition. Unlike silence, a client's TCP stack sees it: unacknowledged data and unanswered
+keepalive probes, so its TCP timeouts (`tcp_user_timeout`, keepalives) can notice. Needs
+root and iptables (Debian's, which `make` installs with docker.io).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +41,7 @@ class CuttableProxy:
         self._closed = threading.Event()
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._dropping = False
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -54,7 +62,23 @@ class CuttableProxy:
         """From now on nothing gets through and nothing is closed (module docstring)."""
         self._silent.set()
 
+    def drop(self) -> None:
+        """From now on the kernel discards every packet to and from the proxy's port
+        (module docstring) until `restore`."""
+        if not self._dropping:
+            self._filter("-I")
+            self._dropping = True
+
+    def _filter(self, action: str) -> None:
+        for direction in ("--dport", "--sport"):
+            subprocess.run(["iptables", "-w", action, "INPUT", "-i", "lo", "-p", "tcp",
+                            direction, str(self.port), "-j", "DROP"], check=True,
+                           capture_output=True)
+
     def restore(self) -> None:
+        if self._dropping:
+            self._filter("-D")
+            self._dropping = False
         self._cut.clear()
         self._silent.clear()
         with self._lock:

@@ -10,6 +10,13 @@ readiness probes the server through the pool (and asks whether it is a standby).
 connections are not checked at every checkout (that was a second query per read, and most
 of the time a replica's event loop spent blocked under load): one that broke while
 PostgreSQL was away fails its next read with a 503 and the pool replaces it.
+
+Every connection detects a link that went silent (packets dropped, not refused: a
+partition, a firewall, a host gone without a word): TCP keepalives for an idle one (the
+lease's session, the listening session of `wfm.fleet.news`), and `tcp_user_timeout` for one
+whose statement is unanswered. Without them a read in flight waits for TCP's own give-up,
+about fifteen minutes, and a replica's coordination loop waits with it. Settings the
+database URL names itself win.
 """
 
 from __future__ import annotations
@@ -20,18 +27,21 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from wfm.store.database import Database, DatabaseUnavailable
 from wfm.store.schema import migrate
 
-__all__ = ["PgConnection", "PostgresDatabase", "translate"]
+__all__ = ["LINK_TIMEOUT", "PgConnection", "PostgresDatabase", "link_settings", "translate"]
 
 T = TypeVar("T")
 log = logging.getLogger("margo.wfm.db")
 _CONNECT_TIMEOUT = 5
 #: Readiness probes answer within this (Kubernetes' default probe timeout is 1 s).
 _PROBE_TIMEOUT = 2
+#: Seconds a connection may go unanswered before it counts as lost (see the module's doc).
+LINK_TIMEOUT = 10.0
 
 
 @functools.lru_cache(maxsize=1024)
@@ -54,6 +64,20 @@ def translate(statement: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def link_settings(url: str, link_timeout: float = LINK_TIMEOUT) -> dict[str, Any]:
+    """The connection settings that bound how long a silent link goes unnoticed: about
+    `link_timeout` seconds whether a statement is in flight (`tcp_user_timeout`) or the
+    connection idles (keepalives: first probe after a third of it, then three more), and
+    `connect_timeout`; any of them the URL sets is left to the URL."""
+    idle = max(1, round(link_timeout / 3))
+    wanted: dict[str, Any] = {
+        "connect_timeout": _CONNECT_TIMEOUT, "keepalives": 1, "keepalives_idle": idle,
+        "keepalives_interval": max(1, round((link_timeout - idle) / 3)),
+        "keepalives_count": 3, "tcp_user_timeout": round(link_timeout * 1000)}
+    named = conninfo_to_dict(url)
+    return {key: value for key, value in wanted.items() if key not in named}
 
 
 class PgConnection:
@@ -88,24 +112,23 @@ class PostgresDatabase(Database):
     unavailable = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout,
                    psycopg.errors.ReadOnlySqlTransaction)
 
-    def __init__(self, url: str, *, pool_size: int = 8):
+    def __init__(self, url: str, *, pool_size: int = 8, link_timeout: float = LINK_TIMEOUT):
+        """`link_timeout`: seconds a silent link goes unnoticed (`link_settings`)."""
         self.url = url
+        self._settings = link_settings(url, link_timeout)
         try:
-            with psycopg.connect(url, autocommit=True,
-                                 connect_timeout=_CONNECT_TIMEOUT) as conn:
+            with psycopg.connect(url, autocommit=True, **self._settings) as conn:
                 migrate(PgConnection(conn), self.dialect)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"cannot open {_redacted(url)}: {exc}") from exc
         self._pool = ConnectionPool(url, min_size=1, max_size=pool_size, open=True,
-                                    kwargs={"autocommit": True,
-                                            "connect_timeout": _CONNECT_TIMEOUT},
+                                    kwargs={"autocommit": True, **self._settings},
                                     timeout=5,
                                     reconnect_timeout=0, name="margo-wfm")
         super().__init__()
 
     def _write_connection(self) -> PgConnection:
-        return PgConnection(psycopg.connect(self.url, autocommit=True,
-                                            connect_timeout=_CONNECT_TIMEOUT))
+        return PgConnection(psycopg.connect(self.url, autocommit=True, **self._settings))
 
     def read(self, fn: Callable[[Any], T]) -> T:
         try:
@@ -125,8 +148,7 @@ class PostgresDatabase(Database):
         """A connection of its own (autocommit), for what holds a session: the compile
         lease's advisory lock. The caller closes it."""
         try:
-            return PgConnection(psycopg.connect(self.url, autocommit=True,
-                                                connect_timeout=_CONNECT_TIMEOUT))
+            return PgConnection(psycopg.connect(self.url, autocommit=True, **self._settings))
         except self.unavailable as exc:
             raise DatabaseUnavailable(f"the database is unavailable: {exc}") from exc
 

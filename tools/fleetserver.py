@@ -110,10 +110,13 @@ class FleetServer:
         """The device's repository (HTTP basic: client id and token)."""
         return f"{self.base}/git/devices/{device_id}.git"
 
-    def put_capabilities(self, doc: dict[str, Any]) -> None:
-        """Report a device's capabilities (rc.3 PUT); fails the test unless 200/201."""
+    def put_capabilities(self, doc: dict[str, Any], *, oct_2024: bool = False) -> None:
+        """Report a device's capabilities (rc.3 PUT, or Oct-2024's, which makes the server
+        write the device's documents in that shape); fails the test unless 200/201."""
         device_id = doc["properties"]["id"]
-        response = self._http.put(f"/api/v1/capabilities/{device_id}", json=doc)
+        path = (f"/device/{device_id}/capabilities" if oct_2024
+                else f"/api/v1/capabilities/{device_id}")
+        response = self._http.put(path, json=doc)
         assert response.status_code in (200, 201), response.text
 
     def manifest(self) -> tuple[dict[str, Any], str]:

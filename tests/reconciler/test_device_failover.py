@@ -81,7 +81,8 @@ def test_the_device_keeps_converging_through_its_second_url(pair: ReplicaPair, s
             new = change_greeting(server, device, old)
             poll_until("the new state installed and reported through replica B",
                        lambda: current(server, name, new), timeout=90,
-                       describe=lambda: f"the device's log ends:\n{log.read_text()[-3000:]}")
+                       describe=lambda: f"the server's view: {server.device(name)}\n"
+                                        f"the device's log ends:\n{log.read_text()[-3000:]}")
     assert 'GREETING: "Bonjour"' in rendered(device)
     text = log.read_text()
     assert "failed (" in text and f"using {second.base} from now on" in text, text
@@ -93,12 +94,6 @@ def test_a_device_with_one_url_waits_for_it_as_before(pair: ReplicaPair, source:
     server = pair.servers[1]
     name = f"single-{source}"
     device = new_device(server, name, source=source, url=first.base)
-    if source == "git":
-        # The kit reported its capabilities through the rc.3 API; the device speaks Oct-2024
-        # once it reports, which would rewrite its documents in that shape after its first
-        # report: the intent keeps them rc.3 (same bytes) until the greeting changes.
-        server.edit_intent(name, intent(name).replace("spec:\n", "spec:\n  outputShape: rc.3\n",
-                                                      1))
     assert steps(once(device)) == [("install", "ok")]
     old = poll_until("the first report", lambda: current(server, name), timeout=30)
     first.kill()

@@ -134,11 +134,12 @@ def _devices_to_compile(ctx: CompileContext, snapshot: Snapshot, store: DeviceSt
     placed_by_changed = state.devices_placed_by(ctx.changed)
     devices = snapshot.devices
     ids, plain = _usable_ids(devices, report)
+    steady = (set(ids) if _vouched_as_recorded(devices, state)
+              else _recorded_as_they_are(ids, devices, recorded_digests))
     # A device the state recorded whose branch is gone (its ref lost, e.g. `packed-refs`
     # deleted) is compiled as a new one: its branch is rebuilt from the source instead of
     # staying missing because nothing it depends on changed.
-    lost = _lost_branches(ids, plain, previous, store)
-    steady = _recorded_as_they_are(ids, devices, recorded_digests)
+    lost = _lost_branches(ids, plain, previous, store, all_recorded=len(steady) == len(ids))
     steady.difference_update(lost)
     if steady:  # only worked out if some device may be skipped (targeting costs)
         steady -= _affected_devices(ctx, in_grace, placed_by_changed)
@@ -183,6 +184,16 @@ def _usable_ids(devices: Mapping[str, Device], report: CompileReport,
     return [device_id for device_id in ids if not _unusable_id(devices[device_id], report)], False
 
 
+def _vouched_as_recorded(devices: Mapping[str, Device], state: CompilerState) -> bool:
+    """Whether every device of a `LazyDevices` is recorded with its document's digest,
+    known without comparing: its digests were found among the trusted digests the state
+    copied from the records it still holds (`CompilerState.records_are_those_of`), which
+    are the digests `_recorded_as_they_are` would compare them with (0.3-0.6 s at a
+    million devices, once more after `load_snapshot` did)."""
+    vouched_by = devices.vouched_by if isinstance(devices, LazyDevices) else None
+    return vouched_by is not None and state.records_are_those_of(vouched_by)
+
+
 def _recorded_as_they_are(ids: list[str], devices: Mapping[str, Device],
                           recorded: Mapping[str, str]) -> set[str]:
     """The devices of `ids` whose capability document is the one their record was compiled
@@ -199,14 +210,15 @@ def _recorded_as_they_are(ids: list[str], devices: Mapping[str, Device],
 
 
 def _lost_branches(ids: list[str], plain: bool, previous: Mapping[str, DeviceRecord],
-                   store: DeviceStore) -> list[str]:
+                   store: DeviceStore, *, all_recorded: bool = False) -> list[str]:
     """The devices of `ids` the state recorded whose branch the repository does not have,
     in order; one listing of the refs answers for all of them (`plain`: every id is its
-    branch's last component, unencoded)."""
+    branch's last component, unencoded; `all_recorded`: the caller knows every id is in
+    `previous`, which a no-op of a million devices would otherwise check one by one)."""
     if not previous:
         return []
     refs = store.branch_names()
-    recorded = (ids if all(map(previous.__contains__, ids))
+    recorded = (ids if all_recorded or all(map(previous.__contains__, ids))
                 else list(filter(previous.__contains__, ids)))
     if plain:
         branches = branch_components(refs)

@@ -26,7 +26,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 from compiler.gcpause import collection_paused
 from compiler.gitformat import all_plain_device_ids, branch_problem
+from compiler.jsonspans import json_text, member_spans
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
 from margo.constraints import matching_view
 from margo.digests import data_digest
@@ -214,6 +214,15 @@ class SnapshotMemo:
         """Whether the plain keys are exactly the keys with a digest."""
         return self.plain == self.digests.keys()
 
+    def establish(self, ids: list[str]) -> None:
+        """Work out now, while the compile that read the file holds it, what every
+        recompile of the same bytes asks of the memo (`ids`: the keys of `spans`, sorted,
+        which the caller has; `plain_ids`; `all_plain_digested`). Why: asked lazily, the
+        first no-op after a full compile paid them (0.45 s of 2.2 s at a million devices),
+        where the full compile that made the memo pays the same in a run of minutes."""
+        self.__dict__["ids"] = ids if self.spans else []  # (checking it would cost as much)
+        _ = self.plain_ids, self.all_plain_digested
+
 
 class LazyDevices(MutableMapping[str, Device]):
     """The devices of a keyed JSON file whose every document the state trusts: each
@@ -223,12 +232,17 @@ class LazyDevices(MutableMapping[str, Device]):
     devices); it reads the digests (`digests`) and the sorted ids (`ids`) of the memo.
     Changing the mapping builds every device first, then it behaves as a dict."""
 
-    __slots__ = ("_all", "_data", "_file", "_made", "_memo", "_text")
+    __slots__ = ("_all", "_data", "_file", "_made", "_memo", "_text", "_vouched_by")
 
-    def __init__(self, memo: SnapshotMemo, data: bytes, file: str) -> None:
+    def __init__(self, memo: SnapshotMemo, data: bytes, file: str,
+                 vouched_by: TrustedDigests | None = None) -> None:
         """`data`: the file's bytes, decoded when a first device is built (a recompile
-        that builds none does not decode 45 MB for 100,000 devices)."""
+        that builds none does not decode 45 MB for 100,000 devices). `vouched_by`: trusted
+        digests that hold every digest of the memo under its key (`_all_trusted`), so a
+        compile that gets its recorded digests from the same `source` need not compare
+        them again (`compiler.planning`)."""
         self._memo, self._data, self._file = memo, data, file
+        self._vouched_by = vouched_by
         self._text: str | bytes | None = None
         self._made: dict[str, Device] = {}
         self._all: dict[str, Device] | None = None  # once changed
@@ -239,6 +253,11 @@ class LazyDevices(MutableMapping[str, Device]):
         mapping is changed: then each device's own)."""
         return self._memo.digests if self._all is None else {
             key: device.digest for key, device in self._all.items()}
+
+    @property
+    def vouched_by(self) -> TrustedDigests | None:
+        """The trusted digests given at construction, until the mapping is changed."""
+        return self._vouched_by if self._all is None else None
 
     @property
     def ids(self) -> list[str]:
@@ -259,7 +278,7 @@ class LazyDevices(MutableMapping[str, Device]):
             if self._text is None:  # ASCII: offsets in bytes are offsets in characters,
                 # and `json` reads the bytes of a span as their text (not decoding 45 MB
                 # for the tenth of 100,000 devices a recompile builds: 25-35 ms)
-                self._text = self._data if self._data.isascii() else _json_text(self._data)
+                self._text = self._data if self._data.isascii() else json_text(self._data)
             device = self._made[key] = Device(key, None, self._memo.digests[key], self._file,
                                               span=(self._text, start, end))
         return device
@@ -294,12 +313,14 @@ class TrustedDigests(dict[str, str]):
 
     Why a dict carrying a memo: callers already pass the state's trusted digests through
     (``load_snapshot(caps, trusted=state.trusted_digests())``), and both are facts the
-    state remembers about the same last compile.
+    state remembers about the same last compile. `source` is whatever the state copied
+    the digests from (`CompilerState.records_are_those_of` asks it back).
     """
 
-    def __init__(self, digests: Mapping[str, str], memo: SnapshotMemo | None = None) -> None:
+    def __init__(self, digests: Mapping[str, str], memo: SnapshotMemo | None = None, *,
+                 source: object = None) -> None:
         super().__init__(digests)
-        self.memo = memo
+        self.memo, self.source = memo, source
 
 
 def memo_key(data: bytes) -> str:
@@ -501,6 +522,7 @@ def load_snapshot(path: str | os.PathLike[str], *,
     spans, plain = (memo.spans, memo.plain) if memo is not None else _json_spans(data, loaded)
     snapshot.memo = SnapshotMemo(key, {d: device.digest for d, device in
                                        snapshot.devices.items()}, spans, plain)
+    snapshot.memo.establish(keys if spans else [])  # (`_json_spans`: spans has `keys`)
     _keep_spans(snapshot.devices, data, spans, plain)
     return snapshot
 
@@ -510,7 +532,7 @@ def _keep_spans(devices: Mapping[str, Device], data: bytes,
     """`Device.keep_span` for each device of a plain document: `_add` kept it only under
     the id its document reports, so it was built from exactly what its span decodes to."""
     keys = spans.keys() & plain & devices.keys()
-    text = (data if data.isascii() else _json_text(data)) if keys else b""  # (`LazyDevices`)
+    text = (data if data.isascii() else json_text(data)) if keys else b""  # (`LazyDevices`)
     for key in keys:
         devices[key].keep_span((text, *spans[key]))
 
@@ -524,7 +546,8 @@ def _add_trusted_spans(snapshot: Snapshot, data: bytes, file: str, memo: Snapsho
         return False
     if not _all_trusted(memo, trusted):
         return False
-    snapshot.devices = LazyDevices(memo, data, file)
+    snapshot.devices = LazyDevices(memo, data, file, vouched_by=trusted
+                                   if isinstance(trusted, TrustedDigests) else None)
     return True
 
 
@@ -546,21 +569,14 @@ def _all_trusted(memo: SnapshotMemo, trusted: Mapping[str, str]) -> bool:
     return True
 
 
-def _json_text(data: bytes) -> str:
-    return data.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
-
-
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
-
-
 def _json_spans(data: bytes, loaded: LoadedDocument,
                 ) -> tuple[dict[str, tuple[int, int]], frozenset[str]]:
     """Where each top-level member's value lies in a keyed JSON file's text, and which
     members are plain (see `SnapshotMemo`); nothing for text `json` does not read as one
     object with exactly the keys `loaded` has (YAML, for one)."""
     try:
-        text = _json_text(data)
-        spans = _member_spans(text)
+        text = json_text(data)
+        spans = member_spans(text)
     except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return {}, frozenset()
     if spans is None or not isinstance(loaded.value, dict) or spans.keys() != loaded.value.keys():
@@ -568,37 +584,6 @@ def _json_spans(data: bytes, loaded: LoadedDocument,
     plain = frozenset(key for key, value in loaded.value.items()
                       if used_as_reported(key, value))
     return spans, plain
-
-
-def _member_spans(text: str) -> dict[str, tuple[int, int]] | None:
-    """(start, end) of each member's value of the JSON object that is the whole `text`;
-    None if it is not one (ValueError for malformed JSON inside)."""
-    decoder = json.JSONDecoder()
-    position = _JSON_SPACE.match(text).end()  # type: ignore[union-attr]
-    if text[position:position + 1] != "{":
-        return None
-    position = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
-    spans: dict[str, tuple[int, int]] = {}
-    if text[position:position + 1] == "}":
-        return spans if not text[position + 1:].strip(" \t\n\r") else None
-    while True:
-        if text[position:position + 1] != '"':
-            return None
-        name, position = json.decoder.scanstring(  # type: ignore[attr-defined]
-            text, position + 1)
-        position = _JSON_SPACE.match(text, position).end()  # type: ignore[union-attr]
-        if text[position:position + 1] != ":" or name in spans:
-            return None
-        start = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
-        _, end = decoder.raw_decode(text, start)
-        spans[name] = (start, end)
-        position = _JSON_SPACE.match(text, end).end()  # type: ignore[union-attr]
-        separator = text[position:position + 1]
-        if separator == "}":
-            return spans if not text[position + 1:].strip(" \t\n\r") else None
-        if separator != ",":
-            return None
-        position = _JSON_SPACE.match(text, position + 1).end()  # type: ignore[union-attr]
 
 
 #: A keyed file of at least this many documents read without a memo (the first compile, or
@@ -678,7 +663,7 @@ def _valid_digests(bounds: tuple[int, int]) -> dict[str, str]:
 def _known_json(data: bytes, file: str) -> LoadedDocument | None:
     """JSON bytes that `load_document` accepted before, decoded to the same value without
     its safety checks; None for text that is not JSON (read it the ordinary way)."""
-    text = _json_text(data)
+    text = json_text(data)
     if text.lstrip()[:1] not in ("{", "["):
         return None
     return LoadedDocument(json.loads(text), file, SourceMap(text))

@@ -38,8 +38,8 @@ from compiler.gcpause import collection_paused
 from compiler.remembered import DeviceRecords, Remembered
 from compiler.snapshot import SnapshotMemo, TrustedDigests
 
-__all__ = ["STATE_FILE_NAME", "CompilerState", "DeviceRecord", "IntentRecord",
-           "PlacementRecord", "StagedSave", "is_damage", "is_sound", "recorded_branch",
+__all__ = ["FORGOTTEN_KEY", "STATE_FILE_NAME", "CompilerState", "DeviceRecord",
+           "IntentRecord", "PlacementRecord", "StagedSave", "is_damage", "is_sound",
            "set_aside"]
 
 SCHEMA_VERSION = "4"
@@ -53,7 +53,7 @@ _CHECKED: set[Path] = set()
 #: The state's file beside the repository (``<repos>/compiler-state.sqlite``) in the server.
 STATE_FILE_NAME = "compiler-state.sqlite"
 #: The meta key listing the devices `CompilerState.forget` marked (JSON list of ids).
-_FORGOTTEN = "forgotten"
+FORGOTTEN_KEY = "forgotten"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -250,7 +250,7 @@ class CompilerState:
             # that read the state before this may still write the records back, and a tip
             # it names must then never be taken for a lost branch to continue.
             marked = self._forgotten() | {device_id for (device_id,) in forgotten}
-            self._set_meta(_FORGOTTEN, json.dumps(sorted(marked)))
+            self._set_meta(FORGOTTEN_KEY, json.dumps(sorted(marked)))
             self._set_meta(_DEVICES_ID, str(uuid.uuid4()))  # the remembered rows: not these
 
     def forgotten(self) -> frozenset[str]:
@@ -258,7 +258,7 @@ class CompilerState:
         return frozenset(self._forgotten())
 
     def _forgotten(self) -> set[str]:
-        text = self._meta(_FORGOTTEN)
+        text = self._meta(FORGOTTEN_KEY)
         return set(json.loads(text)) if text else set()
 
     def intents(self) -> dict[str, IntentRecord]:
@@ -392,7 +392,16 @@ class CompilerState:
         """Device id -> digest of the capability document last compiled successfully
         (documents with that exact content need not be validated again), carrying the
         memo of the keyed snapshot file last compiled (see `load_snapshot`)."""
-        return TrustedDigests(self._remembered_records().digests, self.snapshot_memo())
+        remembered = self._remembered_records()
+        return TrustedDigests(remembered.digests, self.snapshot_memo(), source=remembered)
+
+    def records_are_those_of(self, trusted: TrustedDigests) -> bool:
+        """Whether the device records are still those `trusted` was made from (by
+        `trusted_digests`), so `device_records` gives exactly its digests: a compile that
+        found every document trusted then knows every device is recorded as it is, without
+        comparing a million digests a second time. The remembered records are replaced,
+        never changed, whenever the state is written (`_remembered_records`)."""
+        return trusted.source is not None and trusted.source is self._remembered_records()
 
     def snapshot_memo(self) -> SnapshotMemo | None:
         """The memo saved by the last compile, or None when it read no keyed file.
@@ -482,7 +491,7 @@ class CompilerState:
             if restarted:  # read inside the transaction: `forget` may have marked more
                 marked = self._forgotten()
                 if marked & restarted:
-                    self._set_meta(_FORGOTTEN, json.dumps(sorted(marked - restarted)))
+                    self._set_meta(FORGOTTEN_KEY, json.dumps(sorted(marked - restarted)))
             self._save_memo(db, snapshot)
             db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?, ?)",
                            [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
@@ -663,38 +672,3 @@ class StagedSave:
             raise RuntimeError("this save was already committed or rolled back")
         db, self._db = self._db, None
         db.execute(statement)
-
-
-def recorded_branch(repos_dir: str | Path, device_id: str) -> str | None:
-    """What the compiler's state (``<repos_dir>/compiler-state.sqlite``) says the device's
-    branch holds: the commit it left the branch at, ``"unknown commit"`` when only a
-    compiled tree with deployments is recorded, or None when it records no branch (no such
-    file, a device not compiled yet).
-
-    Why: a device without a branch normally has no desired state yet, but one the compiler
-    did give a branch has LOST its state (e.g. ``packed-refs`` deleted); serving that as
-    "no deployments" would make the device uninstall everything. Read-only, for the server's
-    readers, asked only when a branch is missing: a state that cannot be read says nothing.
-    """
-    path = Path(repos_dir) / STATE_FILE_NAME
-    if not path.is_file():
-        return None
-    try:
-        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=2.0)
-    except sqlite3.Error:
-        return None
-    try:
-        marked = db.execute("SELECT value FROM meta WHERE key=?", (_FORGOTTEN,)).fetchone()
-        if marked is not None and device_id in json.loads(marked[0]):
-            return None  # deleted on purpose: whatever is recorded is not its state
-        row = db.execute("SELECT tip FROM device_trees WHERE device_id=?",
-                         (device_id,)).fetchone()
-        if row is not None:
-            return str(row[0])
-        row = db.execute("SELECT deployments FROM devices WHERE device_id=?",
-                         (device_id,)).fetchone()
-        return "unknown commit" if row is not None and row[0] else None
-    except sqlite3.Error:
-        return None
-    finally:
-        db.close()

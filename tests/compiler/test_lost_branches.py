@@ -10,7 +10,8 @@ import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
 from compiler.gitstore import DeviceCommit, GitStoreError, InvalidCommitError, device_ref
-from compiler.state import CompilerState, recorded_branch
+from compiler.recorded import recorded_branch
+from compiler.state import CompilerState
 
 
 @pytest.fixture

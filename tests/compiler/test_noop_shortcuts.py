@@ -179,3 +179,40 @@ def test_lazy_devices_are_the_documents_of_the_file(fleet: Fleet, ensure_ascii: 
         assert lazy[device_id].labels == eager[device_id].labels
         assert lazy[device_id].capabilities == eager[device_id].capabilities
         assert lazy[device_id] == eager[device_id]
+
+
+def test_a_noop_takes_its_devices_as_recorded_only_from_the_records_it_read(
+        fleet: Fleet) -> None:
+    """A lazy snapshot whose every digest the state's trusted digests hold is recorded as
+    it is without comparing the digests again, but only while the state still holds the
+    records those digests were copied from: a writer changing a record in between makes
+    the compile compare, and compile that device."""
+    compile_keyed(fleet)
+    keyed = fleet.root / "caps.json"
+    path = fleet.repos / "compiler-state.sqlite"
+    state = CompilerState(path)
+    try:
+        trusted = state.trusted_digests()
+        snapshot = load_snapshot(keyed, trusted=trusted)
+        assert isinstance(snapshot.devices, LazyDevices)
+        assert snapshot.devices.vouched_by is trusted and state.records_are_those_of(trusted)
+        raw = sqlite3.connect(path, isolation_level=None)
+        try:
+            raw.execute("UPDATE devices SET caps_digest = 'sha256:x' WHERE device_id = 'd0'")
+        finally:
+            raw.close()
+        assert not state.records_are_those_of(trusted)
+        report = compile_fleet(load_source(fleet.source), snapshot, DeviceStore(fleet.repos),
+                               state, now=2_000_000.0)
+        mended = state.devices()["d0"].caps_digest
+    finally:
+        state.close()
+    assert not report.errors and mended == trusted["d0"]  # d0 compiled again, its record mended
+
+
+def test_a_full_read_works_out_what_the_next_noop_asks_of_its_memo(fleet: Fleet) -> None:
+    compile_keyed(fleet)
+    memo = load_snapshot(fleet.root / "caps.json").memo
+    assert memo is not None and {"ids", "plain_ids", "all_plain_digested"} <= vars(memo).keys()
+    assert memo.ids == sorted(memo.spans) == sorted(fleet.devices)
+    assert memo.plain_ids and memo.all_plain_digested

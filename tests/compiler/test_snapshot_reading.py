@@ -16,6 +16,7 @@ from kits.fleetkit import Fleet, app, device, intent
 from test_cluster_placement import cluster_device, node
 
 import compiler.snapshot as snapshot_module
+from compiler.jsonspans import member_spans
 from compiler.snapshot import (
     Device,
     Snapshot,
@@ -140,7 +141,7 @@ def test_a_yaml_keyed_file_has_no_spans(tmp_path: Path) -> None:
 def test_member_spans_decode_to_each_member(members: dict[str, Any], indent: Any,
                                             ascii: bool) -> None:
     text = json.dumps(members, indent=indent, ensure_ascii=ascii)
-    spans = snapshot_module._member_spans(" \n" + text + "\n")
+    spans = member_spans(" \n" + text + "\n")
     assert spans is not None
     assert {k: json.loads((" \n" + text)[a:b]) for k, (a, b) in spans.items()} == members
 
@@ -148,9 +149,9 @@ def test_member_spans_decode_to_each_member(members: dict[str, Any], indent: Any
 @pytest.mark.parametrize("text", ['[1, 2]', '{"a": 1} x', '{"a": 1, "a": 2}', '{"a" 1}',
                                   '{"a": 1,}', '{a: 1}', '', '{"a": 1} {}'])
 def test_member_spans_only_of_one_json_object(text: str) -> None:
-    assert snapshot_module._member_spans(text) is None
+    assert member_spans(text) is None
     with pytest.raises(ValueError):  # malformed inside: the caller takes it as no spans
-        snapshot_module._member_spans('{"a": [1,]}')
+        member_spans('{"a": [1,]}')
 
 
 def test_a_memo_of_other_bytes_never_vouches_for_a_changed_document(tmp_path: Path) -> None:

@@ -200,7 +200,7 @@ def test_a_branch_that_appears_while_it_is_looked_for_is_served_not_lost(
     from kits.fleetkit import Fleet, app, device, intent
 
     from compiler.gitstore import DeviceStore
-    from compiler.state import recorded_branch
+    from compiler.recorded import recorded_branch
     from wfm.fleet.desired import DesiredState
 
     fleet = Fleet(tmp_path)

@@ -23,7 +23,8 @@ import pygit2
 import yaml
 
 from compiler.gitstore import CommitInfo, DeviceStore, GitStoreError
-from compiler.state import STATE_FILE_NAME, CompilerState, recorded_branch
+from compiler.recorded import recorded_branch
+from compiler.state import STATE_FILE_NAME, CompilerState
 from margo.archive import deterministic_targz
 from margo.canonical import canonical_json
 from margo.digests import digest_of
@@ -238,7 +239,7 @@ class DesiredState:
                  on_lost: Callable[[str], None] | None = None):
         """`recorded(device_id)`: where the device's branch should be when it is missing
         here (None: it has none, so no desired state yet); by default what the compiler's
-        state next to the repository says (`compiler.state.recorded_branch`), while a
+        state next to the repository says (`compiler.recorded.recorded_branch`), while a
         replica asks what was published. `on_lost(device_id)` is told of each lost branch
         (a replica repairs its copy from what was published)."""
         self._store = store

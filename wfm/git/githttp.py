@@ -88,7 +88,7 @@ from starlette.routing import Route, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiler.gitstore import device_ref
-from compiler.state import recorded_branch
+from compiler.recorded import recorded_branch
 from wfm.fleet.desired import STATE_LOST_RETRY
 from wfm.fleet.waiters import Rewind
 from wfm.git.backend import BackendExchange, CgiRequest, Delivered, problem
@@ -241,7 +241,7 @@ async def _call_authorize(authorize: Authorize, request: Request, device_id: str
 
 def _recorded_loss(repository: Path, device_id: str) -> str | None:
     """`lost` without a fleet server around: what the compiler's state next to the
-    repository says the branch should be (`compiler.state.recorded_branch`)."""
+    repository says the branch should be (`compiler.recorded.recorded_branch`)."""
     recorded = recorded_branch(repository.parent, device_id)
     if recorded is None:
         return None

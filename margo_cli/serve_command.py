@@ -408,6 +408,13 @@ def _database(url: str | None) -> str | None:
     if url is not None and not is_url(url):
         raise SystemExit(f"margo serve: --database must be a postgresql:// URL (SQLite is "
                          f"the default, in --data), found {url!r}")
+    if url is not None:
+        from wfm.store.pgdb import url_problem  # psycopg only where PostgreSQL is used
+
+        problem = url_problem(url)
+        if problem is not None:
+            raise SystemExit(f"margo serve: --database is not a usable PostgreSQL URL: "
+                             f"{problem}")
     return url
 
 

@@ -33,7 +33,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from wfm.store.database import Database, DatabaseUnavailable
 from wfm.store.schema import migrate
 
-__all__ = ["LINK_TIMEOUT", "PgConnection", "PostgresDatabase", "link_settings", "translate"]
+__all__ = ["LINK_TIMEOUT", "PgConnection", "PostgresDatabase", "link_settings", "translate",
+           "url_problem"]
 
 T = TypeVar("T")
 log = logging.getLogger("margo.wfm.db")
@@ -64,6 +65,23 @@ def translate(statement: str) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def url_problem(url: str) -> str | None:
+    """What libpq finds wrong with a database URL before connecting (a malformed option,
+    an unknown parameter), its password masked; None when it reads it."""
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        message = str(exc).strip()
+        password = _password(url)
+        return message.replace(password, "***") if password else message
+    return None
+
+
+def _password(url: str) -> str | None:
+    credentials = url.partition("://")[2].rpartition("@")[0]
+    return credentials.partition(":")[2] or None
 
 
 def link_settings(url: str, link_timeout: float = LINK_TIMEOUT) -> dict[str, Any]:

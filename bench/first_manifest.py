@@ -2,6 +2,7 @@
 state, at fleet scale.
 
     .venv/bin/python -m bench.first_manifest [--devices 100000] [--store sqlite|replicas]
+        [--fleet DIR] [--root DIR] [--timeout 1800]
 
 Stores the devices of `bench/compile.py`'s synthetic fleet in a server's SQLite store (each
 device its own client, as reported; untimed), starts a real `margo serve` on it with the
@@ -17,6 +18,13 @@ untimed) and two `margo serve` replicas on it; the device polls both. The branch
 in the compiling replica's work repository (`compile/`); printed are the seconds from then
 to the first manifest on the replica that compiled and on the other one (which learns of
 the new generation from the database and syncs).
+
+`--fleet DIR`: a fleet this benchmark generated before (`DIR/source`,
+`DIR/capabilities.json`, e.g. kept by `bench/compile.py`'s generator with the same seed),
+used as it is (read, never written) instead of generating one: at 1,000,000 devices
+generating takes minutes and 450 MB. `--devices` is then only the printed count.
+`--root DIR`: work there (a new, empty directory, kept afterwards with the server's log,
+`server-<port>.log`) instead of in a temporary directory removed at the end.
 """
 
 from __future__ import annotations
@@ -126,6 +134,7 @@ def measure_replicas(root: Path, source: Path, caps: Path, timeout: float) -> st
 def measure_sqlite(root: Path, source: Path, caps: Path, timeout: float) -> str:
     data = root / "data"
     data.mkdir()
+    setup = time.time()
     token = store_fleet(data / "wfm.sqlite", caps)
     started = time.time()
     with margo_server(data, "--source", str(source), log_dir=root, log_level="info",
@@ -135,7 +144,8 @@ def measure_sqlite(root: Path, source: Path, caps: Path, timeout: float) -> str:
                                        timeout)
         logged = [line.split("compiled:")[1].strip()
                   for line in server.log.read_text().splitlines() if "compiled:" in line]
-    return (f"the server's first compile moved the branches {moved - started:.1f} s after it "
+    return (f"reports stored in {started - setup:.1f} s (untimed); "
+            f"the server's first compile moved the branches {moved - started:.1f} s after it "
             f"started ({logged[0] if logged else 'not logged'}); first manifest "
             f"{served - moved:.2f} s after the branches moved")
 
@@ -147,14 +157,33 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--store", choices=("sqlite", "replicas"), default="sqlite")
     parser.add_argument("--timeout", type=float, default=1800,
                         help="seconds to wait for the first manifest")
+    parser.add_argument("--fleet", type=Path, default=None,
+                        help="a generated fleet to use (DIR/source, DIR/capabilities.json)")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="work in this new directory and keep it (the server's log)")
     return parser.parse_args()
+
+
+@contextlib.contextmanager
+def work_directory(root: Path | None) -> Iterator[Path]:
+    """`root` (created, must not exist yet, kept), else a temporary directory (removed)."""
+    if root is not None:
+        root.mkdir(parents=True)
+        yield root.resolve()
+        return
+    with tempfile.TemporaryDirectory(prefix="margo-bench-first-") as tmp:
+        yield Path(tmp)
 
 
 def main() -> None:
     args = parse_args()
-    with tempfile.TemporaryDirectory(prefix="margo-bench-first-") as tmp:
-        root = Path(tmp)
-        source, caps = generate(root, args.devices, 20, 30)
+    with work_directory(args.root) as root:
+        if args.fleet is not None:
+            source, caps = args.fleet / "source", args.fleet / "capabilities.json"
+            if not source.is_dir() or not caps.is_file():
+                raise SystemExit(f"{args.fleet}: no source/ and capabilities.json")
+        else:
+            source, caps = generate(root, args.devices, 20, 30)
         measure = measure_replicas if args.store == "replicas" else measure_sqlite
         print(f"{args.devices:,} devices, {args.store}: "
               f"{measure(root, source, caps, args.timeout)}", flush=True)

@@ -53,6 +53,11 @@ __all__ = ["CLOSING_SCOPE_KEY", "DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Clos
 
 log = logging.getLogger("margo.wfm.waiters")
 
+#: Past this many changed devices per held request, a wake has every held request check
+#: again instead of looking up each changed device (`Waiters._wake_devices`): a check works
+#: out an answer, far more than a look-up costs, so only a change much larger than what is
+#: held (a full compile) is answered by checking everything held.
+_CHANGED_PER_HELD = 64
 #: The longest a request is held unless `margo serve --max-wait` says otherwise (seconds).
 DEFAULT_MAX_WAIT = 60.0
 #: Requests held at once unless `margo serve --max-waiters` says otherwise: above the
@@ -213,6 +218,19 @@ class Waiters:
                 ticket.resolve(Outcome.CHANGED)
 
     def _wake_devices(self, device_ids: frozenset[str]) -> None:
+        """Wake the requests held for these devices. Its cost is bounded by what is held,
+        not by what changed: it runs on the event loop every request shares, and a full
+        compile of a million devices changes all of them (looking each one up here held the
+        loop 2.7 s, `bench/first_manifest.py`). With nothing held, nothing is looked up;
+        with many more changed devices than held requests, every held request checks its
+        answer again (as a task of its own; one whose answer is unchanged goes on waiting),
+        which is also what finding the owners of the changed devices would have led to."""
+        if not self._tickets:
+            self.changes += 1  # (what `mark` hands a request about to be held)
+            return
+        if len(device_ids) > _CHANGED_PER_HELD * len(self._tickets):
+            self._wake_every()
+            return
         self._wake_keys(frozenset(map(device_key, device_ids)))
         unknown = [d for d in device_ids if device_key(d) not in self._index]
         if unknown and self._tickets and self.owners is not None:

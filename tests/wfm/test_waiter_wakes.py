@@ -1,0 +1,81 @@
+"""What a wake of many devices costs the event loop is bounded by the requests held, not by
+the devices changed (`Waiters._wake_devices`): nothing held, nothing is looked up, yet a
+request about to be held still learns of the change; far more devices changed than
+requests held, every held request checks its answer again, and one whose answer is
+unchanged goes on waiting; a small change wakes only the requests held for its devices.
+Driven on an event loop, as tests/wfm/test_held_disconnects.py does."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from wfm.fleet.waiters import Outcome, Waiters, device_key
+
+
+class _Checks:
+    """A request's `check`: counts its calls; the answer changes from call `changes_at`."""
+
+    def __init__(self, key: str, changes_at: int = 10**9) -> None:
+        self.key, self.changes_at, self.calls = key, changes_at, 0
+
+    async def __call__(self) -> tuple[bool, frozenset[str]]:
+        self.calls += 1
+        return self.calls >= self.changes_at, frozenset({self.key})
+
+
+async def _receive() -> dict[str, Any]:
+    await asyncio.Event().wait()  # never disconnects
+    raise AssertionError
+
+
+def _held(waiters: Waiters, device: str, check: _Checks, since: int,
+          seconds: float = 30) -> asyncio.Future[Outcome]:
+    return asyncio.ensure_future(waiters.hold(frozenset({device_key(device)}), seconds,
+                                              since=since, receive=_receive, check=check))
+
+
+def test_with_nothing_held_a_request_about_to_be_held_still_learns_of_the_change() -> None:
+    async def scenario() -> tuple[Outcome, int]:
+        waiters = Waiters()
+        since = waiters.mark()
+        waiters._wake_devices(frozenset(f"d{i}" for i in range(10_000)))
+        check = _Checks("device:d1", changes_at=1)
+        outcome = await asyncio.wait_for(_held(waiters, "d1", check, since), 5)
+        return outcome, check.calls
+
+    assert asyncio.run(scenario()) == (Outcome.CHANGED, 1)
+
+
+def test_a_change_far_larger_than_what_is_held_has_every_held_request_check_again() -> None:
+    async def scenario() -> tuple[int, int, bool, Outcome]:
+        waiters = Waiters()
+        unchanged, changed = _Checks("device:a"), _Checks("device:b", changes_at=1)
+        first = _held(waiters, "a", unchanged, waiters.mark())
+        second = _held(waiters, "b", changed, waiters.mark())
+        await asyncio.sleep(0.05)
+        waiters._wake_devices(frozenset(f"other-{i}" for i in range(1_000)))  # a, b not in it
+        outcome = await asyncio.wait_for(second, 5)
+        await asyncio.sleep(0.05)
+        still_waiting = not first.done()
+        first.cancel()
+        return unchanged.calls, changed.calls, still_waiting, outcome
+
+    assert asyncio.run(scenario()) == (1, 1, True, Outcome.CHANGED)
+
+
+def test_a_small_change_wakes_only_the_requests_held_for_its_devices() -> None:
+    async def scenario() -> tuple[int, int]:
+        waiters = Waiters()
+        others = [_Checks(f"device:a{i}") for i in range(3)]
+        held = [_held(waiters, f"a{i}", check, waiters.mark()) for i, check in enumerate(others)]
+        target = _Checks("device:b")
+        held.append(_held(waiters, "b", target, waiters.mark()))
+        await asyncio.sleep(0.05)
+        waiters._wake_devices(frozenset({"b", "c"}))
+        await asyncio.sleep(0.05)
+        for future in held:
+            future.cancel()
+        return sum(check.calls for check in others), target.calls
+
+    assert asyncio.run(scenario()) == (0, 1)

@@ -118,3 +118,20 @@ def test_a_document_changed_behind_an_unchanged_digest_is_not_read(
 
 def from_scratch_of(document: dict[str, Any]) -> Snapshot:
     return snapshot_from_documents({document["properties"]["id"]: document})
+
+
+def test_a_device_read_afresh_may_drop_its_model_and_build_the_same_again(
+        db: SqliteDatabase) -> None:
+    """What a compile does once a device's result is accounted (`Device.release`): the
+    first snapshot's devices, decoded from the store, can drop their models too (not only
+    the remembered ones of later snapshots), and build the same ones from the stored text."""
+    report(db, "edge-1", device("edge-1", labels={"zone": "z1"}))
+    report(db, "rc2-box", device("rc2-box"), shape="rc.2")
+    report(db, "cluster-1", cluster_manifest("cluster-1"))  # not its own document: kept
+    snapshot = ReportedFleet(db.read).snapshot({})
+    before = facts(snapshot)
+    for found in snapshot.devices.values():
+        found.release()
+    released = {d.id: d._capabilities is None for d in snapshot.devices.values()}
+    assert released == {"edge-1": True, "rc2-box": True, "cluster-1": False}
+    assert facts(snapshot) == before == facts(from_scratch(db))

@@ -93,8 +93,13 @@ class ReportedFleet:
             if device is None or not used_as_reported(device_id, documents[device_id]):
                 continue
             self._keys[device_id] = f"{digest} {shape}"
-            self._known[device_id] = _Known((text, 0, len(text)), device.digest,
-                                            shape if shape in GENERATIONS else None)
+            self._known[device_id] = known = _Known((text, 0, len(text)), device.digest,
+                                                    shape if shape in GENERATIONS else None)
+            # Its model may then be dropped once its result is accounted (`Device.release`)
+            # and built again from the text if asked: without it, a first compile of a
+            # million reported devices held every model to its end (16 GB in one process,
+            # more than this 24 GiB machine with its two workers; a keyed file: 7 GB).
+            device.keep_span(known.span)
 
 
 def _merged(fresh: Snapshot, known: Mapping[str, _Known], device_ids: list[str]) -> Snapshot:

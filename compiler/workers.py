@@ -9,6 +9,7 @@ of the devices they compile themselves (`_with_rows`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,10 +54,18 @@ def run_jobs(ctx: CompileContext, store: DeviceStore, state: CompilerState,
         return
     every = not all(job.likely_reuse for job in jobs)
     loaded: dict[int, DeviceJob] = {}  # this process's range, with its rows
+    # A forked process must not touch SQLite when this one has other threads (the fleet
+    # server's): one of them may hold SQLite's own locks at the fork, and the child's first
+    # call then waits forever (seen: a server compile of 10,000 devices stuck on a worker
+    # in futex_do_wait with no CPU used, bench/fleet.py). The rows are then read here.
+    rows_read = threading.active_count() > 1
+    if rows_read:
+        jobs = _with_rows(state, jobs)
 
     def load(start: int, end: int) -> None:
         loaded.clear()
-        loaded.update(enumerate(_with_rows(state, jobs[start:end]), start))
+        chunk = jobs[start:end]
+        loaded.update(enumerate(chunk if rows_read else _with_rows(state, chunk), start))
 
     with forked_state(work=lambda i: compile_job(ctx, store, loaded.pop(i)), pack=_pack,
                       keyed=lambda names: {n: ctx.targeted_by(n) for n in names}, load=load):

@@ -11,6 +11,7 @@ from compiler.state import FORGOTTEN_KEY, STATE_FILE_NAME
 
 __all__ = ["recorded_branch"]
 
+
 def recorded_branch(repos_dir: str | Path, device_id: str) -> str | None:
     """What the compiler's state (``<repos_dir>/compiler-state.sqlite``) says the device's
     branch holds: the commit it left the branch at, ``"unknown commit"`` when only a

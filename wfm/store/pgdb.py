@@ -74,14 +74,19 @@ def url_problem(url: str) -> str | None:
         conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         message = str(exc).strip()
-        password = _password(url)
+        password = _credentials(url)[2]
         return message.replace(password, "***") if password else message
     return None
 
 
-def _password(url: str) -> str | None:
-    credentials = url.partition("://")[2].rpartition("@")[0]
-    return credentials.partition(":")[2] or None
+def _credentials(url: str) -> tuple[str, str | None, str | None, str]:
+    """A URL as (scheme with its ``://``, user, password, the rest after the ``@``)."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return scheme + sep, None, None, rest
+    credentials, _, host = rest.rpartition("@")
+    user, colon, password = credentials.partition(":")
+    return scheme + sep, user, password if colon else None, host
 
 
 def link_settings(url: str, link_timeout: float = LINK_TIMEOUT) -> dict[str, Any]:
@@ -177,9 +182,5 @@ class PostgresDatabase(Database):
 
 def _redacted(url: str) -> str:
     """The URL without its password, for messages."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        credentials, _, host = rest.rpartition("@")
-        user = credentials.split(":", 1)[0]
-        rest = f"{user}@{host}"
-    return f"{scheme}{sep}{rest}"
+    scheme, user, _, rest = _credentials(url)
+    return f"{scheme}{rest}" if user is None else f"{scheme}{user}@{rest}"

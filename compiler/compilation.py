@@ -53,7 +53,8 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                   progress: Progress | None = None,
                   on_dry_commit: Callable[[DeviceCommit], None] | None = None,
                   rollouts: Mapping[str, RolloutPlan] | None = None,
-                  fleet_key: FleetKey | None = None) -> CompileReport:
+                  fleet_key: FleetKey | None = None,
+                  on_moved: Callable[[CompileReport], None] | None = None) -> CompileReport:
     """Compile every device of the snapshot; commit (unless `dry_run`) and report.
     `on_dry_commit` sees each commit a dry run would have made (`margo plan --diff`).
     `rollouts`: the fleet server's plan for each intent under a staged rollout.
@@ -63,6 +64,11 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     Commits stream to Git while later devices still render (`DeviceStore.write_objects`).
     The state is written before the branches move but committed only once they have moved,
     so it never claims a tree that a failed write did not commit.
+
+    `on_moved` is given the report (commits included) as soon as every branch has moved,
+    before the state's commit and before the compile's objects are freed (at a million
+    devices each takes seconds): a server serves the new state from that moment, when a
+    Git-source device can already fetch it. Not called when no branch moves.
     """
     plan = plan_compile(source, snapshot, store, state,
                         now=time.time() if now is None else now, rollouts=rollouts or {},
@@ -76,9 +82,16 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                 if on_dry_commit is not None:
                     on_dry_commit(commit)
             return report
-        tips = write_fleet(store, state, plan, outcomes, commits)
+        tips = write_fleet(store, state, plan, outcomes, commits,
+                           on_moved=None if on_moved is None else
+                           lambda moved: on_moved(_with_commits(report, moved)))
     finally:
         commits.close()  # stops worker processes if the write failed half-way
+    return _with_commits(report, tips)
+
+
+def _with_commits(report: CompileReport, tips: Mapping[str, str]) -> CompileReport:
+    """The report, each committed device's result naming its new commit."""
     for result in report.results:
         result.commit = tips.get(result.device_id, result.commit)
     return report

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from compiler.device_compile import DeviceJob, DeviceWork
@@ -98,13 +98,17 @@ def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
 
 
 def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
-                outcomes: CompileOutcomes, commits: Iterator[DeviceCommit]) -> dict[str, str]:
+                outcomes: CompileOutcomes, commits: Iterator[DeviceCommit],
+                on_moved: Callable[[Mapping[str, str]], None] | None = None
+                ) -> dict[str, str]:
     """Write the commits and save the state, all or nothing; device id -> new tip.
 
     Locked from the first commit until the state says what was written (no lock when
     nothing is written): write every object (the devices still compiling meanwhile), stage
     the records while Git finishes, give the trees their new tips, move every branch,
-    commit the records.
+    tell `on_moved` the new tips (a server serves them from then on: a Git-source device
+    sees them from the move itself), commit the records. The records are committed even
+    when `on_moved` raises (the branches have moved); its exception then propagates.
     """
     first = next(commits, None)
     if first is None:
@@ -127,7 +131,11 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
             if staged and staged[0].pending:
                 staged[0].rollback()
             raise
-        _commit(staged[0])
+        try:
+            if on_moved is not None:
+                on_moved(pending.new_tips)
+        finally:
+            _commit(staged[0])
     return dict(pending.new_tips)
 
 

@@ -211,3 +211,69 @@ def test_entries_no_compile_writes_are_removed_when_the_device_is_compiled(
     assert [r.device_id for r in report.results if r.status == "committed"] == ["d1"]
     assert fleet.tree("d1") == compiled
     assert not fleet.store.tree("d1").foreign
+
+
+def _compile_telling(fleet: Fleet, on_moved: object, *, now: float) -> CompileReport:
+    fleet.write()
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        return compile_fleet(load_source(fleet.source),
+                             load_snapshot(fleet.caps, trusted=state.trusted_digests()),
+                             fleet.store, state, now=now, on_moved=on_moved)  # type: ignore
+    finally:
+        state.close()
+
+
+def test_on_moved_sees_every_branch_moved_before_the_state_is_committed(
+        tmp_path: Path) -> None:
+    """What a server serves from the moment the branches move (a Git-source device sees
+    them then): the report with its commits; the state still says what it said before."""
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    before = _remembered(fleet)
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "moved"}
+    seen: list[tuple[dict[str, str], dict[str, str], tuple[object, ...]]] = []
+
+    def on_moved(report: CompileReport) -> None:
+        commits = {r.device_id: r.commit for r in report.results if r.status == "committed"}
+        tips = {d: fleet.store.tip(d) for d in commits}
+        seen.append((commits, tips, _remembered(fleet)))  # type: ignore[arg-type]
+
+    report = _compile_telling(fleet, on_moved, now=2_000)
+    assert len(seen) == 1
+    commits, tips, remembered = seen[0]
+    assert commits and commits == tips
+    assert remembered == before
+    assert _remembered(fleet) != before
+    assert {r.device_id: r.commit for r in report.results
+            if r.status == "committed"} == commits
+
+
+def test_the_state_is_committed_when_on_moved_fails(tmp_path: Path) -> None:
+    """The branches have moved: the state must say so even if what serves them failed."""
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    fleet.intents["a"]["spec"]["parameters"] = {"greeting": "moved"}
+
+    def on_moved(report: CompileReport) -> None:
+        raise RuntimeError("serving failed")
+
+    with pytest.raises(RuntimeError, match="serving failed"):
+        _compile_telling(fleet, on_moved, now=2_000)
+    state = CompilerState(fleet.repos / "compiler-state.sqlite")
+    try:
+        records = state.devices()
+    finally:
+        state.close()
+    for device_id, record in records.items():
+        assert record.tree == fleet.store.tree_id(device_id), device_id
+    again = fleet.compile(now=3_000)
+    assert again.commits == 0
+
+
+def test_on_moved_is_not_called_when_no_branch_moves(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    fleet.compile(now=1_000)
+    called: list[CompileReport] = []
+    report = _compile_telling(fleet, called.append, now=2_000)
+    assert report.commits == 0 and called == []

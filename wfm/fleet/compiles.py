@@ -285,12 +285,14 @@ class CompileService:
         tracker = self._lead
         lead = tracker.compile_begins(requested) if tracker is not None else None
         started = time.time()
+        served = _Once(lambda report: self._serve(report, lead))
         try:
-            report = self._compile_and_publish(source, repos, lead)
+            report = self._compile_and_publish(source, repos, served)
         except BaseException as exc:
             if tracker is not None and lead is not None:
                 tracker.compile_ends(lead, None, error=f"{type(exc).__name__}: {exc}"[:500])
             raise
+        served(report)  # (one server: done when the branches moved, unless none moved)
         if tracker is not None and lead is not None:
             tracker.compile_ends(lead, report, kind=self._kind)
         self._count(report, time.time() - started)
@@ -301,22 +303,33 @@ class CompileService:
             self.last_error = None
         log.info("compiled: %d devices, %d commits, %d errors", report.devices, report.commits,
                  len(report.errors))
-        if self._rollouts is not None:
-            self._rollouts.after_compile(report)
-        self._on_condition(SourceCondition.of_report(report))
-        self._on_compiled(report)
         due = [t for t in (report.next_grace_expiry,
                            self._rollouts.next_due if self._rollouts is not None else None)
                if t is not None]
         self._schedule_grace(min(due) if due else None)
 
+    def _serve(self, report: CompileReport, lead: CompileOrigin | None) -> None:
+        """What a compile changed is served: queue the marks of what changed
+        (`wfm.fleet.leadtime`; one server: before the state is served, so before any report
+        of it; replicas: once published), tell the rollouts what moved, record the source's
+        condition, then serve (`on_compiled`)."""
+        if lead is not None and self._lead is not None:
+            self._lead.compiled(lead, report)
+        if self._rollouts is not None:
+            self._rollouts.after_compile(report)
+        self._on_condition(SourceCondition.of_report(report))
+        self._on_compiled(report)
+
     def _compile_and_publish(self, source: FleetSource, repos: Path,
-                             lead: CompileOrigin | None) -> CompileReport:
-        """Compile; with replicas, publish; queue the marks of what changed
-        (`wfm.fleet.leadtime`)."""
+                             served: Callable[[CompileReport], None]) -> CompileReport:
+        """Compile; one server: `served` as soon as the branches move (the compiler's state
+        is committed and the compile's objects freed after that: seconds at a million
+        devices), replicas: publish (after the state is committed: it is published too)."""
         store = DeviceStore(repos)
+        on_moved = served if self._coordinator is None else None
         try:
-            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite",
+                                              on_moved)
         except Exception as exc:
             if not is_damage(exc) or is_sound(repos / "compiler-state.sqlite"):
                 raise  # (damage elsewhere, e.g. in the server's own database)
@@ -324,17 +337,14 @@ class CompileService:
             # cache, so set it aside and compile again in full; nothing moved that the full
             # compile would not move the same way.
             set_aside(repos / "compiler-state.sqlite", exc)
-            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite")
+            report = self._compile_with_state(source, store, repos / "compiler-state.sqlite",
+                                              on_moved)
         if self._coordinator is not None:
             with GIT_SECONDS.labels("publish").time():
                 published = self._coordinator.publish()  # LeaseLost: logged by the loop
             if published is not None:
                 log.info("published generation %d (%d refs, %d bytes)", published.generation,
                          published.refs, published.pack_bytes)
-        # One server: before the state is served (`_on_compiled`); replicas: once published
-        # (a report reaching any replica first is looked at again, `wfm.fleet.leadtime`).
-        if lead is not None and self._lead is not None:
-            self._lead.compiled(lead, report)
         return report
 
     def _count(self, report: CompileReport, seconds: float) -> None:
@@ -348,8 +358,9 @@ class CompileService:
         COMPILE_DEVICES.labels("error").inc(errors)
         COMPILE_DEVICES.labels("unchanged").inc(max(0, report.devices - committed - errors))
 
-    def _compile_with_state(self, source: FleetSource, store: DeviceStore,
-                            path: Path) -> CompileReport:
+    def _compile_with_state(self, source: FleetSource, store: DeviceStore, path: Path,
+                            on_moved: Callable[[CompileReport], None] | None
+                            ) -> CompileReport:
         state = CompilerState(path)  # a damaged file is set aside and rebuilt (CompilerState)
         try:
             state.bind(store.identity)
@@ -358,7 +369,8 @@ class CompileService:
             snapshot = self._fleet(state.trusted_digests())
             plans = self._rollouts.plans(source) if self._rollouts is not None else None
             key = FleetKey.load(self._source.fleet_key) if self._source.fleet_key else None
-            return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key)
+            return compile_fleet(source, snapshot, store, state, rollouts=plans, fleet_key=key,
+                                 on_moved=on_moved)
         finally:
             state.close()
             with self._wake:  # the collector walks the whole heap then: `COLLECT_AFTER`
@@ -387,3 +399,17 @@ def _has_ref(repository: Path, ref: str) -> bool:
     except (pygit2.GitError, KeyError, ValueError):
         return False
     return True
+
+
+class _Once:
+    """A compile's result served once: when its branches move, or (no branch moved, or
+    replicas) when it is done; a second call (the compile done after the first) is none."""
+
+    def __init__(self, serve: Callable[[CompileReport], None]) -> None:
+        self._serve = serve
+        self._done = False
+
+    def __call__(self, report: CompileReport) -> None:
+        if not self._done:
+            self._done = True
+            self._serve(report)

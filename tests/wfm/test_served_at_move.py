@@ -38,7 +38,7 @@ def test_the_new_state_is_served_before_the_compiler_state_is_committed(
         tmp_path: Path) -> None:
     fleet = _fleet(tmp_path / "fleet")
     repos = tmp_path / "repos"
-    seen: list[tuple[CompileReport, dict[str, str], dict[str, str]]] = []
+    seen: list[tuple[CompileReport, dict[str, str | None], dict[str, str]]] = []
 
     def served(report: CompileReport | None) -> None:
         assert report is not None

@@ -84,6 +84,13 @@ class SourceConfig:
 #: `bench/first_manifest.py`: the first manifest 3.9 s after the branches moved with it,
 #: 2.7 s without), and it would stall the devices' first polls of the new state.
 COLLECT_AFTER = 10.0
+#: ... and while devices still take up its change (`quiet` says no), until this many
+#: seconds after it: the collection holds the interpreter for its whole walk (1.3 s of a
+#: 20 s push window at 10,000 waiting devices, a py-spy profile of `bench/fleet.py`),
+#: and each request in flight waits that long.
+COLLECT_LATEST = 120.0
+#: How often a collection put off by a busy server asks again.
+QUIET_RECHECK = 1.0
 
 class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
@@ -92,17 +99,21 @@ class CompileService:
                  debounce: float = 0.3, coordinator: Coordinator | None = None,
                  on_condition: Callable[[SourceCondition], object] = lambda condition: None,
                  rollouts: RolloutController | None = None,
-                 lead_times: LeadTimes | None = None):
+                 lead_times: LeadTimes | None = None,
+                 quiet: Callable[[], bool] = lambda: True):
         """`fleet(trusted)`: the snapshot of what the devices reported, a compile's input
         (`wfm.fleet.reported.ReportedFleet.snapshot`; `trusted`: the compiler state's
         digests of documents that validated before). `lead_times`: told what each compile
-        answers and changed (`wfm.fleet.leadtime`)."""
+        answers and changed (`wfm.fleet.leadtime`). `quiet()`: whether devices have stopped
+        taking up the last change for now (the collection after a compile waits for it,
+        `COLLECT_LATEST`)."""
         self._repos, self._source, self._fleet = repos, source, fleet
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
         self._on_compiled, self._debounce = on_compiled, debounce
         self._on_condition = on_condition
+        self._quiet = quiet
         self._rollouts, self._lead = rollouts, lead_times
         self._wake = threading.Condition()
         self._pending = False
@@ -111,8 +122,9 @@ class CompileService:
         self._requested: float | None = None
         self._kind = "incremental"
         #: When the objects the last compile froze go back to the collector
-        #: (time.monotonic(); None: no collection is due).
+        #: (time.monotonic(); None: no collection is due), and when at the latest.
         self._collect_at: float | None = None
+        self._collect_by = 0.0
         self._stopping = False
         self._grace_timer: threading.Timer | None = None
         self._retry_timer: threading.Timer | None = None
@@ -170,8 +182,11 @@ class CompileService:
                 if collect:
                     self._collect_at = None
             if collect:
+                started = time.monotonic()
                 release_frozen()  # what the compile froze, back to the collector (gcpause),
                 freeze_survivors()  # then what survives it is out of request-time collections
+                log.info("collected what the last compile left in %.2f s",
+                         time.monotonic() - started)
                 continue
             time.sleep(self._debounce)  # let a burst of triggers settle
             with self._wake:
@@ -257,12 +272,21 @@ class CompileService:
             return None
 
     def _collection_due(self) -> bool:
-        return self._collect_at is not None and time.monotonic() >= self._collect_at
+        """Whether to collect now: `COLLECT_AFTER` seconds after the last compile, once
+        the server is quiet (`quiet`), or `COLLECT_LATEST` seconds after it anyway."""
+        if self._collect_at is None:
+            return False
+        now = time.monotonic()
+        return now >= self._collect_at and (now >= self._collect_by or self._quiet())
 
     def _until_collection(self) -> float | None:
-        """Seconds until the collection after the last compile (None: none is due)."""
-        return None if self._collect_at is None else \
-            max(0.0, self._collect_at - time.monotonic())
+        """Seconds to wait before asking `_collection_due` again (None: no collection is
+        due at all)."""
+        if self._collect_at is None:
+            return None
+        wait = self._collect_at - time.monotonic()
+        return wait if wait > 0 else min(QUIET_RECHECK, max(0.0, self._collect_by -
+                                                            time.monotonic()))
 
     def _compile(self, requested: float) -> None:
         # With replicas, first bring the compile directory and the fleet source to what the
@@ -374,7 +398,8 @@ class CompileService:
         finally:
             state.close()
             with self._wake:  # the collector walks the whole heap then: `COLLECT_AFTER`
-                self._collect_at = time.monotonic() + COLLECT_AFTER
+                done = time.monotonic()
+                self._collect_at, self._collect_by = done + COLLECT_AFTER, done + COLLECT_LATEST
 
     def _schedule_grace(self, expiry: float | None) -> None:
         """Compile again when the first grace period runs out: nothing else would remove a

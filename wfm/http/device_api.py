@@ -15,6 +15,7 @@ themselves (`wfm.http.callers`, `.capabilities`, `.statuses`, `.manifests`,
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -67,6 +68,14 @@ class Api:
     #: (`margo serve --max-waiters`, `--max-wait`); replaced when the app is built.
     waiters: Waiters = Waiters()
     max_wait: float = DEFAULT_MAX_WAIT
+    #: When a status report was last stored (time.monotonic()): while devices take up a
+    #: change they report, and the server puts off work that holds the interpreter
+    #: (`Api.quiet`).
+    last_status_at: float = float("-inf")
+
+    def quiet(self, seconds: float = 1.0) -> bool:
+        """Whether no status report was stored in the last `seconds`."""
+        return time.monotonic() - self.last_status_at >= seconds
 
     def open(self, *, db: Database, clients: ClientRegistry, desired: DesiredState,
              compiles: CompileService, ca_certificate: str | None = None,

@@ -66,6 +66,7 @@ class StatusIntake:
                 applied=applied)
 
         written = await self.api.db.write(write)
+        self.api.last_status_at = time.monotonic()
         if self.api.lead_times is not None:  # (queues an installed report; never waits)
             self.api.lead_times.reported(client.client_id, device_id, deployment_id,
                                          str(status.state), doc, applied, written.changed)

@@ -404,7 +404,7 @@ def _fleet_control(config: ServerConfig, api: Api, db: Database,
         debounce=config.debounce, coordinator=coordinator,
         on_condition=lambda condition: db.submit(
             lambda conn: store_condition(conn, condition)), rollouts=rollouts,
-        lead_times=lead)
+        lead_times=lead, quiet=api.quiet)
     return desired, compiles, lead, tracing
 
 

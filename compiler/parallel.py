@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -25,8 +26,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["PARALLEL_DEVICES", "PARALLEL_TARGETING", "PARALLEL_THRESHOLD", "forked_state",
-           "map_in_chunks", "split_in_two", "worker_count"]
+from margo.heap import resident_and_available
+
+__all__ = ["FORK_MEMORY_SHARE", "PARALLEL_DEVICES", "PARALLEL_TARGETING", "PARALLEL_THRESHOLD",
+           "affordable_workers", "forked_state", "map_in_chunks", "split_in_two",
+           "worker_count"]
+
+log = logging.getLogger("margo.compiler.parallel")
 
 R = TypeVar("R")
 Progress = Callable[[Iterable[Any], int], Iterable[Any]]
@@ -55,7 +61,36 @@ def worker_count(evaluations: int, devices: int) -> int:
     if ((evaluations < PARALLEL_THRESHOLD and devices < PARALLEL_DEVICES)
             or "fork" not in multiprocessing.get_all_start_methods()):
         return 1
-    return min(os.cpu_count() or 1, 4)
+    wanted = min(os.cpu_count() or 1, 4)
+    memory = resident_and_available()
+    workers = affordable_workers(wanted, memory)
+    if workers < wanted and memory is not None:
+        log.warning("compiling %d devices in %s rather than %d forked workers: each could "
+                    "come to hold a copy of this process's %.1f GB, and the system has %.1f "
+                    "GB available (MARGO_COMPILE_WORKERS decides instead)", devices,
+                    "this process" if workers == 1 else f"{workers} workers", wanted,
+                    memory[0] / 1e9, memory[1] / 1e9)
+    return workers
+
+
+#: The share of the system's available memory that forked workers may be counted on to take.
+FORK_MEMORY_SHARE = 0.7
+
+
+def affordable_workers(wanted: int, memory: tuple[int, int] | None) -> int:
+    """`wanted`, or fewer when the memory available (`memory`: this process's resident
+    bytes and the system's available ones) could not hold a copy of this process per
+    worker; 1 is "compile here, forking nothing". Why a copy: a forked worker's private
+    memory grows toward the parent's resident set as it reads the inherited objects
+    (reference counts are writes to their pages). MEASURED: a fleet server's first
+    compile of 1,000,000 devices forked 2 workers at 7 GB resident; they and Git held 18 GB
+    eight minutes later and the 24 GiB machine ran out, where compiling in the server
+    alone peaks at 13.1 GB (docs/benchmarks.md)."""
+    if memory is None or wanted <= 1:
+        return wanted
+    resident, available = memory
+    fits = int(available * FORK_MEMORY_SHARE // max(resident, 1))
+    return min(wanted, max(1, fits))
 
 
 @contextmanager

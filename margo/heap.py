@@ -16,10 +16,11 @@ Where the C library has no `malloc_trim` (musl, macOS) nothing is done.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["release_freed_memory"]
+__all__ = ["release_freed_memory", "resident_and_available"]
 
 
 @cache
@@ -35,3 +36,18 @@ def release_freed_memory() -> bool:
     """Return the heap's free memory to the system; True when any was returned."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+def resident_and_available() -> tuple[int, int] | None:
+    """This process's resident memory and what the system could still give without
+    swapping (Linux's ``MemAvailable``), in bytes; None where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return resident, int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -92,6 +92,7 @@ COLLECT_LATEST = 120.0
 #: How often a collection put off by a busy server asks again.
 QUIET_RECHECK = 1.0
 
+
 class CompileService:
     def __init__(self, repos: Path, source: SourceConfig,
                  fleet: Callable[[Mapping[str, str]], Snapshot],

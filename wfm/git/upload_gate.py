@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pygit2
 
+from compiler.forkgate import gated_steps
+
 __all__ = ["CHUNK", "MAX_REQUEST_BYTES", "Gate", "Refused"]
 
 #: Most (decompressed) bytes of an upload-pack request we parse; legitimate ones are far smaller.
@@ -240,7 +242,8 @@ class _Branch:
     def _on_branch(self, oid: str) -> bool:
         while oid not in self._commits:
             if self._walk is None:
-                self._walk = iter(self._repository().walk(pygit2.Oid(hex=self.tip)))
+                # (each step outside a compile's forks: `compiler.forkgate`)
+                self._walk = gated_steps(self._repository().walk(pygit2.Oid(hex=self.tip)))
             commit = next(self._walk, None)
             if commit is None:
                 return False

@@ -9,7 +9,7 @@ not have, and its first read of a pack waits for good: the same hang as SQLite's
 (`compiler.workers`), from another library.
 
 So each such step runs under `FORK_GATE` (`gated_steps`), and a compile forks its workers
-only while holding it (`forking`, `compiler.parallel`). Forks whose children never call
+only while holding it (`compiler.parallel`). Forks whose children never call
 libgit2 (the snapshot's validator, targeting's half) need not.
 """
 
@@ -17,30 +17,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TypeVar
 
-__all__ = ["FORK_GATE", "forking", "gated_steps"]
+__all__ = ["FORK_GATE", "gated_steps"]
 
 T = TypeVar("T")
 
-#: Held by a thread inside a libgit2 call that lets other threads run, and by a fork.
+#: Held by a thread inside a libgit2 call that lets other threads run, and while forking.
 FORK_GATE = threading.Lock()
-_END = object()
-
-
-@contextmanager
-def forking() -> Iterator[None]:
-    """Fork inside this block: no other thread is then inside a gated libgit2 call."""
-    with FORK_GATE:
-        yield
 
 
 def gated_steps(steps: Iterator[T]) -> Iterator[T]:
     """The items of `steps` (e.g. a pygit2 walker), each taken under `FORK_GATE`."""
     while True:
         with FORK_GATE:
-            item = next(steps, _END)
-        if item is _END:
-            return
-        yield item  # type: ignore[misc]
+            try:
+                item = next(steps)
+            except StopIteration:
+                return
+        yield item

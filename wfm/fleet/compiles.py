@@ -285,9 +285,10 @@ class CompileService:
         due at all)."""
         if self._collect_at is None:
             return None
-        wait = self._collect_at - time.monotonic()
-        return wait if wait > 0 else min(QUIET_RECHECK, max(0.0, self._collect_by -
-                                                            time.monotonic()))
+        now = time.monotonic()
+        if now < self._collect_at:
+            return self._collect_at - now
+        return min(QUIET_RECHECK, max(0.0, self._collect_by - now))
 
     def _compile(self, requested: float) -> None:
         # With replicas, first bring the compile directory and the fleet source to what the

@@ -161,10 +161,15 @@ def test_a_container_that_fails_is_restarted_and_the_wait_times_out(
     last = status["lastState"]["terminated"]
     assert (last["exitCode"], last["reason"]) == (3, "Error")
     assert not ready(pod)
-    log = real_kube.pod_log("edge", pod["metadata"]["name"], previous=True)
-    # stdout and stderr are two pipes: the kubelet keeps both lines, in either order.
-    assert sorted(log.splitlines()) == ["fatal: DATABASE_URL is not set",
-                                        "loading configuration"]
+    # stdout and stderr are two pipes: the kubelet keeps both lines, in either order. The
+    # run is reported terminated once its process exits, and the runtime may still be
+    # copying a pipe into the log then (seen once under the whole suite: only the stderr
+    # line yet), so the log is read until it holds two lines; they must be exactly these.
+    lines = real_kube.until("both lines of the last run's log", lambda: (
+        found if len(found := sorted(real_kube.pod_log(
+            "edge", pod["metadata"]["name"], previous=True).splitlines())) >= 2 else None),
+        timeout=30)
+    assert lines == ["fatal: DATABASE_URL is not set", "loading configuration"]
 
 
 def test_spread_over_two_real_nodes_behind_a_service(

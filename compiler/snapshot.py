@@ -26,23 +26,29 @@ import hashlib
 import json
 import multiprocessing
 import os
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from compiler.gcpause import collection_paused
 from compiler.gitformat import all_plain_device_ids, branch_problem
-from compiler.jsonspans import json_text, member_spans
+from compiler.jsonspans import (
+    Lines,
+    MemberPositions,
+    MemberRefused,
+    json_text,
+    member_spans,
+    member_value,
+    members_of,
+)
+from compiler.snapshotdevice import Device
 from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
-from margo.constraints import matching_view
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem, short_repr
-from margo.kinds import GENERATIONS, Kind, detect
+from margo.kinds import GENERATIONS, Kind
 from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
 from margo.models import DeviceCapabilities
-from margo.normalize import normalise
 from margo.validation import validate_loaded
 
 __all__ = ["Device", "LazyDevices", "ReportedDocuments", "Snapshot", "SnapshotError",
@@ -62,123 +68,6 @@ class SnapshotError(RuntimeError):
     """The snapshot as a whole cannot be read."""
 
 
-class Device:
-    """One device of the snapshot: its id, capability model, document digest and file.
-
-    The model of a document trusted from an earlier compile (same digest, validated then) is
-    built on first use: a recompile that skips most devices only reads their labels (to
-    index selectors), which come straight from the document, exactly as normalising copies
-    them. Immutable once built (`release` only drops what its text builds again alike).
-    """
-
-    __slots__ = ("_capabilities", "_document", "_generation", "_matching", "_source", "_span",
-                 "digest", "file", "id")
-
-    id: str
-    #: sha256 of the document's sorted-key compact JSON, and of the generation the device
-    #: speaks when the server told it (`_with_generation`): changes iff either does.
-    digest: str
-    file: str | None
-
-    def __init__(self, id: str, capabilities: DeviceCapabilities | None, digest: str,
-                 file: str | None = None, *, document: Mapping[str, Any] | None = None,
-                 span: tuple[str | bytes, int, int] | None = None,
-                 generation: str | None = None) -> None:
-        """Give `capabilities`, or the `document` of an already validated device (whose
-        ``properties.id`` is `id`) to normalise when first needed, or the `span` of JSON
-        text (text, or its bytes when ASCII, start, end) that decodes to that document.
-        `generation`: the spec generation the device's client speaks, when known otherwise
-        than from its document (the server sees which API it calls)."""
-        if capabilities is None and document is None and span is None:
-            raise ValueError("a Device needs its capabilities or its validated document")
-        self.id, self.digest, self.file = id, digest, file
-        self._capabilities = capabilities
-        self._document = document
-        self._span = span
-        self._source = span  # the text the model is built from again (`release`)
-        self._matching: Mapping[str, Any] | None = None
-        self._generation = generation
-
-    def __repr__(self) -> str:
-        return f"Device({self.id!r}, digest={self.digest!r}, file={self.file!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Device):
-            return NotImplemented
-        return ((self.id, self.digest, self.file, self.capabilities)
-                == (other.id, other.digest, other.file, other.capabilities))
-
-    __hash__ = None  # type: ignore[assignment]  # like the frozen model it holds: by value
-
-    @property
-    def capabilities(self) -> DeviceCapabilities:
-        if self._capabilities is None:
-            document = self._validated_document()
-            detection = detect(document, expect=Kind.DEVICE_CAPABILITIES)
-            assert detection.kind is not None and detection.shape is not None
-            self._capabilities = normalise(detection.kind, detection.shape, document)
-            self._document = None
-        return self._capabilities
-
-    @property
-    def generation(self) -> str:
-        """The spec generation the device speaks, whose shape its documents are written in
-        unless an intent forces one: what the server saw its client use, else the shape of
-        its capability report (an offline compile knows nothing more)."""
-        if self._generation is not None:
-            return self._generation
-        return str(self.capabilities.shape)
-
-    def keep_span(self, span: tuple[str | bytes, int, int]) -> None:
-        """Name the JSON text (as `span` in `__init__`) that decodes to the very document
-        the model was validated from, so that `release` may drop the model."""
-        self._source = span
-
-    def release(self) -> None:
-        """Drop the model, if its text can build it again (the next use does). Why: once a
-        device's result is accounted its model (about 3.5 KB) is not used again; dropped
-        as the results stream, the results reuse its memory instead of the compile growing
-        by both (`compiler.writing.account_commits`)."""
-        if self._source is not None:
-            self._capabilities = self._matching = self._document = None
-            self._span = self._source
-
-    def _validated_document(self) -> Mapping[str, Any]:
-        if self._document is None:
-            assert self._span is not None
-            text, start, end = self._span
-            self._document, self._span = json.loads(text[start:end]), None
-        return self._document
-
-    @property
-    def matching(self) -> Mapping[str, Any]:
-        """What constraints and selectors are evaluated against
-        (`margo.constraints.matching_view`: properties + root extensions + cluster sections),
-        built once per device, not per match."""
-        if self._matching is None:
-            caps = self.capabilities
-            self._matching = matching_view(caps.properties, caps.extensions)
-        return self._matching
-
-    @property
-    def properties(self) -> Mapping[str, Any]:
-        return self.capabilities.properties
-
-    @property
-    def labels(self) -> Mapping[str, Any]:
-        if self._capabilities is None:
-            return _document_labels(self._validated_document())
-        return self.capabilities.labels
-
-
-def _document_labels(document: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A capability document's labels as its model holds them (every shape copies the
-    root ``labels`` mapping; a test holds this to `margo.normalize`), without the copy."""
-    labels = document.get("labels")
-    return labels if labels else _NO_LABELS
-
-
-_NO_LABELS: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -501,6 +390,9 @@ def load_snapshot(path: str | os.PathLike[str], *,
         if memo is not None and _add_trusted_spans(snapshot, data, str(root), memo, trusted):
             snapshot.memo = memo
             return snapshot
+        read = _read_members(data, str(root), key, memo, trusted)
+        if read is not None:
+            return read
         known = memo.digests if memo is not None else None
         loaded = (_known_json(data, str(root)) if known is not None else None) or load_document(
             data, file=str(root), limits=KEYED_SNAPSHOT_LIMITS)
@@ -590,8 +482,9 @@ def _json_spans(data: bytes, loaded: LoadedDocument,
 #: any change to the file) is digested and validated by two processes: digesting is about
 #: 40 us per document, validating about 0.2 ms, both pure Python.
 PARALLEL_VALIDATION = 2_000
-#: What the forked validator inherits: the file, its sorted keys, the trusted digests.
-_FORKED: tuple[LoadedDocument, list[str], Mapping[str, str]] | None = None
+#: What the forked validator inherits: how it reads each key's document (None: left to the
+#: parent), the sorted keys, the trusted digests, the file.
+_FORKED: tuple[Callable[[str], Any], list[str], Mapping[str, str], str | None] | None = None
 
 
 def _add_known(snapshot: Snapshot, loaded: LoadedDocument, keys: list[str],
@@ -625,20 +518,32 @@ def _add_in_two_processes(snapshot: Snapshot, loaded: LoadedDocument, keys: list
     then trusts those exactly as it trusts documents validated by an earlier compile, and
     validates the others itself, so problems and their order are what one process gives.
     """
+    def add_first(first: list[str]) -> None:
+        for device_id in first:
+            _add(snapshot, _keyed(loaded, device_id), device_id, trusted)
+
+    valid = _validating_second_half(keys, trusted, loaded.file, loaded.value.get, add_first)
+    vouched = {**trusted, **valid}
+    for device_id in keys[len(keys) // 2:]:
+        _add(snapshot, _keyed(loaded, device_id), device_id, vouched, valid)
+
+
+def _validating_second_half(keys: list[str], trusted: Mapping[str, str], file: str | None,
+                            value_of: Callable[[str], Any],
+                            add_first: Callable[[list[str]], None]) -> dict[str, str]:
+    """`add_first(keys[:half])` while a forked process validates keys[half:]
+    (`_valid_digests`, each document taken by `value_of`, None for one it must leave to
+    the parent); what that process found valid."""
     global _FORKED
     half = len(keys) // 2
-    _FORKED = (loaded, keys, trusted)
+    _FORKED = (value_of, keys, trusted, file)
     try:
         with multiprocessing.get_context("fork").Pool(1) as pool:
             pending = pool.apply_async(_valid_digests, ((half, len(keys)),))
-            for device_id in keys[:half]:
-                _add(snapshot, _keyed(loaded, device_id), device_id, trusted)
-            valid = pending.get()
+            add_first(keys[:half])
+            return pending.get()
     finally:
         _FORKED = None
-    vouched = {**trusted, **valid}
-    for device_id in keys[half:]:
-        _add(snapshot, _keyed(loaded, device_id), device_id, vouched, valid)
 
 
 def _valid_digests(bounds: tuple[int, int]) -> dict[str, str]:
@@ -646,18 +551,98 @@ def _valid_digests(bounds: tuple[int, int]) -> dict[str, str]:
     keys[start:end] that reports its key as id (cluster manifests are left to the parent);
     a document the state trusts with that digest is not validated again."""
     assert _FORKED is not None
-    loaded, keys, trusted = _FORKED
+    value_of, keys, trusted, file = _FORKED
     valid: dict[str, str] = {}
     for key in keys[slice(*bounds)]:
-        value = loaded.value[key]
-        if not used_as_reported(key, value):
+        value = value_of(key)
+        if value is None or not used_as_reported(key, value):
             continue
         digest = data_digest(value)
         if trusted.get(key) == digest or validate_loaded(
-                LoadedDocument.unlocated(value, loaded.file),
+                LoadedDocument.unlocated(value, file),
                 expect=Kind.DEVICE_CAPABILITIES).valid:
             valid[key] = digest
     return valid
+
+
+def _read_members(data: bytes, file: str, key: str, memo: SnapshotMemo | None,
+                  trusted: Mapping[str, str]) -> Snapshot | None:
+    """A keyed JSON file read member by member: each device's document decoded and checked
+    on its own, as the whole would be (`compiler.jsonspans.member_value`), validated, and
+    its model dropped at once (its text builds it again where it compiles; its labels
+    kept for the planning); a document known valid for these bytes (by the state's memo, or
+    the forked validator) is not even decoded. None when the file must be read whole
+    (`members_of`; a member failing a check), which then locates what is wrong.
+
+    Why: decoding the whole file first held every device's decoded document and model at
+    once, about 4.6 KB a device after loading (7 GB at the peak of a million-device
+    compile, most of it this), where the compile needs each only while it compiles it."""
+    if memo is not None and not memo.spans:  # (not JSON, as the last compile read it)
+        return None
+    members = members_of(data, KEYED_SNAPSHOT_LIMITS, memo.spans if memo is not None else None)
+    if members is None:
+        return None
+    text, spans = members
+    keys, lines = memo.ids if memo is not None else sorted(spans), Lines(text)
+    snapshot, plain = Snapshot(), set[str]()
+
+    def add(some: list[str], vouched: Mapping[str, str]) -> None:
+        _add_members(snapshot, file, (text, spans, lines), some, trusted, vouched, plain)
+
+    try:
+        if memo is not None:
+            add(keys, {device_id: digest for device_id, digest in memo.digests.items()
+                       if device_id in memo.plain and trusted.get(device_id) == digest})
+        elif len(keys) >= PARALLEL_VALIDATION and "fork" in multiprocessing.get_all_start_methods():
+            valid = _validating_second_half(
+                keys, trusted, file, functools.partial(_member_or_none, text, spans),
+                lambda first: add(first, {}))
+            add(keys[len(keys) // 2:], valid)
+        else:
+            add(keys, {})
+    except MemberRefused:
+        return None
+    snapshot.memo = SnapshotMemo(key, {d: device.digest for d, device in
+                                       snapshot.devices.items()}, spans,
+                                 memo.plain if memo is not None else frozenset(plain))
+    snapshot.memo.establish(keys)
+    return snapshot
+
+
+def _member_or_none(text: str, spans: Mapping[str, tuple[int, int]], key: str) -> Any:
+    """The forked validator's view of a member: None for one that fails a check (the
+    parent then decodes it itself, and refuses the file)."""
+    try:
+        return member_value(text, spans[key], KEYED_SNAPSHOT_LIMITS)
+    except MemberRefused:
+        return None
+
+
+def _add_members(snapshot: Snapshot, file: str,
+                 members: tuple[str, Mapping[str, tuple[int, int]], Lines], keys: list[str],
+                 trusted: Mapping[str, str], vouched: Mapping[str, str], plain: set[str]) -> None:
+    """Add each key's device (see `_read_members`); `vouched`: key -> digest of plain
+    documents known valid, added from their text alone; `plain` collects the keys whose
+    document is used as reported (`SnapshotMemo.plain`)."""
+    text, spans, lines = members
+    devices = snapshot.devices
+    for key in keys:
+        span = spans[key]
+        digest = vouched.get(key)
+        if digest is not None and key not in devices and branch_problem(key) is None:
+            devices[key] = Device(key, None, digest, file, span=(text, *span))
+            plain.add(key)
+            continue
+        value = member_value(text, span, KEYED_SNAPSHOT_LIMITS)
+        as_reported = used_as_reported(key, value)
+        _add(snapshot, LoadedDocument(value, file, MemberPositions(lines, text, span)),  # type: ignore[arg-type]
+             key, trusted)
+        if as_reported:
+            plain.add(key)
+            device = devices.get(key)
+            if device is not None:
+                device.keep_span((text, *span))
+                device.release(keep_labels=True)
 
 
 def _known_json(data: bytes, file: str) -> LoadedDocument | None:

@@ -31,7 +31,8 @@ import yaml
 
 from margo.errors import DocumentError, Path, Problem
 
-__all__ = ["Limits", "LoadedDocument", "SourceMap", "load_document", "load_path"]
+__all__ = ["Limits", "LoadedDocument", "SourceMap", "load_document", "load_path",
+           "strict_json_value"]
 
 try:  # libyaml is bundled in PyYAML wheels; the pure-Python parser is the fallback.
     _Parser: type = yaml.CSafeLoader
@@ -420,6 +421,21 @@ def _load_json(text: str, limits: Limits) -> Any:
             pass
         raise _LoadFailure((), str(exc), 1, 1) from None
     _check_json_value(value, limits)
+    return value
+
+
+def strict_json_value(text: str, *, max_depth: int) -> Any:
+    """`text` decoded as `load_document` decodes JSON (no duplicate key, no non-finite
+    number, at most `max_depth` levels of containers), without locating a failure: a
+    ValueError says what failed. Why: a reader of one part of a larger JSON document
+    (`compiler.snapshot` reads a keyed capability file member by member) checks each part
+    as the whole would be checked, and reads the whole the ordinary way when a part fails,
+    which locates the fault."""
+    try:
+        value = json.loads(text, object_pairs_hook=_json_pairs, parse_constant=_reject_constant)
+        _check_json_value(value, Limits(max_depth=max_depth))
+    except (_LoadFailure, RecursionError) as exc:
+        raise ValueError(str(exc) or "nesting too deep") from None
     return value
 
 

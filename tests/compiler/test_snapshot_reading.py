@@ -16,6 +16,7 @@ from kits.fleetkit import Fleet, app, device, intent
 from test_cluster_placement import cluster_device, node
 
 import compiler.snapshot as snapshot_module
+import compiler.snapshotdevice as snapshotdevice
 from compiler.jsonspans import member_spans
 from compiler.snapshot import (
     Device,
@@ -102,9 +103,13 @@ def test_a_wholly_trusted_json_file_is_read_without_decoding_it(tmp_path: Path) 
     forged = SnapshotMemo(memo.key, memo.digests, swapped, memo.plain)
     read = load_snapshot(caps, trusted=TrustedDigests(_trusted(first), forged))
     assert read.devices["d1"].capabilities.device_id == "d2"
-    # ...but only while the state trusts every document: then the file is decoded.
+    # ...and still for each document the state trusts when it does not trust them all:
+    # only the others are decoded (and validated), each from its own span.
     untrusted = TrustedDigests({**_trusted(first), "d3": "sha256:other"}, forged)
-    assert load_snapshot(caps, trusted=untrusted).devices["d1"].capabilities.device_id == "d1"
+    partly = load_snapshot(caps, trusted=untrusted)
+    assert partly.devices["d1"].capabilities.device_id == "d2"
+    assert partly.devices["d3"].capabilities.device_id == "d3"
+    assert partly.devices["d3"].digest == data_digest(docs["d3"]) and not partly.problems
 
 
 def test_files_with_other_members_are_decoded(tmp_path: Path) -> None:
@@ -226,7 +231,7 @@ def test_labels_from_the_document_are_the_models_labels(path: Path) -> None:
     if is_cluster_manifest(doc):
         doc = device_capabilities_from_cluster(doc)
     [model] = [d for d in load_snapshot(EXAMPLES).devices.values() if d.file == str(path)]
-    assert snapshot_module._document_labels(doc) == model.capabilities.labels
+    assert snapshotdevice._document_labels(doc) == model.capabilities.labels
 
 
 def test_validation_in_two_processes_gives_what_one_gives(

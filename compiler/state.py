@@ -148,6 +148,11 @@ _UPSERT_PLACEMENT = _upsert("placements", "device_id, intent", _PLACEMENT_COLUMN
 #: ``json.dumps(files, sort_keys=True, separators=(",", ":"))`` (what it runs) without
 #: making an encoder per call (4.2 -> 2.5 us for a tree of six files, measured).
 _files_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+#: Trees staged without a tip whose JSON is encoded while Git finishes its pack (off the
+#: compile's critical path: a recompile's few thousand); more are encoded as their tips are
+#: written, since holding every text costs memory in proportion (about 400 MB at a million
+#: devices, at the compile's peak).
+LATER_TEXTS = 20_000
 
 #: A `PlacementRecord` from a tuple of its fields, built in C (see `_new_device_record`).
 _new_placement = functools.partial(tuple.__new__, PlacementRecord)
@@ -505,10 +510,10 @@ class CompilerState:
                                dropped_placements)
             forget = [(d,) for d in forget_devices]
             self._save_devices(device_list, forget)
-            db.executemany(_UPSERT_PLACEMENT,
-                           [(p.device_id, p.intent, int(p.eligible), int(p.deployed),
+            db.executemany(_UPSERT_PLACEMENT,  # (rows generated: 5.4 million at 1M devices)
+                           ((p.device_id, p.intent, int(p.eligible), int(p.deployed),
                              p.ineligible_since, p.profile, int(p.waiting))
-                            for p in placements])
+                            for p in placements))
             later = self._save_trees(device_list, forget, trees or {})
         except BaseException:
             db.execute("ROLLBACK")
@@ -516,13 +521,17 @@ class CompilerState:
         return StagedSave(db, later)
 
     def _save_trees(self, written: list[DeviceRecord], forget: list[tuple[str]],
-                    trees: Mapping[str, tuple[str | None, Mapping[str, str]]]) -> dict[str, str]:
+                    trees: Mapping[str, tuple[str | None, Mapping[str, str]]],
+                    ) -> Mapping[str, str | Mapping[str, str]]:
         """Write the trees with a tip, delete those of `forget` and of `written` without
         one; the JSON text of those whose tip is to come (`StagedSave.record_tips`)."""
-        _write_trees(self._db, [(d, tip, _files_json(files))
-                                for d, (tip, files) in trees.items() if tip is not None],
+        _write_trees(self._db, ((d, tip, _files_json(files))
+                                for d, (tip, files) in trees.items() if tip is not None),
                      [(d.device_id,) for d in written if d.device_id not in trees] + forget)
-        return {d: _files_json(files) for d, (tip, files) in trees.items() if tip is None}
+        later = {d: files for d, (tip, files) in trees.items() if tip is None}
+        if len(later) > LATER_TEXTS:
+            return later
+        return {d: _files_json(files) for d, files in later.items()}
 
     def _save_devices(self, written: list[DeviceRecord], forget: list[tuple[str]]) -> None:
         """Write the records of `written` and delete those of `forget` (in that order, as
@@ -535,8 +544,8 @@ class CompilerState:
         base = _RECORDS.get(self.path, before[0] and before)
         db = self._db
         db.executemany(_UPSERT_DEVICE,
-                       [(d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
-                        for d in written])
+                       ((d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
+                        for d in written))
         db.executemany("DELETE FROM devices WHERE device_id=?", forget)
         records_id = str(uuid.uuid4())
         self._set_meta(_DEVICES_ID, records_id)
@@ -626,7 +635,7 @@ def set_aside(path: str | Path, exc: BaseException) -> Path:
     return aside
 
 
-def _write_trees(db: sqlite3.Connection, rows: list[tuple[str, str, str]],
+def _write_trees(db: sqlite3.Connection, rows: Iterable[tuple[str, str, str]],
                  deleted: list[tuple[str]]) -> None:
     """Delete the tree rows of `deleted`, then write `rows` (device id, tip, files' JSON)."""
     db.executemany("DELETE FROM device_trees WHERE device_id=?", deleted)
@@ -636,9 +645,11 @@ def _write_trees(db: sqlite3.Connection, rows: list[tuple[str, str, str]],
 class StagedSave:
     """A compile's records written but not yet committed (see `CompilerState.stage`)."""
 
-    def __init__(self, db: sqlite3.Connection, later: dict[str, str] | None = None) -> None:
+    def __init__(self, db: sqlite3.Connection,
+                 later: Mapping[str, str | Mapping[str, str]] | None = None) -> None:
         self._db: sqlite3.Connection | None = db
-        self._later = later or {}  # device id -> its tree's JSON, staged without a tip
+        #: device id -> its tree's JSON (or files, `LATER_TEXTS`), staged without a tip
+        self._later = later or {}
 
     def record_tips(self, tips: Mapping[str, str]) -> None:
         """Write the trees staged without a tip at theirs in `tips` (a device with none
@@ -647,7 +658,9 @@ class StagedSave:
             raise RuntimeError("this save was already committed or rolled back")
         later, self._later = self._later, {}
         try:
-            _write_trees(self._db, [(d, tips[d], text) for d, text in later.items() if d in tips],
+            _write_trees(self._db, ((d, tips[d], tree if isinstance(tree, str)
+                                     else _files_json(tree))
+                                    for d, tree in later.items() if d in tips),
                          [(d,) for d in later if d not in tips])
         except BaseException:
             self.rollback()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import compiler.state as state_module
 from compiler.device_compile import placement_changes
 from compiler.snapshot import SnapshotMemo
 from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
@@ -60,11 +61,14 @@ def test_a_staged_save_is_invisible_until_committed(tmp_path: Path,
         staged.rollback()
 
 
+@pytest.mark.parametrize("texts_before", [True, False])
 def test_trees_staged_without_a_tip_are_recorded_at_the_tips_given_later(
-        state: CompilerState) -> None:
+        state: CompilerState, monkeypatch: pytest.MonkeyPatch, texts_before: bool) -> None:
     """What a compile stages while Git still writes: the trees of committed devices get
     their tips before the commit; one given none has no tree recorded, and committing
-    before the tips are given is refused (it would keep the old tips)."""
+    before the tips are given is refused (it would keep the old tips). Alike whether their
+    JSON is encoded at staging or, past `LATER_TEXTS` trees, as their tips are written."""
+    monkeypatch.setattr(state_module, "LATER_TEXTS", 20_000 if texts_before else 1)
     records = _records(3)
     records["trees"] = {"d0": ("tip0", {"f": "1"}), "d1": ("old1", {"f": "2"}),
                         "d2": ("old2", {"f": "3"})}

@@ -41,7 +41,7 @@ from compiler.placement import Placement, place
 from compiler.render import file_name
 from compiler.snapshot import Device
 from compiler.source import AppVersion
-from compiler.state import DeviceRecord, PlacementRecord
+from compiler.state import DeviceRecord, PlacementRecord, files_json
 from margo.errors import Problem, short_repr
 
 __all__ = ["Branch", "DeviceJob", "DeviceWork", "compile_device", "compile_job",
@@ -100,6 +100,30 @@ class DeviceWork:
     #: rows it holds that the outcome has none of.
     placements_written: tuple[PlacementRecord, ...] = ()
     placements_dropped: tuple[str, ...] = ()
+    #: `ids` as the state records them (`compiler.state.files_json`) and their number, in
+    #: place of `ids` in a result a worker process sent (`compiler.workers`). Why: the
+    #: parent only records them, and holds every result until the branches move; the
+    #: dict of names and blob ids is about three times its text (0.6 GB of the peak at a
+    #: million devices).
+    ids_json: str | None = None
+    ids_count: int = 0
+
+    @property
+    def failed(self) -> bool:
+        """The device as a whole failed (it keeps its branch as it is)."""
+        return self.tree is None
+
+    @property
+    def file_count(self) -> int:
+        """How many files the new tree has."""
+        return len(self.ids) if self.ids is not None else self.ids_count
+
+    def files_json(self) -> str:
+        """The new tree's files as the state records them."""
+        if self.ids_json is not None:
+            return self.ids_json
+        assert self.ids is not None
+        return files_json(self.ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,12 +147,16 @@ _UPSERT_PLACEMENT = _upsert("placements", "device_id, intent", _PLACEMENT_COLUMN
 
 #: ``json.dumps(files, sort_keys=True, separators=(",", ":"))`` (what it runs) without
 #: making an encoder per call (4.2 -> 2.5 us for a tree of six files, measured).
-_files_json = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
-#: Trees staged without a tip whose JSON is encoded while Git finishes its pack (off the
-#: compile's critical path: a recompile's few thousand); more are encoded as their tips are
-#: written, since holding every text costs memory in proportion (about 400 MB at a million
-#: devices, at the compile's peak).
-LATER_TEXTS = 20_000
+_encode_files = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
+def files_json(files: Mapping[str, str]) -> str:
+    """The JSON text a device's tree (file name -> blob id) is recorded as."""
+    return _encode_files(files)
+
+
+def _text_of(files: str | Mapping[str, str]) -> str:
+    return files if isinstance(files, str) else files_json(files)
 
 #: A `PlacementRecord` from a tuple of its fields, built in C (see `_new_device_record`).
 _new_placement = functools.partial(tuple.__new__, PlacementRecord)
@@ -454,7 +458,7 @@ class CompilerState:
     def save(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
              devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
              forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
-             trees: Mapping[str, tuple[str, Mapping[str, str]]] | None = None,
+             trees: Mapping[str, tuple[str, str | Mapping[str, str]]] | None = None,
              dropped_placements: Iterable[tuple[str, str]] | None = None) -> None:
         """Record one compile's outcome atomically. `devices` lists the devices whose
         placements are replaced by `placements`; `forget_devices` must be fully recompiled
@@ -468,7 +472,7 @@ class CompilerState:
     def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
               devices: Iterable[DeviceRecord], placements: Iterable[PlacementRecord],
               forget_devices: Iterable[str], snapshot: SnapshotMemo | None = None,
-              trees: Mapping[str, tuple[str | None, Mapping[str, str]]] | None = None,
+              trees: Mapping[str, tuple[str | None, str | Mapping[str, str]]] | None = None,
               dropped_placements: Iterable[tuple[str, str]] | None = None,
               restarted: Iterable[str] = (),
               ) -> StagedSave:
@@ -521,17 +525,14 @@ class CompilerState:
         return StagedSave(db, later)
 
     def _save_trees(self, written: list[DeviceRecord], forget: list[tuple[str]],
-                    trees: Mapping[str, tuple[str | None, Mapping[str, str]]],
+                    trees: Mapping[str, tuple[str | None, str | Mapping[str, str]]],
                     ) -> Mapping[str, str | Mapping[str, str]]:
         """Write the trees with a tip, delete those of `forget` and of `written` without
         one; the JSON text of those whose tip is to come (`StagedSave.record_tips`)."""
-        _write_trees(self._db, ((d, tip, _files_json(files))
+        _write_trees(self._db, ((d, tip, _text_of(files))
                                 for d, (tip, files) in trees.items() if tip is not None),
                      [(d.device_id,) for d in written if d.device_id not in trees] + forget)
-        later = {d: files for d, (tip, files) in trees.items() if tip is None}
-        if len(later) > LATER_TEXTS:
-            return later
-        return {d: _files_json(files) for d, files in later.items()}
+        return {d: files for d, (tip, files) in trees.items() if tip is None}
 
     def _save_devices(self, written: list[DeviceRecord], forget: list[tuple[str]]) -> None:
         """Write the records of `written` and delete those of `forget` (in that order, as
@@ -648,7 +649,8 @@ class StagedSave:
     def __init__(self, db: sqlite3.Connection,
                  later: Mapping[str, str | Mapping[str, str]] | None = None) -> None:
         self._db: sqlite3.Connection | None = db
-        #: device id -> its tree's JSON (or files, `LATER_TEXTS`), staged without a tip
+        #: device id -> its tree's files (their JSON, as a compile gives them), staged
+        #: without a tip
         self._later = later or {}
 
     def record_tips(self, tips: Mapping[str, str]) -> None:
@@ -658,8 +660,7 @@ class StagedSave:
             raise RuntimeError("this save was already committed or rolled back")
         later, self._later = self._later, {}
         try:
-            _write_trees(self._db, ((d, tips[d], tree if isinstance(tree, str)
-                                     else _files_json(tree))
+            _write_trees(self._db, ((d, tips[d], _text_of(tree))
                                     for d, tree in later.items() if d in tips),
                          [(d,) for d in later if d not in tips])
         except BaseException:

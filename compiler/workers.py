@@ -119,15 +119,14 @@ def _pack(work: DeviceWork) -> tuple[Any, ...]:
     The names every device repeats (files, intents, actions, reasons, profiles) are one
     object each in this process (`_one`), so that the pickle of a range's results holds
     each once and the parent unpickles one copy per range instead of one per device: the
-    parent holds every result until the branches move. MEASURED (a full compile of
-    100,000 devices): see docs/benchmarks.md."""
+    parent holds every result until the branches move (docs/benchmarks.md, issue 35)."""
     o = work.outcome
-    ids = work.ids
     return (o.files, _named(o.kept) if work.message is not None else {},
             [_placement(p) for p in work.placements_written],
             [tuple(_one(getattr(c, n)) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
-            work.tip, work.on_parent, work.removed, None if ids is None else _named(ids),
+            work.tip, work.on_parent, work.removed,
+            None if work.failed else (work.files_json(), work.file_count),
             o.moves, work.branch_lost, work.placements_dropped)
 
 
@@ -155,13 +154,15 @@ def _placement(row: PlacementRecord) -> tuple[Any, ...]:
 
 
 def _unpack(packed: tuple[Any, ...]) -> DeviceWork:
-    """What the parent process needs of the `DeviceWork` that `_pack` was given: the
-    outcome's own `ids` stay behind (`ids` of the work is the same dict), and so do its
-    placements, of which only the rows the state must write cross (`placements_written`:
-    a recompile for one intent keeps almost all of them)."""
+    """What the parent process needs of the `DeviceWork` that `_pack` was given: the new
+    tree's files cross as the JSON text the state records (`DeviceWork.ids_json`), not as
+    `ids`; the outcome's placements stay behind, of which only the rows the state must
+    write cross (`placements_written`: a recompile for one intent keeps almost all)."""
     (files, kept, written, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, on_parent, removed, ids, moves, branch_lost, dropped) = packed
+     stored_files, tip, on_parent, removed, tree_files, moves, branch_lost, dropped) = packed
     outcome = DeviceOutcome(files, [], [Change(*c) for c in changes], problems, notes,
                             grace_until, kept, moves=moves)
-    return DeviceWork(outcome, message, tree, stored_files, tip, on_parent, removed, ids,
-                      branch_lost, tuple(map(PlacementRecord._make, written)), dropped)
+    ids_json, ids_count = tree_files or (None, 0)
+    return DeviceWork(outcome, message, tree, stored_files, tip, on_parent, removed, None,
+                      branch_lost, tuple(map(PlacementRecord._make, written)), dropped,
+                      ids_json, ids_count)

@@ -43,8 +43,9 @@ class CompileOutcomes:
     #: delete, as (device id, intent): `placements` are only the rows it must write
     #: (`DeviceWork.placements_written`); the others it holds stay as they are.
     dropped: list[tuple[str, str]] = field(default_factory=list)
-    #: Device -> (its tip when unchanged, else None until Git says; its files).
-    trees: dict[str, tuple[str | None, dict[str, str]]] = field(default_factory=dict)
+    #: Device -> (its tip when unchanged, else None until Git says; its files' JSON text,
+    #: `compiler.state.files_json`).
+    trees: dict[str, tuple[str | None, str]] = field(default_factory=dict)
 
 
 def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: CompileReport,
@@ -62,7 +63,7 @@ def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: 
                               notes=outcome.notes, grace_until=outcome.grace_until)
         report.results.append(result)
         report.errors.extend((device_id, p) for p in outcome.problems)
-        if work.tree is None or work.ids is None:  # the device as a whole failed
+        if work.failed:  # the device as a whole failed
             result.status, result.changes = "error", []
             report.deployments += work.stored_files
             outcomes.forget.append(device_id)
@@ -84,17 +85,17 @@ def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
              outcomes: CompileOutcomes, now: float) -> None:
     """What the state records of a device that compiled (committed or not)."""
     device_id, outcome = job.device.id, work.outcome
-    assert work.tree is not None and work.ids is not None
+    assert work.tree is not None
     if outcome.problems:  # compiled in full next time, so they are reported again
         outcomes.forget.append(device_id)
-    report.deployments += len(work.ids)
+    report.deployments += work.file_count
     for name, base in outcome.moves:
         report.rollout_moves.setdefault(name, {})[device_id] = base
     outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
-                                               work.tree, len(work.ids))
+                                               work.tree, work.file_count)
     outcomes.placements.extend(work.placements_written)
     outcomes.dropped.extend((device_id, name) for name in work.placements_dropped)
-    outcomes.trees[device_id] = (work.tip if work.message is None else None, work.ids)
+    outcomes.trees[device_id] = (work.tip if work.message is None else None, work.files_json())
 
 
 def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,

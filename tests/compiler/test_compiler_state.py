@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-import compiler.state as state_module
 from compiler.device_compile import placement_changes
 from compiler.snapshot import SnapshotMemo
-from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord
+from compiler.state import (
+    CompilerState,
+    DeviceRecord,
+    IntentRecord,
+    PlacementRecord,
+    files_json,
+)
 
 #: A memo with a document that has no digest (it had problems) and one that is not plain.
 MEMO = SnapshotMemo("1:abc", {"d0": "sha256:0", "d1": "sha256:1"},
@@ -61,20 +67,20 @@ def test_a_staged_save_is_invisible_until_committed(tmp_path: Path,
         staged.rollback()
 
 
-@pytest.mark.parametrize("texts_before", [True, False])
+@pytest.mark.parametrize("as_text", [True, False])
 def test_trees_staged_without_a_tip_are_recorded_at_the_tips_given_later(
-        state: CompilerState, monkeypatch: pytest.MonkeyPatch, texts_before: bool) -> None:
+        state: CompilerState, as_text: bool) -> None:
     """What a compile stages while Git still writes: the trees of committed devices get
     their tips before the commit; one given none has no tree recorded, and committing
-    before the tips are given is refused (it would keep the old tips). Alike whether their
-    JSON is encoded at staging or, past `LATER_TEXTS` trees, as their tips are written."""
-    monkeypatch.setattr(state_module, "LATER_TEXTS", 20_000 if texts_before else 1)
+    before the tips are given is refused (it would keep the old tips). Alike whether the
+    files come as their JSON text (a compile's) or as a mapping."""
+    text: Any = files_json if as_text else dict
     records = _records(3)
     records["trees"] = {"d0": ("tip0", {"f": "1"}), "d1": ("old1", {"f": "2"}),
                         "d2": ("old2", {"f": "3"})}
     state.save(**records)  # type: ignore[arg-type]
-    records["trees"] = {"d0": ("tip0", {"f": "1"}), "d1": (None, {"f": "4"}),
-                        "d2": (None, {"f": "5"})}
+    records["trees"] = {"d0": ("tip0", text({"f": "1"})), "d1": (None, text({"f": "4"})),
+                        "d2": (None, text({"f": "5"}))}
     staged = state.stage(**records)  # type: ignore[arg-type]
     staged.record_tips({"d1": "new1"})
     staged.commit()

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compiler.planning import _steady_deployments
-from compiler.state import CompilerState, DeviceRecord, PlacementRecord, _files_json
+from compiler.state import CompilerState, DeviceRecord, PlacementRecord, files_json
 
 
 @given(st.dictionaries(st.text("abc", min_size=1, max_size=3), st.integers(0, 9)),
@@ -137,7 +137,7 @@ def test_each_range_is_loaded_by_the_process_that_works_it_out() -> None:
 
 @given(st.dictionaries(st.text(), st.text()))
 def test_trees_are_serialised_as_json_dumps_does(files: dict[str, str]) -> None:
-    assert _files_json(files) == json.dumps(files, sort_keys=True, separators=(",", ":"))
+    assert files_json(files) == json.dumps(files, sort_keys=True, separators=(",", ":"))
 
 
 def test_the_pipe_to_git_is_widened_where_the_system_allows() -> None:

@@ -1,7 +1,8 @@
 """What crosses back from a compile worker (`compiler.workers._pack`/`_unpack`): the same
-work, and the names every device repeats (files, intents, actions, reasons, profiles)
-unpickled once per range of devices rather than once per device, since the parent holds
-every result until the branches move (about 8 % of a full compile's peak, measured)."""
+work, with the names every device repeats (files, intents, actions, reasons, profiles)
+unpickled once per range of devices rather than once per device, and the new tree's files
+as the JSON text the state records, since the parent holds every result until the
+branches move (docs/benchmarks.md, issue 35)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from compiler import workers
 from compiler.device_compile import DeviceWork
 from compiler.messages import Change
 from compiler.outcome import DeviceOutcome
-from compiler.state import PlacementRecord
+from compiler.state import PlacementRecord, files_json
 
 
 def _fresh(text: str) -> str:
@@ -37,13 +38,21 @@ def test_results_cross_equal_and_share_their_names() -> None:
                pickle.loads(pickle.dumps([workers._pack(w) for w in works]))]
     for sent, got in zip(works, crossed, strict=True):
         assert got.outcome.changes == sent.outcome.changes
-        assert got.outcome.files == sent.outcome.files and got.ids == sent.ids
+        assert got.outcome.files == sent.outcome.files and got.ids is None
+        assert got.files_json() == files_json(sent.ids or {}) == sent.files_json()
+        assert got.file_count == sent.file_count == 1 and not got.failed
         assert got.outcome.kept == sent.outcome.kept
         assert got.placements_written == sent.placements_written
         assert (got.message, got.tree, got.stored_files) == ("message", "t" * 40, 1)
     first, second = (work.outcome.changes[0] for work in crossed)
     assert first.file is second.file and first.intent is second.intent
     assert first.action is second.action and first.reasons is second.reasons
-    assert next(iter(crossed[0].ids)) is next(iter(crossed[1].ids))
     rows = [work.placements_written[0] for work in crossed]
     assert rows[0].intent is rows[1].intent and rows[0].profile is rows[1].profile
+
+
+def test_a_failed_device_crosses_as_failed() -> None:
+    work = _work("a")
+    failed = DeviceWork(work.outcome, None, None, 3, None)
+    [crossed] = [workers._unpack(pickle.loads(pickle.dumps(workers._pack(failed))))]
+    assert crossed.failed and crossed.stored_files == 3 and crossed.ids_json is None

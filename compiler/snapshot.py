@@ -11,19 +11,19 @@ named for it). A cluster proposal's `ClusterCapabilitiesManifest` is read
 as the rc.3 document `margo.cluster` converts it to, exactly as the server stores it, so
 both bodies of one cluster compile alike.
 
-Reading a large keyed file again costs its JSON safety checks, decoding it and one digest
-per device. When its bytes are exactly those the last compile read (`SnapshotMemo`, kept in
-the compiler's state), the checks and digests are skipped: those bytes passed the checks
-then and their documents had the recorded digests (see `load_snapshot`). A JSON file whose
-documents the state all trusts is not even decoded: each device's document is decoded from
-its recorded place in the text when first used, and a recompile uses few of them.
+A keyed JSON file is read member by member (`_read_members`): each document decoded and
+checked on its own, never the whole file at once. Reading a large one again costs decoding
+it and one digest per device; when its bytes are exactly those the last compile read
+(`SnapshotMemo`, kept in the compiler's state), the documents the state trusts are taken
+from their recorded place in the text and digest without being decoded, and a file whose
+documents it all trusts is not decoded at all: each device's document is decoded when
+first used, and a recompile uses few of them.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -47,7 +47,7 @@ from margo.cluster import device_capabilities_from_cluster, is_cluster_manifest
 from margo.digests import data_digest
 from margo.errors import DocumentError, Problem, short_repr
 from margo.kinds import GENERATIONS, Kind
-from margo.loading import Limits, LoadedDocument, SourceMap, load_document, load_path
+from margo.loading import Limits, LoadedDocument, load_document, load_path
 from margo.models import DeviceCapabilities
 from margo.validation import validate_loaded
 
@@ -393,9 +393,9 @@ def load_snapshot(path: str | os.PathLike[str], *,
         read = _read_members(data, str(root), key, memo, trusted)
         if read is not None:
             return read
+        # What the member read declines: YAML, or a file it refuses (read whole to locate).
         known = memo.digests if memo is not None else None
-        loaded = (_known_json(data, str(root)) if known is not None else None) or load_document(
-            data, file=str(root), limits=KEYED_SNAPSHOT_LIMITS)
+        loaded = load_document(data, file=str(root), limits=KEYED_SNAPSHOT_LIMITS)
     except DocumentError as exc:
         raise SnapshotError("\n".join(p.format() for p in exc.problems)) from None
     except OSError as exc:
@@ -645,13 +645,6 @@ def _add_members(snapshot: Snapshot, file: str,
                 device.release(keep_labels=True)
 
 
-def _known_json(data: bytes, file: str) -> LoadedDocument | None:
-    """JSON bytes that `load_document` accepted before, decoded to the same value without
-    its safety checks; None for text that is not JSON (read it the ordinary way)."""
-    text = json_text(data)
-    if text.lstrip()[:1] not in ("{", "["):
-        return None
-    return LoadedDocument(json.loads(text), file, SourceMap(text))
 
 
 class _Shifted:

@@ -72,7 +72,7 @@ def compile_fleet(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     """
     plan = plan_compile(source, snapshot, store, state,
                         now=time.time() if now is None else now, rollouts=rollouts or {},
-                        fleet_key=fleet_key)
+                        fleet_key=fleet_key, pack_commits=not dry_run)
     report, outcomes = plan.report, CompileOutcomes()
     works = run_jobs(plan.context, store, state, plan.jobs, progress)
     commits = account_commits(plan.jobs, works, report, outcomes, plan.context.now)

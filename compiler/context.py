@@ -148,6 +148,9 @@ class CompileContext:
     rollouts: dict[str, tuple[RolloutPlan, dict[str, int]]] = field(default_factory=dict)
     #: Intent name -> its line of the inputs digest (the same for every device it placed).
     digest_lines: dict[str, bytes] = field(default_factory=dict)
+    #: Each commit's objects are made and deflated where its device compiles
+    #: (`DeviceWork.packed`): set for a compile that writes (a dry run shows the files).
+    pack_commits: bool = False
 
     def __post_init__(self) -> None:
         self.stored = StoredFiles(self.source.applications, self.renders)

@@ -32,7 +32,7 @@ from compiler.decisions import (
     place_ineligible,
     shares_may_change,
 )
-from compiler.gitstore import DeviceStore, StoredTree, tree_id_of
+from compiler.gitstore import DeviceCommit, DeviceStore, PackedCommit, StoredTree, tree_id_of
 from compiler.holding import decide_in_order, take_back_upgrades
 from compiler.intents import Intent
 from compiler.messages import Change, commit_message
@@ -107,6 +107,9 @@ class DeviceWork:
     #: million devices).
     ids_json: str | None = None
     ids_count: int = 0
+    #: The commit's objects made and deflated here (`CompileContext.pack_commits`): what
+    #: crosses to the writer instead of `outcome.files`.
+    packed: PackedCommit | None = None
 
     @property
     def failed(self) -> bool:
@@ -303,15 +306,31 @@ def _commit_for(ctx: CompileContext, device: Device, outcome: DeviceOutcome,
                    "left it at.\n\n" + message)
     tree = tree_id_of(outcome.ids)
     if stored is None or stored.foreign:
-        return DeviceWork(outcome, message, tree, 0 if stored is None else len(stored.ids),
+        work = DeviceWork(outcome, message, tree, 0 if stored is None else len(stored.ids),
                           None if stored is None else stored.commit, ids=outcome.ids,
                           branch_lost=lost)
-    # Only the difference from the tip travels on (to the parent process and to Git).
-    before, after = stored.ids, outcome.ids
-    outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
-    removed = tuple(n for n in before if n not in after)
-    return DeviceWork(outcome, message, tree, len(before), stored.commit, True, removed,
-                      after, lost)
+    else:
+        # Only the difference from the tip travels on (to the parent process and to Git).
+        before, after = stored.ids, outcome.ids
+        outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
+        removed = tuple(n for n in before if n not in after)
+        work = DeviceWork(outcome, message, tree, len(before), stored.commit, True, removed,
+                          after, lost)
+    if not ctx.pack_commits:
+        return work
+    packed = DeviceStore.pack_commit(work_commit(device.id, work, ctx.now), outcome.ids)
+    return dataclasses.replace(work, packed=packed.packed)
+
+
+def work_commit(device_id: str, work: DeviceWork, now: float) -> DeviceCommit:
+    """The commit of a device whose tree changed (`work.message` is set): its objects as
+    the worker packed them when it did, else its files."""
+    outcome = work.outcome
+    assert work.message is not None
+    return DeviceCommit(device_id, {} if work.packed else outcome.files, work.message,
+                        int(now), outcome.kept, parent=work.tip, parent_known=True,
+                        on_parent=work.on_parent, removed=work.removed,
+                        branch_lost=work.branch_lost, packed=work.packed)
 
 
 def _inputs_digest(ctx: CompileContext, device: Device,

@@ -1,7 +1,7 @@
 """What the fleet-state store computes without touching a repository (`compiler.gitstore`):
 device ids <-> branch names, Git's ids of blobs and trees, the plain files of a raw tree
-object, the validation of a `DeviceCommit`, and the ``git fast-import`` commands that write
-one.
+object, the validation of a `DeviceCommit`, and the raw tree and commit objects that write
+one (`compiler.packwriter` packs them).
 
 Pure functions of their arguments, so the compiler can compute the tree id of what it
 commits, and a commit is rejected before anything is written.
@@ -9,16 +9,17 @@ commits, and a commit is rejected before anything is written.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import re
 import urllib.parse
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pygit2
 
+from compiler.packwriter import BLOB, COMMIT, TREE, PackedObjects, object_id
 from margo.errors import short_repr
 from margo.identifiers import (
     MAX_DEVICE_ID,
@@ -31,19 +32,22 @@ __all__ = [
     "DEVICE_ID_PATTERN",
     "DEVICE_REF_PREFIX",
     "FULL_OID_RE",
-    "SCRATCH_REF",
     "DeviceCommit",
     "GitStoreError",
     "InvalidCommitError",
+    "PackedCommit",
     "all_plain_device_ids",
     "blob_id",
     "branch_problem",
+    "changed_tree",
     "check_commit",
-    "commit_command",
+    "commit_object",
     "device_id_from_ref",
     "device_ref",
+    "flat_tree",
+    "pack_commit",
     "plain_files",
-    "read_marks",
+    "tree_entries",
     "tree_id_of",
 ]
 
@@ -54,9 +58,8 @@ _DEVICE_ID_RE = re.compile(DEVICE_ID_PATTERN)
 # What an encoded device id may look like: kept characters and upper-case %XX escapes only.
 _ENCODED_RE = re.compile(r"(?:[A-Za-z0-9._-]|%[0-9A-F]{2})+")
 FULL_OID_RE = re.compile(r"[0-9a-f]{40}")
-# fast-import builds every commit on this branch but never writes it (`compiler.gitstore`).
-SCRATCH_REF = "refs/margo-gitops/fast-import-scratch"
 _FILE_MODE = b"100644"
+_TREE_MODE = b"40000"
 
 
 class GitStoreError(RuntimeError):
@@ -103,6 +106,17 @@ class DeviceCommit:
     on_parent: bool = False
     removed: Collection[str] = ()
     branch_lost: bool = False
+    #: The commit's objects already made and deflated (`DeviceStore.pack_commit`), `files`
+    #: then empty: written as they are, on its known `parent`.
+    packed: PackedCommit | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PackedCommit:
+    """A commit's new objects as pack entries (its files, its tree, itself) and its id."""
+
+    commit: str
+    objects: PackedObjects
 
 
 # --- device ids <-> ref names -------------------------------------------------------------
@@ -211,16 +225,9 @@ def tree_id_of(ids: Mapping[str, str]) -> str:
     back after the write. Entries are ordered by the bytes of their names, as Git orders
     the entries of a tree of plain files (names are validated flat: no ``/``).
     """
-    prefixes = _TREE_ENTRY_PREFIXES
-    parts: list[bytes] = []
     # Sorted as strings: UTF-8 keeps the order of code points, so it is the order of the
-    # names' bytes (a name UTF-8 cannot encode fails below, as it must).
-    for name in sorted(ids):
-        prefix = prefixes.get(name)
-        if prefix is None:
-            prefix = _tree_entry_prefix(name)
-        parts += (prefix, bytes.fromhex(ids[name]))
-    body = b"".join(parts)
+    # names' bytes (a name UTF-8 cannot encode fails, as it must).
+    body = flat_tree({name: bytes.fromhex(oid) for name, oid in ids.items()})
     return hashlib.sha1(b"tree %d\0%s" % (len(body), body), usedforsecurity=False).hexdigest()
 
 
@@ -255,25 +262,31 @@ def plain_files(tree: bytes, oid_size: int) -> tuple[dict[str, str], bool]:
     """
     ids: dict[str, str] = {}
     foreign = False
+    for mode, raw_name, oid in tree_entries(tree, oid_size):
+        if mode == _BLOB_MODE:
+            try:
+                name = raw_name.decode("utf-8")
+            except UnicodeDecodeError:
+                name = ""
+            if name and _file_name_problem(name) is None:
+                ids[name] = oid.hex()
+            else:
+                foreign = True  # a name no compile writes (nor could send back to Git)
+        else:
+            foreign = True
+    return ids, foreign
+
+
+def tree_entries(tree: bytes, oid_size: int) -> Iterator[tuple[bytes, bytes, bytes]]:
+    """(mode, name, binary id) of each entry of a raw tree object, in its order."""
     position, end = 0, len(tree)
     while position < end:
         space, nul = tree.find(b" ", position), tree.find(b"\0", position)
         oid_end = nul + 1 + oid_size
         if not 0 <= space < nul or oid_end > end:
             raise GitStoreError(f"malformed tree object (entry at byte {position})")
-        if tree[position:space] == _BLOB_MODE:
-            try:
-                name = tree[space + 1:nul].decode("utf-8")
-            except UnicodeDecodeError:
-                name = ""
-            if name and _file_name_problem(name) is None:
-                ids[name] = tree[nul + 1:oid_end].hex()
-            else:
-                foreign = True  # a name no compile writes (nor could send back to Git)
-        else:
-            foreign = True
+        yield tree[position:space], tree[space + 1:nul], tree[nul + 1:oid_end]
         position = oid_end
-    return ids, foreign
 
 
 def check_commit(commit: DeviceCommit) -> None:
@@ -329,6 +342,9 @@ def _check_parent(commit: DeviceCommit, where: str) -> None:
                                  "was at as a known parent")
     if commit.on_parent and (not commit.parent_known or commit.parent is None):
         raise InvalidCommitError(f"{where}: a change on the parent's tree needs a known parent")
+    if commit.packed is not None and (not commit.parent_known or commit.files):
+        raise InvalidCommitError(f"{where}: a packed commit needs a known parent and no "
+                                 "files besides its objects")
 
 
 def _check_removed(commit: DeviceCommit, where: str) -> None:
@@ -387,51 +403,64 @@ def _check_utf8(text: str, what: str) -> None:
         raise InvalidCommitError(f"{what} is not encodable as UTF-8: {exc}") from None
 
 
-# --- fast-import commands -----------------------------------------------------------------
+# --- objects ------------------------------------------------------------------------------
 
 
-def commit_command(commit: DeviceCommit, mark: int, parent: str | None,
-                    author: tuple[str, str], *, on_parent: bool = False) -> bytes:
-    """One commit whose tree is exactly ``commit.files`` plus ``commit.kept`` (``deleteall``
-    first), or with `on_parent` the parent's tree changed by them and by deleting
-    ``commit.removed``: one inline file per written name, every payload framed by its byte
-    length so any bytes round-trip, one blob reference per kept name."""
-    ident = f"{author[0]} <{author[1]}> {commit.timestamp} +0000"
-    message = commit.message.encode("utf-8")
-    parts = [
-        f"reset {SCRATCH_REF}\ncommit {SCRATCH_REF}\nmark :{mark}\n"
-        f"author {ident}\ncommitter {ident}\ndata {len(message)}\n".encode(),
-        message, b"\n",
-    ]
-    if parent is not None:
-        parts.append(f"from {parent}\n".encode())
-    if not on_parent:
-        parts.append(b"deleteall\n")  # files + kept are the whole tree
-    for name in sorted(commit.files):
-        content = commit.files[name]
-        parts += [b"M ", _FILE_MODE, b" inline ", _fast_import_path(name),
-                  b"\ndata %d\n" % len(content), content, b"\n"]
-    for name in sorted(commit.kept):  # fast-import checks that each blob exists
-        parts += [b"M ", _FILE_MODE, b" ", commit.kept[name].encode(), b" ",
-                  _fast_import_path(name), b"\n"]
-    if on_parent:
-        for name in sorted(commit.removed):
-            parts += [b"D ", _fast_import_path(name), b"\n"]
-    parts.append(b"\n")
+def flat_tree(ids: Mapping[str, bytes]) -> bytes:
+    """The raw tree object of plain files (name -> binary blob id): what `tree_id_of`
+    names, ordered by the bytes of the names."""
+    prefixes = _TREE_ENTRY_PREFIXES
+    parts: list[bytes] = []
+    for name in sorted(ids):
+        prefix = prefixes.get(name)
+        if prefix is None:
+            prefix = _tree_entry_prefix(name)
+        parts += (prefix, ids[name])
     return b"".join(parts)
 
 
-def _fast_import_path(name: str) -> bytes:
-    """fast-import reads a path starting with a double quote as a C-style quoted string."""
-    if name.startswith('"'):
-        name = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return name.encode("utf-8")
+def changed_tree(tree: bytes, oid_size: int, files: Mapping[str, bytes],
+                 removed: Collection[str]) -> bytes:
+    """A raw tree object changed: the names of `files` (name -> binary blob id) become
+    plain files, whatever they were, the names in `removed` go; every other entry
+    (subtrees, links, executables included) stays as it is, in Git's order (a subtree
+    sorts as if its name ended in ``/``)."""
+    entries = {name: (mode, oid) for mode, name, oid in tree_entries(tree, oid_size)}
+    for name in removed:
+        entries.pop(name.encode("utf-8"), None)
+    for name, oid in files.items():
+        entries[name.encode("utf-8")] = (_FILE_MODE, oid)
+    order = sorted(entries, key=lambda n: n + b"/" if entries[n][0] == _TREE_MODE else n)
+    return b"".join(b"%s %s\0%s" % (entries[n][0], n, entries[n][1]) for n in order)
 
 
-def read_marks(path: Path) -> dict[int, str]:
-    """Parse an ``--export-marks`` file (``:<mark> <object id>`` per line)."""
-    marks: dict[int, str] = {}
-    for line in path.read_text("ascii").splitlines():
-        mark, oid = line.split()
-        marks[int(mark.lstrip(":"))] = oid
-    return marks
+def pack_commit(commit: DeviceCommit, ids: Mapping[str, str],
+                author: tuple[str, str]) -> DeviceCommit:
+    """`commit` (with a known parent) with its objects made and deflated: its files, its
+    tree (`ids`: every file of it, name -> blob id) and itself, `files` then empty. Why: a
+    compile's worker processes make them, each on its own core, and the process writing
+    the pack only copies them (`compiler.gitstore.DeviceStore.write_objects`). Validated
+    first."""
+    check_commit(commit)
+    if not commit.parent_known:
+        raise InvalidCommitError(f"device {commit.device_id!r}: a packed commit needs a "
+                                 "known parent")
+    tree = flat_tree({name: bytes.fromhex(oid) for name, oid in ids.items()})
+    tree_id = object_id(TREE, tree)
+    ident = f"{author[0]} <{author[1]}> {commit.timestamp} +0000"
+    objects = PackedObjects.of([
+        *((BLOB, commit.files[name], bytes.fromhex(ids[name])) for name in commit.files),
+        (TREE, tree, tree_id),
+        (COMMIT, commit_object(tree_id.hex(), commit.parent, ident, commit.message), None)])
+    packed = PackedCommit(objects.last_id.hex(), objects)
+    return dataclasses.replace(commit, files={}, packed=packed)
+
+
+def commit_object(tree: str, parent: str | None, ident: str, message: str) -> bytes:
+    """A raw commit object as Git writes one: its tree, its parent if any, author and
+    committer, a blank line, the message verbatim."""
+    lines = [f"tree {tree}\n"]
+    if parent is not None:
+        lines.append(f"parent {parent}\n")
+    lines.append(f"author {ident}\ncommitter {ident}\n\n")
+    return "".join(lines).encode("utf-8") + message.encode("utf-8")

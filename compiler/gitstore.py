@@ -4,31 +4,34 @@ Layout: ``<repos_dir>/fleet-state.git`` holds ``refs/heads/devices/<encoded devi
 branch's tip tree is exactly that device's desired state (flat file names -> bytes) and its
 history is linear and never rewritten. Why one shared repository rather than one per device:
 creating 10,000 repositories dominates a first compile (≈ 60-80 s measured) while streaming all
-commits through one ``git fast-import`` takes a few seconds; the fleet server hides the other
+writing all their objects into one pack takes a few seconds; the fleet server hides the other
 devices' refs (``uploadpack.hideRefs``) so each device still sees only its own branch
 (the figures: docs/benchmarks.md, `bench/compile.py`).
 
 How a write publishes (`DeviceStore.write_objects`, then `DeviceStore.move_branches`; `write`
 does both), and why:
 
-1. every commit is validated before it is written: a list is validated whole before Git is
-   touched; a lazily produced iterable commit by commit, so a bad commit stops the write
-   before any branch moves;
-2. ONE ``git fast-import`` process writes all objects into a single pack (writing loose objects
-   one at a time with pygit2 is too slow at fleet scale). It is fed while the commits are still
-   being produced, so a compile renders devices while Git compresses the previous ones on
-   another core. Its commits are built on a scratch branch that is reset before every commit
-   and once more at the end, so fast-import itself never writes any ref; the commit ids come
-   back through ``--export-marks``;
+1. every commit is validated before it is written: a list is validated whole before
+   anything is written; a lazily produced iterable commit by commit, so a bad commit stops
+   the write before any branch moves;
+2. ONE new pack receives every object (`compiler.packwriter`; writing loose objects one at a
+   time is too slow at fleet scale). A compile's worker processes make and deflate each
+   commit's objects on their own cores (`DeviceStore.pack_commit`) and this process only
+   copies them into the pack, while later devices still compile; the pack is published
+   (renamed into place, its index last) once every commit is in it. Every object a commit
+   names without writing it (its parent, kept files) must be stored already;
 3. ONE rewrite of ``packed-refs`` then moves every device branch, each with its expected old
    value (compare-and-swap), published by a single rename (`compiler.packedrefs`: Git's
    ``update-ref`` would write one loose file per branch, slower than compiling them). If any
    branch moved in the meantime, or the file is locked, no branch is changed. The
    unreferenced objects of a failed write are harmless and are pruned by a later ``git gc``.
 
+The pack is not deltified (about 1.6 times the bytes of one ``git fast-import`` writes,
+which this store used before: `compiler.packwriter` says why); a ``git gc`` deltifies it.
+
 What the store computes without touching the repository (device ids <-> branch names, blob
-and tree ids, validating a commit, the fast-import commands) is `compiler.gitformat`; its
-names are re-exported here, the store's face.
+and tree ids, validating a commit, the raw tree and commit objects) is `compiler.gitformat`;
+its names are re-exported here, the store's face.
 
 Readers (the server, the next compile) only use pygit2 and never block on writers. Writers
 serialise with `DeviceStore.lock`, which must be held from reading the tips a compile builds on
@@ -57,21 +60,24 @@ from compiler.gitformat import (
     DEVICE_ID_PATTERN,
     DEVICE_REF_PREFIX,
     FULL_OID_RE,
-    SCRATCH_REF,
     DeviceCommit,
     GitStoreError,
     InvalidCommitError,
+    PackedCommit,
     blob_id,
     branch_problem,
+    changed_tree,
     check_commit,
-    commit_command,
+    commit_object,
     device_id_from_ref,
     device_ref,
+    flat_tree,
+    pack_commit,
     plain_files,
-    read_marks,
     tree_id_of,
 )
 from compiler.packedrefs import LooseRefsError, PackedRefsError, move_refs, ref_names
+from compiler.packwriter import BLOB, COMMIT, TREE, PackWriter
 from compiler.stalelocks import recover_stale_locks
 
 __all__ = [
@@ -84,6 +90,7 @@ __all__ = [
     "DeviceStore",
     "GitStoreError",
     "InvalidCommitError",
+    "PackedCommit",
     "PendingMove",
     "StoredTree",
     "blob_id",
@@ -98,16 +105,14 @@ REPOSITORY_NAME = "fleet-state.git"
 IDENTITY_KEY = "margo.repositoryid"
 LOCK_FILE_NAME = "margo-compile.lock"
 
-# fast-import deltas each blob against the one written before it, in chains up to 50 deep by
-# default; reading one file back (a recompile comparing it, the server serving it) then applies
-# up to 50 deltas: ~120 us per blob measured, ~5x less with chains of 10, for a 5% larger pack
-# and no more CPU when writing.
-_DELTA_DEPTH = 10
 # Every object name we give git is a full hex id. Git still looks for refs spelled like each
-# one (to warn that the name is ambiguous): ~12 failed stat() calls per commit in fast-import
-# (5,746 of 5,756 failed calls for a recompile's 956 commits; 10 without). The ids resolve the
-# same without it.
+# one (to warn that the name is ambiguous): ~12 failed stat() calls per id (measured in the
+# fast-import this store once wrote with). The ids resolve the same without it.
 _GIT_OPTIONS = ("-c", "core.warnAmbiguousRefs=false")
+# What a compile's commit writes, for sizing the pack's table of objects up front: its
+# files (5.4 in `bench/compile.py`'s fleets), its tree and itself. More only costs a
+# rehash of the table.
+_OBJECTS_PER_COMMIT = 8
 # Server-side settings a fleet-state repository needs (why: see `DeviceStore._configure`).
 _REPO_CONFIG: Mapping[str, str] = {
     "uploadpack.allowFilter": "true",
@@ -122,17 +127,6 @@ _GIT_LOCATION_VARIABLES = (
     "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_COMMON_DIR", "GIT_NAMESPACE",
 )
 
-# fast-import deflates every object with a fresh zlib state; by default glibc hands that memory
-# back to the kernel after each object and faults it in again for the next, which measured at
-# ~70% of fast-import's run time. Keeping up to 64 MiB of freed heap avoids it (ignored by
-# other C libraries).
-_MALLOC_TUNABLES = "glibc.malloc.trim_threshold=67108864:glibc.malloc.mmap_threshold=33554432"
-# The pipe feeding Git holds 64 KiB by default: some 30 commits, so the compile stalls
-# whenever fast-import lags for a moment and fast-import idles whenever the compile does.
-# MEASURED (100,000 devices, 9,752 commits, on 2 busy cores): the compile blocked writing
-# 1.2-1.4 s of a 3-4 s recompile, 0.1-0.3 s with 1 MiB (Linux's default limit for an
-# unprivileged process), which lets each run ahead of the other.
-_PIPE_SIZE = 1 << 20
 
 
 class StoredTree:
@@ -451,20 +445,23 @@ class DeviceStore:
         return dict(pending.new_tips)
 
     def write_objects(self, commits: Iterable[DeviceCommit],
-                      meanwhile: Callable[[], object] | None = None) -> PendingMove:
+                      meanwhile: Callable[[], object] | None = None, *,
+                      expected_commits: int = 0) -> PendingMove:
         """Write every object of these commits, moving no branch: what `move_branches` then
         moves, all at once. Several commits for one device are chained in the given order.
 
-        `commits` is consumed lazily: a generator is streamed to Git while it still produces
-        commits, so the caller's work and Git's overlap. A sequence is validated whole before
-        Git starts; a generator commit by commit (an invalid commit, or an exception raised by
-        the generator itself, aborts the write). Each device's old tip is read when its first
-        commit arrives. Why two steps: a caller records what was written between them (its
-        records ready to commit the moment the branches have moved), with no callback.
+        `commits` is consumed lazily: a generator's commits are written into the new pack
+        (`compiler.packwriter`) while it still produces them, so memory holds one at a
+        time. A sequence is validated whole before anything is written; a generator commit
+        by commit (an invalid commit, or an exception raised by the generator itself, aborts
+        the write and removes the unfinished pack). Each device's old tip is read when its
+        first commit arrives. Why two steps: a caller records what was written between them
+        (its records ready to commit the moment the branches have moved), with no callback.
+        `expected_commits` (how many a generator will give at most) sizes the pack's table.
 
-        `meanwhile`, if given, runs once Git has every commit and is still finishing its
-        pack (not at all without commits): what a caller can do without the new tips, on
-        this core while Git's tail runs on another. Git is waited for even if it raises.
+        `meanwhile`, if given, runs once every commit is written, while the pack is
+        finished (read back and hashed, indexed, synced to disk) on another thread, whose
+        I/O and hashing leave the interpreter to it (not at all without commits).
         """
         if isinstance(commits, Sequence):
             for commit in commits:
@@ -473,42 +470,106 @@ class DeviceStore:
         first = next(pending, None)
         if first is None:
             return PendingMove({}, {})
-        check_commit(first)  # a bad first commit never starts git
-        order: list[str] = []  # order[i] is the device of mark i + 1
-        old_tips: dict[str, str | None] = {}
-        with tempfile.TemporaryDirectory(prefix="margo-gitstore-") as scratch:
-            marks_path = Path(scratch) / "marks"
-            stream = self._fast_import_stream(itertools.chain([first], pending), order,
-                                              old_tips)
-            self._run_git(["fast-import", "--quiet", "--done", f"--depth={_DELTA_DEPTH}",
-                           f"--export-marks={marks_path}"],
-                          stream, Path(scratch), "no device branch was changed", meanwhile)
-            marks = read_marks(marks_path)
-        new_tips = {device_id: marks[mark] for mark, device_id in enumerate(order, start=1)}
+        check_commit(first)  # a bad first commit never starts a pack
+        if isinstance(commits, Sequence):
+            expected_commits = len(commits)
+        try:
+            writer = PackWriter(self.path / "objects",
+                                expected=_OBJECTS_PER_COMMIT * expected_commits)
+        except OSError as exc:
+            raise GitStoreError(f"cannot write objects into {self.path}; no device branch "
+                                f"was changed: {exc}") from None
+        try:
+            new_tips: dict[str, str] = {}
+            old_tips: dict[str, str | None] = {}
+            for commit in itertools.chain([first], pending):
+                check_commit(commit)
+                parent = self._parent_of(commit, new_tips, old_tips)
+                new_tips[commit.device_id] = self._write_commit(writer, commit, parent)
+            writer.publish_while(meanwhile)
+        except OSError as exc:
+            writer.discard()
+            raise GitStoreError(f"writing the objects into {self.path} failed; no device "
+                                f"branch was changed: {exc}") from None
+        except BaseException:
+            writer.discard()
+            raise
         return PendingMove(new_tips, old_tips)
 
-    def _fast_import_stream(self, commits: Iterable[DeviceCommit], order: list[str],
-                            old_tips: dict[str, str | None]) -> Iterator[bytes]:
-        """The fast-import commands for `commits`, validated and recorded as they arrive:
-        commit i gets mark i+1 (`order`) and builds on the device's previous commit in this
-        write, else on its current tip (read now, into `old_tips`), else on nothing."""
-        last_mark: dict[str, int] = {}
-        for mark, commit in enumerate(commits, start=1):
-            check_commit(commit)
-            device_id = commit.device_id
-            previous = last_mark.get(device_id)
-            if previous is None:
-                parent = (commit.parent if commit.parent_known else self.tip(device_id))
-                old_tips[device_id] = None if commit.branch_lost else parent
-            elif commit.on_parent:
+    def _parent_of(self, commit: DeviceCommit, new_tips: Mapping[str, str],
+                   old_tips: dict[str, str | None]) -> str | None:
+        """The commit `commit` builds on: the device's previous commit in this write, else
+        its current tip (read now, into `old_tips`), else none."""
+        device_id = commit.device_id
+        previous = new_tips.get(device_id)
+        if previous is not None:
+            if commit.on_parent:
                 raise InvalidCommitError(f"device {device_id!r}: a change on the parent's "
                                          "tree must be the device's first commit of a write")
-            else:
-                parent = f":{previous}"
-            order.append(device_id)
-            last_mark[device_id] = mark
-            yield commit_command(commit, mark, parent, self.AUTHOR, on_parent=commit.on_parent)
-        yield f"reset {SCRATCH_REF}\ndone\n".encode()
+            return previous
+        parent = commit.parent if commit.parent_known else self.tip(device_id)
+        old_tips[device_id] = None if commit.branch_lost else parent
+        return parent
+
+    @classmethod
+    def pack_commit(cls, commit: DeviceCommit, ids: Mapping[str, str]) -> DeviceCommit:
+        """`commit` with its objects made and deflated here (`gitformat.pack_commit`), by
+        this store's author: what a compile's worker process sends to `write_objects`."""
+        return pack_commit(commit, ids, cls.AUTHOR)
+
+    def _write_commit(self, writer: PackWriter, commit: DeviceCommit,
+                      parent: str | None) -> str:
+        """Write the commit's new files, its tree and itself; the commit's id. Every object
+        it names that it does not write must be stored already (its parent, kept files,
+        the parent's tree): otherwise GitStoreError, and nothing is published."""
+        where = f"device {commit.device_id!r}"
+        kept = {name: self._stored(bytes.fromhex(oid), BLOB, writer,
+                                   f"{where}: kept file {name!r}")
+                for name, oid in commit.kept.items()}
+        # A packed commit's parent is the tip its worker read the tree of: stored. Asking
+        # libgit2 again would read one page of the pack per commit, which at a million
+        # devices' undeltified pack made 1.7 GB of the process resident (measured).
+        if parent is not None and commit.packed is None:
+            self._stored(bytes.fromhex(parent), COMMIT, writer, f"{where}: parent")
+        if commit.packed is not None:
+            if parent != commit.parent:
+                raise InvalidCommitError(f"{where}: a packed commit must be the device's "
+                                         "first commit of a write")
+            writer.add_packed(commit.packed.objects)
+            return commit.packed.commit
+        ids = {name: writer.add(BLOB, content) for name, content in commit.files.items()}
+        ids.update(kept)
+        if commit.on_parent:
+            assert parent is not None  # check_commit: on_parent needs a known parent
+            tree = changed_tree(self._tree_of(parent), 20, ids, commit.removed)
+        else:
+            tree = flat_tree(ids)
+        tree_id = writer.add(TREE, tree).hex()
+        ident = f"{self.AUTHOR[0]} <{self.AUTHOR[1]}> {commit.timestamp} +0000"
+        return writer.add(COMMIT, commit_object(tree_id, parent, ident, commit.message)).hex()
+
+    def _stored(self, oid: bytes, kind: int, writer: PackWriter, what: str) -> bytes:
+        """`oid`, which this write or the repository must hold as an object of `kind`."""
+        if writer.holds(oid):
+            return oid
+        try:
+            found = self._own_repo().odb.read_header(pygit2.Oid(raw=oid))[0]
+        except (KeyError, pygit2.GitError):
+            found = None
+        if found != kind:
+            held = "no such object" if found is None else f"a {found.name.lower()}"
+            raise GitStoreError(f"{what} names {oid.hex()}, which {self.path} holds as "
+                                f"{held}; no device branch was changed")
+        return oid
+
+    def _tree_of(self, commit: str) -> bytes:
+        """The raw tree object of a stored commit."""
+        repo = self._own_repo()
+        found = repo.get(commit)
+        if not isinstance(found, pygit2.Commit):
+            raise GitStoreError(f"{commit} is not a commit in {self.path}; no device "
+                                "branch was changed")
+        return repo.odb.read(found.tree_id)[1]
 
     def move_branches(self, pending: PendingMove) -> None:
         """Move every branch `write_objects` wrote at once, each only if it still points
@@ -552,7 +613,6 @@ class DeviceStore:
                                            stdout=subprocess.DEVNULL, stderr=err, env=_git_env())
             except OSError as exc:
                 raise GitStoreError(f"cannot run {command[0]!r}: {exc}") from None
-            _widen_pipe(process)
             _feed(process, stdin)
             try:
                 if meanwhile is not None:
@@ -584,15 +644,6 @@ def _acquire(fd: int, lock_path: Path, timeout: float) -> None:
             time.sleep(min(0.05, remaining))
 
 
-def _widen_pipe(process: subprocess.Popen[bytes]) -> None:
-    """Give the pipe to `process` `_PIPE_SIZE` bytes where the system allows (Linux);
-    elsewhere, or beyond the system's limit, it keeps its size: only speed depends on it."""
-    setter = getattr(fcntl, "F_SETPIPE_SZ", None)
-    if setter is not None and process.stdin is not None:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(process.stdin.fileno(), setter, _PIPE_SIZE)
-
-
 def _feed(process: subprocess.Popen[bytes], chunks: Iterable[bytes]) -> None:
     """Stream `chunks` to the process; if it dies early its exit status tells why."""
     stdin: IO[bytes] | None = process.stdin
@@ -613,9 +664,6 @@ def _feed(process: subprocess.Popen[bytes], chunks: Iterable[bytes]) -> None:
 
 
 def _git_env() -> dict[str, str]:
-    """Our environment minus variables that would redirect git to another repository, plus
-    malloc tunables that make fast-import about 3x faster (see `_MALLOC_TUNABLES`)."""
-    env = {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARIABLES}
-    own = env.get("GLIBC_TUNABLES")
-    env["GLIBC_TUNABLES"] = _MALLOC_TUNABLES + (f":{own}" if own else "")  # the caller's win
-    return env
+    """Our environment minus variables that would redirect git to another repository."""
+    return {k: v for k, v in os.environ.items() if k not in _GIT_LOCATION_VARIABLES}
+

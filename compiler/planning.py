@@ -56,9 +56,10 @@ class CompilePlan:
 def plan_compile(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
                  state: CompilerState, *, now: float,
                  rollouts: Mapping[str, RolloutPlan],
-                 fleet_key: FleetKey | None = None) -> CompilePlan:
+                 fleet_key: FleetKey | None = None, pack_commits: bool = False) -> CompilePlan:
     """Resolve the intents, find what changed, and list the devices to compile; binds
-    `state` to `store` (a state of another repository is forgotten)."""
+    `state` to `store` (a state of another repository is forgotten). `pack_commits`:
+    `CompileContext.pack_commits`."""
     intents = resolve_intents(source)
     previous_intents = state.intents()
     records = {name: intents.record(name) for name in intents.usable}
@@ -67,7 +68,8 @@ def plan_compile(source: FleetSource, snapshot: Snapshot, store: DeviceStore,
     gated = _gated_intents(intents, rollouts)
     changed |= set(gated)  # evaluated again on every device while the rollout moves
     ctx = CompileContext(source, intents, previous_intents, changed, ProfileConstraints(),
-                         now, TargetIndex(snapshot.devices), RenderCache(fleet_key))
+                         now, TargetIndex(snapshot.devices), RenderCache(fleet_key),
+                         pack_commits=pack_commits)
     report = CompileReport(source.revision, devices=len(snapshot.devices))
     _assign_waves(ctx, snapshot, gated, report)
     report.errors.extend((None, p) for p in [*source.problems, *intents.problems,

@@ -1,4 +1,5 @@
 """Git lock files whose owner is gone: recognised and removed, never one a live writer holds.
+The same for the unfinished packs of our own pack writer (`compiler.packwriter`).
 
 Git takes a lock on a file by creating `<file>.lock` exclusively, writes the new content
 into it and renames it over the file. A process killed in between (SIGKILL, a power cut)
@@ -26,6 +27,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from compiler.packwriter import TEMP_PREFIX
+
 __all__ = ["BLIND_GRACE", "GRACE", "is_stale", "lock_files", "recover_stale_locks"]
 
 #: Seconds a lock nobody holds open must have existed before it is taken as stale.
@@ -41,7 +44,9 @@ log = logging.getLogger("margo.compiler.stalelocks")
 
 def lock_files(git_dir: Path) -> Iterator[Path]:
     """Git's `.lock` files of a repository: beside its top-level files (`packed-refs`,
-    `HEAD`, `config`, `shallow`, ...) and among its loose refs."""
+    `HEAD`, `config`, `shallow`, ...) and among its loose refs; and the files of a pack
+    our writer has not finished (`objects/pack/tmp_pack_margo_*`: its writer holds the
+    pack open until it publishes it)."""
     try:
         top = list(os.scandir(git_dir))
     except FileNotFoundError:
@@ -53,6 +58,7 @@ def lock_files(git_dir: Path) -> Iterator[Path]:
         for name in files:
             if name.endswith(_SUFFIX):
                 yield Path(directory) / name
+    yield from (git_dir / "objects" / "pack").glob(f"{TEMP_PREFIX}*")
 
 
 def _open_files() -> set[str] | None:

@@ -121,13 +121,13 @@ def _pack(work: DeviceWork) -> tuple[Any, ...]:
     each once and the parent unpickles one copy per range instead of one per device: the
     parent holds every result until the branches move (docs/benchmarks.md, issue 35)."""
     o = work.outcome
-    return (o.files, _named(o.kept) if work.message is not None else {},
+    return ({} if work.packed else o.files, _named(o.kept) if work.message is not None else {},
             [_placement(p) for p in work.placements_written],
             [tuple(_one(getattr(c, n)) for n in _CHANGE_FIELDS) for c in o.changes],
             o.problems, o.notes, o.grace_until, work.message, work.tree, work.stored_files,
             work.tip, work.on_parent, work.removed,
             None if work.failed else (work.files_json(), work.file_count),
-            o.moves, work.branch_lost, work.placements_dropped)
+            o.moves, work.branch_lost, work.placements_dropped, work.packed)
 
 
 #: The worker's one object for each name or tuple of names it sends (`_pack`): the
@@ -159,10 +159,11 @@ def _unpack(packed: tuple[Any, ...]) -> DeviceWork:
     `ids`; the outcome's placements stay behind, of which only the rows the state must
     write cross (`placements_written`: a recompile for one intent keeps almost all)."""
     (files, kept, written, changes, problems, notes, grace_until, message, tree,
-     stored_files, tip, on_parent, removed, tree_files, moves, branch_lost, dropped) = packed
+     stored_files, tip, on_parent, removed, tree_files, moves, branch_lost, dropped,
+     commit) = packed
     outcome = DeviceOutcome(files, [], [Change(*c) for c in changes], problems, notes,
                             grace_until, kept, moves=moves)
     ids_json, ids_count = tree_files or (None, 0)
     return DeviceWork(outcome, message, tree, stored_files, tip, on_parent, removed, None,
                       branch_lost, tuple(map(PlacementRecord._make, written)), dropped,
-                      ids_json, ids_count)
+                      ids_json, ids_count, commit)

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from compiler.device_compile import DeviceJob, DeviceWork
+from compiler.device_compile import DeviceJob, DeviceWork, work_commit
 from compiler.gitstore import DeviceCommit, DeviceStore
 from compiler.planning import CompilePlan
 from compiler.report import CompileReport, DeviceResult
@@ -76,9 +76,7 @@ def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: 
         report.commits += 1
         if work.tip is None:
             outcomes.restarted.append(device_id)
-        yield DeviceCommit(device_id, outcome.files, work.message, int(now), outcome.kept,
-                           parent=work.tip, parent_known=True, on_parent=work.on_parent,
-                           removed=work.removed, branch_lost=work.branch_lost)
+        yield work_commit(device_id, work, now)
 
 
 def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
@@ -122,8 +120,9 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
         try:
             # Every commit is made once Git has the stream: staged while Git finishes its
             # pack, on this core while Git's tail runs on the other.
-            pending = store.write_objects(itertools.chain([first], commits), meanwhile=lambda:
-                                          staged.append(_stage(state, plan, outcomes)))
+            pending = store.write_objects(
+                itertools.chain([first], commits), expected_commits=len(plan.jobs),
+                meanwhile=lambda: staged.append(_stage(state, plan, outcomes)))
             if not staged:
                 staged.append(_stage(state, plan, outcomes))
             staged[0].record_tips(pending.new_tips)

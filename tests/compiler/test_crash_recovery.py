@@ -2,8 +2,9 @@
 
 In 14 real SIGKILLs around compiles one left `fleet-state.git/packed-refs.lock` behind, and
 from then on every compile on that server failed. Here a compile runs in its own process
-and SIGKILLs itself at one point of the write after another: while `git fast-import`
-streams commits, before the refs move, with `packed-refs.lock` created and empty, with the
+and SIGKILLs itself at one point of the write after another: while commits are written
+into the pack (`compiler.packwriter`), before the pack or its index is renamed into place,
+before the refs move, with `packed-refs.lock` created and empty, with the
 lock written but not yet renamed, and after the refs moved but before the compiler's state
 recorded it. (The process kills itself from inside the step: a test double of the timing
 only, since an outside SIGKILL cannot be aimed at a window of microseconds; everything
@@ -36,15 +37,29 @@ DEVICES = [f"d{i:02d}" for i in range(12)]
 
 #: Point name -> the code that makes the compiling process kill itself there.
 POINTS = {
-    "streaming commits to fast-import": """
-        import compiler.gitstore as g
-        real, calls = g.commit_command, []
-        def command(*args, **kwargs):
+    "writing commits into the pack": """
+        import compiler.packwriter as w
+        real, calls = w.PackWriter.add_packed, []
+        def add_packed(*args, **kwargs):
             calls.append(1)
             if len(calls) == 5:
                 die()
             return real(*args, **kwargs)
-        g.commit_command = command
+        w.PackWriter.add_packed = add_packed
+    """,
+    "pack and index written, neither renamed": """
+        import compiler.packwriter as w
+        w.os.rename = lambda *args: die()
+    """,
+    "pack renamed, its index not": """
+        import compiler.packwriter as w
+        real, calls = w.os.rename, []
+        def rename(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                die()
+            return real(*args)
+        w.os.rename = rename
     """,
     "objects written, refs not moved": """
         import compiler.gitstore as g

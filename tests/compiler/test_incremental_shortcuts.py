@@ -138,25 +138,3 @@ def test_each_range_is_loaded_by_the_process_that_works_it_out() -> None:
 @given(st.dictionaries(st.text(), st.text()))
 def test_trees_are_serialised_as_json_dumps_does(files: dict[str, str]) -> None:
     assert files_json(files) == json.dumps(files, sort_keys=True, separators=(",", ":"))
-
-
-def test_the_pipe_to_git_is_widened_where_the_system_allows() -> None:
-    """Where Linux lets an unprivileged process have a 1 MiB pipe, Git's input gets one
-    (elsewhere the pipe keeps its size: only speed depends on it)."""
-    import fcntl
-    import subprocess
-
-    from compiler.gitstore import _PIPE_SIZE, _widen_pipe
-
-    process = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-    try:
-        _widen_pipe(process)
-        assert process.stdin is not None
-        getter = getattr(fcntl, "F_GETPIPE_SZ", None)
-        limit = Path("/proc/sys/fs/pipe-max-size")
-        if getter is not None and limit.exists() and int(limit.read_text()) >= _PIPE_SIZE:
-            assert fcntl.fcntl(process.stdin.fileno(), getter) == _PIPE_SIZE
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        process.wait()

@@ -5,6 +5,7 @@ real SQLite, real worker processes."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pygit2
@@ -167,13 +168,16 @@ def test_worker_processes_are_gone_after_a_failed_write(
     monkeypatch.setenv("MARGO_COMPILE_WORKERS", "2")
     fleet = _fleet(tmp_path)
     store = DeviceStore(fleet.repos)
-    store.git_executable = "false"  # fast-import fails at once
+    packs = store.path / "objects" / "pack"
+    shutil.rmtree(packs)
+    packs.write_bytes(b"")  # the pack cannot be written: a real file system failure
     # Other tests' session fixtures (servers, registries) are children of this process too:
     # only processes that appeared during the compile count.
     before = _children()
-    with pytest.raises(GitStoreError, match="fast-import failed"):
+    with pytest.raises(GitStoreError, match="cannot write objects"):
         _compile(fleet, store, now=1_000)
     assert _children() - before == set()
+    packs.unlink()
     assert fleet.compile(now=2_000).commits == 8
 
 

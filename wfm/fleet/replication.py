@@ -169,10 +169,10 @@ class RepoReplica:
         immutable) that are not here yet: the compiling replica's own copy of what it is
         about to publish, which then needs no index-pack (`has_objects_of`; 10,000
         devices: 1-2 s of index-pack on 2 busy cores, the other replica's sync running at
-        the same time). All of `other`'s objects, not only the compile's: Git's
-        fast-import writes no object the repository already has (perhaps from a compile
-        that was never published), and a small import's objects are loose. False (the sync
-        index-packs as usual) when a link fails."""
+        the same time). All of `other`'s objects, not only the compile's: a compile's pack
+        need not hold an object an earlier pack of the repository has (perhaps from a
+        compile that was never published), and objects Git wrote may be loose. False (the
+        sync index-packs as usual) when a link fails."""
         source, target = other.path / "objects", self.path / "objects"
         try:
             if self._changed(source / "pack"):

@@ -32,6 +32,7 @@ from compiler.decisions import (
     place_ineligible,
     shares_may_change,
 )
+from compiler.gitformat import packed_commit
 from compiler.gitstore import DeviceCommit, DeviceStore, PackedCommit, StoredTree, tree_id_of
 from compiler.holding import decide_in_order, take_back_upgrades
 from compiler.intents import Intent
@@ -305,21 +306,18 @@ def _commit_for(ctx: CompileContext, device: Device, outcome: DeviceOutcome,
                    "repository; this commit continues from the commit the compiler last "
                    "left it at.\n\n" + message)
     tree = tree_id_of(outcome.ids)
+    tip = None if stored is None else stored.commit
+    packed = (packed_commit(device.id, outcome.files, outcome.ids, tip, message,
+                            int(ctx.now), DeviceStore.AUTHOR) if ctx.pack_commits else None)
     if stored is None or stored.foreign:
-        work = DeviceWork(outcome, message, tree, 0 if stored is None else len(stored.ids),
-                          None if stored is None else stored.commit, ids=outcome.ids,
-                          branch_lost=lost)
-    else:
-        # Only the difference from the tip travels on (to the parent process and to Git).
-        before, after = stored.ids, outcome.ids
-        outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
-        removed = tuple(n for n in before if n not in after)
-        work = DeviceWork(outcome, message, tree, len(before), stored.commit, True, removed,
-                          after, lost)
-    if not ctx.pack_commits:
-        return work
-    packed = DeviceStore.pack_commit(work_commit(device.id, work, ctx.now), outcome.ids)
-    return dataclasses.replace(work, packed=packed.packed)
+        return DeviceWork(outcome, message, tree, 0 if stored is None else len(stored.ids),
+                          tip, ids=outcome.ids, branch_lost=lost, packed=packed)
+    # Only the difference from the tip travels on (to the parent process and to Git).
+    before, after = stored.ids, outcome.ids
+    outcome.kept = {n: oid for n, oid in outcome.kept.items() if before.get(n) != oid}
+    removed = tuple(n for n in before if n not in after)
+    return DeviceWork(outcome, message, tree, len(before), tip, True, removed, after, lost,
+                      packed=packed)
 
 
 def work_commit(device_id: str, work: DeviceWork, now: float) -> DeviceCommit:

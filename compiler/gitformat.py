@@ -46,6 +46,7 @@ __all__ = [
     "device_ref",
     "flat_tree",
     "pack_commit",
+    "packed_commit",
     "plain_files",
     "tree_entries",
     "tree_id_of",
@@ -436,24 +437,36 @@ def changed_tree(tree: bytes, oid_size: int, files: Mapping[str, bytes],
 
 def pack_commit(commit: DeviceCommit, ids: Mapping[str, str],
                 author: tuple[str, str]) -> DeviceCommit:
-    """`commit` (with a known parent) with its objects made and deflated: its files, its
-    tree (`ids`: every file of it, name -> blob id) and itself, `files` then empty. Why: a
-    compile's worker processes make them, each on its own core, and the process writing
-    the pack only copies them (`compiler.gitstore.DeviceStore.write_objects`). Validated
-    first."""
+    """`commit` (with a known parent) with its objects made and deflated (`packed_commit`),
+    `files` then empty. Validated first."""
     check_commit(commit)
     if not commit.parent_known:
         raise InvalidCommitError(f"device {commit.device_id!r}: a packed commit needs a "
                                  "known parent")
+    packed = packed_commit(commit.device_id, commit.files, ids, commit.parent,
+                           commit.message, commit.timestamp, author)
+    return dataclasses.replace(commit, files={}, packed=packed)
+
+
+def packed_commit(device_id: str, files: Mapping[str, bytes], ids: Mapping[str, str],
+                  parent: str | None, message: str, timestamp: int,
+                  author: tuple[str, str]) -> PackedCommit:
+    """A commit's objects made and deflated: the blobs of `files`, the flat tree of `ids`
+    (every file of it, name -> blob id) and the commit on `parent`. Why: a compile's worker
+    processes make them, each on its own core, and the process writing the pack only
+    copies them (`compiler.gitstore.DeviceStore.write_objects`, which validates the rest
+    of the commit); the names are checked here, since only the objects cross."""
+    where = f"device {device_id!r}"
+    for name in ids:
+        _check_file_name(name, where)
     tree = flat_tree({name: bytes.fromhex(oid) for name, oid in ids.items()})
     tree_id = object_id(TREE, tree)
-    ident = f"{author[0]} <{author[1]}> {commit.timestamp} +0000"
+    ident = f"{author[0]} <{author[1]}> {timestamp} +0000"
     objects = PackedObjects.of([
-        *((BLOB, commit.files[name], bytes.fromhex(ids[name])) for name in commit.files),
+        *((BLOB, files[name], bytes.fromhex(ids[name])) for name in files),
         (TREE, tree, tree_id),
-        (COMMIT, commit_object(tree_id.hex(), commit.parent, ident, commit.message), None)])
-    packed = PackedCommit(objects.last_id.hex(), objects)
-    return dataclasses.replace(commit, files={}, packed=packed)
+        (COMMIT, commit_object(tree_id.hex(), parent, ident, message), None)])
+    return PackedCommit(objects.last_id.hex(), objects)
 
 
 def commit_object(tree: str, parent: str | None, ident: str, message: str) -> bytes:

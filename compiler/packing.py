@@ -49,6 +49,30 @@ def _usable(entries: Sequence[Entry], accepted: frozenset[str] | None) -> list[i
 def _exact(entries: Sequence[Entry], demands: Sequence[CoreDemand]) -> list[int] | None:
     """One entry per demand with no entry over what it reports, or None if there is none
     (or the search ran over its budget)."""
+    if len(entries) == 1:
+        return _exact_on_one(entries[0], demands)
+    return _exact_search(entries, demands)
+
+
+def _exact_on_one(entry: Entry, demands: Sequence[CoreDemand]) -> list[int] | None:
+    """`_exact_search` for a device with one entry, as most report, in one pass: every
+    demand with cores must go on it, so they fit exactly when each may and their sum
+    does. Why: the accounting counts a device's cores again after every placement it
+    admits, and the search's recursion was most of that (a test holds the two equal)."""
+    cores, architecture = entry
+    chosen, total, placed = [-1] * len(demands), _ZERO, 0
+    for i, (needed, accepted) in enumerate(demands):
+        if needed > 0:
+            if accepted is not None and architecture not in accepted:
+                return None
+            chosen[i], total, placed = 0, total + needed, placed + 1
+    return chosen if total <= cores and placed <= SEARCH_BUDGET else None
+
+
+def _exact_search(entries: Sequence[Entry],
+                  demands: Sequence[CoreDemand]) -> list[int] | None:
+    """The bounded search, largest demand first, each on an entry with room, trying no two
+    entries alike (the same cores left and architecture) for one demand."""
     order = sorted((i for i, (cores, _) in enumerate(demands) if cores > 0),
                    key=lambda i: (-demands[i][0], i))
     left = [cores for cores, _ in entries]

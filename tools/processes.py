@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,9 +36,36 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on, for a server started next. Chosen below the
+    kernel's ephemeral range: a port the kernel hands out (port 0) is also what every
+    outgoing connection gets, and with thousands of them from the suite's other workers one
+    took a replica's port between this probe and its bind (a test failed with "address
+    already in use"). Port 0 only where no such port can be bound."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(_LOWEST_CHOSEN, low) if low > _LOWEST_CHOSEN else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(probe.getsockname()[1])
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+#: The lowest port `free_port` chooses (above the ports services usually take).
+_LOWEST_CHOSEN = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def wait_until_ready(process: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,

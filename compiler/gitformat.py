@@ -9,7 +9,6 @@ commits, and a commit is rejected before anything is written.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import re
@@ -45,7 +44,6 @@ __all__ = [
     "device_id_from_ref",
     "device_ref",
     "flat_tree",
-    "pack_commit",
     "packed_commit",
     "plain_files",
     "tree_entries",
@@ -107,7 +105,7 @@ class DeviceCommit:
     on_parent: bool = False
     removed: Collection[str] = ()
     branch_lost: bool = False
-    #: The commit's objects already made and deflated (`DeviceStore.pack_commit`), `files`
+    #: The commit's objects already made and deflated (`packed_commit`), `files`
     #: then empty: written as they are, on its known `parent`.
     packed: PackedCommit | None = None
 
@@ -433,19 +431,6 @@ def changed_tree(tree: bytes, oid_size: int, files: Mapping[str, bytes],
         entries[name.encode("utf-8")] = (_FILE_MODE, oid)
     order = sorted(entries, key=lambda n: n + b"/" if entries[n][0] == _TREE_MODE else n)
     return b"".join(b"%s %s\0%s" % (entries[n][0], n, entries[n][1]) for n in order)
-
-
-def pack_commit(commit: DeviceCommit, ids: Mapping[str, str],
-                author: tuple[str, str]) -> DeviceCommit:
-    """`commit` (with a known parent) with its objects made and deflated (`packed_commit`),
-    `files` then empty. Validated first."""
-    check_commit(commit)
-    if not commit.parent_known:
-        raise InvalidCommitError(f"device {commit.device_id!r}: a packed commit needs a "
-                                 "known parent")
-    packed = packed_commit(commit.device_id, commit.files, ids, commit.parent,
-                           commit.message, commit.timestamp, author)
-    return dataclasses.replace(commit, files={}, packed=packed)
 
 
 def packed_commit(device_id: str, files: Mapping[str, bytes], ids: Mapping[str, str],

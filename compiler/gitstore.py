@@ -16,7 +16,7 @@ does both), and why:
    the write before any branch moves;
 2. ONE new pack receives every object (`compiler.packwriter`; writing loose objects one at a
    time is too slow at fleet scale). A compile's worker processes make and deflate each
-   commit's objects on their own cores (`DeviceStore.pack_commit`) and this process only
+   commit's objects on their own cores (`gitformat.packed_commit`) and this process only
    copies them into the pack, while later devices still compile; the pack is published
    (renamed into place, its index last) once every commit is in it. Every object a commit
    names without writing it (its parent, kept files) must be stored already;
@@ -72,7 +72,6 @@ from compiler.gitformat import (
     device_id_from_ref,
     device_ref,
     flat_tree,
-    pack_commit,
     plain_files,
     tree_id_of,
 )
@@ -511,12 +510,6 @@ class DeviceStore:
         old_tips[device_id] = None if commit.branch_lost else parent
         return parent
 
-    @classmethod
-    def pack_commit(cls, commit: DeviceCommit, ids: Mapping[str, str]) -> DeviceCommit:
-        """`commit` with its objects made and deflated here (`gitformat.pack_commit`), by
-        this store's author: what a compile's worker process sends to `write_objects`."""
-        return pack_commit(commit, ids, cls.AUTHOR)
-
     def _write_commit(self, writer: PackWriter, commit: DeviceCommit,
                       parent: str | None) -> str:
         """Write the commit's new files, its tree and itself; the commit's id. Every object
@@ -526,17 +519,17 @@ class DeviceStore:
         kept = {name: self._stored(bytes.fromhex(oid), BLOB, writer,
                                    f"{where}: kept file {name!r}")
                 for name, oid in commit.kept.items()}
-        # A packed commit's parent is the tip its worker read the tree of: stored. Asking
-        # libgit2 again would read one page of the pack per commit, which at a million
-        # devices' undeltified pack made 1.7 GB of the process resident (measured).
-        if parent is not None and commit.packed is None:
-            self._stored(bytes.fromhex(parent), COMMIT, writer, f"{where}: parent")
         if commit.packed is not None:
+            # Its parent is the tip its worker read the tree of: stored. Asking libgit2
+            # again would read one page of the pack per commit, which at a million devices'
+            # undeltified pack made 1.7 GB of the process resident (measured).
             if parent != commit.parent:
                 raise InvalidCommitError(f"{where}: a packed commit must be the device's "
                                          "first commit of a write")
             writer.add_packed(commit.packed.objects)
             return commit.packed.commit
+        if parent is not None:
+            self._stored(bytes.fromhex(parent), COMMIT, writer, f"{where}: parent")
         ids = {name: writer.add(BLOB, content) for name, content in commit.files.items()}
         ids.update(kept)
         if commit.on_parent:
@@ -602,10 +595,10 @@ class DeviceStore:
                           "no device branch was changed")
 
     def _run_git(self, args: Sequence[str], stdin: Iterable[bytes], scratch: Path,
-                 consequence: str, meanwhile: Callable[[], object] | None = None) -> None:
-        """Run ``git --git-dir=<repo> <args>`` fed from `stdin`, then `meanwhile` while it
-        finishes; GitStoreError with its stderr unless it exits 0. Stderr goes to a file, so
-        a chatty failure cannot deadlock us."""
+                 consequence: str) -> None:
+        """Run ``git --git-dir=<repo> <args>`` fed from `stdin`; GitStoreError with its
+        stderr unless it exits 0. Stderr goes to a file, so a chatty failure cannot
+        deadlock us."""
         command = [self.git_executable, *_GIT_OPTIONS, f"--git-dir={self.path}", *args]
         with open(scratch / "stderr", "w+b") as err:
             try:
@@ -614,11 +607,7 @@ class DeviceStore:
             except OSError as exc:
                 raise GitStoreError(f"cannot run {command[0]!r}: {exc}") from None
             _feed(process, stdin)
-            try:
-                if meanwhile is not None:
-                    meanwhile()
-            finally:
-                status = process.wait()
+            status = process.wait()
             err.seek(0)
             stderr = err.read().decode("utf-8", errors="replace").strip()
         if status != 0:

@@ -131,7 +131,7 @@ class PackWriter:
         if self._table.has(oid):
             return oid
         entry = _entry_header(kind, len(data)) + _deflate(data)
-        self._table.insert(oid, self._offset, zlib.crc32(entry))
+        self._table.add(oid, self._offset, zlib.crc32(entry))
         self._file.write(entry)
         self._offset += len(entry)
         return oid
@@ -141,8 +141,7 @@ class PackWriter:
         view, start, table = memoryview(packed.entries), 0, self._table
         for oid, crc, length in _RECORD.iter_unpack(packed.records):
             end = start + length
-            if not table.has(oid):
-                table.insert(oid, self._offset, crc)
+            if table.add(oid, self._offset, crc):
                 self._file.write(view[start:end])
                 self._offset += length
             start = end
@@ -293,20 +292,27 @@ class _ObjectTable:
         slot = self._probe(oid)
         return slot >= 0 and self._slots[slot * self._SLOT:slot * self._SLOT + 20] == oid
 
-    def insert(self, oid: bytes, offset: int, crc: int) -> None:
-        """Record a new object (not already held)."""
-        self.count += 1
+    def add(self, oid: bytes, offset: int, crc: int) -> bool:
+        """Record an object unless the table holds it already; whether it was new (one
+        probe: `PackWriter.add_packed` asks this of every object a compile writes)."""
         if oid == self._EMPTY:
-            self._zero_id = (offset, crc)
-            return
-        if self.count * 4 > self._homes * 3:
-            self._grow()
+            if self._zero_id is not None:
+                return False
+            self._zero_id, self.count = (offset, crc), self.count + 1
+            return True
         slot = self._probe(oid)
-        while slot < 0:
+        if slot >= 0 and self._slots[slot * self._SLOT:slot * self._SLOT + 20] == oid:
+            return False
+        self.count += 1
+        if slot < 0 or self.count * 4 > self._homes * 3:
             self._grow()
             slot = self._probe(oid)
+            while slot < 0:
+                self._grow()
+                slot = self._probe(oid)
         at = slot * self._SLOT
         self._slots[at:at + self._SLOT] = oid + struct.pack(">QI", offset, crc)
+        return True
 
     def _grow(self) -> None:
         """Twice the home slots, every entry moved to its new place (again, if a run

@@ -4,6 +4,7 @@ format's documentation (version 2, 64-bit offsets included)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import struct
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler.gitformat import DeviceCommit, InvalidCommitError
+from compiler.gitformat import DeviceCommit, InvalidCommitError, packed_commit
 from compiler.gitstore import DeviceStore, blob_id
 from compiler.packwriter import (
     BLOB,
@@ -156,8 +157,9 @@ def test_the_index_lists_every_object_in_order_past_2_gib_too(
     table = _ObjectTable(expected)
     for oid, offset, crc in entries:
         assert not table.has(oid)
-        table.insert(oid, offset, crc)
+        assert table.add(oid, offset, crc)
         assert table.has(oid)
+        assert not table.add(oid, offset + 1, crc)  # held already: kept as it was
     path = tmp_path_factory.mktemp("index") / "x.idx"
     _write_index(table, path, bytes(20))
     assert parse_index(path.read_bytes()) == {o: (off, crc) for o, off, crc in entries}
@@ -167,10 +169,17 @@ def test_ids_sharing_their_leading_bits_are_told_apart() -> None:
     table = _ObjectTable(4)
     same = [bytes(8) + bytes([i]) * 12 for i in range(1, 40)] + [bytes(20)]
     for n, oid in enumerate(same):
-        table.insert(oid, n, n)
+        assert table.add(oid, n, n)
     assert all(table.has(oid) for oid in same)
     assert not table.has(bytes(8) + b"\xff" * 12)
     assert [e[:20] for e in table.sorted_entries()] == sorted(same)
+
+
+def packed(commit: DeviceCommit, ids: dict[str, str]) -> DeviceCommit:
+    """`commit` as a compile's worker sends it: its objects made and deflated, no files."""
+    return dataclasses.replace(commit, files={}, packed=packed_commit(
+        commit.device_id, commit.files, ids, commit.parent, commit.message, commit.timestamp,
+        DeviceStore.AUTHOR))
 
 
 def test_a_packed_commit_is_the_commit_written_from_its_files(tmp_path: Path) -> None:
@@ -180,17 +189,18 @@ def test_a_packed_commit_is_the_commit_written_from_its_files(tmp_path: Path) ->
     commit = DeviceCommit("dev", files, "Compile dev\n", TS, parent=None, parent_known=True)
     plain = DeviceStore(tmp_path / "plain").write([commit])
     store = DeviceStore(tmp_path / "packed")
-    packed = store.pack_commit(commit, ids)
-    assert packed.files == {} and packed.packed is not None
-    assert store.write([packed]) == plain
+    assert store.write([packed(commit, ids)]) == plain
     assert store.read_files("dev") == files
     second = DeviceCommit("dev", {"a.yaml": b"a: 2\n"}, "Again\n", TS + 1,
                           kept={"b.yaml": ids["b.yaml"]}, parent=plain["dev"],
                           parent_known=True)
-    again = store.pack_commit(second, {"a.yaml": blob_id(b"a: 2\n"), "b.yaml": ids["b.yaml"]})
+    again = packed(second, {"a.yaml": blob_id(b"a: 2\n"), "b.yaml": ids["b.yaml"]})
     with pytest.raises(InvalidCommitError, match="first commit of a write"):
         store.write([DeviceCommit("dev", {"c": b"c"}, "m\n", TS), again])
     assert store.write([again])["dev"] == again.packed.commit  # type: ignore[union-attr]
     assert store.read_files("dev") == {"a.yaml": b"a: 2\n", "b.yaml": b"b: 2\n"}
+    unknown_parent = dataclasses.replace(packed(commit, ids), parent_known=False)
     with pytest.raises(InvalidCommitError, match="known parent"):
-        store.pack_commit(DeviceCommit("dev", files, "m\n", TS), ids)
+        store.write([unknown_parent])
+    with pytest.raises(InvalidCommitError, match="contains"):
+        packed_commit("dev", {}, {"a/b": ids["a.yaml"]}, None, "m\n", TS, DeviceStore.AUTHOR)

@@ -160,9 +160,14 @@ def test_the_index_lists_every_object_in_order_past_2_gib_too(
         assert table.add(oid, offset, crc)
         assert table.has(oid)
         assert not table.add(oid, offset + 1, crc)  # held already: kept as it was
+    want = {o: (off, crc) for o, off, crc in entries}
     path = tmp_path_factory.mktemp("index") / "x.idx"
     _write_index(table, path, bytes(20))
-    assert parse_index(path.read_bytes()) == {o: (off, crc) for o, off, crc in entries}
+    assert parse_index(path.read_bytes()) == want
+    if all(off < 0x80000000 for _, off, _ in entries):  # a pack under 2 GiB: copied
+        short = path.with_name("short.idx")
+        _write_index(table, short, bytes(20), large_offsets=False)
+        assert short.read_bytes() == path.read_bytes()
 
 
 def test_ids_sharing_their_leading_bits_are_told_apart() -> None:
@@ -173,6 +178,32 @@ def test_ids_sharing_their_leading_bits_are_told_apart() -> None:
     assert all(table.has(oid) for oid in same)
     assert not table.has(bytes(8) + b"\xff" * 12)
     assert [e[:20] for e in table.sorted_entries()] == sorted(same)
+
+
+def test_an_id_spelled_across_two_records_is_not_held() -> None:
+    """A bucket is searched as one string: the bytes of one record's offset and CRC and
+    the next one's id may spell an id that is not there."""
+    table = _ObjectTable(0)
+    first, second = bytes(3) + b"\x01" * 17, bytes(3) + b"\x02" * 17
+    assert table.add(first, 0x0000_0000_0000_00AB, 0x0000_00CD)
+    assert table.add(second, 1, 1)
+    straddling = (0xAB).to_bytes(8, "big") + (0xCD).to_bytes(4, "big") + second[:8]
+    assert not table.has(straddling)
+    assert table.add(straddling, 2, 2)
+    assert table.has(straddling) and table.count == 3
+
+
+def test_a_table_sized_for_none_grows_and_keeps_every_object() -> None:
+    rng = random.Random(7)
+    ids = [rng.randbytes(20) for _ in range(40_000)]  # past two doublings of the buckets
+    table = _ObjectTable(0)
+    for n, oid in enumerate(ids):
+        assert table.add(oid, n, n ^ 0xFFFF)
+    assert table.count == len(ids) and all(table.has(oid) for oid in ids[::97])
+    entries = list(table.sorted_entries())
+    assert [e[:20] for e in entries] == sorted(ids)
+    assert {e[:20]: struct.unpack(">QI", e[20:]) for e in entries} == {
+        oid: (n, n ^ 0xFFFF) for n, oid in enumerate(ids)}
 
 
 def packed(commit: DeviceCommit, ids: dict[str, str]) -> DeviceCommit:

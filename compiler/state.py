@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import sqlite3
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -34,22 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from compiler import statedamage
 from compiler.gcpause import collection_paused
 from compiler.remembered import DeviceRecords, Remembered
 from compiler.snapshot import SnapshotMemo, TrustedDigests
+from compiler.statedamage import is_damage, is_sound, set_aside
 
 __all__ = ["FORGOTTEN_KEY", "STATE_FILE_NAME", "CompilerState", "DeviceRecord",
-           "IntentRecord", "PlacementRecord", "StagedSave", "is_damage", "is_sound",
+           "IntentRecord", "PlacementRecord", "StagedSave", "StagingSave", "is_damage", "is_sound",
            "set_aside"]
 
 SCHEMA_VERSION = "4"
-log = logging.getLogger("margo.compiler.state")
-#: SQLite's result codes for a file that is not (or no longer) a sound database: CORRUPT,
-#: NOTADB. Only these make the state be set aside and rebuilt; a locked file is not damage.
-_DAMAGED_CODES = frozenset({11, 26})
-#: The state files whose pages this process has checked whole (`PRAGMA quick_check`) since
-#: it started: once per file, the later opens of a compile only fail on what they read.
-_CHECKED: set[Path] = set()
 #: The state's file beside the repository (``<repos>/compiler-state.sqlite``) in the server.
 STATE_FILE_NAME = "compiler-state.sqlite"
 #: The meta key listing the devices `CompilerState.forget` marked (JSON list of ids).
@@ -196,13 +189,13 @@ class CompilerState:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             key = self.path.absolute()
-            if key not in _CHECKED:
+            if key not in statedamage.CHECKED:
                 check = db.execute("PRAGMA quick_check").fetchall()
                 if check != [("ok",)]:
                     raise sqlite3.DatabaseError(
                         "integrity check failed: "
                         + "; ".join(str(r[0]) for r in check[:3]).replace("\n", " ")[:300])
-                _CHECKED.add(key)
+                statedamage.CHECKED.add(key)
             db.executescript(_SCHEMA)
             self._db = db
             version = self._meta("schema")
@@ -491,63 +484,36 @@ class CompilerState:
         `placements` are then only the rows to write, the others of `devices` kept (None:
         all are replaced). Why: a recompile for one intent keeps every placement, and
         rewriting them was most of its save; the compile tells which rows changed where
-        each device compiles (`compiler.device_compile.placement_changes`)."""
-        device_list = list(devices)
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
+        each device compiles (`compiler.device_compile.placement_changes`).
+
+        The same in parts: `begin_stage`."""
+        staging = self.begin_stage(snapshot)
         try:
-            restarted = set(restarted)
-            if restarted:  # read inside the transaction: `forget` may have marked more
-                marked = self._forgotten()
-                if marked & restarted:
-                    self._set_meta(FORGOTTEN_KEY, json.dumps(sorted(marked - restarted)))
-            self._save_memo(db, snapshot)
-            db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?, ?)",
-                           [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
-                             i.placement_digest) for i in intents])
-            db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
-            if dropped_placements is None:
-                db.executemany("DELETE FROM placements WHERE device_id=?",
-                               [(d.device_id,) for d in device_list])
-            else:
-                db.executemany("DELETE FROM placements WHERE device_id=? AND intent=?",
-                               dropped_placements)
-            forget = [(d,) for d in forget_devices]
-            self._save_devices(device_list, forget)
-            db.executemany(_UPSERT_PLACEMENT,  # (rows generated: 5.4 million at 1M devices)
-                           ((p.device_id, p.intent, int(p.eligible), int(p.deployed),
-                             p.ineligible_since, p.profile, int(p.waiting))
-                            for p in placements))
-            later = self._save_trees(device_list, forget, trees or {})
+            staging.write_devices(list(devices), placements, trees or {}, dropped_placements)
         except BaseException:
-            db.execute("ROLLBACK")
+            staging.rollback()
             raise
-        return StagedSave(db, later)
+        return staging.stage(intents=intents, forget_intents=forget_intents,
+                             forget_devices=forget_devices, restarted=restarted)
 
-    def _save_trees(self, written: list[DeviceRecord], forget: list[tuple[str]],
-                    trees: Mapping[str, tuple[str | None, str | Mapping[str, str]]],
-                    ) -> Mapping[str, str | Mapping[str, str]]:
-        """Write the trees with a tip, delete those of `forget` and of `written` without
-        one; the JSON text of those whose tip is to come (`StagedSave.record_tips`)."""
-        _write_trees(self._db, ((d, tip, _text_of(files))
-                                for d, (tip, files) in trees.items() if tip is not None),
-                     [(d.device_id,) for d in written if d.device_id not in trees] + forget)
-        return {d: files for d, (tip, files) in trees.items() if tip is None}
+    def begin_stage(self, snapshot: SnapshotMemo | None = None) -> StagingSave:
+        """`stage` in parts, in one transaction opened now: the device rows as a compile
+        accounts its devices (`StagingSave.write_devices`), then the rest
+        (`StagingSave.stage`). `snapshot` is saved now."""
+        return StagingSave(self, snapshot)
 
-    def _save_devices(self, written: list[DeviceRecord], forget: list[tuple[str]]) -> None:
-        """Write the records of `written` and delete those of `forget` (in that order, as
-        a device in both ends deleted), under a new id (`_DEVICES_ID`). Rows this process
-        remembered before are remembered with the changes applied, under that id: valid
-        once the transaction commits, and never if it is rolled back (the id with it)."""
-        before = self._records_version()
+    def _finish_devices(self, written: list[DeviceRecord], forget: list[tuple[str]],
+                        before: tuple[str | None, int]) -> None:
+        """After `written` were written (`StagingSave.write_devices`), delete the records
+        of `forget` (a device in both ends deleted) and name the rows anew
+        (`_DEVICES_ID`). Rows this process remembered as of `before` (`_records_version`
+        when the transaction began) are remembered with the changes applied, under that id:
+        valid once the transaction commits, and never if it is rolled back (the id with
+        it)."""
         if not written and not forget and before[0] is not None:
             return  # the rows stay as the id names them
         base = _RECORDS.get(self.path, before[0] and before)
-        db = self._db
-        db.executemany(_UPSERT_DEVICE,
-                       ((d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
-                        for d in written))
-        db.executemany("DELETE FROM devices WHERE device_id=?", forget)
+        self._db.executemany("DELETE FROM devices WHERE device_id=?", forget)
         records_id = str(uuid.uuid4())
         self._set_meta(_DEVICES_ID, records_id)
         if base is None:
@@ -586,61 +552,94 @@ _MEMO_ID = "snapshot_id"
 _MEMO: Remembered[SnapshotMemo] = Remembered()
 
 
-def is_damage(exc: BaseException) -> bool:
-    """Whether an SQLite error says the state's file is damaged (so it is to be rebuilt),
-    rather than busy or misused. A failed integrity check (`CompilerState`) has no code."""
-    if not isinstance(exc, sqlite3.DatabaseError) or isinstance(exc, sqlite3.ProgrammingError):
-        return False
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is None:
-        return not isinstance(exc, sqlite3.OperationalError)
-    return code & 0xFF in _DAMAGED_CODES
-
-
-def is_sound(path: str | Path) -> bool:
-    """Whether the state file passes SQLite's integrity check now (`PRAGMA quick_check`):
-    after an error that looks like damage, whether it came from this file at all."""
-    try:
-        db = sqlite3.connect(Path(path), isolation_level=None)
-    except sqlite3.Error:
-        return False
-    try:
-        return db.execute("PRAGMA quick_check").fetchall() == [("ok",)]
-    except sqlite3.DatabaseError:
-        return False
-    finally:
-        db.close()
-
-
-def set_aside(path: str | Path, exc: BaseException) -> Path:
-    """Move a damaged state file (and its `-wal` and `-shm`, which must not be replayed into
-    a new file) to `<name>.corrupt-<UTC time>` beside it, for a post-mortem, and say so:
-    the next open starts a new state, and the compile after it is a full one (it commits
-    nothing that has not changed). Returns where the file went."""
-    path = Path(path)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
-    number = 1
-    while aside.exists():  # set aside twice in a second: keep both
-        number += 1
-        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{number}")
-    for suffix in ("", "-wal", "-shm"):
-        source = path.with_name(path.name + suffix)
-        if source.exists():
-            os.replace(source, aside.with_name(aside.name + suffix))
-    _CHECKED.discard(path.absolute())
-    log.warning("the compiler state %s is damaged (%s): moved it to %s and starting a new "
-                "one; this compile is a full one, rebuilt from the fleet source and the "
-                "device branches (delete the moved file when it is no longer wanted)",
-                path, exc, aside.name)
-    return aside
-
-
 def _write_trees(db: sqlite3.Connection, rows: Iterable[tuple[str, str, str]],
                  deleted: list[tuple[str]]) -> None:
     """Delete the tree rows of `deleted`, then write `rows` (device id, tip, files' JSON)."""
     db.executemany("DELETE FROM device_trees WHERE device_id=?", deleted)
     db.executemany(_UPSERT_TREE, rows)
+
+
+class StagingSave:
+    """A compile's records being written into one open transaction of the state
+    (`CompilerState.begin_stage`): the rows of its devices batch by batch as the compile
+    accounts them (`write_devices`), then the rest (`stage`), which leaves the
+    `StagedSave` to commit.
+
+    Why in parts: at 100,000 devices SQLite takes about 3 s to write their rows; written
+    after the last device compiled, they took one core while the other waited; written
+    while the devices compile, they share both (`compiler.writing`)."""
+
+    def __init__(self, state: CompilerState, snapshot: SnapshotMemo | None) -> None:
+        self._state, self._db = state, state._db
+        self._db.execute("BEGIN IMMEDIATE")
+        self.pending = True
+        try:
+            #: Read before any row's trigger deletes the records' id (`_finish_devices`).
+            self._before = state._records_version()
+            state._save_memo(self._db, snapshot)
+        except BaseException:
+            self.rollback()
+            raise
+        self._written: list[DeviceRecord] = []
+        self._tipped: set[str] = set()  # devices whose tree row was written with a tip
+        self._later: dict[str, str | Mapping[str, str]] = {}
+
+    def write_devices(self, devices: list[DeviceRecord], placements: Iterable[PlacementRecord],
+                      trees: Mapping[str, tuple[str | None, str | Mapping[str, str]]],
+                      dropped: Iterable[tuple[str, str]] | None) -> None:
+        """Write these devices' records, placements and trees (as `CompilerState.stage`
+        says); a tree whose tip is None waits for `StagedSave.record_tips`."""
+        if not self.pending:
+            raise RuntimeError("this save was already staged or rolled back")
+        db = self._db
+        if dropped is None:
+            db.executemany("DELETE FROM placements WHERE device_id=?",
+                           [(d.device_id,) for d in devices])
+        else:
+            db.executemany("DELETE FROM placements WHERE device_id=? AND intent=?", dropped)
+        db.executemany(_UPSERT_DEVICE,
+                       ((d.device_id, d.caps_digest, d.compiled_at, d.tree, d.deployments)
+                        for d in devices))
+        db.executemany(_UPSERT_PLACEMENT,  # (rows generated: 5.4 million at 1M devices)
+                       ((p.device_id, p.intent, int(p.eligible), int(p.deployed),
+                         p.ineligible_since, p.profile, int(p.waiting)) for p in placements))
+        tipped = [(d, tip, _text_of(files)) for d, (tip, files) in trees.items()
+                  if tip is not None]
+        _write_trees(db, tipped, [(d.device_id,) for d in devices if d.device_id not in trees])
+        self._tipped.update(d for d, _, _ in tipped)
+        self._later.update((d, files) for d, (tip, files) in trees.items() if tip is None)
+        self._written.extend(devices)
+
+    def stage(self, *, intents: Iterable[IntentRecord], forget_intents: Iterable[str],
+              forget_devices: Iterable[str], restarted: Iterable[str] = ()) -> StagedSave:
+        """Write the rest (as `CompilerState.stage` says); the save to commit."""
+        if not self.pending:
+            raise RuntimeError("this save was already staged or rolled back")
+        state, db = self._state, self._db
+        try:
+            restarted = set(restarted)
+            if restarted:  # read inside the transaction: `forget` may have marked more
+                marked = state._forgotten()
+                if marked & restarted:
+                    state._set_meta(FORGOTTEN_KEY, json.dumps(sorted(marked - restarted)))
+            db.executemany("INSERT OR REPLACE INTO intents VALUES (?, ?, ?, ?, ?, ?)",
+                           [(i.name, i.digest, i.app_id, i.app_version, i.app_digest,
+                             i.placement_digest) for i in intents])
+            db.executemany("DELETE FROM intents WHERE name=?", [(n,) for n in forget_intents])
+            forget = [(d,) for d in forget_devices]
+            state._finish_devices(self._written, forget, self._before)
+            # A forgotten device's tree written with its tip stays (as it always has).
+            _write_trees(db, (), [f for f in forget if f[0] not in self._tipped])
+        except BaseException:
+            self.rollback()
+            raise
+        self.pending = False
+        return StagedSave(db, self._later)
+
+    def rollback(self) -> None:
+        if self.pending:
+            self.pending = False
+            self._db.execute("ROLLBACK")
 
 
 class StagedSave:

@@ -1,7 +1,8 @@
 """Write a compile: each device's result is accounted as it arrives and its commit streams
-to Git (`account_commits`); then, in a plain sequence, the state's records are staged while
-Git finishes writing the objects, the committed devices' trees get their new tips, every
-branch moves at once, and the records are committed (`write_fleet`).
+to Git (`account_commits`), its records into the state's open transaction a batch at a time;
+then, in a plain sequence, the rest of the state's records are staged while Git finishes
+writing the objects, the committed devices' trees get their new tips, every branch moves at
+once, and the records are committed (`write_fleet`).
 
 All or nothing: the branches move in one compare-and-swap (`DeviceStore.move_branches`),
 and the state is committed only once they have moved, so it never claims a tree that a
@@ -19,7 +20,14 @@ from compiler.device_compile import DeviceJob, DeviceWork, work_commit
 from compiler.gitstore import DeviceCommit, DeviceStore
 from compiler.planning import CompilePlan
 from compiler.report import CompileReport, DeviceResult
-from compiler.state import CompilerState, DeviceRecord, IntentRecord, PlacementRecord, StagedSave
+from compiler.state import (
+    CompilerState,
+    DeviceRecord,
+    IntentRecord,
+    PlacementRecord,
+    StagedSave,
+    StagingSave,
+)
 
 __all__ = ["CompileOutcomes", "account_commits", "write_fleet"]
 
@@ -30,11 +38,18 @@ _GATED = "rollout"
 _FROZEN = "frozen"
 
 
+#: Devices whose rows are written into the state at once while the compile streams
+#: (`_writing_batches`): about 40 ms of SQLite at a time, often enough to keep memory low.
+_BATCH = 1000
+
+
 @dataclass
 class CompileOutcomes:
-    """What a compile records in the state, gathered while its commits stream to Git."""
+    """What a compile records in the state, gathered while its commits stream to Git:
+    `devices`, `placements`, `dropped` and `trees` since the last batch was written
+    (`take_batch`), `forget` and `restarted` for the whole compile."""
 
-    devices: dict[str, DeviceRecord] = field(default_factory=dict)
+    devices: list[DeviceRecord] = field(default_factory=list)
     placements: list[PlacementRecord] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
     #: Devices committed with no parent (a branch of their own from nothing).
@@ -46,6 +61,12 @@ class CompileOutcomes:
     #: Device -> (its tip when unchanged, else None until Git says; its files' JSON text,
     #: `compiler.state.files_json`).
     trees: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+
+    def write_batch(self, staging: StagingSave) -> None:
+        """Write the devices accounted since the last batch into `staging`, and forget
+        them here."""
+        staging.write_devices(self.devices, self.placements, self.trees, self.dropped)
+        self.devices, self.placements, self.dropped, self.trees = [], [], [], {}
 
 
 def account_commits(jobs: list[DeviceJob], works: Iterable[DeviceWork], report: CompileReport,
@@ -89,8 +110,8 @@ def _account(job: DeviceJob, work: DeviceWork, report: CompileReport,
     report.deployments += work.file_count
     for name, base in outcome.moves:
         report.rollout_moves.setdefault(name, {})[device_id] = base
-    outcomes.devices[device_id] = DeviceRecord(device_id, job.device.digest, now,
-                                               work.tree, work.file_count)
+    outcomes.devices.append(DeviceRecord(device_id, job.device.digest, now, work.tree,
+                                         work.file_count))
     outcomes.placements.extend(work.placements_written)
     outcomes.dropped.extend((device_id, name) for name in work.placements_dropped)
     outcomes.trees[device_id] = (work.tip if work.message is None else None, work.files_json())
@@ -111,25 +132,28 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
     """
     first = next(commits, None)
     if first is None:
-        nothing = _stage(state, plan, outcomes)
+        nothing = _stage(state.begin_stage(plan.snapshot), plan, outcomes)
         nothing.record_tips({})  # a device with no tip (no branch) has no tree recorded
         _commit(nothing)
         return {}
     with store.lock():
+        staging = state.begin_stage(plan.snapshot)
         staged: list[StagedSave] = []
         try:
-            # Every commit is made once Git has the stream: staged while Git finishes its
-            # pack, on this core while Git's tail runs on the other.
+            # Every commit is made once the pack has it: the rest is staged while the pack
+            # is finished, on this core while its hashing runs on the other.
             pending = store.write_objects(
-                itertools.chain([first], commits), expected_commits=len(plan.jobs),
-                meanwhile=lambda: staged.append(_stage(state, plan, outcomes)))
+                _writing_batches(itertools.chain([first], commits), outcomes, staging),
+                expected_commits=len(plan.jobs),
+                meanwhile=lambda: staged.append(_stage(staging, plan, outcomes)))
             if not staged:
-                staged.append(_stage(state, plan, outcomes))
+                staged.append(_stage(staging, plan, outcomes))
             staged[0].record_tips(pending.new_tips)
             store.move_branches(pending)
         except BaseException:
             if staged and staged[0].pending:
                 staged[0].rollback()
+            staging.rollback()
             raise
         try:
             if on_moved is not None:
@@ -149,20 +173,28 @@ def _commit(staged: StagedSave) -> None:
         raise
 
 
-def _stage(state: CompilerState, plan: CompilePlan, outcomes: CompileOutcomes) -> StagedSave:
-    """Write the compile's records into the state, uncommitted: the trees of committed
-    devices once given their new tips (`StagedSave.record_tips`)."""
+def _writing_batches(commits: Iterator[DeviceCommit], outcomes: CompileOutcomes,
+                     staging: StagingSave) -> Iterator[DeviceCommit]:
+    """The commits, the devices accounted meanwhile written into the state's transaction
+    every `_BATCH` devices: while the other devices still compile, not after the last."""
+    for commit in commits:
+        yield commit
+        if len(outcomes.devices) >= _BATCH:
+            outcomes.write_batch(staging)
+
+
+def _stage(staging: StagingSave, plan: CompilePlan, outcomes: CompileOutcomes) -> StagedSave:
+    """Write the rest of the compile's records into the state, uncommitted: the trees of
+    committed devices once given their new tips (`StagedSave.record_tips`)."""
     records, gated, frozen = plan.records, plan.gated, plan.context.intents.frozen
     previous = plan.context.previous_intents
-    return state.stage(
+    outcomes.write_batch(staging)
+    return staging.stage(
         intents=[*(dataclasses.replace(r, digest=_GATED) if r.name in gated else r
                    for r in records.values()),
                  *_frozen_records(previous, frozen)],
         forget_intents=[n for n in previous if n not in records and n not in frozen],
-        devices=outcomes.devices.values(), placements=outcomes.placements,
-        forget_devices=outcomes.forget, snapshot=plan.snapshot,
-        restarted=outcomes.restarted,
-        trees=outcomes.trees, dropped_placements=outcomes.dropped)
+        forget_devices=outcomes.forget, restarted=outcomes.restarted)
 
 
 def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:

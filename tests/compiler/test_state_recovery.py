@@ -15,7 +15,7 @@ import pytest
 from kits.damagekit import damage_table
 from kits.fleetkit import Fleet, app, device, intent
 
-from compiler import state as state_module
+from compiler import statedamage
 from compiler.state import CompilerState, is_damage, is_sound
 
 
@@ -60,7 +60,7 @@ def test_a_damaged_page_is_found_by_the_first_open_of_a_process(
     path = fleet.repos / "compiler-state.sqlite"
     damage_table(path, "placements")
     assert not is_sound(path)
-    monkeypatch.setattr(state_module, "_CHECKED", set())  # as in a server started now
+    monkeypatch.setattr(statedamage, "CHECKED", set())  # as in a server started now
     state = CompilerState(path)
     try:
         assert state.placements_for("edge-1") == {}  # a new, empty state

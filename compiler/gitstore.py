@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import itertools
 import os
 import subprocess
@@ -444,7 +445,7 @@ class DeviceStore:
         return dict(pending.new_tips)
 
     def write_objects(self, commits: Iterable[DeviceCommit],
-                      meanwhile: Callable[[], object] | None = None, *,
+                      meanwhile: Callable[[Mapping[str, str]], object] | None = None, *,
                       expected_commits: int = 0) -> PendingMove:
         """Write every object of these commits, moving no branch: what `move_branches` then
         moves, all at once. Several commits for one device are chained in the given order.
@@ -458,9 +459,10 @@ class DeviceStore:
         (its records ready to commit the moment the branches have moved), with no callback.
         `expected_commits` (how many a generator will give at most) sizes the pack's table.
 
-        `meanwhile`, if given, runs once every commit is written, while the pack is
-        finished (read back and hashed, indexed, synced to disk) on another thread, whose
-        I/O and hashing leave the interpreter to it (not at all without commits).
+        `meanwhile`, if given, runs once every commit is written, given each device's new
+        tip, while the pack is finished (read back and hashed, indexed, synced to disk) on
+        another thread, whose I/O and hashing leave the interpreter to it (not at all
+        without commits).
         """
         if isinstance(commits, Sequence):
             for commit in commits:
@@ -485,7 +487,8 @@ class DeviceStore:
                 check_commit(commit)
                 parent = self._parent_of(commit, new_tips, old_tips)
                 new_tips[commit.device_id] = self._write_commit(writer, commit, parent)
-            writer.publish_while(meanwhile)
+            writer.publish_while(None if meanwhile is None else
+                                 functools.partial(meanwhile, new_tips))
         except OSError as exc:
             writer.discard()
             raise GitStoreError(f"writing the objects into {self.path} failed; no device "

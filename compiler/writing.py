@@ -124,17 +124,17 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
     """Write the commits and save the state, all or nothing; device id -> new tip.
 
     Locked from the first commit until the state says what was written (no lock when
-    nothing is written): write every object (the devices still compiling meanwhile), stage
-    the records while Git finishes, give the trees their new tips, move every branch,
+    nothing is written): write every object and the devices' records (the devices still
+    compiling meanwhile), stage the rest of the records and the trees' new tips while the
+    pack is finished, move every branch,
     tell `on_moved` the new tips (a server serves them from then on: a Git-source device
     sees them from the move itself), commit the records. The records are committed even
     when `on_moved` raises (the branches have moved); its exception then propagates.
     """
     first = next(commits, None)
     if first is None:
-        nothing = _stage(state.begin_stage(plan.snapshot), plan, outcomes)
-        nothing.record_tips({})  # a device with no tip (no branch) has no tree recorded
-        _commit(nothing)
+        # (a device with no tip, no branch, has no tree recorded)
+        _commit(_stage(state.begin_stage(plan.snapshot), plan, outcomes, {}))
         return {}
     with store.lock():
         staging = state.begin_stage(plan.snapshot)
@@ -145,10 +145,9 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
             pending = store.write_objects(
                 _writing_batches(itertools.chain([first], commits), outcomes, staging),
                 expected_commits=len(plan.jobs),
-                meanwhile=lambda: staged.append(_stage(staging, plan, outcomes)))
+                meanwhile=lambda tips: staged.append(_stage(staging, plan, outcomes, tips)))
             if not staged:
-                staged.append(_stage(staging, plan, outcomes))
-            staged[0].record_tips(pending.new_tips)
+                staged.append(_stage(staging, plan, outcomes, pending.new_tips))
             store.move_branches(pending)
         except BaseException:
             if staged and staged[0].pending:
@@ -183,18 +182,21 @@ def _writing_batches(commits: Iterator[DeviceCommit], outcomes: CompileOutcomes,
             outcomes.write_batch(staging)
 
 
-def _stage(staging: StagingSave, plan: CompilePlan, outcomes: CompileOutcomes) -> StagedSave:
-    """Write the rest of the compile's records into the state, uncommitted: the trees of
-    committed devices once given their new tips (`StagedSave.record_tips`)."""
+def _stage(staging: StagingSave, plan: CompilePlan, outcomes: CompileOutcomes,
+           tips: Mapping[str, str]) -> StagedSave:
+    """Write the rest of the compile's records into the state, uncommitted, the trees of
+    committed devices at their new `tips` (`StagedSave.record_tips`)."""
     records, gated, frozen = plan.records, plan.gated, plan.context.intents.frozen
     previous = plan.context.previous_intents
     outcomes.write_batch(staging)
-    return staging.stage(
+    staged = staging.stage(
         intents=[*(dataclasses.replace(r, digest=_GATED) if r.name in gated else r
                    for r in records.values()),
                  *_frozen_records(previous, frozen)],
         forget_intents=[n for n in previous if n not in records and n not in frozen],
         forget_devices=outcomes.forget, restarted=outcomes.restarted)
+    staged.record_tips(tips)
+    return staged
 
 
 def _frozen_records(previous: dict[str, IntentRecord], frozen: set[str]) -> list[IntentRecord]:

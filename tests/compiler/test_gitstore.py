@@ -623,19 +623,21 @@ def test_written_objects_move_no_branch_until_the_branches_are_moved(
 
 def test_what_runs_while_git_finishes_sees_every_commit_made(store: DeviceStore) -> None:
     """`meanwhile` runs once, after the last commit was taken from the stream and before
-    the write returns; what it raises is raised, with Git waited for and no branch moved."""
+    the write returns, given every new tip; what it raises is raised, with Git waited for
+    and no branch moved."""
     taken: list[str] = []
-    seen: list[list[str]] = []
+    seen: list[tuple[list[str], dict[str, str]]] = []
 
     def commits() -> Iterator[DeviceCommit]:
         for device_id in ("a", "b"):
             taken.append(device_id)
             yield DeviceCommit(device_id, files(1), "m\n", TS)
 
-    pending = store.write_objects(commits(), meanwhile=lambda: seen.append(list(taken)))
-    assert seen == [["a", "b"]] and set(pending.new_tips) == {"a", "b"}
+    pending = store.write_objects(
+        commits(), meanwhile=lambda tips: seen.append((list(taken), dict(tips))))
+    assert seen == [(["a", "b"], pending.new_tips)] and set(pending.new_tips) == {"a", "b"}
 
-    def fail() -> None:
+    def fail(tips: object) -> None:
         raise RuntimeError("staging failed")
 
     with pytest.raises(RuntimeError, match="staging failed"):

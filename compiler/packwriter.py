@@ -36,6 +36,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,16 +204,19 @@ class PackWriter:
         """Set the count, hash the pack, write it and its index durably, rename both."""
         self._file.flush()
         os.pwrite(self._file.fileno(), struct.pack(">I", self._table.count), 8)
-        pack_id = _hash_file(self._file)
+        index_path = self._path.with_suffix(".idx")
+        # The pack is hashed (in C, the interpreter left) while its index is written.
+        with ThreadPoolExecutor(1, thread_name_prefix="margo-pack-hash") as hashing:
+            hashed = hashing.submit(_hash_file, self._file)
+            _write_index(self._table, index_path, hashed.result,
+                         large_offsets=self._offset >= _LARGE_OFFSET)
+            pack_id = hashed.result()
         self._file.seek(0, os.SEEK_END)
         self._file.write(pack_id)
         self._file.flush()
         os.fchmod(self._file.fileno(), _READ_ONLY)
         os.fsync(self._file.fileno())
         self._file.close()
-        index_path = self._path.with_suffix(".idx")
-        _write_index(self._table, index_path, pack_id,
-                     large_offsets=self._offset >= _LARGE_OFFSET)
         name = f"pack-{pack_id.hex()}"
         os.rename(self._path, self._pack_dir / f"{name}.pack")
         os.rename(index_path, self._pack_dir / f"{name}.idx")  # readers look for the index
@@ -333,12 +337,13 @@ class _ObjectTable:
 _TAIL = struct.Struct(">QI")  # a record's offset and CRC
 
 
-def _write_index(table: _ObjectTable, path: Path, pack_id: bytes, *,
+def _write_index(table: _ObjectTable, path: Path, pack_id: Callable[[], bytes], *,
                  large_offsets: bool = True) -> None:
-    """A version 2 pack index of the table's objects, durably. The ids stream to the file
-    in order; the CRCs and offsets (8 bytes an object) wait in memory until they follow.
-    Without `large_offsets` (a pack under 2 GiB) every offset is the low half of its
-    record's, copied as it is."""
+    """A version 2 pack index of the table's objects, durably; `pack_id` is asked for the
+    pack's id once everything before it is written. The ids stream to the file in order;
+    the CRCs and offsets (8 bytes an object) wait in memory until they follow. Without
+    `large_offsets` (a pack under 2 GiB) every offset is the low half of its record's,
+    copied as it is."""
     fanout = [0] * 256
     crcs, offsets, large = bytearray(), array.array("I"), array.array("Q")
     short = bytearray()
@@ -364,7 +369,7 @@ def _write_index(table: _ObjectTable, path: Path, pack_id: bytes, *,
         out.write(crcs)
         out.write(short or offsets.tobytes())
         out.write(large.tobytes())
-        out.write(pack_id)
+        out.write(pack_id())
         out.flush()
         os.pwrite(out.fileno(), struct.pack(">256I", *itertools.accumulate(fanout)), 8)
         out.write(_hash_file(out))

@@ -162,11 +162,11 @@ def test_the_index_lists_every_object_in_order_past_2_gib_too(
         assert not table.add(oid, offset + 1, crc)  # held already: kept as it was
     want = {o: (off, crc) for o, off, crc in entries}
     path = tmp_path_factory.mktemp("index") / "x.idx"
-    _write_index(table, path, bytes(20))
+    _write_index(table, path, lambda: bytes(20))
     assert parse_index(path.read_bytes()) == want
     if all(off < 0x80000000 for _, off, _ in entries):  # a pack under 2 GiB: copied
         short = path.with_name("short.idx")
-        _write_index(table, short, bytes(20), large_offsets=False)
+        _write_index(table, short, lambda: bytes(20), large_offsets=False)
         assert short.read_bytes() == path.read_bytes()
 
 

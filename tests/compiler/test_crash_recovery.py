@@ -3,13 +3,14 @@
 In 14 real SIGKILLs around compiles one left `fleet-state.git/packed-refs.lock` behind, and
 from then on every compile on that server failed. Here a compile runs in its own process
 and SIGKILLs itself at one point of the write after another: while commits are written
-into the pack (`compiler.packwriter`), before the pack or its index is renamed into place,
-before the refs move, with `packed-refs.lock` created and empty, with the
-lock written but not yet renamed, and after the refs moved but before the compiler's state
-recorded it. (The process kills itself from inside the step: a test double of the timing
-only, since an outside SIGKILL cannot be aimed at a window of microseconds; everything
-else is the real compiler, Git and file system.) The next compile, in a fresh process,
-must succeed and leave exactly the trees of a compile that was never interrupted.
+into the pack (`compiler.packwriter`) and device rows into the state's open transaction,
+before the pack or its index is renamed into place, before the refs move, with
+`packed-refs.lock` created and empty, with the lock written but not yet renamed, and after
+the refs moved but before the compiler's state recorded it. (The process kills itself
+from inside the step: a test double of the timing only, since an outside SIGKILL cannot be
+aimed at a window of microseconds; everything else is the real compiler, Git and file
+system.) The next compile, in a fresh process, must succeed and leave exactly the trees
+of a compile that was never interrupted.
 
 Recovery removes only a lock nobody holds open that is a few seconds old
 (`compiler.stalelocks.GRACE`): the test ages what the killed process left by that much,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -29,7 +31,9 @@ from pathlib import Path
 import pytest
 from kits.fleetkit import Fleet, app, device, intent
 
+from compiler import writing
 from compiler.gitstore import GitStoreError
+from compiler.packwriter import PackWriter
 from compiler.stalelocks import GRACE, lock_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +50,18 @@ POINTS = {
                 die()
             return real(*args, **kwargs)
         w.PackWriter.add_packed = add_packed
+    """,
+    "device rows written into the state's open transaction": """
+        import compiler.state as s
+        import compiler.writing as wr
+        wr._BATCH = 2  # (12 devices: the rows go in six batches while the pack fills)
+        real, calls = s.StagingSave.write_devices, []
+        def write_devices(*args, **kwargs):
+            real(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 3:
+                die()
+        s.StagingSave.write_devices = write_devices
     """,
     "pack and index written, neither renamed": """
         import compiler.packwriter as w
@@ -182,3 +198,45 @@ def test_a_lock_a_live_process_holds_is_never_taken(tmp_path: Path) -> None:
     lock.unlink()  # the writer finishes: its lock goes with the rename
     assert not changed.compile(now=2_000_002.0).errors
     assert trees(changed) != before
+
+
+def state_rows(fleet: Fleet) -> dict[str, list[tuple[object, ...]]]:
+    db = sqlite3.connect(fleet.repos / "compiler-state.sqlite")
+    try:
+        tables = [t for (t,) in db.execute("SELECT name FROM sqlite_master "
+                                           "WHERE type = 'table' ORDER BY name")]
+        return {t: sorted(db.execute(f"SELECT * FROM {t}").fetchall(), key=repr)
+                for t in tables}
+    finally:
+        db.close()
+
+
+def test_a_write_failing_after_rows_were_staged_leaves_the_state_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device rows go into the state's transaction while the pack still fills
+    (`compiler.writing`): a write that fails after some did must roll them back with
+    everything else. (The pack's failure is a test double: a disk that fails on the
+    eighth object of a write cannot be had on demand.)"""
+    fleet = make_fleet(tmp_path / "fleet", "hello")
+    assert not fleet.compile().errors
+    before_rows, before_trees = state_rows(fleet), trees(fleet)
+    monkeypatch.setattr(writing, "_BATCH", 2)
+    real, calls = PackWriter.add_packed, []
+
+    def add_packed(self: PackWriter, packed: object) -> None:
+        calls.append(1)
+        if len(calls) == 8:
+            raise OSError(28, "No space left on device")
+        real(self, packed)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PackWriter, "add_packed", add_packed)
+    changed = make_fleet(tmp_path / "fleet", "bonjour")
+    with pytest.raises(GitStoreError, match="No space left"):
+        changed.compile(now=2_000_001.0)
+    assert len(calls) == 8
+    assert state_rows(changed) == before_rows and trees(changed) == before_trees
+    monkeypatch.setattr(PackWriter, "add_packed", real)
+    assert not changed.compile(now=2_000_002.0).errors
+    assert trees(changed) != before_trees
+    again = changed.compile(now=2_000_003.0)
+    assert (again.commits, again.errors) == (0, [])

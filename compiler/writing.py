@@ -1,8 +1,8 @@
 """Write a compile: each device's result is accounted as it arrives and its commit streams
 to Git (`account_commits`), its records into the state's open transaction a batch at a time;
-then, in a plain sequence, the rest of the state's records are staged while Git finishes
-writing the objects, the committed devices' trees get their new tips, every branch moves at
-once, and the records are committed (`write_fleet`).
+then, in a plain sequence, the rest of the state's records and the committed devices' new
+tips are staged while the pack is finished, every branch moves at once, and the records
+are committed (`write_fleet`).
 
 All or nothing: the branches move in one compare-and-swap (`DeviceStore.move_branches`),
 and the state is committed only once they have moved, so it never claims a tree that a
@@ -47,7 +47,7 @@ _BATCH = 1000
 class CompileOutcomes:
     """What a compile records in the state, gathered while its commits stream to Git:
     `devices`, `placements`, `dropped` and `trees` since the last batch was written
-    (`take_batch`), `forget` and `restarted` for the whole compile."""
+    (`write_batch`), `forget` and `restarted` for the whole compile."""
 
     devices: list[DeviceRecord] = field(default_factory=list)
     placements: list[PlacementRecord] = field(default_factory=list)
@@ -126,15 +126,14 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
     Locked from the first commit until the state says what was written (no lock when
     nothing is written): write every object and the devices' records (the devices still
     compiling meanwhile), stage the rest of the records and the trees' new tips while the
-    pack is finished, move every branch,
-    tell `on_moved` the new tips (a server serves them from then on: a Git-source device
-    sees them from the move itself), commit the records. The records are committed even
-    when `on_moved` raises (the branches have moved); its exception then propagates.
+    pack is finished, move every branch, tell `on_moved` the new tips (a server serves them
+    from then on: a Git-source device sees them from the move itself), commit the records.
+    The records are committed even when `on_moved` raises (the branches have moved); its
+    exception then propagates.
     """
     first = next(commits, None)
     if first is None:
-        # (a device with no tip, no branch, has no tree recorded)
-        _commit(_stage(state.begin_stage(plan.snapshot), plan, outcomes, {}))
+        _save_without_commits(state, plan, outcomes)
         return {}
     with store.lock():
         staging = state.begin_stage(plan.snapshot)
@@ -160,6 +159,19 @@ def write_fleet(store: DeviceStore, state: CompilerState, plan: CompilePlan,
         finally:
             _commit(staged[0])
     return dict(pending.new_tips)
+
+
+def _save_without_commits(state: CompilerState, plan: CompilePlan,
+                          outcomes: CompileOutcomes) -> None:
+    """Save the records of a compile that commits nothing (a device with no tip, no
+    branch, has no tree recorded)."""
+    staging = state.begin_stage(plan.snapshot)
+    try:
+        staged = _stage(staging, plan, outcomes, {})
+    except BaseException:
+        staging.rollback()
+        raise
+    _commit(staged)
 
 
 def _commit(staged: StagedSave) -> None:

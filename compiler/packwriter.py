@@ -328,11 +328,6 @@ class _ObjectTable:
             if bucket:
                 yield sorted(bytes(bucket[at:at + size]) for at in range(0, len(bucket), size))
 
-    def sorted_entries(self) -> Iterator[bytes]:
-        """Every object's 32 bytes (id, offset, CRC), ordered by id."""
-        for run in self.sorted_runs():
-            yield from run
-
 
 _TAIL = struct.Struct(">QI")  # a record's offset and CRC
 

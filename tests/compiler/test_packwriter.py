@@ -177,7 +177,7 @@ def test_ids_sharing_their_leading_bits_are_told_apart() -> None:
         assert table.add(oid, n, n)
     assert all(table.has(oid) for oid in same)
     assert not table.has(bytes(8) + b"\xff" * 12)
-    assert [e[:20] for e in table.sorted_entries()] == sorted(same)
+    assert [e[:20] for run in table.sorted_runs() for e in run] == sorted(same)
 
 
 def test_an_id_spelled_across_two_records_is_not_held() -> None:
@@ -200,7 +200,7 @@ def test_a_table_sized_for_none_grows_and_keeps_every_object() -> None:
     for n, oid in enumerate(ids):
         assert table.add(oid, n, n ^ 0xFFFF)
     assert table.count == len(ids) and all(table.has(oid) for oid in ids[::97])
-    entries = list(table.sorted_entries())
+    entries = [entry for run in table.sorted_runs() for entry in run]
     assert [e[:20] for e in entries] == sorted(ids)
     assert {e[:20]: struct.unpack(">QI", e[20:]) for e in entries} == {
         oid: (n, n ^ 0xFFFF) for n, oid in enumerate(ids)}

@@ -38,6 +38,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from compiler.compilation import CompileReport, resolve_intents
@@ -55,7 +56,12 @@ from wfm.fleet.freshness import status_for_current
 from wfm.identity.operators import Operator
 from wfm.store import records
 from wfm.store.database import Connection, Database
-from wfm.store.fleet_rows import load_rollouts, save_rollout, status_verdicts
+from wfm.store.fleet_rows import (
+    load_rollout_texts,
+    replace_rollout,
+    rollout_text,
+    status_verdicts,
+)
 
 __all__ = ["ACTIONS", "ACTIVE", "RolloutController", "RolloutError", "Served", "actions_for",
            "served_from"]
@@ -67,6 +73,9 @@ RECHECK_SECONDS = 5.0
 _HISTORY = 200
 #: Where a device of an open wave that has not installed the new revision stands.
 _UNAVAILABLE = ("pending", "failed", "stale")
+#: How often a rollout's read-change-write is tried again after another writer changed the
+#: rollout in between (`replace_rollout`): operators act seconds apart, so more is a fault.
+_ATTEMPTS = 20
 
 
 #: The operator actions, each with the rollout states it applies in (`RolloutController.act`).
@@ -119,20 +128,32 @@ class RolloutController:
 
     def plans(self, source: FleetSource, now: float | None = None) -> dict[str, RolloutPlan]:
         """Move every rollout on as far as the reports and the clock allow; the plans of
-        those not complete (`compile_fleet(rollouts=)`)."""
+        those not complete (`compile_fleet(rollouts=)`). A rollout another writer changed
+        while it was evaluated (an operator's pause) is evaluated again as it now stands."""
         now = time.time() if now is None else now
         resolved = resolve_intents(source)
-        stored = self._db.read(load_rollouts)
+        for _ in range(_ATTEMPTS):
+            plans, changed = self._evaluate_all(resolved.usable, now)
+            if not changed or self._db.write_sync(partial(_replace_rollouts, changed)):
+                self._given = plans
+                return plans
+        raise RuntimeError(f"the rollouts changed under {_ATTEMPTS} evaluations in a row")
+
+    def _evaluate_all(self, usable: dict[str, Any], now: float
+                      ) -> tuple[dict[str, RolloutPlan],
+                                 dict[str, tuple[str | None, dict[str, Any]]]]:
+        """Every rollout moved on from its stored state: the plans of those not complete,
+        and the states that changed, each with the text it was read as."""
+        stored = self._db.read(load_rollout_texts)
         plans: dict[str, RolloutPlan] = {}
-        changed: dict[str, dict[str, Any]] = {}
+        changed: dict[str, tuple[str | None, dict[str, Any]]] = {}
         self.next_due = None
-        for name, (intent, app) in sorted(resolved.usable.items()):
+        for name, (intent, app) in sorted(usable.items()):
             if intent.rollout is None:
                 continue
             revision = data_digest({"intent": intent.rollout_digest, "app": app.digest})
-            state = stored.get(name)
-            before = json.dumps(state, sort_keys=True)
-            state = _started(state, revision, now)
+            before = stored.get(name)
+            state = _started(None if before is None else json.loads(before), revision, now)
             state["intent"] = name
             if state["status"] in ACTIVE:
                 self._evaluate(state, intent.rollout, now)
@@ -140,19 +161,16 @@ class RolloutController:
                 # Status reports ask for compiles, but one may reach a replica that has not
                 # seen the rollout start yet: look again soon whatever happens.
                 self._due(now + RECHECK_SECONDS)
-            if json.dumps(state, sort_keys=True) != before:
+            if rollout_text(state) != before:
                 state["updatedAt"] = now
-                changed[name] = state
+                changed[name] = (before, state)
             if state["status"] != "complete":
                 capped = unavailable_limit(intent.rollout, len(state.get("waves", {})))
                 plans[name] = RolloutPlan(
                     revision, state["status"], int(state["openWave"]), dict(state["base"]),
                     state.get("reason", ""),
                     admitted=None if capped is None else frozenset(state.get("admitted", {})))
-        if changed:
-            self._db.write_sync(lambda conn: _save_rollouts(conn, changed))
-        self._given = plans
-        return plans
+        return plans, changed
 
     def after_compile(self, report: CompileReport) -> None:
         """Remember each rollout's waves, the bases of the devices the compile moved, and
@@ -161,22 +179,19 @@ class RolloutController:
             return
         given = self._given
 
+        def record(name: str, waves: dict[str, int], state: dict[str, Any]) -> None:
+            state["waves"] = dict(sorted(waves.items()))
+            for device, base in report.rollout_moves.get(name, {}).items():
+                state["base"].setdefault(device, base)
+            plan = given.get(name)
+            if plan is not None and plan.revision == state["revision"] and "moved" in state:
+                moved = set(state["moved"])
+                moved.update(d for d, w in waves.items() if plan.is_open(w, d))
+                state["moved"] = sorted(moved)
+
         def update(conn: Connection) -> None:
-            stored = load_rollouts(conn)
             for name, waves in report.rollout_waves.items():
-                state = stored.get(name)
-                if state is None:
-                    continue
-                state["waves"] = dict(sorted(waves.items()))
-                for device, base in report.rollout_moves.get(name, {}).items():
-                    state["base"].setdefault(device, base)
-                plan = given.get(name)
-                if plan is not None and plan.revision == state["revision"] and \
-                        "moved" in state:
-                    moved = set(state["moved"])
-                    moved.update(d for d, w in waves.items() if plan.is_open(w, d))
-                    state["moved"] = sorted(moved)
-                save_rollout(conn, name, state)
+                _change_rollout(conn, name, partial(record, name, waves))
 
         self._db.write_sync(update)
 
@@ -338,10 +353,7 @@ class RolloutController:
         if action not in allowed:
             raise RolloutError(f"unknown action {action!r} (pause, resume or abort)")
 
-        def change(conn: Connection) -> dict[str, Any]:
-            state = load_rollouts(conn).get(name)
-            if state is None:
-                raise RolloutError(f"intent {name!r} has no rollout")
+        def change(state: dict[str, Any]) -> None:
             if state["status"] not in allowed[action]:
                 raise RolloutError(f"the rollout of {name!r} is {state['status']}; "
                                    f"{action} needs it {' or '.join(allowed[action])}")
@@ -351,11 +363,39 @@ class RolloutController:
                 state["reason"] = ("aborted by an operator" if by is None
                                    else f"aborted by {by.name}")
             state["updatedAt"] = now
-            save_rollout(conn, name, state)
+
+        def act_on(conn: Connection) -> dict[str, Any]:
+            state = _change_rollout(conn, name, change)
+            if state is None:
+                raise RolloutError(f"intent {name!r} has no rollout")
             return state
 
-        result: dict[str, Any] = self._db.write_sync(change)
+        result: dict[str, Any] = self._db.write_sync(act_on)
         return result
+
+
+def _replace_rollouts(changed: dict[str, tuple[str | None, dict[str, Any]]],
+                      conn: Connection) -> bool:
+    """Every changed rollout stored over the text it was read as; whether all were (one
+    that another writer changed meanwhile keeps that writer's state)."""
+    return all([replace_rollout(conn, name, before, state)
+                for name, (before, state) in changed.items()])
+
+
+def _change_rollout(conn: Connection, name: str,
+                    change: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+    """Read the rollout of intent `name`, `change` it in place and write it back, again from
+    the row as it then stands if another writer changed it in between (another replica's;
+    `replace_rollout`). The state written; None: no rollout."""
+    for _ in range(_ATTEMPTS):
+        before = load_rollout_texts(conn).get(name)
+        if before is None:
+            return None
+        state: dict[str, Any] = json.loads(before)
+        change(state)
+        if replace_rollout(conn, name, before, state):
+            return state
+    raise RuntimeError(f"the rollout of {name!r} changed under {_ATTEMPTS} writes in a row")
 
 
 def _started_at(state: dict[str, Any], device: str, wave: int, now: float) -> float:
@@ -383,9 +423,3 @@ def _started(state: dict[str, Any] | None, revision: str, now: float) -> dict[st
             "base": dict(state["base"]) if superseding else {}, "reason": "",
             "history": [], "startedAt": now, "moved": [], "admitted": {}, "verdicts": None,
             "superseded": state["revision"] if superseding else None}
-
-
-def _save_rollouts(conn: Connection, changed: dict[str, dict[str, Any]]) -> None:
-    """Every intent's changed rollout state, in one write."""
-    for name, state in changed.items():
-        save_rollout(conn, name, state)

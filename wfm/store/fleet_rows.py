@@ -21,8 +21,10 @@ __all__ = [
     "gauge_statuses",
     "id_lists",
     "lead_marks_in_flight",
+    "load_rollout_texts",
     "load_rollouts",
-    "save_rollout",
+    "replace_rollout",
+    "rollout_text",
     "save_source_condition",
     "source_condition",
     "status_verdicts",
@@ -31,14 +33,36 @@ __all__ = [
 
 def load_rollouts(conn: Connection) -> dict[str, dict[str, Any]]:
     """Every staged rollout's state, by intent."""
-    return {row[0]: json.loads(row[1]) for row in conn.execute(
+    return {name: json.loads(text) for name, text in load_rollout_texts(conn).items()}
+
+
+def load_rollout_texts(conn: Connection) -> dict[str, str]:
+    """Every staged rollout's state as stored, by intent: what `replace_rollout` expects."""
+    return {row[0]: row[1] for row in conn.execute(
         "SELECT intent, state FROM rollouts ORDER BY intent")}
 
 
-def save_rollout(conn: Connection, name: str, state: dict[str, Any]) -> None:
-    conn.execute("INSERT INTO rollouts (intent, state) VALUES (?, ?) ON CONFLICT (intent) "
-                 "DO UPDATE SET state = excluded.state",
-                 (name, json.dumps(state, sort_keys=True)))
+def rollout_text(state: dict[str, Any]) -> str:
+    """A rollout's state as it is stored (keys sorted, so equal states store equal text)."""
+    return json.dumps(state, sort_keys=True)
+
+
+def replace_rollout(conn: Connection, name: str, expected: str | None,
+                    state: dict[str, Any]) -> bool:
+    """Store `state` for intent `name` only if its row still holds `expected` (None: no row
+    yet); whether it did. Rollouts are read, changed and written back by the compiling
+    replica and by operators on any replica: a write that checked nothing would lose
+    whichever change committed in between (a pause overwritten by an evaluation that read
+    the rollout just before it). The comparison is part of the statement, so it holds on
+    PostgreSQL too, where a concurrent writer's commit is seen by the row's re-check."""
+    text = rollout_text(state)
+    if expected is None:
+        cursor = conn.execute("INSERT INTO rollouts (intent, state) VALUES (?, ?) "
+                              "ON CONFLICT (intent) DO NOTHING", (name, text))
+    else:
+        cursor = conn.execute("UPDATE rollouts SET state = ? WHERE intent = ? AND state = ?",
+                              (text, name, expected))
+    return cursor.rowcount == 1
 
 
 def status_verdicts(conn: Connection) -> dict[str, tuple[str, str | None]]:

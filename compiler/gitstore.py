@@ -57,6 +57,7 @@ from typing import IO, ClassVar, cast
 import pygit2
 
 from compiler.branchset import carry_components
+from compiler.forkgate import init_bare_repository
 from compiler.gitformat import (
     DEVICE_ID_PATTERN,
     DEVICE_REF_PREFIX,
@@ -204,7 +205,7 @@ class DeviceStore:
             if not create:
                 raise GitStoreError(f"no fleet-state repository at {self.path}")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            return pygit2.init_repository(str(self.path), bare=True)
+            return init_bare_repository(self.path)
         try:
             repo = pygit2.Repository(str(self.path))
         except pygit2.GitError as exc:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from compiler.forkgate import FORK_GATE
+import compiler.forkgate  # noqa: F401  (its at-fork hook gates the pool's forks)
 from margo.heap import resident_and_available
 
 __all__ = ["FORK_MEMORY_SHARE", "PARALLEL_DEVICES", "PARALLEL_TARGETING", "PARALLEL_THRESHOLD",
@@ -174,8 +174,8 @@ def _pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
     stopping = context.Event()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
     try:
-        with FORK_GATE:  # no other thread inside libgit2 (`compiler.forkgate`)
-            pool = context.Pool(processes, initializer=_worker_start, initargs=(stopping,))
+        # (Each fork waits for no other thread to be inside libgit2: `compiler.forkgate`.)
+        pool = context.Pool(processes, initializer=_worker_start, initargs=(stopping,))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     _widen_results_pipe(pool)

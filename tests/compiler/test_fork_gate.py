@@ -6,6 +6,7 @@ read. Real pygit2 walks of a real repository, real forked workers."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import subprocess
 import threading
 import time
@@ -58,3 +59,38 @@ def test_workers_are_not_forked_while_a_walk_step_runs() -> None:
         assert worker.is_alive() and not multiprocessing.active_children()
     worker.join(timeout=60)
     assert not worker.is_alive() and results == [0, 2, 4, 6]
+
+
+def _exit_at_once() -> None:
+    pass
+
+
+def test_every_fork_waits_for_the_gate_whoever_makes_it() -> None:
+    """No caller can wrap the fork `multiprocessing`'s pool makes from its own thread to
+    replace a worker that died (`Process.start`, as here): the at-fork hook gates it. (The
+    pool itself is not used: a worker killed while idle takes the task queue's lock with it,
+    and the pool then hangs whatever the gate does.)"""
+    started: list[int] = []
+
+    def start_a_process() -> None:
+        process = multiprocessing.get_context("fork").Process(target=_exit_at_once)
+        process.start()
+        started.append(process.pid or 0)
+        process.join(timeout=30)
+
+    with FORK_GATE:  # as a thread inside a walk step holds it
+        thread = threading.Thread(target=start_a_process)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive() and not started
+    thread.join(timeout=60)
+    assert not thread.is_alive() and started
+
+
+def test_a_forked_child_can_take_the_gate_itself() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if FORK_GATE.acquire(timeout=10) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not FORK_GATE.locked()  # the parent's is free again too

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pygit2
 
+from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import LooseRefsError, move_refs
 from margo.files import write_atomically
 from wfm.store.replica_rows import Snapshot
@@ -63,7 +64,7 @@ class RepoReplica:
         self._listed: dict[Path, int] = {}
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            pygit2.init_repository(str(self.path), bare=True)
+            init_bare_repository(self.path)
 
     # --- the local side ----------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from compiler.decisions import (
     place_ineligible,
     shares_may_change,
 )
-from compiler.gitformat import packed_commit
+from compiler.gitformat import flat_tree_of, packed_commit
 from compiler.gitstore import DeviceCommit, DeviceStore, PackedCommit, StoredTree, tree_id_of
 from compiler.holding import decide_in_order, take_back_upgrades
 from compiler.intents import Intent
@@ -305,10 +305,11 @@ def _commit_for(ctx: CompileContext, device: Device, outcome: DeviceOutcome,
         message = (f"Restore the lost branch of {device.id}\n\nIts ref was missing from the "
                    "repository; this commit continues from the commit the compiler last "
                    "left it at.\n\n" + message)
-    tree = tree_id_of(outcome.ids)
+    flat = flat_tree_of(outcome.ids)
+    tree = flat[1].hex()
     tip = None if stored is None else stored.commit
-    packed = (packed_commit(device.id, outcome.files, outcome.ids, tip, message,
-                            int(ctx.now), DeviceStore.AUTHOR) if ctx.pack_commits else None)
+    packed = (packed_commit(device.id, outcome.files, outcome.ids, tip, message, int(ctx.now),
+                            DeviceStore.AUTHOR, tree=flat) if ctx.pack_commits else None)
     if stored is None or stored.foreign:
         return DeviceWork(outcome, message, tree, 0 if stored is None else len(stored.ids),
                           tip, ids=outcome.ids, branch_lost=lost, packed=packed)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pygit2
 
-from compiler.packwriter import BLOB, COMMIT, TREE, PackedObjects, object_id
+from compiler.packwriter import BLOB, COMMIT, TREE, PackedObjects
 from margo.errors import short_repr
 from margo.identifiers import (
     MAX_DEVICE_ID,
@@ -44,6 +44,7 @@ __all__ = [
     "device_id_from_ref",
     "device_ref",
     "flat_tree",
+    "flat_tree_of",
     "packed_commit",
     "plain_files",
     "tree_entries",
@@ -224,10 +225,17 @@ def tree_id_of(ids: Mapping[str, str]) -> str:
     back after the write. Entries are ordered by the bytes of their names, as Git orders
     the entries of a tree of plain files (names are validated flat: no ``/``).
     """
+    return flat_tree_of(ids)[1].hex()
+
+
+def flat_tree_of(ids: Mapping[str, str]) -> tuple[bytes, bytes]:
+    """The raw flat tree of these blob ids (name -> hex id) and its binary id: what
+    `tree_id_of` names and `packed_commit` packs, worked out once where a compile needs
+    both (a device it commits)."""
     # Sorted as strings: UTF-8 keeps the order of code points, so it is the order of the
     # names' bytes (a name UTF-8 cannot encode fails, as it must).
     body = flat_tree({name: bytes.fromhex(oid) for name, oid in ids.items()})
-    return hashlib.sha1(b"tree %d\0%s" % (len(body), body), usedforsecurity=False).hexdigest()
+    return body, hashlib.sha1(b"tree %d\0%s" % (len(body), body), usedforsecurity=False).digest()
 
 
 #: Name -> the bytes its tree entry starts with (`tree_id_of`): a fleet's trees reuse a
@@ -435,21 +443,22 @@ def changed_tree(tree: bytes, oid_size: int, files: Mapping[str, bytes],
 
 def packed_commit(device_id: str, files: Mapping[str, bytes], ids: Mapping[str, str],
                   parent: str | None, message: str, timestamp: int,
-                  author: tuple[str, str]) -> PackedCommit:
+                  author: tuple[str, str], *,
+                  tree: tuple[bytes, bytes] | None = None) -> PackedCommit:
     """A commit's objects made and deflated: the blobs of `files`, the flat tree of `ids`
     (every file of it, name -> blob id) and the commit on `parent`. Why: a compile's worker
     processes make them, each on its own core, and the process writing the pack only
     copies them (`compiler.gitstore.DeviceStore.write_objects`, which validates the rest
-    of the commit); the names are checked here, since only the objects cross."""
+    of the commit); the names are checked here, since only the objects cross. `tree`:
+    `flat_tree_of(ids)`, when the caller has it already."""
     where = f"device {device_id!r}"
     for name in ids:
         _check_file_name(name, where)
-    tree = flat_tree({name: bytes.fromhex(oid) for name, oid in ids.items()})
-    tree_id = object_id(TREE, tree)
+    body, tree_id = flat_tree_of(ids) if tree is None else tree
     ident = f"{author[0]} <{author[1]}> {timestamp} +0000"
     objects = PackedObjects.of([
         *((BLOB, files[name], bytes.fromhex(ids[name])) for name in files),
-        (TREE, tree, tree_id),
+        (TREE, body, tree_id),
         (COMMIT, commit_object(tree_id.hex(), parent, ident, message), None)])
     return PackedCommit(objects.last_id.hex(), objects)
 

@@ -16,7 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compiler.gitformat import DeviceCommit, InvalidCommitError, packed_commit
+from compiler.gitformat import (
+    DeviceCommit,
+    InvalidCommitError,
+    flat_tree_of,
+    packed_commit,
+    tree_id_of,
+)
 from compiler.gitstore import DeviceStore, blob_id
 from compiler.packwriter import (
     BLOB,
@@ -207,10 +213,16 @@ def test_a_table_sized_for_none_grows_and_keeps_every_object() -> None:
 
 
 def packed(commit: DeviceCommit, ids: dict[str, str]) -> DeviceCommit:
-    """`commit` as a compile's worker sends it: its objects made and deflated, no files."""
-    return dataclasses.replace(commit, files={}, packed=packed_commit(
-        commit.device_id, commit.files, ids, commit.parent, commit.message, commit.timestamp,
-        DeviceStore.AUTHOR))
+    """`commit` as a compile's worker sends it: its objects made and deflated, no files,
+    the tree worked out once beforehand (`flat_tree_of`), as the compile does; packing
+    without it gives the same commit, whose tree is the one `tree_id_of` names."""
+    args = (commit.device_id, commit.files, ids, commit.parent, commit.message,
+            commit.timestamp, DeviceStore.AUTHOR)
+    flat = flat_tree_of(ids)
+    made = packed_commit(*args, tree=flat)
+    assert made.commit == packed_commit(*args).commit
+    assert flat[1].hex() == tree_id_of(ids)
+    return dataclasses.replace(commit, files={}, packed=made)
 
 
 def test_a_packed_commit_is_the_commit_written_from_its_files(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ from wfm.identity.operators import Operator
 from wfm.store import records
 from wfm.store.database import Connection, Database
 from wfm.store.fleet_rows import (
+    load_rollout_text,
     load_rollout_texts,
     replace_rollout,
     rollout_text,
@@ -377,7 +378,8 @@ class RolloutController:
 def _replace_rollouts(changed: dict[str, tuple[str | None, dict[str, Any]]],
                       conn: Connection) -> bool:
     """Every changed rollout stored over the text it was read as; whether all were (one
-    that another writer changed meanwhile keeps that writer's state)."""
+    that another writer changed meanwhile keeps that writer's state). A list, not a
+    generator: the others are stored even when one is not."""
     return all([replace_rollout(conn, name, before, state)
                 for name, (before, state) in changed.items()])
 
@@ -388,7 +390,7 @@ def _change_rollout(conn: Connection, name: str,
     the row as it then stands if another writer changed it in between (another replica's;
     `replace_rollout`). The state written; None: no rollout."""
     for _ in range(_ATTEMPTS):
-        before = load_rollout_texts(conn).get(name)
+        before = load_rollout_text(conn, name)
         if before is None:
             return None
         state: dict[str, Any] = json.loads(before)

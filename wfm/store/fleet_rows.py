@@ -21,6 +21,7 @@ __all__ = [
     "gauge_statuses",
     "id_lists",
     "lead_marks_in_flight",
+    "load_rollout_text",
     "load_rollout_texts",
     "load_rollouts",
     "replace_rollout",
@@ -40,6 +41,12 @@ def load_rollout_texts(conn: Connection) -> dict[str, str]:
     """Every staged rollout's state as stored, by intent: what `replace_rollout` expects."""
     return {row[0]: row[1] for row in conn.execute(
         "SELECT intent, state FROM rollouts ORDER BY intent")}
+
+
+def load_rollout_text(conn: Connection, name: str) -> str | None:
+    """One rollout's state as stored (None: intent `name` has none)."""
+    row = conn.execute("SELECT state FROM rollouts WHERE intent = ?", (name,)).fetchone()
+    return None if row is None else str(row[0])
 
 
 def rollout_text(state: dict[str, Any]) -> str:

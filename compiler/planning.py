@@ -116,6 +116,7 @@ def _jobs(ctx: CompileContext, snapshot: Snapshot, store: DeviceStore, state: Co
     forgotten = state.forgotten()
     lost_tips = {device_id: tip for device_id, (tip, _) in state.trees_of(lost).items()
                  if device_id not in forgotten}
+    report.restored_branches += len(lost_tips)
     return [DeviceJob(device, record, branches is None or device.id in branches,
                       lost_tips.get(device.id))
             for device, record in todo]

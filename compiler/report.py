@@ -41,6 +41,9 @@ class CompileReport:
     #: moved to the new revision with the blob each had before (for `wfm.rollouts`).
     rollout_waves: dict[str, dict[str, int]] = field(default_factory=dict)
     rollout_moves: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Devices whose lost branch this compile rebuilt on the commit it was last left at
+    #: (such a branch's new commit names a parent no other branch reaches).
+    restored_branches: int = 0
 
     @property
     def next_grace_expiry(self) -> float | None:

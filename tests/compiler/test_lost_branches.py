@@ -33,7 +33,7 @@ def drop_ref(repos: Path, ref: str) -> None:
 
 
 def test_a_lost_branch_is_rebuilt_by_a_compile_with_nothing_changed(fleet: Fleet) -> None:
-    fleet.compile()
+    assert fleet.compile().restored_branches == 0
     tree = fleet.store.tree_ids("d1")
     tip = fleet.store.tip("d1")
     assert tree and recorded_branch(fleet.repos, "d1") == tip
@@ -42,6 +42,8 @@ def test_a_lost_branch_is_rebuilt_by_a_compile_with_nothing_changed(fleet: Fleet
     assert recorded_branch(fleet.repos, "d1") == tip  # what says the state is lost
     report = fleet.compile()  # no input changed
     assert report.commits == 1
+    # (what tells a replica that the compile's own pack is not all the branch needs)
+    assert report.restored_branches == 1
     assert fleet.store.tree_ids("d1") == tree
     # The rebuilt branch continues its history: a fast-forward for a device on Git.
     newest = fleet.store.history("d1", limit=1)[0]

@@ -16,6 +16,7 @@ import pytest
 from compiler.gitstore import REPOSITORY_NAME, device_ref
 from compiler.state import CompilerState
 from tools.polling import poll_until
+from wfm.store import replica_rows
 from wfm.store.opening import open_database
 from wfm.store.pgdb import PostgresDatabase
 
@@ -105,8 +106,9 @@ def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch
     assert tip(repo, "gone") is None and tip(coordinator.serving.path, "gone") is None
     assert tip(coordinator.serving.path, "kept") == moved
     # The pack published holds the other device's new commit, nothing of the deleted one.
-    newest = db.read(lambda c: bytes(c.execute(
-        "SELECT pack FROM git_packs ORDER BY generation DESC LIMIT 1").fetchone()[0]))
+    newest = db.read(lambda c: replica_rows.read_snapshot(
+        c, "devices", replica_rows.published_generation(c, "devices") - 1,
+        dialect=db.dialect)).packs[-1].pack
     unpacked = work / "unpacked.git"
     subprocess.run(["git", "init", "-q", "--bare", str(unpacked)], check=True)
     subprocess.run(["git", f"--git-dir={unpacked}", "index-pack", "--stdin"], input=newest,

@@ -356,6 +356,7 @@ class CompileService:
         try:
             report = self._compile_with_state(source, store, repos / "compiler-state.sqlite",
                                               on_moved)
+            restored: int | None = report.restored_branches
         except Exception as exc:
             if not is_damage(exc) or is_sound(repos / "compiler-state.sqlite"):
                 raise  # (damage elsewhere, e.g. in the server's own database)
@@ -365,9 +366,11 @@ class CompileService:
             set_aside(repos / "compiler-state.sqlite", exc)
             report = self._compile_with_state(source, store, repos / "compiler-state.sqlite",
                                               on_moved)
+            restored = None  # (what the first attempt wrote is published too: look)
         if self._coordinator is not None:
             with GIT_SECONDS.labels("publish").time():
-                published = self._coordinator.publish()  # LeaseLost: logged by the loop
+                published = self._coordinator.publish(  # LeaseLost: logged by the loop
+                    restored=restored)
             if published is not None:
                 log.info("published generation %d (%d refs, %d bytes)", published.generation,
                          published.refs, published.pack_bytes)

@@ -141,6 +141,11 @@ class Coordinator:
         self.epoch: int | None = None
         self._requests_seen: int | None = None
         self._before: dict[str, str] = {}
+        #: The work repository's packs before the compile (`RepoReplica.compiled_pack`);
+        #: None: publish with `git pack-objects`.
+        self._packs_before: frozenset[str] | None = None
+        #: What the compile being published said it restored (`publish`).
+        self._restored: int | None = None
         self._stopping = threading.Event()
         self._news = News(db)
         #: When the loop last read the database (monotonic clock; -inf after a failed look).
@@ -349,6 +354,7 @@ class Coordinator:
         self.sync_source()
         self._catch_up_working()
         self._before = self.working.refs()
+        self._packs_before = self.working.pack_names()
         return self.compile_dir
 
     def _catch_up_working(self, *, compiled: bool = False) -> None:
@@ -382,20 +388,29 @@ class Coordinator:
         if not compiled and mark != (snapshot.generation, self.epoch):
             _write_state_generation(self.compile_dir, snapshot.generation, self.epoch)
 
-    def publish(self) -> Published | None:
+    def publish(self, *, restored: int | None = None) -> Published | None:
         """After a compile: publish what moved under the next generation (None: nothing
-        moved). `LeaseLost` when another replica holds the lease now."""
+        moved). `LeaseLost` when another replica holds the lease now. `restored`: how many
+        lost branches the compile restored, as its report says (None: not known, so the
+        created branches are looked at): with any, the compile's own pack is not enough
+        (`RepoReplica.compiled_pack`)."""
         epoch = self.epoch
         if epoch is None:
             raise LeaseLost(f"{self.name} no longer holds the compile lease")
+        self._restored = restored
+        if restored:
+            self._packs_before = None
         for _ in range(_PUBLISH_ATTEMPTS):
             try:
-                published = self._publish(self.working, self._before, epoch=epoch)
+                published = self._publish(self.working, self._before, epoch=epoch,
+                                          packs_before=self._packs_before)
                 break
             except _DeletedMeanwhile:
                 # What this compile wrote for a device deleted meanwhile is dropped with its
                 # branch (a compile asked for by the deletion follows); the rest is
-                # published on top of the deletion.
+                # published on top of the deletion, packed from its refs (the compile's own
+                # pack holds the deleted device's objects).
+                self._packs_before = None
                 self._catch_up_working(compiled=True)
                 after = self.working.refs()
                 self._before = {n: t for n, t in self._before.items() if n in after}
@@ -405,13 +420,16 @@ class Coordinator:
         # The state is what this compile left, in the work repository as published now.
         _write_state_generation(self.compile_dir, self.working.generation, epoch)
         self._before = self.working.refs()
+        self._packs_before = None
         self.sync()
         return published
 
-    def _publish(self, replica: RepoReplica, before: dict[str, str], *,
-                 epoch: int | None) -> Published | None:
+    def _publish(self, replica: RepoReplica, before: dict[str, str], *, epoch: int | None,
+                 packs_before: frozenset[str] | None = None) -> Published | None:
         """Publish what moved in `replica` since `before` under its next generation; with
-        `epoch`, only while the compile lease still has it."""
+        `epoch`, only while the compile lease still has it. `packs_before`: the packs
+        `replica` held before a compile, whose own pack is then published as it is when
+        it can be (`RepoReplica.compiled_pack`)."""
         after = replica.refs()
         moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
         moved.update({n: None for n in before if n not in after})
@@ -420,8 +438,7 @@ class Coordinator:
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
         pack, index = (replica.full_pack() if compact else
-                       replica.pack({n: t for n, t in moved.items() if t is not None},
-                                    before.values()))
+                       self._pack_of(replica, before, moved, packs_before))
 
         def write(conn: Any) -> int:
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
@@ -445,6 +462,20 @@ class Coordinator:
             self.serving.has_objects_of(generation)
         replica.mark_generation(generation)
         return Published(generation, len(moved), len(pack))
+
+    def _pack_of(self, replica: RepoReplica, before: dict[str, str],
+                 moved: dict[str, str | None],
+                 packs_before: frozenset[str] | None) -> tuple[bytes, bytes | None]:
+        """The pack (and index) of what `moved` reaches that `before` does not: the
+        compile's own when it is that (`RepoReplica.compiled_pack`), else packed anew."""
+        tips = {n: t for n, t in moved.items() if t is not None}
+        if packs_before is not None:
+            created = (None if self._restored == 0 else
+                       [t for n, t in tips.items() if n not in before])
+            own = replica.compiled_pack(packs_before, created)
+            if own is not None:
+                return own
+        return replica.pack(tips, before.values())
 
     # --- the fleet source (hosted, or mirrored from a remote) --------------------------
 

@@ -123,6 +123,44 @@ class RepoReplica:
     def full_pack(self) -> tuple[bytes, bytes | None]:
         return self.pack(self.refs(), ())
 
+    def pack_names(self) -> frozenset[str]:
+        """The packs in the object store (their file names, without the extension)."""
+        folder = self.path / "objects" / "pack"
+        return frozenset(p.stem for p in folder.glob("pack-*.idx")) if folder.exists() \
+            else frozenset()
+
+    def compiled_pack(self, earlier: frozenset[str], created: Iterable[str] | None
+                      ) -> tuple[bytes, bytes] | None:
+        """The one pack a compile wrote since the store held the packs `earlier`, and its
+        index, to publish as they are instead of `pack` (None: use `pack`).
+
+        Why it holds what `pack` would: a compile writes every object of its commits into
+        one pack (`compiler.packwriter`) except what the branches it builds on reach (the
+        parent, the parent's tree, kept files: published before, as `pack`'s exclusion of
+        the old tips assumes too). Three cases break that, and get `pack` instead: more
+        than one new pack or any loose object (not a compile's single write), and a
+        created branch whose first commit has a parent (a lost branch the compile restored
+        on the commit it last left: no old tip reaches that). `created`: the new branches'
+        tips, which are looked at for that; None when the compile said it restored none.
+        MEASURED (100,000 devices): `git pack-objects` re-read the compile's 383 MB pack
+        in about 11 s and wrote it out again the same size (the compile's objects are not
+        deltified, and were reused); looking at 100,000 created tips takes Git 0.6 s."""
+        folder = self.path / "objects"
+        new = sorted(self.pack_names() - earlier)
+        if len(new) != 1 or any(len(d.name) == 2 and any(d.iterdir())
+                                for d in folder.iterdir() if d.is_dir()):
+            return None
+        if created is not None and self._continued(created):
+            return None
+        base = folder / "pack" / new[0]
+        return (base.with_suffix(".pack").read_bytes(), base.with_suffix(".idx").read_bytes())
+
+    def _continued(self, tips: Iterable[str]) -> bool:
+        """Whether any of these commits has a parent."""
+        listed = "".join(f"{tip}\n" for tip in tips)
+        return bool(listed) and bool(self._git("rev-list", "--no-walk", "--min-parents=1",
+                                               "--stdin", stdin=listed.encode()).strip())
+
     # --- syncing -----------------------------------------------------------------------
 
     def apply(self, snapshot: Snapshot) -> bool:

@@ -1,0 +1,202 @@
+"""Replicas publish a compile's own pack as it is, stored in parts.
+
+`wfm.fleet.coordination.Coordinator.publish` hands the database the one pack a compile
+wrote (`wfm.fleet.replication.RepoReplica.compiled_pack`) instead of packing the new
+objects again with `git pack-objects`, and falls back to packing whenever the compile's
+pack might not hold everything the new tips reach that the old ones do not (a restored
+lost branch) or holds what must not travel (a device deleted while it compiled:
+`test_deletion_publication`). `wfm.store.replica_rows` stores every pack and index in
+parts and joins them again, on SQLite and on PostgreSQL, and still reads packs stored
+whole by earlier servers. Real Git repositories, the compiler's own writer
+(`compiler.gitstore.DeviceStore.write`), a real PostgreSQL database, and a second,
+empty repository that applies what was published, as another replica does."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pygit2
+import pytest
+
+from compiler.gitformat import DeviceCommit
+from compiler.gitstore import REPOSITORY_NAME, DeviceStore, device_ref
+from tools.polling import poll_until
+from wfm.fleet.replication import RepoReplica
+from wfm.store import replica_rows
+from wfm.store.database import Database
+from wfm.store.opening import open_database
+from wfm.store.pgdb import PostgresDatabase
+
+if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
+    from wfm.fleet.coordination import Coordinator
+
+
+@pytest.fixture
+def holder(pg_url: str, tmp_path: Path) -> Iterator[tuple[PostgresDatabase, Coordinator]]:
+    from wfm.fleet.coordination import Coordinator
+
+    db = open_database(pg_url)
+    assert isinstance(db, PostgresDatabase)
+    coordinator = Coordinator(db, tmp_path / "data", poll=0.05, name="holder")
+    coordinator.start()
+    try:
+        poll_until("the compile lease", lambda: coordinator.holding, timeout=10)
+        yield db, coordinator
+    finally:
+        coordinator.stop()
+        db.close()
+
+
+def compile_into(work: Path, commits: list[DeviceCommit]) -> Path:
+    """What a compile does to the work repository: one pack, then every branch moves.
+    The pack it wrote."""
+    folder = work / REPOSITORY_NAME / "objects" / "pack"
+    before = set(folder.glob("pack-*.pack")) if folder.exists() else set()
+    DeviceStore(work).write(commits)
+    (written,) = set(folder.glob("pack-*.pack")) - before
+    return written
+
+
+def files(device: str, text: str, **options: object) -> DeviceCommit:
+    return DeviceCommit(device, {"deployment.yaml": f"{device}: {text}\n".encode(),
+                                 "shared.yaml": b"the same for every device\n"},
+                        f"{device}: {text}", 1_700_000_000, **options)  # type: ignore[arg-type]
+
+
+def newest_pack(db: Database) -> replica_rows.PublishedPack:
+    snapshot = db.read(lambda c: replica_rows.read_snapshot(
+        c, "devices", replica_rows.published_generation(c, "devices") - 1,
+        dialect=db.dialect))
+    return snapshot.packs[-1]
+
+
+def applied_elsewhere(db: Database, tmp_path: Path) -> RepoReplica:
+    """A new replica's repository, brought to the published state from the database alone;
+    every object its refs reach is there (`git fsck --connectivity-only`)."""
+    other = RepoReplica("devices", tmp_path / "other.git")
+    assert other.apply(db.read(lambda c: replica_rows.read_snapshot(c, "devices", -1,
+                                                                    dialect=db.dialect)))
+    subprocess.run(["git", f"--git-dir={other.path}", "fsck", "--connectivity-only",
+                    "--no-dangling"], check=True, capture_output=True)
+    return other
+
+
+def test_a_compiles_own_pack_is_what_is_published(
+        holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path) -> None:
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    first = compile_into(work, [files(d, "v1") for d in ("a", "b", "c")])
+    assert coordinator.publish() is not None
+    published = newest_pack(db)
+    assert published.pack == first.read_bytes()
+    assert published.index == first.with_suffix(".idx").read_bytes()
+
+    # The next compile changes one device, on its tip, and keeps the shared file.
+    work = coordinator.prepare()
+    assert work is not None
+    tip = DeviceStore(work).tip("b")
+    second = compile_into(work, [files("b", "v2", parent=tip, parent_known=True)])
+    assert coordinator.publish() is not None
+    assert newest_pack(db).pack == second.read_bytes()
+    other = applied_elsewhere(db, tmp_path)
+    assert other.refs() == RepoReplica("devices", work / REPOSITORY_NAME).refs()
+    assert other.refs()[device_ref("b")] == DeviceStore(work).tip("b") != tip
+
+
+def test_a_restored_lost_branch_is_packed_from_its_refs(
+        holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path) -> None:
+    """The restored branch's first commit continues the commit it was last left at, which
+    no old tip reaches and the compile's pack does not hold."""
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    assert coordinator.publish() is not None
+    store = DeviceStore(work)
+    lost = store.tip("b")
+    assert lost is not None
+    subprocess.run(["git", f"--git-dir={work / REPOSITORY_NAME}", "update-ref", "-d",
+                    device_ref("b")], check=True)
+
+    work = coordinator.prepare()
+    assert work is not None
+    own = compile_into(work, [files("b", "restored", parent=lost, parent_known=True,
+                                    branch_lost=True)])
+    assert coordinator.publish() is not None
+    published = newest_pack(db)
+    assert published.pack != own.read_bytes()
+    unpacked = tmp_path / "unpacked.git"
+    pygit2.init_repository(str(unpacked), bare=True)
+    subprocess.run(["git", f"--git-dir={unpacked}", "index-pack", "--stdin"],
+                   input=published.pack, check=True, capture_output=True)
+    assert lost in pygit2.Repository(str(unpacked))
+    assert applied_elsewhere(db, tmp_path).refs()[device_ref("b")] == store.tip("b")
+
+
+def test_objects_from_elsewhere_are_packed_from_the_refs(
+        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+    """Loose objects beside the compile's pack: not a compile's single write."""
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    own = compile_into(work, [files("a", "v1")])
+    subprocess.run(["git", f"--git-dir={work / REPOSITORY_NAME}", "hash-object", "-w",
+                    "--stdin"], input=b"loose", check=True, capture_output=True)
+    assert coordinator.publish() is not None
+    assert newest_pack(db).pack != own.read_bytes()
+
+
+def test_packs_are_stored_in_parts_and_read_whole(store: Database,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pack of several parts, one stored whole as servers before parts did, and a
+    compaction that deletes the older generations' parts too."""
+    monkeypatch.setattr(replica_rows, "PART_BYTES", 1000)
+    pack, index = bytes(range(256)) * 20 + b"end", b"index" * 300
+    assert len(pack) > 5 * replica_rows.PART_BYTES
+
+    def publish(generation: int, *, compact: bool = False) -> None:
+        def write(conn: object) -> None:
+            replica_rows.publish_rows(conn, "devices", generation, pack[generation:],  # type: ignore[arg-type]
+                                      {f"refs/heads/{generation}": "0" * 40},
+                                      compact=compact, index=index)
+            replica_rows.set_counter(conn, "devices", generation)  # type: ignore[arg-type]
+        store.write_sync(write)
+
+    publish(1)
+    store.write_sync(lambda conn: conn.execute(
+        "INSERT INTO git_packs (repo, generation, pack, idx) VALUES (?, ?, ?, ?)",
+        ("devices", 2, b"PACK stored whole", None)))
+    publish(3)
+
+    def packs() -> list[tuple[int, bytes, bytes | None]]:
+        snapshot = store.read(lambda c: replica_rows.read_snapshot(c, "devices", -1,
+                                                                   dialect=store.dialect))
+        return [(p.generation, p.pack, p.index) for p in snapshot.packs]
+
+    assert packs() == [(1, pack[1:], index), (2, b"PACK stored whole", None),
+                       (3, pack[3:], index)]
+    publish(4, compact=True)
+    assert packs() == [(4, pack[4:], index)]
+    assert store.read(lambda c: c.execute(
+        "SELECT DISTINCT generation FROM git_pack_parts").fetchall()) == [(4,)]
+
+
+def test_a_compile_that_says_it_restored_a_branch_is_packed_from_its_refs(
+        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+    """The compiler's report (`CompileReport.restored_branches`) decides without looking;
+    saying none lets the compile's pack go without looking at its branches."""
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    own = compile_into(work, [files("a", "v1")])
+    assert coordinator.publish(restored=1) is not None
+    assert newest_pack(db).pack != own.read_bytes()
+    work = coordinator.prepare()
+    assert work is not None
+    own = compile_into(work, [files("b", "v1")])
+    assert coordinator.publish(restored=0) is not None
+    assert newest_pack(db).pack == own.read_bytes()

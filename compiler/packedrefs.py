@@ -33,7 +33,7 @@ from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
 __all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError", "move_refs",
-           "packed_ref_names", "ref_names"]
+           "packed_ref_names", "ref_names", "ref_targets"]
 
 PACKED_REFS = "packed-refs"
 _LOCK_SUFFIX = ".lock"
@@ -350,6 +350,29 @@ def _locked(path: Path, timeout: float) -> Iterator[int]:
         raise
     finally:
         os.close(fd)
+
+
+def ref_targets(git_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Every ref under ``refs/`` that names an object, and the object's id: a loose file
+    wins over its packed entry, as in Git; symbolic refs are left out. PackedRefsError for a
+    ``packed-refs`` not in Git's format. Why not libgit2's listing: it resolves each ref
+    again, 0.45 s for 100,000 refs where this reads one file (a replica's publication and
+    each replica's sync list a full compile's refs)."""
+    path = Path(git_dir) / PACKED_REFS
+    _, data = _read(path)
+    body = data.partition(b"\n")[2] if data.startswith(_HEADER_PREFIX) else data
+    if not _ENTRIES_RE.fullmatch(body):
+        raise PackedRefsError(_first_bad_line(data, path))
+    targets = {line[41:]: line[:40] for line in body.decode().split("\n")
+               if line and not line.startswith("^")}
+    for name in _loose_ref_names(Path(git_dir)):
+        try:
+            content = (Path(git_dir) / name).read_bytes().strip()
+        except FileNotFoundError:  # (deleted meanwhile)
+            continue
+        if _OID_RE.fullmatch(content):
+            targets[name] = content.decode()
+    return targets
 
 
 def _read(path: Path) -> tuple[FileIdentity | None, bytes]:

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compiler.packedrefs import LooseRefsError, PackedRefsError, RefMovedError, move_refs
+from compiler.packedrefs import (
+    LooseRefsError,
+    PackedRefsError,
+    RefMovedError,
+    move_refs,
+    ref_targets,
+)
 
 #: Fixed identity and dates: the same commands make the same commits in any repository.
 _ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
@@ -177,3 +183,27 @@ def test_a_ref_is_deleted_in_the_same_rewrite_only_where_it_was_expected(repo: P
     move_refs(repo, {"refs/heads/devices/x": (a, None), "refs/heads/devices/y": (b, c)})
     assert refs(repo) == {"refs/heads/devices/y": c}
     assert git(repo, "pack-refs", "--all") == "" and refs(repo) == {"refs/heads/devices/y": c}
+
+
+def test_ref_targets_are_what_git_lists(repo: Path) -> None:
+    """Packed refs (one with a peel line), a loose ref over its packed entry, a loose ref
+    of its own, and a symbolic ref left out, as `git for-each-ref` has them."""
+    a, b, c = commits(repo, 3)
+    git(repo, "tag", "-a", "-m", "t", "v1", a)
+    move_refs(repo, {"refs/heads/x": (None, a), "refs/heads/y": (None, a)})
+    git(repo, "pack-refs", "--all")
+    assert "^" in (repo / "packed-refs").read_text()
+    git(repo, "update-ref", "refs/heads/y", b)  # loose now, over its packed line
+    git(repo, "update-ref", "refs/heads/z", c)
+    git(repo, "symbolic-ref", "refs/heads/alias", "refs/heads/x")
+    expected = refs(repo)
+    del expected["refs/heads/alias"]
+    assert ref_targets(repo) == expected
+    assert ref_targets(repo)["refs/heads/y"] == b
+
+
+def test_ref_targets_refuse_a_damaged_file_with_its_line(repo: Path) -> None:
+    (a,) = commits(repo, 1)
+    (repo / "packed-refs").write_text(f"{a} refs/heads/ok\nnot a ref\n")
+    with pytest.raises(PackedRefsError, match=r"packed-refs:2: not a packed ref line"):
+        ref_targets(repo)

@@ -26,10 +26,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import pygit2
-
 from compiler.forkgate import init_bare_repository
-from compiler.packedrefs import LooseRefsError, move_refs
+from compiler.packedrefs import LooseRefsError, move_refs, ref_targets
 from margo.files import write_atomically
 from wfm.store.replica_rows import Snapshot
 
@@ -85,14 +83,8 @@ class RepoReplica:
         self._generation = generation
 
     def refs(self) -> dict[str, str]:
-        """Every direct ref under refs/ and its target."""
-        repo = pygit2.Repository(str(self.path))
-        out = {}
-        for name in repo.listall_references():
-            target = repo.references[name].target
-            if isinstance(target, pygit2.Oid):
-                out[name] = str(target)
-        return out
+        """Every direct ref under refs/ and its target (`compiler.packedrefs.ref_targets`)."""
+        return ref_targets(self.path)
 
     def _git(self, *args: str, stdin: bytes | None = None) -> bytes:
         done = subprocess.run([*_GIT, f"--git-dir={self.path}", *args], input=stdin,

@@ -200,3 +200,38 @@ def test_a_compile_that_says_it_restored_a_branch_is_packed_from_its_refs(
     own = compile_into(work, [files("b", "v1")])
     assert coordinator.publish(restored=0) is not None
     assert newest_pack(db).pack == own.read_bytes()
+
+
+def test_the_news_of_its_own_publication_reads_no_pack_back(
+        holder: tuple[PostgresDatabase, Coordinator], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync in the instant between the publication's commit and the publisher saying
+    its objects are linked in (what the news of it wakes the replica's loop to do: the
+    seam stands for that thread, which the test cannot schedule there) reads no pack of
+    that generation and applies nothing; the publisher's own sync then applies it."""
+    _db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    read: list[int] = []
+    reading = replica_rows.read_snapshot
+
+    def spy(*args: object, **options: object) -> replica_rows.Snapshot:
+        snapshot = reading(*args, **options)  # type: ignore[arg-type]
+        read.extend(p.generation for p in snapshot.packs)
+        return snapshot
+
+    monkeypatch.setattr(replica_rows, "read_snapshot", spy)
+    told = coordinator.serving.has_objects_of
+    in_between: list[bool] = []
+
+    def news_first(generation: int) -> None:
+        in_between.append(coordinator.sync())
+        told(generation)
+
+    monkeypatch.setattr(coordinator.serving, "has_objects_of", news_first)
+    published = coordinator.publish()
+    assert published is not None
+    assert in_between == [False]
+    assert published.generation not in read
+    assert coordinator.serving.generation == published.generation
+    assert coordinator.serving.refs() == RepoReplica("devices", work / REPOSITORY_NAME).refs()

@@ -235,3 +235,19 @@ def test_the_news_of_its_own_publication_reads_no_pack_back(
     assert published.generation not in read
     assert coordinator.serving.generation == published.generation
     assert coordinator.serving.refs() == RepoReplica("devices", work / REPOSITORY_NAME).refs()
+
+
+def test_a_replica_from_before_the_parts_refuses_a_parted_pack(store: Database,
+                                                               tmp_path: Path) -> None:
+    """While replicas are upgraded one at a time, one still on the previous version reads
+    the `git_packs` row alone, as a pack without its index, which it indexes: that fails,
+    so it keeps the generation it serves rather than move its refs to objects it lacks."""
+    store.write_sync(lambda conn: replica_rows.publish_rows(
+        conn, "devices", 1, b"PACK" + bytes(100), {}, compact=False, index=b"idx"))
+    pack, index = store.read(lambda c: c.execute(
+        "SELECT pack, idx FROM git_packs WHERE generation = 1").fetchone())
+    assert bytes(pack) == replica_rows.PARTED and index is None
+    older = RepoReplica("devices", tmp_path / "older.git")
+    with pytest.raises(RuntimeError, match="index-pack"):
+        older.add_objects(replica_rows.Snapshot(1, [replica_rows.PublishedPack(
+            1, bytes(pack), index)], {}))

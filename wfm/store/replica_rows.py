@@ -15,8 +15,8 @@ from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["COUNTERS", "NEWS_CHANNEL", "PART_BYTES", "PublishedPack", "Snapshot", "announce",
-           "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
+__all__ = ["COUNTERS", "NEWS_CHANNEL", "PARTED", "PART_BYTES", "PublishedPack", "Snapshot",
+           "announce", "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
            "lock_device_generation", "publish_rows", "published_generation", "published_ref",
            "read_snapshot", "request_compile", "set_counter", "take_lease",
            "try_advisory_lock", "wait_advisory_lock"]
@@ -50,6 +50,11 @@ _REFS_UPSERT = (" ON CONFLICT (repo, name) DO UPDATE SET target = excluded.targe
 #: The most bytes of a pack (or its index) one `git_pack_parts` row holds.
 PART_BYTES = 8 << 20
 _PACK_FILE, _INDEX_FILE = 0, 1
+#: What a `git_packs` row holds in place of a pack stored in parts. Not a pack: a replica
+#: of a version before the parts, still running while the others are upgraded, fails to
+#: index it and keeps serving the generation it has (instead of taking an empty pack for
+#: "no objects" and moving its refs to commits it lacks).
+PARTED = b"margo: this pack is stored in git_pack_parts (schema 14)\n"
 #: The `fleet_state` column counting each repository's generations.
 COUNTERS = {"devices": "generation", "source": "source_generation"}
 #: The PostgreSQL channel replicas are told on that a generation was published or a compile
@@ -90,13 +95,13 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str,
 
 def _read_packs(conn: Any, repo: str, generations: list[int]) -> list[PublishedPack]:
     """The packs of `generations`, each joined from its parts (`git_pack_parts`) when its
-    `git_packs` row holds none itself (a pack is never empty). Read in binary where the
-    connection can (`execute_binary`): as text every byte came as two hex digits."""
+    `git_packs` row says so (`PARTED`). Read in binary where the connection can
+    (`execute_binary`): as text every byte came as two hex digits."""
     marks = ", ".join("?" for _ in generations)
     rows = conn.execute(f"SELECT generation, pack, idx FROM git_packs WHERE repo = ? AND "
                         f"generation IN ({marks}) ORDER BY generation",
                         (repo, *generations)).fetchall()
-    parted = [int(g) for g, p, _ in rows if not p]
+    parted = [int(g) for g, p, _ in rows if bytes(p) == PARTED]
     files: dict[tuple[int, int], list[bytes]] = {}
     if parted:
         execute = getattr(conn, "execute_binary", conn.execute)
@@ -108,7 +113,7 @@ def _read_packs(conn: Any, repo: str, generations: list[int]) -> list[PublishedP
     packs = []
     for g, pack, index in rows:
         g = int(g)
-        if pack:
+        if bytes(pack) != PARTED:
             packs.append(PublishedPack(g, bytes(pack), None if index is None else bytes(index)))
         else:
             idx = files.get((g, _INDEX_FILE))
@@ -124,7 +129,7 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: bytes,
     and its index in parts (`_write_parts`), the refs that moved."""
     if pack:
         conn.execute("INSERT INTO git_packs (repo, generation, pack, idx) VALUES (?, ?, ?, ?)",
-                     (repo, generation, b"", None))
+                     (repo, generation, PARTED, None))
         _write_parts(conn, repo, generation, pack, index)
     if compact:
         for table in ("git_packs", "git_pack_parts"):

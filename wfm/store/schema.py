@@ -220,7 +220,7 @@ _PACK_INDEXES = [_both(s) for s in (
 
 _PACK_PARTS_TABLE = _both(
     # A published pack and its index in parts of at most `replica_rows.PART_BYTES` (file 0
-    # the pack, 1 its index), its `git_packs` row then holding an empty pack. Why: one
+    # the pack, 1 its index), its `git_packs` row then holding `replica_rows.PARTED`. Why: one
     # bytea of a 100,000-device compile's 383 MB pack took 8-14 s to write and 5-7 s to
     # read back (TOAST compressing it, the text protocol doubling it), and PostgreSQL
     # keeps no value over 1 GB, which a million devices' pack is.

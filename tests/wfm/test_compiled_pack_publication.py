@@ -13,6 +13,7 @@ empty repository that applies what was published, as another replica does."""
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +24,10 @@ import pytest
 
 from compiler.gitformat import DeviceCommit
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore, device_ref
+from compiler.report import CompileReport
 from tools.polling import poll_until
 from wfm.fleet.replication import RepoReplica
-from wfm.store import replica_rows
+from wfm.store import pack_rows, replica_rows
 from wfm.store.database import Database
 from wfm.store.opening import open_database
 from wfm.store.pgdb import PostgresDatabase
@@ -154,13 +156,18 @@ def test_packs_are_stored_in_parts_and_read_whole(store: Database,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A pack of several parts, one stored whole as servers before parts did, and a
     compaction that deletes the older generations' parts too."""
-    monkeypatch.setattr(replica_rows, "PART_BYTES", 1000)
-    pack, index = bytes(range(256)) * 20 + b"end", b"index" * 300
-    assert len(pack) > 5 * replica_rows.PART_BYTES
+    monkeypatch.setattr(pack_rows, "PART_BYTES", 1000)
+    index = b"index" * 300
+
+    def pack_of(generation: int) -> bytes:  # (a pack ends with its own checksum)
+        body = b"PACK" + bytes(range(256)) * 20 + bytes([generation])
+        return body + hashlib.sha1(body).digest()
+
+    assert len(pack_of(1)) > 5 * pack_rows.PART_BYTES
 
     def publish(generation: int, *, compact: bool = False) -> None:
         def write(conn: object) -> None:
-            replica_rows.publish_rows(conn, "devices", generation, pack[generation:],  # type: ignore[arg-type]
+            replica_rows.publish_rows(conn, "devices", generation, pack_of(generation),  # type: ignore[arg-type]
                                       {f"refs/heads/{generation}": "0" * 40},
                                       compact=compact, index=index)
             replica_rows.set_counter(conn, "devices", generation)  # type: ignore[arg-type]
@@ -177,29 +184,60 @@ def test_packs_are_stored_in_parts_and_read_whole(store: Database,
                                                                    dialect=store.dialect))
         return [(p.generation, p.pack, p.index) for p in snapshot.packs]
 
-    assert packs() == [(1, pack[1:], index), (2, b"PACK stored whole", None),
-                       (3, pack[3:], index)]
+    assert packs() == [(1, pack_of(1), index), (2, b"PACK stored whole", None),
+                       (3, pack_of(3), index)]
     publish(4, compact=True)
-    assert packs() == [(4, pack[4:], index)]
-    assert store.read(lambda c: c.execute(
-        "SELECT DISTINCT generation FROM git_pack_parts").fetchall()) == [(4,)]
+    assert packs() == [(4, pack_of(4), index)]
+    assert stored_parts(store) == {pack_rows.pack_id(pack_of(4))}
 
 
-def test_a_compile_that_says_it_restored_a_branch_is_packed_from_its_refs(
+def stored_parts(db: Database) -> set[str]:
+    return {str(p) for p, in db.read(lambda c: c.execute(
+        "SELECT DISTINCT pack FROM git_pack_parts").fetchall())}
+
+
+def test_a_pack_stored_as_the_branches_move_is_the_one_published(
         holder: tuple[PostgresDatabase, Coordinator]) -> None:
-    """The compiler's report (`CompileReport.restored_branches`) decides without looking;
-    saying none lets the compile's pack go without looking at its branches."""
+    """`Coordinator.stage` (the compile's `on_moved`) stores the pack before the
+    publication, which then only names it."""
     db, coordinator = holder
     work = coordinator.prepare()
     assert work is not None
-    own = compile_into(work, [files("a", "v1")])
-    assert coordinator.publish(restored=1) is not None
-    assert newest_pack(db).pack != own.read_bytes()
+    own = compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    coordinator.stage(CompileReport(revision="r"))
+    name = pack_rows.pack_id(own.read_bytes())
+    poll_until("the pack stored", lambda: stored_parts(db) == {name}, timeout=10)
+    assert db.read(lambda c: c.execute("SELECT COUNT(*) FROM git_packs").fetchone()[0]) == 0
+    published = coordinator.publish(restored=0)
+    assert published is not None
+    assert db.read(lambda c: c.execute("SELECT parts FROM git_packs WHERE generation = ?",
+                                       (published.generation,)).fetchone()[0]) == name
+    assert newest_pack(db).pack == own.read_bytes()
+
+
+def test_a_pack_stored_ahead_but_not_published_is_dropped(
+        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+    """A device deleted while the compile ran: its publication packs again without it,
+    and the stored pack (which holds the deleted device's objects) goes."""
+    from wfm.fleet.coordination import publish_deletion
+
+    db, coordinator = holder
     work = coordinator.prepare()
     assert work is not None
-    own = compile_into(work, [files("b", "v1")])
+    compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    assert coordinator.publish() is not None
+    work = coordinator.prepare()
+    assert work is not None
+    tips = {d: DeviceStore(work).tip(d) for d in ("a", "b")}
+    own = compile_into(work, [files(d, "v2", parent=tips[d], parent_known=True)
+                              for d in ("a", "b")])
+    coordinator.stage(CompileReport(revision="r"))
+    db.write_sync(lambda conn: publish_deletion(conn, ["b"]))
     assert coordinator.publish(restored=0) is not None
-    assert newest_pack(db).pack == own.read_bytes()
+    assert pack_rows.pack_id(own.read_bytes()) not in stored_parts(db)
+    named = {str(p) for p, in db.read(lambda c: c.execute(
+        "SELECT parts FROM git_packs WHERE parts IS NOT NULL").fetchall())}
+    assert stored_parts(db) == named
 
 
 def test_the_news_of_its_own_publication_reads_no_pack_back(
@@ -246,7 +284,7 @@ def test_a_replica_from_before_the_parts_refuses_a_parted_pack(store: Database,
         conn, "devices", 1, b"PACK" + bytes(100), {}, compact=False, index=b"idx"))
     pack, index = store.read(lambda c: c.execute(
         "SELECT pack, idx FROM git_packs WHERE generation = 1").fetchone())
-    assert bytes(pack) == replica_rows.PARTED and index is None
+    assert bytes(pack) == pack_rows.PARTED and index is None
     older = RepoReplica("devices", tmp_path / "older.git")
     with pytest.raises(RuntimeError, match="index-pack"):
         older.add_objects(replica_rows.Snapshot(1, [replica_rows.PublishedPack(

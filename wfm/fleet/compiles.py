@@ -352,7 +352,7 @@ class CompileService:
         is committed and the compile's objects freed after that: seconds at a million
         devices), replicas: publish (after the state is committed: it is published too)."""
         store = DeviceStore(repos)
-        on_moved = served if self._coordinator is None else None
+        on_moved = served if self._coordinator is None else self._coordinator.stage
         try:
             report = self._compile_with_state(source, store, repos / "compiler-state.sqlite",
                                               on_moved)

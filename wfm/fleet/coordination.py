@@ -47,11 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
+from compiler.report import CompileReport
 from compiler.state import CompilerState
 from margo.files import write_atomically
 from wfm.fleet.news import News
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
-from wfm.store import records, replica_rows
+from wfm.fleet.staging import Staged, StagedPack
+from wfm.store import pack_rows, records, replica_rows
 from wfm.store.database import DatabaseUnavailable
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
@@ -149,6 +151,8 @@ class Coordinator:
         self._packs_before: frozenset[str] | None = None
         #: What the compile being published said it restored (`publish`).
         self._restored: int | None = None
+        #: The pack of the compile being published, stored ahead of it (`stage`).
+        self._staging: StagedPack | None = None
         self._stopping = threading.Event()
         self._news = News(db)
         #: When the loop last read the database (monotonic clock; -inf after a failed look).
@@ -367,7 +371,30 @@ class Coordinator:
         self._catch_up_working()
         self._before = self.working.refs()
         self._packs_before = self.working.pack_names()
+        self._staging = None
         return self.compile_dir
+
+    def stage(self, report: CompileReport) -> None:
+        """As soon as a compile's branches moved (`compiler.compilation.compile_fleet`'s
+        `on_moved`, before its state is committed): work out the pack its publication will
+        name and store it, in a thread of its own (`wfm.fleet.staging`)."""
+        if self._staging is not None:
+            self._staging.take({}, None)  # (a compile again after a failed one: let it end)
+        before, packs_before = self._before, self._packs_before
+        restored = report.restored_branches
+
+        def work() -> Staged | None:
+            moved = _moved(self.working.refs(), before)
+            current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
+            if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
+                return None  # (a compaction packs every object again)
+            pack, index = self._pack_of(self.working, before, moved,
+                                        None if restored else packs_before, restored)
+            if pack:
+                self.db.write_apart(lambda c: pack_rows.stage_pack(c, REPO, pack, index))
+            return Staged(moved, restored, pack, index)
+
+        self._staging = StagedPack(work)
 
     def _catch_up_working(self, *, compiled: bool = False) -> None:
         """Bring the work repository to the newest generation, and keep the compiler's
@@ -412,10 +439,11 @@ class Coordinator:
         self._restored = restored
         if restored:
             self._packs_before = None
+        staging, self._staging = self._staging, None
         for _ in range(_PUBLISH_ATTEMPTS):
             try:
                 published = self._publish(self.working, self._before, epoch=epoch,
-                                          packs_before=self._packs_before)
+                                          packs_before=self._packs_before, staging=staging)
                 break
             except _DeletedMeanwhile:
                 # What this compile wrote for a device deleted meanwhile is dropped with its
@@ -437,20 +465,27 @@ class Coordinator:
         return published
 
     def _publish(self, replica: RepoReplica, before: dict[str, str], *, epoch: int | None,
-                 packs_before: frozenset[str] | None = None) -> Published | None:
+                 packs_before: frozenset[str] | None = None,
+                 staging: StagedPack | None = None) -> Published | None:
         """Publish what moved in `replica` since `before` under its next generation; with
         `epoch`, only while the compile lease still has it. `packs_before`: the packs
         `replica` held before a compile, whose own pack is then published as it is when
-        it can be (`RepoReplica.compiled_pack`)."""
+        it can be (`RepoReplica.compiled_pack`); `staging`: that pack stored ahead
+        (`stage`), dropped again when it is not the one published."""
         after = replica.refs()
-        moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
-        moved.update({n: None for n in before if n not in after})
+        moved = _moved(after, before)
+        staged = (None if staging is None or packs_before is None
+                  else staging.take(moved, self._restored))
         if not moved:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
-        pack, index = (replica.full_pack() if compact else
-                       self._pack_of(replica, before, moved, packs_before))
+        if compact:
+            pack, index = replica.full_pack()
+        elif staged is not None:
+            pack, index = staged.pack, staged.index
+        else:
+            pack, index = self._pack_of(replica, before, moved, packs_before, self._restored)
 
         def write(conn: Any) -> int:
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
@@ -462,7 +497,8 @@ class Coordinator:
             generation = published + 1
             replica_rows.publish_rows(conn, replica.repo, generation, pack,
                                       after if compact else moved, compact=compact,
-                                      index=index)
+                                      index=index,
+                                      discarded=staging is not None and staged is None)
             replica_rows.set_counter(conn, replica.repo, generation)
             replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation
@@ -480,14 +516,15 @@ class Coordinator:
         replica.mark_generation(generation)
         return Published(generation, len(moved), len(pack))
 
-    def _pack_of(self, replica: RepoReplica, before: dict[str, str],
-                 moved: dict[str, str | None],
-                 packs_before: frozenset[str] | None) -> tuple[bytes, bytes | None]:
+    @staticmethod
+    def _pack_of(replica: RepoReplica, before: dict[str, str], moved: dict[str, str | None],
+                 packs_before: frozenset[str] | None,
+                 restored: int | None) -> tuple[bytes, bytes | None]:
         """The pack (and index) of what `moved` reaches that `before` does not: the
         compile's own when it is that (`RepoReplica.compiled_pack`), else packed anew."""
         tips = {n: t for n, t in moved.items() if t is not None}
         if packs_before is not None:
-            created = (None if self._restored == 0 else
+            created = (None if restored == 0 else
                        [t for n, t in tips.items() if n not in before])
             own = replica.compiled_pack(packs_before, created)
             if own is not None:
@@ -549,6 +586,13 @@ def _request_compile(conn: Any) -> None:
     """A compile request, announced to the holder (`wfm.fleet.news`)."""
     replica_rows.request_compile(conn)
     replica_rows.announce(conn, "compile")
+
+
+def _moved(after: dict[str, str], before: dict[str, str]) -> dict[str, str | None]:
+    """The refs that moved from `before` to `after` (None: deleted)."""
+    moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
+    moved.update({n: None for n in before if n not in after})
+    return moved
 
 
 def _devices(refs: dict[str, str | None]) -> frozenset[str]:

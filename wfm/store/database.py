@@ -216,6 +216,12 @@ class Database:
     def write_sync(self, fn: Callable[[Any], T]) -> T:
         return self.submit(fn).result()
 
+    def write_apart(self, fn: Callable[[Any], T]) -> T:
+        """A durable write in a transaction of its own, beside the writer's batches where
+        the engine allows (PostgreSQL: a connection of its own), so a long one (a compile's
+        pack, hundreds of megabytes) holds back no other write. Here: `write_sync`."""
+        return self.write_sync(fn)
+
     # --- health ------------------------------------------------------------------------
 
     def alive(self) -> bool:

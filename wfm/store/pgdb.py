@@ -168,6 +168,22 @@ class PostgresDatabase(Database):
     def _write_connection(self) -> PgConnection:
         return PgConnection(psycopg.connect(self.url, autocommit=True, **self._settings))
 
+    def write_apart(self, fn: Callable[[Any], T]) -> T:
+        """`fn` in a transaction on a connection of its own (see `Database.write_apart`)."""
+        try:
+            with psycopg.connect(self.url, autocommit=True, **self._settings) as raw:
+                conn = PgConnection(raw)
+                conn.execute("BEGIN")
+                try:
+                    result = fn(conn)
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+                return result
+        except self.unavailable as exc:
+            raise DatabaseUnavailable(f"the database is unavailable: {exc}") from exc
+
     def read(self, fn: Callable[[Any], T]) -> T:
         try:
             with self._pool.connection() as conn:

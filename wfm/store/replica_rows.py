@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from wfm.store import pack_rows
 from wfm.store.database import Connection
 
-__all__ = ["COUNTERS", "NEWS_CHANNEL", "PARTED", "PART_BYTES", "PublishedPack", "Snapshot",
-           "announce", "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
+__all__ = ["COUNTERS", "NEWS_CHANNEL", "PublishedPack", "Snapshot", "announce",
+           "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
            "lock_device_generation", "publish_rows", "published_generation", "published_ref",
            "read_snapshot", "request_compile", "set_counter", "take_lease",
            "try_advisory_lock", "wait_advisory_lock"]
@@ -47,14 +48,6 @@ _REFS_PER_STATEMENT = 500
 _REF_COLUMNS = ("repo", "name", "target", "generation")
 _REFS_UPSERT = (" ON CONFLICT (repo, name) DO UPDATE SET target = excluded.target, "
                 "generation = excluded.generation")
-#: The most bytes of a pack (or its index) one `git_pack_parts` row holds.
-PART_BYTES = 8 << 20
-_PACK_FILE, _INDEX_FILE = 0, 1
-#: What a `git_packs` row holds in place of a pack stored in parts. Not a pack: a replica
-#: of a version before the parts, still running while the others are upgraded, fails to
-#: index it and keeps serving the generation it has (instead of taking an empty pack for
-#: "no objects" and moving its refs to commits it lacks).
-PARTED = b"margo: this pack is stored in git_pack_parts (schema 14)\n"
 #: The `fleet_state` column counting each repository's generations.
 COUNTERS = {"devices": "generation", "source": "source_generation"}
 #: The PostgreSQL channel replicas are told on that a generation was published or a compile
@@ -94,47 +87,28 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str,
 
 
 def _read_packs(conn: Any, repo: str, generations: list[int]) -> list[PublishedPack]:
-    """The packs of `generations`, each joined from its parts (`git_pack_parts`) when its
-    `git_packs` row says so (`PARTED`). Read in binary where the connection can
-    (`execute_binary`): as text every byte came as two hex digits."""
-    marks = ", ".join("?" for _ in generations)
-    rows = conn.execute(f"SELECT generation, pack, idx FROM git_packs WHERE repo = ? AND "
-                        f"generation IN ({marks}) ORDER BY generation",
-                        (repo, *generations)).fetchall()
-    parted = [int(g) for g, p, _ in rows if bytes(p) == PARTED]
-    files: dict[tuple[int, int], list[bytes]] = {}
-    if parted:
-        execute = getattr(conn, "execute_binary", conn.execute)
-        for g, file, data in execute(
-                "SELECT generation, file, data FROM git_pack_parts WHERE repo = ? AND "
-                "generation IN (" + ", ".join("?" for _ in parted) + ") "
-                "ORDER BY generation, file, part", (repo, *parted)):
-            files.setdefault((int(g), int(file)), []).append(data)
-    packs = []
-    for g, pack, index in rows:
-        g = int(g)
-        if bytes(pack) != PARTED:
-            packs.append(PublishedPack(g, bytes(pack), None if index is None else bytes(index)))
-        else:
-            idx = files.get((g, _INDEX_FILE))
-            packs.append(PublishedPack(g, b"".join(files.get((g, _PACK_FILE), ())),
-                                       None if idx is None else b"".join(idx)))
-    return packs
+    """The packs of `generations` (`wfm.store.pack_rows`)."""
+    rows = conn.execute("SELECT generation, pack, idx, parts FROM git_packs WHERE repo = ? "
+                        "AND generation IN (" + ", ".join("?" for _ in generations) + ") "
+                        "ORDER BY generation", (repo, *generations)).fetchall()
+    return [PublishedPack(g, p, i) for g, p, i in pack_rows.read_packs(conn, rows, repo)]
 
 
 def publish_rows(conn: Connection, repo: str, generation: int, pack: bytes,
                  refs: Mapping[str, str | None], *, compact: bool,
-                 index: bytes | None = None) -> None:
+                 index: bytes | None = None, discarded: bool = False) -> None:
     """The rows of one publication (the caller's transaction holds the fence): the pack
-    and its index in parts (`_write_parts`), the refs that moved."""
+    and its index (in parts, `wfm.store.pack_rows`, staged before or now), the refs that
+    moved. A compaction, and a publication that drops what was staged for it
+    (`discarded`: packed again without a deleted device), delete the parts no generation
+    names."""
     if pack:
-        conn.execute("INSERT INTO git_packs (repo, generation, pack, idx) VALUES (?, ?, ?, ?)",
-                     (repo, generation, PARTED, None))
-        _write_parts(conn, repo, generation, pack, index)
+        pack_rows.name_pack(conn, repo, generation, pack, index)
     if compact:
-        for table in ("git_packs", "git_pack_parts"):
-            conn.execute(f"DELETE FROM {table} WHERE repo = ? AND generation < ?",
-                         (repo, generation))
+        conn.execute("DELETE FROM git_packs WHERE repo = ? AND generation < ?",
+                     (repo, generation))
+    if compact or discarded:
+        pack_rows.drop_unnamed_parts(conn, repo)
     moved = sorted(refs.items())
     copy = getattr(conn, "copy_binary_rows", None)
     if copy is not None and len(moved) > _REFS_PER_STATEMENT:
@@ -159,27 +133,6 @@ def _copy_refs(conn: Connection, copy: Any, rows: list[tuple[str, str, str | Non
     copy("git_refs_in", _REF_COLUMNS, ("text", "text", "text", "int8"), rows)
     conn.execute(f"INSERT INTO git_refs ({', '.join(_REF_COLUMNS)}) SELECT "
                  f"{', '.join(_REF_COLUMNS)} FROM git_refs_in" + _REFS_UPSERT)
-
-
-def _write_parts(conn: Connection, repo: str, generation: int, pack: bytes,
-                 index: bytes | None) -> None:
-    """`pack` (file 0) and `index` (file 1) as rows of at most `PART_BYTES`, through one
-    binary COPY where the connection has it (`copy_binary_rows`), else a statement each.
-    MEASURED (a 100,000-device compile's 383 MB pack, local PostgreSQL): one bytea row
-    8.2-13.7 s to write and 4.9-7.3 s to read back as text; binary COPY of 8 MiB parts
-    2.5 s, 0.85 s to read them back in binary."""
-    rows = [(repo, generation, file, number, view[start:start + PART_BYTES])
-            for file, data in ((_PACK_FILE, pack), (_INDEX_FILE, index)) if data is not None
-            for view in (memoryview(data),)
-            for number, start in enumerate(range(0, len(data), PART_BYTES))]
-    copy = getattr(conn, "copy_binary_rows", None)
-    if copy is not None:
-        copy("git_pack_parts", ("repo", "generation", "file", "part", "data"),
-             ("text", "int8", "int8", "int8", "bytea"), rows)
-        return
-    for row in rows:
-        conn.execute("INSERT INTO git_pack_parts (repo, generation, file, part, data) "
-                     "VALUES (?, ?, ?, ?, ?)", row)
 
 
 def lock_device_generation(conn: Connection) -> int:

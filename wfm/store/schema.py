@@ -218,16 +218,20 @@ _PACK_INDEXES = [_both(s) for s in (
     "ALTER TABLE git_packs ADD COLUMN idx {bytes}",
 )]
 
-_PACK_PARTS_TABLE = _both(
-    # A published pack and its index in parts of at most `replica_rows.PART_BYTES` (file 0
-    # the pack, 1 its index), its `git_packs` row then holding `replica_rows.PARTED`. Why: one
-    # bytea of a 100,000-device compile's 383 MB pack took 8-14 s to write and 5-7 s to
-    # read back (TOAST compressing it, the text protocol doubling it), and PostgreSQL
-    # keeps no value over 1 GB, which a million devices' pack is.
+_PACK_PARTS = [_both(s) for s in (
+    # A pack and its index in parts of at most `replica_rows.PART_BYTES` (file 0 the pack,
+    # 1 its index), under the pack's checksum: stored before the publication that names it
+    # (`replica_rows.stage_pack`), whose `git_packs` row then holds `replica_rows.PARTED`
+    # and the checksum in `parts`. Why: one bytea of a 100,000-device compile's 383 MB pack
+    # took 8-14 s to write and 5-7 s to read back (TOAST compressing it, the text protocol
+    # doubling it), and PostgreSQL keeps no value over 1 GB, which a million devices' pack
+    # is.
     """CREATE TABLE IF NOT EXISTS git_pack_parts (
-        repo TEXT NOT NULL, generation {int} NOT NULL, file {int} NOT NULL,
+        repo TEXT NOT NULL, pack TEXT NOT NULL, file {int} NOT NULL,
         part {int} NOT NULL, data {bytes} NOT NULL,
-        PRIMARY KEY (repo, generation, file, part))""")
+        PRIMARY KEY (repo, pack, file, part))""",
+    "ALTER TABLE git_packs ADD COLUMN parts TEXT",
+)]
 #: Packs are zlib streams already: PostgreSQL stores the parts out of line as they are
 #: instead of trying to compress each again.
 _PACK_PARTS_STORAGE = "ALTER TABLE git_pack_parts ALTER COLUMN data SET STORAGE EXTERNAL"
@@ -263,7 +267,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(13, "replicas: each published pack's index",
               tuple(s for s, _ in _PACK_INDEXES), tuple(p for _, p in _PACK_INDEXES)),
     Migration(14, "replicas: published packs stored in parts",
-              (_PACK_PARTS_TABLE[0],), (_PACK_PARTS_TABLE[1], _PACK_PARTS_STORAGE)),
+              tuple(s for s, _ in _PACK_PARTS),
+              (*(p for _, p in _PACK_PARTS), _PACK_PARTS_STORAGE)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

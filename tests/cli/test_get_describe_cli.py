@@ -4,11 +4,13 @@ row; `--watch` until Ctrl-C; a device and an intent described in full."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -168,11 +170,25 @@ def _read_lines(process: subprocess.Popen[str], lines: list[str]) -> None:
         lines.append(line.rstrip("\n"))
 
 
+@contextlib.contextmanager
+def _ctrl_c_reaches_children() -> Iterator[None]:
+    """Children started meanwhile take SIGINT as Python's default (KeyboardInterrupt) even
+    when this process inherited it ignored, as a background job of a shell without job
+    control does (`make test &` in a script): an ignored signal stays ignored across
+    `exec`, and Python then never installs its handler; a handled one starts as default."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_watch_prints_a_change_and_stops_cleanly_on_ctrl_c(cli_fleet: CliFleet) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "margo_cli.main", "get", "devices", "--watch", "--interval",
-         "0.2", "-l", "watched", *cli_fleet.server()],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _ctrl_c_reaches_children():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "margo_cli.main", "get", "devices", "--watch", "--interval",
+             "0.2", "-l", "watched", *cli_fleet.server()],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=_read_lines, args=(process, lines), daemon=True)
     reader.start()

@@ -55,6 +55,7 @@ from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
 from wfm.fleet.staging import Staged, StagedPack
 from wfm.store import pack_rows, records, replica_rows
 from wfm.store.database import DatabaseUnavailable
+from wfm.store.pack_rows import PackData
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
 
@@ -480,6 +481,8 @@ class Coordinator:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
+        pack: PackData
+        index: PackData | None
         if compact:
             pack, index = replica.full_pack()
         elif staged is not None:
@@ -519,7 +522,7 @@ class Coordinator:
     @staticmethod
     def _pack_of(replica: RepoReplica, before: dict[str, str], moved: dict[str, str | None],
                  packs_before: frozenset[str] | None,
-                 restored: int | None) -> tuple[bytes, bytes | None]:
+                 restored: int | None) -> tuple[PackData, PackData | None]:
         """The pack (and index) of what `moved` reaches that `before` does not: the
         compile's own when it is that (`RepoReplica.compiled_pack`), else packed anew."""
         tips = {n: t for n, t in moved.items() if t is not None}

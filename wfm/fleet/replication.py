@@ -18,6 +18,7 @@ database alone, so a new replica, or one whose disk was lost, needs nothing else
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import LooseRefsError, move_refs, ref_targets
 from margo.files import write_atomically
+from wfm.store.pack_rows import PackData
 from wfm.store.replica_rows import Snapshot
 
 __all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
@@ -122,7 +124,7 @@ class RepoReplica:
             else frozenset()
 
     def compiled_pack(self, earlier: frozenset[str], created: Iterable[str] | None
-                      ) -> tuple[bytes, bytes] | None:
+                      ) -> tuple[PackData, PackData] | None:
         """The one pack a compile wrote since the store held the packs `earlier`, and its
         index, to publish as they are instead of `pack` (None: use `pack`).
 
@@ -136,7 +138,8 @@ class RepoReplica:
         tips, which are looked at for that; None when the compile said it restored none.
         MEASURED (100,000 devices): `git pack-objects` re-read the compile's 383 MB pack
         in about 11 s and wrote it out again the same size (the compile's objects are not
-        deltified, and were reused); looking at 100,000 created tips takes Git 0.6 s."""
+        deltified, and were reused); looking at 100,000 created tips takes Git 0.6 s.
+        Both files come mapped into memory, not read (`_mapped`)."""
         folder = self.path / "objects"
         new = sorted(self.pack_names() - earlier)
         if len(new) != 1 or any(len(d.name) == 2 and any(d.iterdir())
@@ -145,7 +148,7 @@ class RepoReplica:
         if created is not None and self._continued(created):
             return None
         base = folder / "pack" / new[0]
-        return (base.with_suffix(".pack").read_bytes(), base.with_suffix(".idx").read_bytes())
+        return _mapped(base.with_suffix(".pack")), _mapped(base.with_suffix(".idx"))
 
     def _continued(self, tips: Iterable[str]) -> bool:
         """Whether any of these commits has a parent."""
@@ -265,6 +268,15 @@ class RepoReplica:
                 move_refs(self.path, updates)
         self.mark_generation(snapshot.generation)
         return True
+
+
+def _mapped(path: Path) -> memoryview:
+    """A file's bytes, mapped read-only into memory: the compile's pack goes to the database
+    without being read into this process first (0.24 s and 383 MB at 100,000 devices, about
+    3.8 GB at a million). Packs are never rewritten in place; one deleted meanwhile stays
+    readable through the mapping."""
+    with path.open("rb") as handle:
+        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _link_missing(found: Path, folder: Path) -> None:

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from wfm.store.pack_rows import PackData
+
 __all__ = ["Staged", "StagedPack"]
 
 log = logging.getLogger("margo.wfm.replicas")
@@ -26,8 +28,8 @@ class Staged:
 
     moved: Mapping[str, str | None]  # the refs that moved, as the pack was made for them
     restored: int | None  # the lost branches the compile said it restored
-    pack: bytes
-    index: bytes | None
+    pack: PackData
+    index: PackData | None
 
 
 class StagedPack:

@@ -94,9 +94,9 @@ def _read_packs(conn: Any, repo: str, generations: list[int]) -> list[PublishedP
     return [PublishedPack(g, p, i) for g, p, i in pack_rows.read_packs(conn, rows, repo)]
 
 
-def publish_rows(conn: Connection, repo: str, generation: int, pack: bytes,
+def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.PackData,
                  refs: Mapping[str, str | None], *, compact: bool,
-                 index: bytes | None = None, discarded: bool = False) -> None:
+                 index: pack_rows.PackData | None = None, discarded: bool = False) -> None:
     """The rows of one publication (the caller's transaction holds the fence): the pack
     and its index (in parts, `wfm.store.pack_rows`, staged before or now), the refs that
     moved. A compaction, and a publication that drops what was staged for it

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import pygit2
 import pytest
+from kits.replicakit import lease_holder
 
 from compiler.gitformat import DeviceCommit
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore, device_ref
@@ -29,7 +30,6 @@ from tools.polling import poll_until
 from wfm.fleet.replication import RepoReplica
 from wfm.store import pack_rows, replica_rows
 from wfm.store.database import Database
-from wfm.store.opening import open_database
 from wfm.store.pgdb import PostgresDatabase
 
 if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
@@ -38,18 +38,8 @@ if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
 
 @pytest.fixture
 def holder(pg_url: str, tmp_path: Path) -> Iterator[tuple[PostgresDatabase, Coordinator]]:
-    from wfm.fleet.coordination import Coordinator
-
-    db = open_database(pg_url)
-    assert isinstance(db, PostgresDatabase)
-    coordinator = Coordinator(db, tmp_path / "data", poll=0.05, name="holder")
-    coordinator.start()
-    try:
-        poll_until("the compile lease", lambda: coordinator.holding, timeout=10)
-        yield db, coordinator
-    finally:
-        coordinator.stop()
-        db.close()
+    with lease_holder(pg_url, tmp_path / "data") as held:
+        yield held
 
 
 def compile_into(work: Path, commits: list[DeviceCommit]) -> Path:

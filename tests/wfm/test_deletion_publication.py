@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from kits.replicakit import lease_holder
 
 from compiler.gitstore import REPOSITORY_NAME, device_ref
 from compiler.state import CompilerState
 from tools.polling import poll_until
 from wfm.store import replica_rows
-from wfm.store.opening import open_database
 from wfm.store.pgdb import PostgresDatabase
 
 if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
@@ -26,18 +26,8 @@ if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
 
 @pytest.fixture
 def holder(pg_url: str, tmp_path: Path) -> Iterator[tuple[PostgresDatabase, object]]:
-    from wfm.fleet.coordination import Coordinator
-
-    db = open_database(pg_url)
-    assert isinstance(db, PostgresDatabase)
-    coordinator = Coordinator(db, tmp_path / "data", poll=0.05, name="holder")
-    coordinator.start()
-    try:
-        poll_until("the compile lease", lambda: coordinator.holding, timeout=10)
-        yield db, coordinator
-    finally:
-        coordinator.stop()
-        db.close()
+    with lease_holder(pg_url, tmp_path / "data") as held:
+        yield held
 
 
 def git(repo: Path, *args: str) -> str:

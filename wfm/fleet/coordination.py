@@ -150,8 +150,6 @@ class Coordinator:
         #: The work repository's packs before the compile (`RepoReplica.compiled_pack`);
         #: None: publish with `git pack-objects`.
         self._packs_before: frozenset[str] | None = None
-        #: What the compile being published said it restored (`publish`).
-        self._restored: int | None = None
         #: The pack of the compile being published, stored ahead of it (`stage`).
         self._staging: StagedPack | None = None
         self._stopping = threading.Event()
@@ -389,8 +387,7 @@ class Coordinator:
             current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
             if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
                 return None  # (a compaction packs every object again)
-            pack, index = self._pack_of(self.working, before, moved,
-                                        None if restored else packs_before, restored)
+            pack, index = self._pack_of(self.working, before, moved, packs_before, restored)
             if pack:
                 self.db.write_apart(lambda c: pack_rows.stage_pack(c, REPO, pack, index))
             return Staged(moved, restored, pack, index)
@@ -437,14 +434,12 @@ class Coordinator:
         epoch = self.epoch
         if epoch is None:
             raise LeaseLost(f"{self.name} no longer holds the compile lease")
-        self._restored = restored
-        if restored:
-            self._packs_before = None
         staging, self._staging = self._staging, None
         for _ in range(_PUBLISH_ATTEMPTS):
             try:
                 published = self._publish(self.working, self._before, epoch=epoch,
-                                          packs_before=self._packs_before, staging=staging)
+                                          packs_before=self._packs_before, staging=staging,
+                                          restored=restored)
                 break
             except _DeletedMeanwhile:
                 # What this compile wrote for a device deleted meanwhile is dropped with its
@@ -467,16 +462,18 @@ class Coordinator:
 
     def _publish(self, replica: RepoReplica, before: dict[str, str], *, epoch: int | None,
                  packs_before: frozenset[str] | None = None,
-                 staging: StagedPack | None = None) -> Published | None:
+                 staging: StagedPack | None = None,
+                 restored: int | None = None) -> Published | None:
         """Publish what moved in `replica` since `before` under its next generation; with
         `epoch`, only while the compile lease still has it. `packs_before`: the packs
         `replica` held before a compile, whose own pack is then published as it is when
         it can be (`RepoReplica.compiled_pack`); `staging`: that pack stored ahead
-        (`stage`), dropped again when it is not the one published."""
+        (`stage`), dropped again when it is not the one published; `restored`: as for
+        `publish`."""
         after = replica.refs()
         moved = _moved(after, before)
         staged = (None if staging is None or packs_before is None
-                  else staging.take(moved, self._restored))
+                  else staging.take(moved, restored))
         if not moved:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
@@ -488,7 +485,7 @@ class Coordinator:
         elif staged is not None:
             pack, index = staged.pack, staged.index
         else:
-            pack, index = self._pack_of(replica, before, moved, packs_before, self._restored)
+            pack, index = self._pack_of(replica, before, moved, packs_before, restored)
 
         def write(conn: Any) -> int:
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
@@ -524,9 +521,10 @@ class Coordinator:
                  packs_before: frozenset[str] | None,
                  restored: int | None) -> tuple[PackData, PackData | None]:
         """The pack (and index) of what `moved` reaches that `before` does not: the
-        compile's own when it is that (`RepoReplica.compiled_pack`), else packed anew."""
+        compile's own when it is that (`RepoReplica.compiled_pack`; never when the compile
+        said it restored lost branches), else packed anew."""
         tips = {n: t for n, t in moved.items() if t is not None}
-        if packs_before is not None:
+        if packs_before is not None and not restored:
             created = (None if restored == 0 else
                        [t for n, t in tips.items() if n not in before])
             own = replica.compiled_pack(packs_before, created)

@@ -43,8 +43,8 @@ def pack_id(pack: PackData) -> str:
 def stage_pack(conn: Connection, repo: str, pack: PackData, index: PackData | None) -> str:
     """Store `pack` (file 0) and `index` (file 1) in parts, unless a pack of that name is
     stored already (parts are written in one transaction: one part means all); its name.
-    Through one binary COPY where the connection has it (`copy_binary_rows`), else a
-    statement per part."""
+    Through one binary COPY where the connection has it (`copy_rows`), else a statement
+    per part."""
     name = pack_id(pack)
     if conn.execute("SELECT 1 FROM git_pack_parts WHERE repo = ? AND pack = ? AND file = ? "
                     "AND part = 0", (repo, name, _PACK_FILE)).fetchone():
@@ -53,9 +53,10 @@ def stage_pack(conn: Connection, repo: str, pack: PackData, index: PackData | No
             for file, data in ((_PACK_FILE, pack), (_INDEX_FILE, index)) if data is not None
             for view in (memoryview(data),)
             for number, start in enumerate(range(0, len(data), PART_BYTES))]
-    copy = getattr(conn, "copy_binary_rows", None)
+    copy = getattr(conn, "copy_rows", None)
     if copy is not None:
-        copy("git_pack_parts", _PART_COLUMNS, ("text", "text", "int8", "int8", "bytea"), rows)
+        copy("git_pack_parts", _PART_COLUMNS, rows,
+             types=("text", "text", "int8", "int8", "bytea"))
         return name
     for row in rows:
         conn.execute("INSERT INTO git_pack_parts (" + ", ".join(_PART_COLUMNS) + ") "
@@ -72,14 +73,11 @@ def name_pack(conn: Connection, repo: str, generation: int, pack: PackData,
                  "VALUES (?, ?, ?, ?, ?)", (repo, generation, PARTED, None, name))
 
 
-def drop_unnamed_parts(conn: Connection, repo: str, keep: frozenset[str] = frozenset()
-                       ) -> None:
+def drop_unnamed_parts(conn: Connection, repo: str) -> None:
     """Delete the parts no `git_packs` row names (a compaction's dropped generations, a
-    pack staged for a publication that did not happen), but those of `keep`."""
+    pack staged for a publication that did not happen)."""
     conn.execute("DELETE FROM git_pack_parts WHERE repo = ? AND pack NOT IN (SELECT parts "
-                 "FROM git_packs WHERE repo = ? AND parts IS NOT NULL)"
-                 + (" AND pack NOT IN (" + ", ".join("?" for _ in keep) + ")" if keep else ""),
-                 (repo, repo, *sorted(keep)))
+                 "FROM git_packs WHERE repo = ? AND parts IS NOT NULL)", (repo, repo))
 
 
 def read_packs(conn: Any, rows: list[tuple[Any, Any, Any, Any]], repo: str

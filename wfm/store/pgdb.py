@@ -112,23 +112,18 @@ class PgConnection:
     def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any]:
         return self.raw.execute(translate(sql), tuple(parameters))
 
-    def copy_rows(self, table: str, columns: Sequence[str],
-                  rows: Iterable[Sequence[Any]]) -> None:
+    def copy_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
+                  types: Sequence[str] | None = None) -> None:
         """`rows` into `table` through one `COPY ... FROM STDIN`: a bulk load in a single
         round trip (record functions that write hundreds of thousands of rows use it where
-        the connection has it; a statement per few hundred rows is the portable way)."""
+        the connection has it; a statement per few hundred rows is the portable way). With
+        `types` (each column's PostgreSQL type) in the binary format: bytes go as they are,
+        not as text (`wfm.store.pack_rows`' parts)."""
+        binary = " WITH (FORMAT BINARY)" if types is not None else ""
         with self.raw.cursor().copy(
-                f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row(row)
-
-    def copy_binary_rows(self, table: str, columns: Sequence[str], types: Sequence[str],
-                         rows: Iterable[Sequence[Any]]) -> None:
-        """`rows` into `table` through one binary `COPY` (`types`: each column's PostgreSQL
-        type): bytes go as they are, not as text (`wfm.store.replica_rows`' pack parts)."""
-        with self.raw.cursor().copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN "
-                                    "WITH (FORMAT BINARY)") as copy:
-            copy.set_types(list(types))
+                f"COPY {table} ({', '.join(columns)}) FROM STDIN{binary}") as copy:
+            if types is not None:
+                copy.set_types(list(types))
             for row in rows:
                 copy.write_row(row)
 

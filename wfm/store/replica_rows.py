@@ -110,7 +110,7 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     if compact or discarded:
         pack_rows.drop_unnamed_parts(conn, repo)
     moved = sorted(refs.items())
-    copy = getattr(conn, "copy_binary_rows", None)
+    copy = getattr(conn, "copy_rows", None)
     if copy is not None and len(moved) > _REFS_PER_STATEMENT:
         _copy_refs(conn, copy, [(repo, name, target, generation) for name, target in moved])
         return
@@ -130,7 +130,7 @@ def _copy_refs(conn: Connection, copy: Any, rows: list[tuple[str, str, str | Non
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS git_refs_in (LIKE git_refs) "
                  "ON COMMIT DELETE ROWS")
     conn.execute("DELETE FROM git_refs_in")  # (a write earlier in the same transaction)
-    copy("git_refs_in", _REF_COLUMNS, ("text", "text", "text", "int8"), rows)
+    copy("git_refs_in", _REF_COLUMNS, rows, types=("text", "text", "text", "int8"))
     conn.execute(f"INSERT INTO git_refs ({', '.join(_REF_COLUMNS)}) SELECT "
                  f"{', '.join(_REF_COLUMNS)} FROM git_refs_in" + _REFS_UPSERT)
 

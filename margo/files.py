@@ -16,7 +16,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomically"]
+__all__ = ["move_atomically", "write_atomically"]
 
 
 def write_atomically(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
@@ -35,9 +35,21 @@ def write_atomically(path: Path, data: bytes | str, *, mode: int = 0o644) -> Non
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+    _sync_folder(path.parent)
+
+
+def move_atomically(source: Path, target: Path) -> None:
+    """Rename `source` (written and fsynced by the caller, on the same file system) over
+    `target`, and fsync the folder so the rename survives a power loss: a file too large
+    to write again (a replica's pack read from the database)."""
+    os.replace(source, target)
+    _sync_folder(Path(target).parent)
+
+
+def _sync_folder(folder: Path) -> None:
     with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
-        folder = os.open(path.parent, os.O_RDONLY)
+        handle = os.open(folder, os.O_RDONLY)
         try:
-            os.fsync(folder)
+            os.fsync(handle)
         finally:
-            os.close(folder)
+            os.close(handle)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,10 +59,10 @@ def files(device: str, text: str, **options: object) -> DeviceCommit:
                         f"{device}: {text}", 1_700_000_000, **options)  # type: ignore[arg-type]
 
 
-def newest_pack(db: Database) -> replica_rows.PublishedPack:
+def newest_pack(db: Database, spool: Path) -> replica_rows.PublishedPack:
     snapshot = db.read(lambda c: replica_rows.read_snapshot(
         c, "devices", replica_rows.published_generation(c, "devices") - 1,
-        dialect=db.dialect))
+        dialect=db.dialect, spool=spool))
     return snapshot.packs[-1]
 
 
@@ -69,8 +70,9 @@ def applied_elsewhere(db: Database, tmp_path: Path) -> RepoReplica:
     """A new replica's repository, brought to the published state from the database alone;
     every object its refs reach is there (`git fsck --connectivity-only`)."""
     other = RepoReplica("devices", tmp_path / "other.git")
-    assert other.apply(db.read(lambda c: replica_rows.read_snapshot(c, "devices", -1,
-                                                                    dialect=db.dialect)))
+    with other.spooling() as spool:
+        assert other.apply(db.read(lambda c: replica_rows.read_snapshot(
+            c, "devices", -1, dialect=db.dialect, spool=spool)))
     subprocess.run(["git", f"--git-dir={other.path}", "fsck", "--connectivity-only",
                     "--no-dangling"], check=True, capture_output=True)
     return other
@@ -83,7 +85,7 @@ def test_a_compiles_own_pack_is_what_is_published(
     assert work is not None
     first = compile_into(work, [files(d, "v1") for d in ("a", "b", "c")])
     assert coordinator.publish() is not None
-    published = newest_pack(db)
+    published = newest_pack(db, tmp_path)
     assert published.pack == first.read_bytes()
     assert published.index == first.with_suffix(".idx").read_bytes()
 
@@ -93,7 +95,7 @@ def test_a_compiles_own_pack_is_what_is_published(
     tip = DeviceStore(work).tip("b")
     second = compile_into(work, [files("b", "v2", parent=tip, parent_known=True)])
     assert coordinator.publish() is not None
-    assert newest_pack(db).pack == second.read_bytes()
+    assert newest_pack(db, tmp_path).pack == second.read_bytes()
     other = applied_elsewhere(db, tmp_path)
     assert other.refs() == RepoReplica("devices", work / REPOSITORY_NAME).refs()
     assert other.refs()[device_ref("b")] == DeviceStore(work).tip("b") != tip
@@ -119,7 +121,7 @@ def test_a_restored_lost_branch_is_packed_from_its_refs(
     own = compile_into(work, [files("b", "restored", parent=lost, parent_known=True,
                                     branch_lost=True)])
     assert coordinator.publish() is not None
-    published = newest_pack(db)
+    published = newest_pack(db, tmp_path)
     assert published.pack != own.read_bytes()
     unpacked = tmp_path / "unpacked.git"
     pygit2.init_repository(str(unpacked), bare=True)
@@ -130,7 +132,7 @@ def test_a_restored_lost_branch_is_packed_from_its_refs(
 
 
 def test_objects_from_elsewhere_are_packed_from_the_refs(
-        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+        holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path) -> None:
     """Loose objects beside the compile's pack: not a compile's single write."""
     db, coordinator = holder
     work = coordinator.prepare()
@@ -139,14 +141,17 @@ def test_objects_from_elsewhere_are_packed_from_the_refs(
     subprocess.run(["git", f"--git-dir={work / REPOSITORY_NAME}", "hash-object", "-w",
                     "--stdin"], input=b"loose", check=True, capture_output=True)
     assert coordinator.publish() is not None
-    assert newest_pack(db).pack != own.read_bytes()
+    assert newest_pack(db, tmp_path).pack != own.read_bytes()
 
 
-def test_packs_are_stored_in_parts_and_read_whole(store: Database,
+def test_packs_are_stored_in_parts_and_read_whole(store: Database, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A pack of several parts, one stored whole as servers before parts did, and a
-    compaction that deletes the older generations' parts too."""
+    """A pack of several parts, read back a few parts at a time into a file (six parts in
+    reads of three: the last read finds none; the index's two in one), one stored whole as
+    servers before parts did, and a compaction that deletes the older generations' parts
+    too."""
     monkeypatch.setattr(pack_rows, "PART_BYTES", 1000)
+    monkeypatch.setattr(pack_rows, "PARTS_PER_READ", 3)
     index = b"index" * 300
 
     def pack_of(generation: int) -> bytes:  # (a pack ends with its own checksum)
@@ -170,9 +175,15 @@ def test_packs_are_stored_in_parts_and_read_whole(store: Database,
     publish(3)
 
     def packs() -> list[tuple[int, bytes, bytes | None]]:
-        snapshot = store.read(lambda c: replica_rows.read_snapshot(c, "devices", -1,
-                                                                   dialect=store.dialect))
-        return [(p.generation, p.pack, p.index) for p in snapshot.packs]
+        spool = Path(tempfile.mkdtemp(dir=tmp_path))
+        snapshot = store.read(lambda c: replica_rows.read_snapshot(
+            c, "devices", -1, dialect=store.dialect, spool=spool))
+        for p in snapshot.packs:  # in parts: spooled, the index beside the pack
+            assert p.path is None if p.generation == 2 else (
+                p.path.parent == spool and p.path.read_bytes() == p.pack
+                and p.path.with_suffix(".idx").read_bytes() == p.index)
+        return [(p.generation, bytes(p.pack), None if p.index is None else bytes(p.index))
+                for p in snapshot.packs]
 
     assert packs() == [(1, pack_of(1), index), (2, b"PACK stored whole", None),
                        (3, pack_of(3), index)]
@@ -187,7 +198,7 @@ def stored_parts(db: Database) -> set[str]:
 
 
 def test_a_pack_stored_as_the_branches_move_is_the_one_published(
-        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+        holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path) -> None:
     """`Coordinator.stage` (the compile's `on_moved`) stores the pack before the
     publication, which then only names it."""
     db, coordinator = holder
@@ -202,7 +213,7 @@ def test_a_pack_stored_as_the_branches_move_is_the_one_published(
     assert published is not None
     assert db.read(lambda c: c.execute("SELECT parts FROM git_packs WHERE generation = ?",
                                        (published.generation,)).fetchone()[0]) == name
-    assert newest_pack(db).pack == own.read_bytes()
+    assert newest_pack(db, tmp_path).pack == own.read_bytes()
 
 
 def test_a_pack_stored_ahead_but_not_published_is_dropped(

@@ -98,7 +98,7 @@ def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch
     # The pack published holds the other device's new commit, nothing of the deleted one.
     newest = db.read(lambda c: replica_rows.read_snapshot(
         c, "devices", replica_rows.published_generation(c, "devices") - 1,
-        dialect=db.dialect)).packs[-1].pack
+        dialect=db.dialect, spool=work)).packs[-1].pack
     unpacked = work / "unpacked.git"
     subprocess.run(["git", "init", "-q", "--bare", str(unpacked)], check=True)
     subprocess.run(["git", f"--git-dir={unpacked}", "index-pack", "--stdin"], input=newest,

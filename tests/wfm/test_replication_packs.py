@@ -70,7 +70,8 @@ def test_loose_objects_are_linked_too(tmp_path: Path) -> None:
 
 
 def published(work: RepoReplica, old: tuple[str, ...] = ()) -> tuple[bytes, bytes | None]:
-    return work.pack(work.refs(), old)
+    pack, index = work.pack(work.refs(), old)  # (both mapped)
+    return bytes(pack), None if index is None else bytes(index)
 
 
 def test_a_pack_published_with_its_index_is_stored_as_it_is(tmp_path: Path) -> None:
@@ -85,6 +86,29 @@ def test_a_pack_published_with_its_index_is_stored_as_it_is(tmp_path: Path) -> N
     assert stored == [f"pack-{pack[-20:].hex()}.{s}" for s in ("idx", "pack")]  # as they were
     repository = pygit2.Repository(str(other.path))
     assert second in repository and first not in repository  # what the refs reach
+    subprocess.run(["git", "--git-dir", str(other.path), "fsck", "--strict", "--no-dangling"],
+                   check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_a_pack_read_into_a_file_moves_into_the_store(tmp_path: Path, with_index: bool) -> None:
+    """A pack read from the database into a file (`spooling`) is renamed into the object
+    store with its index, not written again; without an index, Git indexes the file."""
+    work = RepoReplica("devices", tmp_path / "work.git")
+    commit = fast_import(work.path, "one")
+    pack, index = published(work)
+    other = RepoReplica("devices", tmp_path / "other.git")
+    with other.spooling() as spool:
+        assert spool.parent == other.path
+        spooled = spool / f"pack-{pack[-20:].hex()}.pack"
+        spooled.write_bytes(pack)
+        if with_index:
+            spooled.with_suffix(".idx").write_bytes(index or b"")
+        other.add_objects(Snapshot(1, [PublishedPack(1, pack, index if with_index else None,
+                                                     spooled)], {}))
+        assert spooled.exists() is not with_index  # moved, or left for the folder's removal
+    assert not spool.exists()
+    assert commit in pygit2.Repository(str(other.path))
     subprocess.run(["git", "--git-dir", str(other.path), "fsck", "--strict", "--no-dangling"],
                    check=True, capture_output=True)
 

@@ -154,7 +154,8 @@ def test_postgresql_gone_is_unavailable_and_back_is_served(postgres: PostgresSer
         db.close()
 
 
-def test_bulk_marks_and_refs_upsert_alike_on_both_engines(store: Database) -> None:
+def test_bulk_marks_and_refs_upsert_alike_on_both_engines(store: Database,
+                                                          tmp_path: Path) -> None:
     """A compile's lead-time marks (PostgreSQL: through COPY beyond a few hundred) and a
     publication's refs (statements of several hundred) land whole, and writing them again
     updates each row in place, twice in one transaction included."""
@@ -189,7 +190,7 @@ def test_bulk_marks_and_refs_upsert_alike_on_both_engines(store: Database) -> No
     store.write_sync(lambda conn: replica_rows.publish_rows(conn, "devices", 2, b"", moved,
                                                             compact=False))
     published = store.read(lambda conn: replica_rows.read_snapshot(
-        conn, "devices", -1, dialect=store.dialect))
+        conn, "devices", -1, dialect=store.dialect, spool=tmp_path))
     assert published.generation == 0  # (the counter is set by the caller)
     rows = store.read(lambda conn: dict(conn.execute(
         "SELECT name, generation FROM git_refs WHERE repo = ?", ("devices",)).fetchall()))

@@ -314,22 +314,26 @@ class Coordinator:
                 # can say its objects are here: its pack is not read back (at 100,000
                 # devices 383 MB, 3-4 s) and, until the publisher says, nothing is applied.
                 have |= {linking}
-            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
-                c, REPO, since, dialect=self.db.dialect, have=have))
-            if (linking is not None and snapshot.generation >= linking
-                    and linking not in self.serving.linked_generations()):
-                return False  # (`publish` syncs once it is published, or this reads it)
-            if snapshot.generation <= self.serving.generation and not snapshot.packs:
-                return False
-            with GIT_SECONDS.labels("sync").time():
-                self.serving.add_objects(snapshot)
-                with self.lock:
-                    moved = self.serving.move_to(snapshot)
-                    if moved:
-                        # In the same step as the refs: a state computed in between would
-                        # be the previous generation's, served as this one's (replicas woken
-                        # together by the news sync at the same moment).
-                        self.on_synced(_devices(snapshot.refs))
+            with self.serving.spooling() as spool:
+                snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
+                    c, REPO, since, dialect=self.db.dialect, spool=spool, have=have))
+                if (linking is not None and snapshot.generation >= linking
+                        and linking not in self.serving.linked_generations()):
+                    return False  # (`publish` syncs once it is published, or this reads it)
+                if snapshot.generation <= self.serving.generation and not snapshot.packs:
+                    return False
+                with GIT_SECONDS.labels("sync").time():
+                    self.serving.add_objects(snapshot)
+                    return self._move_serving(snapshot)
+
+    def _move_serving(self, snapshot: replica_rows.Snapshot) -> bool:
+        with self.lock:
+            moved = self.serving.move_to(snapshot)
+            if moved:
+                # In the same step as the refs: a state computed in between would be the
+                # previous generation's, served as this one's (replicas woken together by
+                # the news sync at the same moment).
+                self.on_synced(_devices(snapshot.refs))
         return moved
 
     # --- deleting a device (any replica) -----------------------------------------------
@@ -402,9 +406,10 @@ class Coordinator:
         without what it remembered of the deleted devices. `compiled`: the state is the
         one a compile just left in the work repository (deletions raced its publication)."""
         since = self.working.generation
-        snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, REPO, since,
-                                                        dialect=self.db.dialect))
-        self.working.apply(snapshot)
+        with self.working.spooling() as spool:
+            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
+                c, REPO, since, dialect=self.db.dialect, spool=spool))
+            self.working.apply(snapshot)
         deleted = sorted(i for i in (device_id_from_ref(n) for n, t in snapshot.refs.items()
                                      if t is None) if i is not None)
         mark = _state_mark(self.compile_dir)
@@ -540,9 +545,10 @@ class Coordinator:
             return False
         with self._source_lock:
             since = self.source.generation
-            snapshot = self.db.read(lambda c: replica_rows.read_snapshot(c, "source", since,
-                                                            dialect=self.db.dialect))
-            return self.source.apply(snapshot)
+            with self.source.spooling() as spool:
+                snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
+                    c, "source", since, dialect=self.db.dialect, spool=spool))
+                return self.source.apply(snapshot)
 
     def source_update(self) -> SourceUpdate:
         """Replicas take turns changing the fleet source (a push, a fetch): `begin()` waits

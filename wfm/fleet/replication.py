@@ -18,20 +18,20 @@ database alone, so a new replica, or one whose disk was lost, needs nothing else
 
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import LooseRefsError, move_refs, ref_targets
-from margo.files import write_atomically
-from wfm.store.pack_rows import PackData
-from wfm.store.replica_rows import Snapshot
+from margo.files import move_atomically, write_atomically
+from wfm.store.pack_rows import PackData, mapped
+from wfm.store.replica_rows import PublishedPack, Snapshot
 
 __all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
 
@@ -88,9 +88,14 @@ class RepoReplica:
         """Every direct ref under refs/ and its target (`compiler.packedrefs.ref_targets`)."""
         return ref_targets(self.path)
 
-    def _git(self, *args: str, stdin: bytes | None = None) -> bytes:
-        done = subprocess.run([*_GIT, f"--git-dir={self.path}", *args], input=stdin,
-                              capture_output=True, check=False, timeout=600)
+    def _git(self, *args: str, stdin: PackData | Path | None = None) -> bytes:
+        """Git on this repository; `stdin` bytes, or a file to read them from."""
+        with contextlib.ExitStack() as files:
+            handle = files.enter_context(stdin.open("rb")) if isinstance(stdin, Path) else None
+            done = subprocess.run([*_GIT, f"--git-dir={self.path}", *args],
+                                  input=None if isinstance(stdin, Path) else stdin,
+                                  stdin=handle, capture_output=True, check=False,
+                                  timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"git {args[0]} in {self.path}: "
                                f"{done.stderr.decode(errors='replace').strip()}")
@@ -98,11 +103,13 @@ class RepoReplica:
 
     # --- publishing --------------------------------------------------------------------
 
-    def pack(self, new: Mapping[str, str], old: Iterable[str]) -> tuple[bytes, bytes | None]:
+    def pack(self, new: Mapping[str, str], old: Iterable[str]
+             ) -> tuple[PackData, PackData | None]:
         """A pack of every object `new` reaches that the `old` tips do not, and the index
         `git pack-objects` writes beside it, which replicas store as it is instead of
         running index-pack on the pack again (at 100,000 devices, 15 s on every replica).
-        (b"", None) when the new tips add nothing."""
+        (b"", None) when the new tips add nothing. Both mapped, not read (`mapped`: a
+        compaction's pack of a million devices is about 3.8 GB)."""
         wanted = sorted(set(new.values()))
         if not wanted:
             return b"", None
@@ -111,10 +118,10 @@ class RepoReplica:
             name = self._git("pack-objects", "--revs", "--quiet", "--delta-base-offset",
                              f"{folder}/pack", stdin=("\n".join(lines) + "\n").encode())
             written = Path(folder) / f"pack-{name.decode().strip()}"
-            return (written.with_name(written.name + ".pack").read_bytes(),
-                    written.with_name(written.name + ".idx").read_bytes())
+            return (mapped(written.with_name(written.name + ".pack")),
+                    mapped(written.with_name(written.name + ".idx")))
 
-    def full_pack(self) -> tuple[bytes, bytes | None]:
+    def full_pack(self) -> tuple[PackData, PackData | None]:
         return self.pack(self.refs(), ())
 
     def pack_names(self) -> frozenset[str]:
@@ -139,7 +146,7 @@ class RepoReplica:
         MEASURED (100,000 devices): `git pack-objects` re-read the compile's 383 MB pack
         in about 11 s and wrote it out again the same size (the compile's objects are not
         deltified, and were reused); looking at 100,000 created tips takes Git 0.6 s.
-        Both files come mapped into memory, not read (`_mapped`)."""
+        Both files come mapped into memory, not read (`mapped`)."""
         folder = self.path / "objects"
         new = sorted(self.pack_names() - earlier)
         if len(new) != 1 or any(len(d.name) == 2 and any(d.iterdir())
@@ -148,7 +155,7 @@ class RepoReplica:
         if created is not None and self._continued(created):
             return None
         base = folder / "pack" / new[0]
-        return _mapped(base.with_suffix(".pack")), _mapped(base.with_suffix(".idx"))
+        return mapped(base.with_suffix(".pack")), mapped(base.with_suffix(".idx"))
 
     def _continued(self, tips: Iterable[str]) -> bool:
         """Whether any of these commits has a parent."""
@@ -157,6 +164,14 @@ class RepoReplica:
                                                "--stdin", stdin=listed.encode()).strip())
 
     # --- syncing -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def spooling(self) -> Iterator[Path]:
+        """A folder for the packs a sync reads from the database (`read_snapshot`'s spool),
+        removed afterwards: inside this repository, so that a pack moves into the object
+        store by a rename instead of being written again."""
+        with tempfile.TemporaryDirectory(prefix="margo-sync-", dir=self.path) as folder:
+            yield Path(folder)
 
     def apply(self, snapshot: Snapshot) -> bool:
         """Bring this repository to `snapshot.generation`: objects first, then the refs in
@@ -175,26 +190,31 @@ class RepoReplica:
         for published in snapshot.packs:
             if not published.pack or published.generation in self._linked:
                 continue
-            if published.index is None or not self._store_pack(published.pack,
-                                                              published.index):
-                self._git("index-pack", "--stdin", stdin=published.pack)
+            if not self._store_pack(published):
+                self._git("index-pack", "--stdin", stdin=published.path or published.pack)
 
-    def _store_pack(self, pack: bytes, index: bytes) -> bool:
-        """`pack` and its `index` into the object store under the pack's checksum, the
-        index last (Git sees a pack once its index is there). False, writing nothing, when
-        they do not belong together: a version 2 index ends with the checksum of its pack,
-        which is what a pack ends with."""
-        checksum = pack[-20:]
-        if not (pack.startswith(b"PACK") and index.startswith(_INDEX_V2)
-                and len(index) >= 48 and index[-40:-20] == checksum):
+    def _store_pack(self, published: PublishedPack) -> bool:
+        """A pack and its index into the object store under the pack's checksum, the index
+        last (Git sees a pack once its index is there): moved there when they were read
+        into files (`spooling`), else written. False, storing nothing, without an index or
+        when they do not belong together: a version 2 index ends with the checksum of its
+        pack, which is what a pack ends with."""
+        pack, index = published.pack, published.index
+        checksum = bytes(pack[-20:])
+        if index is None or not (pack[:4] == b"PACK" and index[:8] == _INDEX_V2
+                                 and len(index) >= 48 and index[-40:-20] == checksum):
             return False
         folder = self.path / "objects" / "pack"
         folder.mkdir(parents=True, exist_ok=True)
         base = folder / f"pack-{checksum.hex()}"
         for suffix, data in ((".pack", pack), (".idx", index)):
             target = base.with_name(base.name + suffix)
-            if not target.exists():
-                write_atomically(target, data)
+            if target.exists():
+                continue
+            if published.path is not None:
+                move_atomically(published.path.with_suffix(suffix), target)
+            else:
+                write_atomically(target, bytes(data))
         return True
 
     def link_objects_from(self, other: RepoReplica) -> bool:
@@ -268,15 +288,6 @@ class RepoReplica:
                 move_refs(self.path, updates)
         self.mark_generation(snapshot.generation)
         return True
-
-
-def _mapped(path: Path) -> memoryview:
-    """A file's bytes, mapped read-only into memory: the compile's pack goes to the database
-    without being read into this process first (0.24 s and 383 MB at 100,000 devices, about
-    3.8 GB at a million). Packs are never rewritten in place; one deleted meanwhile stays
-    readable through the mapping."""
-    with path.open("rb") as handle:
-        return memoryview(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _link_missing(found: Path, folder: Path) -> None:

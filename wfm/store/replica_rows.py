@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from wfm.store import pack_rows
@@ -25,11 +26,13 @@ __all__ = ["COUNTERS", "NEWS_CHANNEL", "PublishedPack", "Snapshot", "announce",
 
 @dataclass(frozen=True, slots=True)
 class PublishedPack:
-    """One generation's pack, and its index when the publisher stored it (None: index it)."""
+    """One generation's pack, and its index when the publisher stored it (None: index it);
+    `path`: the file the pack was read into (`pack_rows.read_packs`), its index beside it."""
 
     generation: int
-    pack: bytes
-    index: bytes | None = None
+    pack: pack_rows.PackData
+    index: pack_rows.PackData | None = None
+    path: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +58,14 @@ COUNTERS = {"devices": "generation", "source": "source_generation"}
 NEWS_CHANNEL = "margo_fleet_news"
 
 
-def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str,
+def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path,
                   have: frozenset[int] = frozenset()) -> Snapshot:
     """Everything of `repo` newer than generation `since`, from one consistent snapshot
     (the refs of a generation are rewritten by later ones, so the reads must not straddle a
     publication), but the packs of the generations in `have` (objects the replica has from
-    elsewhere: 160 MB for a full compile of 100,000 devices). Starts over from the newest
-    compacted pack when `since` is older."""
+    elsewhere: 383 MB for a full compile of 100,000 devices). Starts over from the newest
+    compacted pack when `since` is older. Packs stored in parts are read into files in
+    `spool` (`RepoReplica.spooling`), which must outlive the snapshot's use."""
     if dialect == "postgresql":
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
     else:
@@ -77,7 +81,7 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str,
             "SELECT generation FROM git_packs WHERE repo = ? AND generation > ? AND "
             "generation <= ? ORDER BY generation", (repo, since, generation))
             if int(g) not in have]
-        packs = _read_packs(conn, repo, wanted) if wanted else []
+        packs = _read_packs(conn, repo, wanted, spool) if wanted else []
         refs = {str(n): (None if t is None else str(t)) for n, t in conn.execute(
             "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
             "generation <= ?", (repo, since, generation))}
@@ -86,12 +90,14 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str,
     return Snapshot(generation, packs, refs)
 
 
-def _read_packs(conn: Any, repo: str, generations: list[int]) -> list[PublishedPack]:
-    """The packs of `generations` (`wfm.store.pack_rows`)."""
+def _read_packs(conn: Any, repo: str, generations: list[int], spool: Path
+                ) -> list[PublishedPack]:
+    """The packs of `generations` (`wfm.store.pack_rows`), those in parts read into
+    `spool`."""
     rows = conn.execute("SELECT generation, pack, idx, parts FROM git_packs WHERE repo = ? "
                         "AND generation IN (" + ", ".join("?" for _ in generations) + ") "
                         "ORDER BY generation", (repo, *generations)).fetchall()
-    return [PublishedPack(g, p, i) for g, p, i in pack_rows.read_packs(conn, rows, repo)]
+    return [PublishedPack(*read) for read in pack_rows.read_packs(conn, rows, repo, spool)]
 
 
 def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.PackData,

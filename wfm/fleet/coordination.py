@@ -53,6 +53,7 @@ from margo.files import write_atomically
 from wfm.fleet.news import News
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
 from wfm.fleet.staging import Staged, StagedPack
+from wfm.fleet.trickle import PackTrickle
 from wfm.store import pack_rows, records, replica_rows
 from wfm.store.database import DatabaseUnavailable
 from wfm.store.pack_rows import PackData
@@ -152,6 +153,8 @@ class Coordinator:
         self._packs_before: frozenset[str] | None = None
         #: The pack of the compile being published, stored ahead of it (`stage`).
         self._staging: StagedPack | None = None
+        #: The compile's pack, stored while it is written (`prepare` to `stage`).
+        self._trickle: PackTrickle | None = None
         self._stopping = threading.Event()
         self._news = News(db)
         #: When the loop last read the database (monotonic clock; -inf after a failed look).
@@ -167,6 +170,7 @@ class Coordinator:
         self._stopping.set()
         self._thread.join(timeout=30)
         self._news.close()
+        self._end_trickle()
         self._release()
 
     @property
@@ -375,7 +379,14 @@ class Coordinator:
         self._before = self.working.refs()
         self._packs_before = self.working.pack_names()
         self._staging = None
+        self._end_trickle()
+        self._trickle = PackTrickle(self.db, REPO, self.working.path / "objects" / "pack")
         return self.compile_dir
+
+    def _end_trickle(self) -> None:
+        trickle, self._trickle = self._trickle, None
+        if trickle is not None:
+            trickle.finish(None)
 
     def stage(self, report: CompileReport) -> None:
         """As soon as a compile's branches moved (`compiler.compilation.compile_fleet`'s
@@ -385,16 +396,25 @@ class Coordinator:
             self._staging.take({}, None)  # (a compile again after a failed one: let it end)
         before, packs_before = self._before, self._packs_before
         restored = report.restored_branches
+        trickle, self._trickle = self._trickle, None
 
         def work() -> Staged | None:
-            moved = _moved(self.working.refs(), before)
-            current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
-            if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
-                return None  # (a compaction packs every object again)
-            pack, index = self._pack_of(self.working, before, moved, packs_before, restored)
-            if pack:
-                self.db.write_apart(lambda c: pack_rows.stage_pack(c, REPO, pack, index))
-            return Staged(moved, restored, pack, index)
+            try:
+                moved = _moved(self.working.refs(), before)
+                current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
+                if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
+                    return None  # (a compaction packs every object again)
+                pack, index = self._pack_of(self.working, before, moved, packs_before,
+                                            restored)
+                trickled = None if trickle is None or not pack else trickle.finish(
+                    self.working.pack_file(pack))
+                if pack:
+                    self.db.write_apart(lambda c: pack_rows.stage_pack(
+                        c, REPO, pack, index, trickled=trickled))
+                return Staged(moved, restored, pack, index)
+            finally:
+                if trickle is not None:
+                    trickle.finish(None)  # (nothing, once finished above)
 
         self._staging = StagedPack(work)
 
@@ -440,6 +460,7 @@ class Coordinator:
         if epoch is None:
             raise LeaseLost(f"{self.name} no longer holds the compile lease")
         staging, self._staging = self._staging, None
+        self._end_trickle()  # (no `stage`: nothing moved, or the compile failed)
         for _ in range(_PUBLISH_ATTEMPTS):
             try:
                 published = self._publish(self.working, self._before, epoch=epoch,

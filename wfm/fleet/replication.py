@@ -30,7 +30,7 @@ from pathlib import Path
 from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import LooseRefsError, move_refs, ref_targets
 from margo.files import move_atomically, write_atomically
-from wfm.store.pack_rows import PackData, mapped
+from wfm.store.pack_rows import PackData, mapped, pack_id
 from wfm.store.replica_rows import PublishedPack, Snapshot
 
 __all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
@@ -123,6 +123,10 @@ class RepoReplica:
 
     def full_pack(self) -> tuple[PackData, PackData | None]:
         return self.pack(self.refs(), ())
+
+    def pack_file(self, pack: PackData) -> Path:
+        """Where the object store keeps `pack` (by the checksum it ends with)."""
+        return self.path / "objects" / "pack" / f"pack-{pack_id(pack)}.pack"
 
     def pack_names(self) -> frozenset[str]:
         """The packs in the object store (their file names, without the extension)."""

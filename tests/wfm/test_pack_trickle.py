@@ -17,6 +17,7 @@ from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from compiler.packwriter import BLOB, PackWriter
 from compiler.report import CompileReport
 from tools.polling import poll_until
+from wfm.fleet.prefetch import Prefetch
 from wfm.fleet.trickle import PackTrickle
 from wfm.store import pack_rows, replica_rows
 from wfm.store.database import Database
@@ -131,10 +132,110 @@ def test_a_compile_publishes_the_parts_it_stored_while_writing(
         ).fetchone()[0])
     ahead = [n for name, numbers in stored if name.startswith("provisional-")
              for n in numbers]
-    (pack_name, rest), = [(name, numbers) for name, numbers in stored
-                          if not name.startswith("provisional-")]
+    (pack_name, rest), = [(name, numbers) for name, numbers in stored  # (and its origin)
+                          if not name.startswith("provisional-") and numbers]
     assert ahead and not set(ahead) & set(rest) and 0 in rest
     pack_file = next((work / REPOSITORY_NAME / "objects" / "pack").glob("pack-*.pack"))
     assert sorted(ahead + rest) == list(range(-(-pack_file.stat().st_size // PART)))
     assert pack_name == pack_file.stem.removeprefix("pack-")
     assert bytes(snapshot.packs[-1].pack) == pack_file.read_bytes() and provisional == 0
+
+
+def test_a_replica_reads_the_parts_while_they_are_stored(
+        db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another replica's copy of the provisional parts (`Prefetch`) is the start of the
+    pack it reads once the pack is named: the same file (moved), the rest read into it."""
+    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
+    objects = tmp_path / "repo.git" / "objects"
+    (objects / "pack").mkdir(parents=True)
+    (elsewhere := tmp_path / "other").mkdir()
+    prefetch = Prefetch(db, "devices", elsewhere)
+    trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
+    pack_file = write_slowly(db, trickle, objects)
+    trickled = trickle.finish(pack_file)
+    assert trickled is not None
+    prefetch.look()
+    with prefetch.claim() as held:
+        assert held is not None and held.parts == trickled.parts
+        inode = held.path.stat().st_ino
+    pack, index = pack_file.read_bytes(), pack_file.with_suffix(".idx").read_bytes()
+    name = db.write_sync(lambda c: pack_rows.stage_pack(c, "devices", pack, index,
+                                                        trickled=trickled))
+    spool = elsewhere / "spool"
+    spool.mkdir()
+    with prefetch.claim() as held:
+        (read,) = db.read(lambda c: pack_rows.read_packs(
+            c, [(1, pack_rows.PARTED, None, name)], "devices", spool, held))
+    assert bytes(read[1]) == pack and bytes(read[2] or b"") == index
+    assert read[3] is not None and read[3].stat().st_ino == inode  # the prefetched file
+    assert prefetch.held() is None and list(elsewhere.glob("margo-prefetch-*")) == []
+
+
+def test_a_prefetched_file_of_another_pack_is_not_used(
+        db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
+    objects = tmp_path / "repo.git" / "objects"
+    (objects / "pack").mkdir(parents=True)
+    (elsewhere := tmp_path / "other").mkdir()
+    prefetch = Prefetch(db, "devices", elsewhere)
+    trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
+    pack_file = write_slowly(db, trickle, objects)
+    prefetch.look()
+    assert trickle.finish(None) is None  # (the pack published was packed anew)
+    pack, index = pack_file.read_bytes(), pack_file.with_suffix(".idx").read_bytes()
+    name = db.write_sync(lambda c: pack_rows.stage_pack(c, "devices", pack, index))
+    with prefetch.claim() as held:
+        assert held is not None
+        (read,) = db.read(lambda c: pack_rows.read_packs(
+            c, [(1, pack_rows.PARTED, None, name)], "devices", tmp_path, held))
+        assert held.path.exists()  # not taken
+    assert bytes(read[1]) == pack and bytes(read[2] or b"") == index
+    prefetch.look()  # the provisional parts are gone: the file stays for a later sync
+    assert prefetch.held() is not None
+
+
+def test_the_other_replica_syncs_from_what_it_read_during_the_compile(
+        pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two coordinators on one database: while the holder's compile writes its pack, the
+    other reads the stored parts; its sync of the publication takes that file (none is
+    left) and serves every device's branch."""
+    from wfm.fleet.coordination import Coordinator
+
+    monkeypatch.setattr("wfm.fleet.trickle.LOOK_EVERY", 0.01)
+    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
+    read: list[int] = []
+    read_provisional = pack_rows.read_provisional
+
+    def spy(conn: object, repo: str, name: str, first: int, last: int
+            ) -> list[tuple[int, bytes]]:
+        parts = read_provisional(conn, repo, name, first, last)
+        read.extend(n for n, _ in parts)
+        return parts
+
+    monkeypatch.setattr(pack_rows, "read_provisional", spy)
+    finish = PackWriter._finish
+
+    def slow_finish(writer: PackWriter) -> str:  # the other replica reads some parts first
+        poll_until("parts read by the other replica", lambda: len(read) >= 2, timeout=10)
+        return finish(writer)
+
+    monkeypatch.setattr(PackWriter, "_finish", slow_finish)
+    with lease_holder(pg_url, tmp_path / "data") as (db, holder):
+        other = Coordinator(db, tmp_path / "other", poll=0.05, name="other")
+        other.start()
+        try:
+            work = holder.prepare()
+            assert work is not None
+            commits = [DeviceCommit(f"d{i}", {"deployment.yaml": os.urandom(300).hex().encode()},
+                                    "v1", 1_700_000_000) for i in range(30)]
+            DeviceStore(work).write(commits)
+            holder.stage(CompileReport(revision="r", restored_branches=0))
+            published = holder.publish(restored=0)
+            assert published is not None
+            poll_until("the other replica serves it",
+                       lambda: other.generation == published.generation, timeout=10)
+            assert list(other.serving.path.glob("margo-prefetch-*")) == []  # taken
+            assert other.serving.refs() == holder.serving.refs()
+            assert DeviceStore(tmp_path / "other" / "repos").tip("d7") is not None
+        finally:
+            other.stop()

@@ -51,6 +51,7 @@ from compiler.report import CompileReport
 from compiler.state import CompilerState
 from margo.files import write_atomically
 from wfm.fleet.news import News
+from wfm.fleet.prefetch import Prefetch
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
 from wfm.fleet.staging import Staged, StagedPack
 from wfm.fleet.trickle import PackTrickle
@@ -128,6 +129,8 @@ class Coordinator:
         self.compile_dir = Path(data) / "compile"
         self.working = RepoReplica(REPO, self.compile_dir / REPOSITORY_NAME)
         self.source = None if source_repo is None else RepoReplica("source", source_repo)
+        #: The compiling replica's pack, read while it is stored (when not holding).
+        self._prefetch = Prefetch(db, REPO, self.serving.path)
         self._source_lock = threading.Lock()
         self._sync_lock = threading.Lock()
         #: The generation this replica is publishing a compile under whose objects its
@@ -214,6 +217,8 @@ class Coordinator:
         self._reached = time.monotonic()
         if generation > self.serving.generation:
             self.sync()
+        if not self.holding:
+            self._prefetch.look()
         if self.holding and requests != self._requests_seen:
             self._requests_seen = requests
             self.on_compile_due()
@@ -318,9 +323,10 @@ class Coordinator:
                 # can say its objects are here: its pack is not read back (at 100,000
                 # devices 383 MB, 3-4 s) and, until the publisher says, nothing is applied.
                 have |= {linking}
-            with self.serving.spooling() as spool:
+            with self.serving.spooling() as spool, self._prefetch.claim() as prefetched:
                 snapshot = self.db.read(lambda c: replica_rows.read_snapshot(
-                    c, REPO, since, dialect=self.db.dialect, spool=spool, have=have))
+                    c, REPO, since, dialect=self.db.dialect, spool=spool, have=have,
+                    prefetched=prefetched))
                 if (linking is not None and snapshot.generation >= linking
                         and linking not in self.serving.linked_generations()):
                     return False  # (`publish` syncs once it is published, or this reads it)

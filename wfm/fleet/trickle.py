@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -45,7 +46,8 @@ class PackTrickle:
                  every: float | None = None) -> None:
         self.db, self.repo, self.pack_dir = db, repo, pack_dir
         self.every = LOOK_EVERY if every is None else every
-        self.name = f"provisional-{uuid.uuid4().hex}"
+        #: Sorts by when it was made (`pack_rows.newest_provisional`).
+        self.name = f"{pack_rows.PROVISIONAL}{time.time_ns():020d}-{uuid.uuid4().hex[:12]}"
         self._present = self._temporary_packs()
         self._fd: int | None = None
         self._inode: int | None = None

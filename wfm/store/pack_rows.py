@@ -14,7 +14,10 @@ MEASURED (383 MB, local PostgreSQL): 1.3-1.7 s to write, 0.7-0.85 s to read back
 A compile's pack can be stored while it is written (`wfm.fleet.trickle`): its parts past
 the first under a provisional name as they fill, then the rest and the real name in one
 transaction (`stage_pack`'s `trickled`). Every part under a pack's real name is therefore
-stored at once; provisional ones nothing names are dropped as unnamed parts are.
+stored at once; provisional ones nothing names are dropped as unnamed parts are. The named
+pack keeps a row saying which provisional name and parts it came from (file `ORIGIN_FILE`):
+a replica that read those parts while they were stored (`wfm.fleet.prefetch`) then reads
+only the others (`read_packs`' `prefetched`).
 
 Read back, a pack in parts goes into a file (`read_packs`' spool) a few parts at a time,
 then mapped into memory: a replica syncing a million devices' compile would otherwise hold
@@ -32,9 +35,10 @@ from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["INDEX_FILE", "PACK_FILE", "PARTED", "PART_BYTES", "PackData", "ReadPack",
-           "Trickled", "drop_parts", "drop_unnamed_parts", "mapped", "name_pack", "pack_id",
-           "read_packs", "stage_pack", "store_pack_parts"]
+__all__ = ["INDEX_FILE", "ORIGIN_FILE", "PACK_FILE", "PARTED", "PART_BYTES", "PROVISIONAL",
+           "PackData", "Prefetched", "ReadPack", "Trickled", "drop_parts", "drop_unnamed_parts",
+           "mapped", "name_pack", "newest_provisional", "pack_id", "read_packs",
+           "read_provisional", "stage_pack", "store_pack_parts"]
 
 #: A pack's (or an index's) bytes: in memory, or a view of its file mapped into memory
 #: (`wfm.fleet.replication.RepoReplica.compiled_pack`: 383 MB at 100,000 devices).
@@ -43,7 +47,10 @@ PackData = bytes | memoryview
 PART_BYTES = 8 << 20
 #: Parts read per statement when a pack is read back (64 MiB).
 PARTS_PER_READ = 8
-PACK_FILE, INDEX_FILE = 0, 1
+#: The files of a pack in parts: the pack, its index, and where its parts came from.
+PACK_FILE, INDEX_FILE, ORIGIN_FILE = 0, 1, 2
+#: How the name of a pack stored while it is written starts.
+PROVISIONAL = "provisional-"
 #: (generation, pack, index, the spooled pack file or None): one `git_packs` row read back.
 ReadPack = tuple[int, PackData, PackData | None, Path | None]
 #: What a `git_packs` row holds in place of a pack stored in parts. Not a pack: a replica
@@ -61,6 +68,16 @@ class Trickled:
     whose object count is set last) under the provisional pack name `name`."""
 
     name: str
+    parts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    """Parts 1 to `parts` of the provisional pack `name`, read into `path` (each at its
+    offset, part number times `PART_BYTES`) while they were stored."""
+
+    name: str
+    path: Path
     parts: int
 
 
@@ -94,6 +111,8 @@ def stage_pack(conn: Connection, repo: str, pack: PackData, index: PackData | No
         if renamed != trickled.parts:  # (dropped meanwhile: a compaction by a new holder)
             raise RuntimeError(f"{renamed} of the {trickled.parts} parts stored ahead of pack "
                                f"{name} are left")
+        store_pack_parts(conn, repo, name, [
+            (ORIGIN_FILE, 0, f"{trickled.name} {trickled.parts}".encode())])
     return name
 
 
@@ -116,6 +135,24 @@ def drop_parts(conn: Connection, repo: str, name: str) -> None:
     conn.execute("DELETE FROM git_pack_parts WHERE repo = ? AND pack = ?", (repo, name))
 
 
+def newest_provisional(conn: Any, repo: str) -> tuple[str, int] | None:
+    """The newest provisional pack (names sort by the time they were made) and its highest
+    part stored; None when there is none."""
+    row = conn.execute("SELECT pack, MAX(part) FROM git_pack_parts WHERE repo = ? AND "
+                       "pack LIKE ? AND file = ? GROUP BY pack ORDER BY pack DESC LIMIT 1",
+                       (repo, PROVISIONAL + "%", PACK_FILE)).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
+
+
+def read_provisional(conn: Any, repo: str, name: str, first: int, last: int
+                     ) -> list[tuple[int, bytes]]:
+    """Parts `first` to `last` of a provisional pack that are stored, by number."""
+    execute = getattr(conn, "execute_binary", conn.execute)
+    return [(int(n), bytes(d)) for n, d in execute(
+        "SELECT part, data FROM git_pack_parts WHERE repo = ? AND pack = ? AND file = ? AND "
+        "part >= ? AND part <= ? ORDER BY part", (repo, name, PACK_FILE, first, last))]
+
+
 def name_pack(conn: Connection, repo: str, generation: int, pack: PackData,
               index: PackData | None) -> None:
     """The `git_packs` row of `generation`, naming its pack in parts (staged now if it was
@@ -132,12 +169,13 @@ def drop_unnamed_parts(conn: Connection, repo: str) -> None:
                  "FROM git_packs WHERE repo = ? AND parts IS NOT NULL)", (repo, repo))
 
 
-def read_packs(conn: Any, rows: list[tuple[Any, Any, Any, Any]], repo: str, spool: Path
-               ) -> list[ReadPack]:
+def read_packs(conn: Any, rows: list[tuple[Any, Any, Any, Any]], repo: str, spool: Path,
+               prefetched: Prefetched | None = None) -> list[ReadPack]:
     """Each `git_packs` row (generation, pack, idx, parts) read back: a pack stored whole
     as it is, one in parts written to `spool` (`pack-<name>.pack`, its index beside it as
     `.idx`), mapped, and named as the fourth element (the caller may move the files
-    instead of writing the bytes again)."""
+    instead of writing the bytes again). A pack whose parts came from the `prefetched`
+    ones starts from that file (moved into `spool`); only its other parts are read."""
     spooled: dict[str, tuple[PackData, PackData | None, Path]] = {}
     out: list[ReadPack] = []
     for generation, pack, index, parts in rows:
@@ -147,28 +185,55 @@ def read_packs(conn: Any, rows: list[tuple[Any, Any, Any, Any]], repo: str, spoo
             continue
         name = str(parts)
         if name not in spooled:
-            spooled[name] = _spool_pack(conn, repo, name, spool)
+            spooled[name] = _spool_pack(conn, repo, name, spool, prefetched)
         out.append((int(generation), *spooled[name]))
     return out
 
 
-def _spool_pack(conn: Any, repo: str, name: str, spool: Path
+def _spool_pack(conn: Any, repo: str, name: str, spool: Path, prefetched: Prefetched | None
                 ) -> tuple[PackData, PackData | None, Path]:
     base = spool / f"pack-{name}"
     pack_file, index_file = base.with_suffix(".pack"), base.with_suffix(".idx")
-    _spool_file(conn, repo, name, PACK_FILE, pack_file)
+    have = _take_prefetched(conn, repo, name, prefetched, pack_file)
+    _spool_file(conn, repo, name, PACK_FILE, pack_file, have=have)
     has_index = _spool_file(conn, repo, name, INDEX_FILE, index_file)
     return mapped(pack_file), mapped(index_file) if has_index else None, pack_file
 
 
-def _spool_file(conn: Any, repo: str, name: str, file: int, target: Path) -> bool:
+def _take_prefetched(conn: Any, repo: str, name: str, prefetched: Prefetched | None,
+                     target: Path) -> int:
+    """How many parts past the first `target` holds already: the prefetched file, moved
+    there, when this pack was named from its provisional parts (its `ORIGIN_FILE` row)."""
+    if prefetched is None:
+        return 0
+    row = conn.execute("SELECT data FROM git_pack_parts WHERE repo = ? AND pack = ? AND "
+                       "file = ? AND part = 0", (repo, name, ORIGIN_FILE)).fetchone()
+    origin = bytes(row[0]).decode(errors="replace").split() if row is not None else []
+    if len(origin) != 2 or origin[0] != prefetched.name or not origin[1].isdigit():
+        return 0
+    try:
+        os.replace(prefetched.path, target)
+    except OSError:
+        return 0
+    return min(prefetched.parts, int(origin[1]))
+
+
+def _spool_file(conn: Any, repo: str, name: str, file: int, target: Path, *,
+                have: int = 0) -> bool:
     """The parts of one file into `target`, `PARTS_PER_READ` per statement, in binary where
     the connection can (`execute_binary`: as text every byte came as two hex digits); whether
-    there was any part. Flushed to disk: a replica installs the file as it is."""
+    there was any part. With `have`, parts 1 to `have` are in `target` already (prefetched):
+    the first part is written before them, the rest after. Flushed to disk: a replica
+    installs the file as it is."""
     execute = getattr(conn, "execute_binary", conn.execute)
-    found = False
-    with target.open("wb") as out:
-        for first in itertools.count(0, PARTS_PER_READ):
+    found = have > 0
+    with target.open("r+b" if have else "wb") as out:
+        if have:
+            for (data,) in execute("SELECT data FROM git_pack_parts WHERE repo = ? AND "
+                                   "pack = ? AND file = ? AND part = 0", (repo, name, file)):
+                out.write(data)
+            out.seek((have + 1) * PART_BYTES)
+        for first in itertools.count(have + 1 if have else 0, PARTS_PER_READ):
             chunk = execute("SELECT data FROM git_pack_parts WHERE repo = ? AND pack = ? AND "
                             "file = ? AND part >= ? AND part < ? ORDER BY part",
                             (repo, name, file, first, first + PARTS_PER_READ)).fetchall()
@@ -177,6 +242,7 @@ def _spool_file(conn: Any, repo: str, name: str, file: int, target: Path) -> boo
             found = found or bool(chunk)
             if len(chunk) < PARTS_PER_READ:
                 break
+        out.truncate()
         out.flush()
         os.fsync(out.fileno())
     return found

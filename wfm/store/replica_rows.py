@@ -59,13 +59,15 @@ NEWS_CHANNEL = "margo_fleet_news"
 
 
 def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path,
-                  have: frozenset[int] = frozenset()) -> Snapshot:
+                  have: frozenset[int] = frozenset(),
+                  prefetched: pack_rows.Prefetched | None = None) -> Snapshot:
     """Everything of `repo` newer than generation `since`, from one consistent snapshot
     (the refs of a generation are rewritten by later ones, so the reads must not straddle a
     publication), but the packs of the generations in `have` (objects the replica has from
     elsewhere: 383 MB for a full compile of 100,000 devices). Starts over from the newest
     compacted pack when `since` is older. Packs stored in parts are read into files in
-    `spool` (`RepoReplica.spooling`), which must outlive the snapshot's use."""
+    `spool` (`RepoReplica.spooling`), which must outlive the snapshot's use; one whose parts
+    were read while they were stored starts from the `prefetched` file."""
     if dialect == "postgresql":
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
     else:
@@ -81,7 +83,7 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path
             "SELECT generation FROM git_packs WHERE repo = ? AND generation > ? AND "
             "generation <= ? ORDER BY generation", (repo, since, generation))
             if int(g) not in have]
-        packs = _read_packs(conn, repo, wanted, spool) if wanted else []
+        packs = _read_packs(conn, repo, wanted, spool, prefetched) if wanted else []
         refs = {str(n): (None if t is None else str(t)) for n, t in conn.execute(
             "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
             "generation <= ?", (repo, since, generation))}
@@ -90,14 +92,15 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path
     return Snapshot(generation, packs, refs)
 
 
-def _read_packs(conn: Any, repo: str, generations: list[int], spool: Path
-                ) -> list[PublishedPack]:
+def _read_packs(conn: Any, repo: str, generations: list[int], spool: Path,
+                prefetched: pack_rows.Prefetched | None) -> list[PublishedPack]:
     """The packs of `generations` (`wfm.store.pack_rows`), those in parts read into
     `spool`."""
     rows = conn.execute("SELECT generation, pack, idx, parts FROM git_packs WHERE repo = ? "
                         "AND generation IN (" + ", ".join("?" for _ in generations) + ") "
                         "ORDER BY generation", (repo, *generations)).fetchall()
-    return [PublishedPack(*read) for read in pack_rows.read_packs(conn, rows, repo, spool)]
+    return [PublishedPack(*read)
+            for read in pack_rows.read_packs(conn, rows, repo, spool, prefetched)]
 
 
 def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.PackData,

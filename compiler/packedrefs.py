@@ -32,8 +32,9 @@ from pathlib import Path
 from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
-__all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError", "move_refs",
-           "packed_ref_names", "ref_names", "ref_targets"]
+__all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError",
+           "has_loose_refs", "move_refs", "packed_ref_names", "packed_refs_identity",
+           "ref_names", "ref_targets"]
 
 PACKED_REFS = "packed-refs"
 _LOCK_SUFFIX = ".lock"
@@ -88,6 +89,21 @@ def ref_names(git_dir: str | os.PathLike[str]) -> frozenset[str]:
         _PACKED_NAMES.put(path, identity, packed)
     loose = _loose_ref_names(Path(git_dir))
     return packed | loose if loose else packed
+
+
+def packed_refs_identity(git_dir: str | os.PathLike[str]) -> FileIdentity | None:
+    """The identity of the repository's ``packed-refs`` (None: there is none): what a
+    listing of it is remembered under (a rewrite is a new file)."""
+    try:
+        st = os.stat(Path(git_dir) / PACKED_REFS)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def has_loose_refs(git_dir: str | os.PathLike[str]) -> bool:
+    """Whether any ref is a loose file under ``refs/`` (which wins over its packed entry)."""
+    return bool(_loose_ref_names(Path(git_dir)))
 
 
 def _loose_ref_names(git_dir: Path) -> frozenset[str]:

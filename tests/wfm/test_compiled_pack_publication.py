@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -243,10 +244,11 @@ def test_a_pack_stored_ahead_but_not_published_is_dropped(
 
 def test_the_news_of_its_own_publication_reads_no_pack_back(
         holder: tuple[PostgresDatabase, Coordinator], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sync in the instant between the publication's commit and the publisher saying
-    its objects are linked in (what the news of it wakes the replica's loop to do: the
-    seam stands for that thread, which the test cannot schedule there) reads no pack of
-    that generation and applies nothing; the publisher's own sync then applies it."""
+    """A sync asked for in the instant between the publication's commit and the publisher
+    saying its objects are linked in (what the news of it wakes the replica's loop to do:
+    the seam starts that thread there) waits for the publisher, which moves its served
+    copy to what it published; that sync then finds nothing to do, and no pack of the
+    generation is read back."""
     _db, coordinator = holder
     work = coordinator.prepare()
     assert work is not None
@@ -261,16 +263,20 @@ def test_the_news_of_its_own_publication_reads_no_pack_back(
 
     monkeypatch.setattr(replica_rows, "read_snapshot", spy)
     told = coordinator.serving.has_objects_of
-    in_between: list[bool] = []
+    synced: list[bool] = []
+    news = threading.Thread(target=lambda: synced.append(coordinator.sync()))
 
     def news_first(generation: int) -> None:
-        in_between.append(coordinator.sync())
+        news.start()
+        news.join(0.3)
+        assert news.is_alive()  # held back until the publisher has moved its copy
         told(generation)
 
     monkeypatch.setattr(coordinator.serving, "has_objects_of", news_first)
     published = coordinator.publish()
+    news.join(10)
     assert published is not None
-    assert in_between == [False]
+    assert synced == [False]
     assert published.generation not in read
     assert coordinator.serving.generation == published.generation
     assert coordinator.serving.refs() == RepoReplica("devices", work / REPOSITORY_NAME).refs()

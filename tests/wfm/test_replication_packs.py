@@ -14,6 +14,7 @@ from pathlib import Path
 import pygit2
 import pytest
 
+from compiler.packedrefs import move_refs
 from wfm.fleet import replication
 from wfm.fleet.replication import RepoReplica
 from wfm.store.replica_rows import PublishedPack, Snapshot
@@ -155,3 +156,24 @@ def test_objects_added_later_are_linked_later(tmp_path: Path,
     third = str(repository.create_blob(b"third"))
     assert serving.link_objects_from(work)
     assert third in pygit2.Repository(str(serving.path))
+
+
+def test_the_refs_listing_follows_every_change_of_the_refs(tmp_path: Path) -> None:
+    """`refs()` is remembered under the identity of `packed-refs`: a rewrite of the file
+    (here by Git, and by `move_refs`) or a loose ref shows at the next listing."""
+    repo = RepoReplica("devices", tmp_path / "repo.git")
+    first = fast_import(repo.path, "one")
+    git = ["git", "--git-dir", str(repo.path)]
+    subprocess.run([*git, "pack-refs", "--all"], check=True)
+    assert repo.refs() == {"refs/heads/main": first}
+    assert repo.refs() == {"refs/heads/main": first}  # (remembered: the same listing)
+    subprocess.run([*git, "update-ref", "refs/heads/loose", first], check=True)
+    assert repo.refs() == {"refs/heads/main": first, "refs/heads/loose": first}
+    subprocess.run([*git, "pack-refs", "--all"], check=True)
+    second = fast_import(repo.path, "two")  # (a loose ref again, over the packed one)
+    assert repo.refs() == {"refs/heads/main": second, "refs/heads/loose": first}
+    subprocess.run([*git, "pack-refs", "--all"], check=True)
+    listed = repo.refs()
+    listed["refs/heads/main"] = "0" * 40  # (a copy: the caller's to change)
+    move_refs(repo.path, {"refs/heads/loose": (first, None)})
+    assert repo.refs() == {"refs/heads/main": second}

@@ -219,6 +219,8 @@ class Coordinator:
             self.sync()
         if not self.holding:
             self._prefetch.look()
+        else:
+            self._prefetch.clear()
         if self.holding and requests != self._requests_seen:
             self._requests_seen = requests
             self.on_compile_due()

@@ -62,6 +62,12 @@ class Prefetch:
                     self._forget()
                     return
 
+    def clear(self) -> None:
+        """Forget what was read (this replica compiles now: no pack of its own is read)."""
+        if self._name is not None:
+            with self._lock:
+                self._forget()
+
     def held(self) -> pack_rows.Prefetched | None:
         """What is read so far, for a sync (under `claim`)."""
         if self._name is None or not self._parts:

@@ -77,13 +77,8 @@ def ref_names(git_dir: str | os.PathLike[str]) -> frozenset[str]:
     listed each time (usually none: this module writes packed refs). PackedRefsError for
     a ``packed-refs`` not in Git's format."""
     path = Path(git_dir) / PACKED_REFS
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        packed: frozenset[str] | None = frozenset()
-    else:
-        packed = _PACKED_NAMES.get(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
-                                          st.st_ctime_ns))
+    identity = packed_refs_identity(git_dir)
+    packed = frozenset() if identity is None else _PACKED_NAMES.get(path, identity)
     if packed is None:
         identity, packed = packed_ref_names(git_dir)
         _PACKED_NAMES.put(path, identity, packed)

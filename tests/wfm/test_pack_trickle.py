@@ -41,6 +41,7 @@ def small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     many times over) as small, so that the file grows as objects are added."""
     monkeypatch.setattr(pack_rows, "PART_BYTES", PART)
     monkeypatch.setattr("compiler.packwriter._HASH_CHUNK", 256)
+    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)  # (a look at every call)
 
 
 def parts_named(db: Database, name: str) -> list[int]:
@@ -64,11 +65,23 @@ def write_slowly(db: Database, trickle: PackTrickle, objects: Path) -> Path:
     return objects / "pack" / f"{name}.pack"
 
 
-def test_the_parts_stored_ahead_are_named_with_the_rest(db: Database, tmp_path: Path) -> None:
+def followed_pack(db: Database, tmp_path: Path) -> tuple[PackTrickle, Path, Path]:
+    """A trickle following a pack written slowly into a new object store: the trickle,
+    the store's `objects` folder and the pack file published."""
     objects = tmp_path / "repo.git" / "objects"
     (objects / "pack").mkdir(parents=True)
     trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
-    pack_file = write_slowly(db, trickle, objects)
+    return trickle, objects, write_slowly(db, trickle, objects)
+
+
+def other_replica(db: Database, tmp_path: Path) -> tuple[Prefetch, Path]:
+    """Another replica's prefetch and its folder."""
+    (folder := tmp_path / "other").mkdir()
+    return Prefetch(db, "devices", folder), folder
+
+
+def test_the_parts_stored_ahead_are_named_with_the_rest(db: Database, tmp_path: Path) -> None:
+    trickle, _, pack_file = followed_pack(db, tmp_path)
     trickled = trickle.finish(pack_file)
     assert trickled is not None and trickled.parts >= 3
     assert parts_named(db, trickle.name) == list(range(1, trickled.parts + 1))  # never 0
@@ -83,10 +96,7 @@ def test_the_parts_stored_ahead_are_named_with_the_rest(db: Database, tmp_path: 
 
 
 def test_parts_of_another_file_are_dropped(db: Database, tmp_path: Path) -> None:
-    objects = tmp_path / "repo.git" / "objects"
-    (objects / "pack").mkdir(parents=True)
-    trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
-    followed = write_slowly(db, trickle, objects)
+    trickle, objects, followed = followed_pack(db, tmp_path)
     other = PackWriter(objects)
     other.add(BLOB, b"another pack")
     published = objects / "pack" / f"{other.publish()}.pack"
@@ -141,17 +151,12 @@ def test_a_compile_publishes_the_parts_it_stored_while_writing(
     assert bytes(snapshot.packs[-1].pack) == pack_file.read_bytes() and provisional == 0
 
 
-def test_a_replica_reads_the_parts_while_they_are_stored(
-        db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replica_reads_the_parts_while_they_are_stored(db: Database,
+                                                         tmp_path: Path) -> None:
     """Another replica's copy of the provisional parts (`Prefetch`) is the start of the
     pack it reads once the pack is named: the same file (moved), the rest read into it."""
-    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
-    objects = tmp_path / "repo.git" / "objects"
-    (objects / "pack").mkdir(parents=True)
-    (elsewhere := tmp_path / "other").mkdir()
-    prefetch = Prefetch(db, "devices", elsewhere)
-    trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
-    pack_file = write_slowly(db, trickle, objects)
+    prefetch, elsewhere = other_replica(db, tmp_path)
+    trickle, _, pack_file = followed_pack(db, tmp_path)
     trickled = trickle.finish(pack_file)
     assert trickled is not None
     prefetch.look()
@@ -171,15 +176,9 @@ def test_a_replica_reads_the_parts_while_they_are_stored(
     assert prefetch.held() is None and list(elsewhere.glob("margo-prefetch-*")) == []
 
 
-def test_a_prefetched_file_of_another_pack_is_not_used(
-        db: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
-    objects = tmp_path / "repo.git" / "objects"
-    (objects / "pack").mkdir(parents=True)
-    (elsewhere := tmp_path / "other").mkdir()
-    prefetch = Prefetch(db, "devices", elsewhere)
-    trickle = PackTrickle(db, "devices", objects / "pack", every=0.01)
-    pack_file = write_slowly(db, trickle, objects)
+def test_a_prefetched_file_of_another_pack_is_not_used(db: Database, tmp_path: Path) -> None:
+    prefetch, _ = other_replica(db, tmp_path)
+    trickle, _, pack_file = followed_pack(db, tmp_path)
     prefetch.look()
     assert trickle.finish(None) is None  # (the pack published was packed anew)
     pack, index = pack_file.read_bytes(), pack_file.with_suffix(".idx").read_bytes()
@@ -205,7 +204,6 @@ def test_the_other_replica_syncs_from_what_it_read_during_the_compile(
     from wfm.fleet.coordination import Coordinator
 
     monkeypatch.setattr("wfm.fleet.trickle.LOOK_EVERY", 0.01)
-    monkeypatch.setattr("wfm.fleet.prefetch.LOOK_EVERY", 0.0)
     read: list[int] = []
     read_provisional = pack_rows.read_provisional
 

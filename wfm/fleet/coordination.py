@@ -551,8 +551,8 @@ class Coordinator:
         linked = replica is self.working and self.serving.link_objects_from(replica)
         if linked:
             self._linking = generation
-        own = linked and moved is not None
-        with self._sync_lock if own else contextlib.nullcontext():
+        own = moved if linked else None  # (the refs the served copy moves to by itself)
+        with self._sync_lock if own is not None else contextlib.nullcontext():
             try:
                 generation = self.db.write_sync(write)
                 if linked:
@@ -560,9 +560,9 @@ class Coordinator:
             finally:
                 self._linking = None
             replica.mark_generation(generation)
-            if own and moved is not None and self.serving.generation == generation - 1:
+            if own is not None and self.serving.generation == generation - 1:
                 with GIT_SECONDS.labels("sync").time():
-                    self._move_serving(replica_rows.Snapshot(generation, [], moved))
+                    self._move_serving(replica_rows.Snapshot(generation, [], own))
         return generation
 
     @staticmethod

@@ -147,10 +147,18 @@ def newest_provisional(conn: Any, repo: str) -> tuple[str, int] | None:
 def read_provisional(conn: Any, repo: str, name: str, first: int, last: int
                      ) -> list[tuple[int, bytes]]:
     """Parts `first` to `last` of a provisional pack that are stored, by number."""
+    return [(n, bytes(d)) for n, d in _parts(conn, repo, name, PACK_FILE, first, last + 1)]
+
+
+def _parts(conn: Any, repo: str, name: str, file: int, first: int, stop: int
+           ) -> list[tuple[int, Any]]:
+    """(number, bytes) of the stored parts `first` to `stop - 1` of one file of a pack, in
+    binary where the connection can (`execute_binary`: as text every byte came as two hex
+    digits)."""
     execute = getattr(conn, "execute_binary", conn.execute)
-    return [(int(n), bytes(d)) for n, d in execute(
+    return [(int(n), d) for n, d in execute(
         "SELECT part, data FROM git_pack_parts WHERE repo = ? AND pack = ? AND file = ? AND "
-        "part >= ? AND part <= ? ORDER BY part", (repo, name, PACK_FILE, first, last))]
+        "part >= ? AND part < ? ORDER BY part", (repo, name, file, first, stop))]
 
 
 def name_pack(conn: Connection, repo: str, generation: int, pack: PackData,
@@ -220,24 +228,19 @@ def _take_prefetched(conn: Any, repo: str, name: str, prefetched: Prefetched | N
 
 def _spool_file(conn: Any, repo: str, name: str, file: int, target: Path, *,
                 have: int = 0) -> bool:
-    """The parts of one file into `target`, `PARTS_PER_READ` per statement, in binary where
-    the connection can (`execute_binary`: as text every byte came as two hex digits); whether
-    there was any part. With `have`, parts 1 to `have` are in `target` already (prefetched):
-    the first part is written before them, the rest after. Flushed to disk: a replica
-    installs the file as it is."""
-    execute = getattr(conn, "execute_binary", conn.execute)
+    """The parts of one file into `target`, `PARTS_PER_READ` per statement (`_parts`);
+    whether there was any part. With `have`, parts 1 to `have` are in `target` already
+    (prefetched): the first part is written before them, the rest after. Flushed to disk:
+    a replica installs the file as it is."""
     found = have > 0
     with target.open("r+b" if have else "wb") as out:
         if have:
-            for (data,) in execute("SELECT data FROM git_pack_parts WHERE repo = ? AND "
-                                   "pack = ? AND file = ? AND part = 0", (repo, name, file)):
+            for _, data in _parts(conn, repo, name, file, 0, 1):
                 out.write(data)
             out.seek((have + 1) * PART_BYTES)
         for first in itertools.count(have + 1 if have else 0, PARTS_PER_READ):
-            chunk = execute("SELECT data FROM git_pack_parts WHERE repo = ? AND pack = ? AND "
-                            "file = ? AND part >= ? AND part < ? ORDER BY part",
-                            (repo, name, file, first, first + PARTS_PER_READ)).fetchall()
-            for (data,) in chunk:
+            chunk = _parts(conn, repo, name, file, first, first + PARTS_PER_READ)
+            for _, data in chunk:
                 out.write(data)
             found = found or bool(chunk)
             if len(chunk) < PARTS_PER_READ:

@@ -65,10 +65,14 @@ def test_new_bytes_with_nothing_to_apply_are_reported(server: FleetServer,
     if source == "git":
         # The Git device speaks Oct-2024 once it reports, and Oct-2024 documents hold no
         # capacity requirement (a change of it moves none of their bytes): its intent asks
-        # for rc.3 documents, which our client reads whatever API it speaks. (Its branch is
-        # rc.3 already: the kit reported its capabilities through the rc.3 API.)
+        # for rc.3 documents, which our client reads whatever API it speaks. The kit
+        # reported its capabilities through Oct-2024's route, so its branch held Oct-2024
+        # documents: wait for the rc.3 ones, or the device installs the old bytes and the
+        # server then rightly sees it pending on the new.
+        before = head(server, device)
         server.edit_intent(device.device_id, intent(device.device_id).replace(
             "spec:\n", "spec:\n  outputShape: rc.3\n", 1))
+        wait_for_new_commit(server, device, before)
     assert steps(once(device)) == [("install", "ok")]
     assert freshness(server, device) == "current"
 

@@ -200,21 +200,46 @@ def stored_parts(db: Database) -> set[str]:
 
 def test_a_pack_stored_as_the_branches_move_is_the_one_published(
         holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path) -> None:
-    """`Coordinator.stage` (the compile's `on_moved`) stores the pack before the
-    publication, which then only names it."""
+    """`Coordinator.stage` (the compile's `on_moved`) stores the pack and publishes it
+    as the branches move, before the compile's end (its state's commit): the served copy
+    has it by then, and `publish` then only marks the state as the generation's."""
     db, coordinator = holder
     work = coordinator.prepare()
     assert work is not None
     own = compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    assert coordinator.serving.generation < 1
     coordinator.stage(CompileReport(revision="r"))
     name = pack_rows.pack_id(own.read_bytes())
-    poll_until("the pack stored", lambda: stored_parts(db) == {name}, timeout=10)
-    assert db.read(lambda c: c.execute("SELECT COUNT(*) FROM git_packs").fetchone()[0]) == 0
+    poll_until("the pack published", lambda: db.read(lambda c: c.execute(
+        "SELECT parts FROM git_packs").fetchall()) == [(name,)], timeout=10)
+    poll_until("the served copy moved", lambda: coordinator.serving.generation == 1,
+               timeout=10)
+    assert not (work / "compiler-state.generation").exists()
     published = coordinator.publish(restored=0)
-    assert published is not None
-    assert db.read(lambda c: c.execute("SELECT parts FROM git_packs WHERE generation = ?",
-                                       (published.generation,)).fetchone()[0]) == name
+    assert published is not None and published.generation == 1
+    assert (work / "compiler-state.generation").read_text().split()[0] == "1"
+    assert stored_parts(db) == {name}
     assert newest_pack(db, tmp_path).pack == own.read_bytes()
+
+
+def test_a_compile_that_fails_after_its_branches_moved_is_published_once(
+        holder: tuple[PostgresDatabase, Coordinator]) -> None:
+    """The compile's state could not be committed (`publish` never called): its early
+    publication ends before the next compile starts, which publishes only its own moves
+    on top of it."""
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    compile_into(work, [files(d, "v1") for d in ("a", "b")])
+    coordinator.stage(CompileReport(revision="r"))
+    work = coordinator.prepare()  # (the failed compile's publication settled here)
+    assert work is not None
+    assert db.read(lambda c: replica_rows.published_generation(c, "devices")) == 1
+    tips = {d: DeviceStore(work).tip(d) for d in ("a", "b")}
+    compile_into(work, [files("a", "v2", parent=tips["a"], parent_known=True)])
+    coordinator.stage(CompileReport(revision="r"))
+    published = coordinator.publish(restored=0)
+    assert published is not None and (published.generation, published.refs) == (2, 1)
 
 
 def test_a_pack_stored_ahead_but_not_published_is_dropped(
@@ -233,8 +258,8 @@ def test_a_pack_stored_ahead_but_not_published_is_dropped(
     tips = {d: DeviceStore(work).tip(d) for d in ("a", "b")}
     own = compile_into(work, [files(d, "v2", parent=tips[d], parent_known=True)
                               for d in ("a", "b")])
+    db.write_sync(lambda conn: publish_deletion(conn, ["b"]))  # (before the branches move)
     coordinator.stage(CompileReport(revision="r"))
-    db.write_sync(lambda conn: publish_deletion(conn, ["b"]))
     assert coordinator.publish(restored=0) is not None
     assert pack_rows.pack_id(own.read_bytes()) not in stored_parts(db)
     named = {str(p) for p, in db.read(lambda c: c.execute(

@@ -350,7 +350,9 @@ class CompileService:
                              served: Callable[[CompileReport], None]) -> CompileReport:
         """Compile; one server: `served` as soon as the branches move (the compiler's state
         is committed and the compile's objects freed after that: seconds at a million
-        devices), replicas: publish (after the state is committed: it is published too)."""
+        devices), replicas: publish from that moment too (`Coordinator.stage`), then, once
+        the state is committed, mark it as the published generation's
+        (`Coordinator.publish`)."""
         store = DeviceStore(repos)
         on_moved = served if self._coordinator is None else self._coordinator.stage
         try:

@@ -49,11 +49,11 @@ from typing import Any
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.report import CompileReport
 from compiler.state import CompilerState
-from margo.files import write_atomically
 from wfm.fleet.news import News
 from wfm.fleet.prefetch import Prefetch
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
-from wfm.fleet.staging import Staged, StagedPack
+from wfm.fleet.staging import Background, Staged, StagedPack
+from wfm.fleet.statemark import STATE_FILE, state_mark, write_state_mark
 from wfm.fleet.trickle import PackTrickle
 from wfm.store import pack_rows, records, replica_rows
 from wfm.store.database import DatabaseUnavailable
@@ -74,8 +74,6 @@ REPO = "devices"
 REPAIR_EVERY = 5.0
 #: How often a compile's publication starts over after devices were deleted meanwhile.
 _PUBLISH_ATTEMPTS = 5
-_STATE_FILE = "compiler-state.sqlite"
-_STATE_GENERATION = "compiler-state.generation"
 _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
 #: How long after the coordination loop last read the database a replica still counts as
 #: reaching it (`database_reached`): eight looks at the default `poll`.
@@ -156,6 +154,9 @@ class Coordinator:
         self._packs_before: frozenset[str] | None = None
         #: The pack of the compile being published, stored ahead of it (`stage`).
         self._staging: StagedPack | None = None
+        #: The compile's publication, started as its branches moved (`stage`): what it
+        #: published and the work repository's refs then.
+        self._early: Background[tuple[Published | None, dict[str, str]]] | None = None
         #: The compile's pack, stored while it is written (`prepare` to `stage`).
         self._trickle: PackTrickle | None = None
         self._stopping = threading.Event()
@@ -387,6 +388,7 @@ class Coordinator:
         self._before = self.working.refs()
         self._packs_before = self.working.pack_names()
         self._staging = None
+        self._settle_leftover()
         self._end_trickle()
         self._trickle = PackTrickle(self.db, REPO, self.working.path / "objects" / "pack")
         return self.compile_dir
@@ -399,9 +401,11 @@ class Coordinator:
     def stage(self, report: CompileReport) -> None:
         """As soon as a compile's branches moved (`compiler.compilation.compile_fleet`'s
         `on_moved`, before its state is committed): work out the pack its publication will
-        name and store it, in a thread of its own (`wfm.fleet.staging`)."""
+        name and store it, and publish it, each in a thread of its own
+        (`wfm.fleet.staging`); `publish` waits for that publication."""
         if self._staging is not None:
             self._staging.take({}, None)  # (a compile again after a failed one: let it end)
+        self._settle_leftover()
         before, packs_before = self._before, self._packs_before
         restored = report.restored_branches
         trickle, self._trickle = self._trickle, None
@@ -424,7 +428,40 @@ class Coordinator:
                 if trickle is not None:
                     trickle.finish(None)  # (nothing, once finished above)
 
-        self._staging = StagedPack(work)
+        self._staging = staging = StagedPack(work)
+        epoch = self.epoch
+        if epoch is not None:
+            self._early = Background(lambda: self._publish_early(
+                before, staging, packs_before, restored, epoch), name="margo-publication")
+
+    def _publish_early(self, before: dict[str, str], staging: StagedPack,
+                       packs_before: frozenset[str] | None, restored: int | None,
+                       epoch: int | None) -> tuple[Published | None, dict[str, str]]:
+        """The publication `stage` starts: what it published, and the refs it published
+        (nothing moves the work repository's refs until the compile has ended)."""
+        published = self._publish(self.working, before, epoch=epoch, packs_before=packs_before,
+                                  staging=staging, restored=restored)
+        return published, self.working.refs()
+
+    def _settle_early(self) -> Published | None:
+        """Wait for the publication `stage` started, if any; what it published is what
+        the next one is worked out from. Raises what it raised."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        published, after = early.result()
+        if published is not None:
+            self._before, self._packs_before = after, None
+        return published
+
+    def _settle_leftover(self) -> None:
+        """The publication of a compile that failed after its branches moved (or an
+        attempt before the compile ran again) ends before anything else is published."""
+        try:
+            self._settle_early()
+        except Exception as exc:  # (the compile it belonged to failed already)
+            log.warning("%s: the publication of a failed compile failed too: %s", self.name,
+                        exc)
 
     def _catch_up_working(self, *, compiled: bool = False) -> None:
         """Bring the work repository to the newest generation, and keep the compiler's
@@ -440,8 +477,8 @@ class Coordinator:
             self.working.apply(snapshot)
         deleted = sorted(i for i in (device_id_from_ref(n) for n, t in snapshot.refs.items()
                                      if t is None) if i is not None)
-        mark = _state_mark(self.compile_dir)
-        state = self.compile_dir / _STATE_FILE
+        mark = state_mark(self.compile_dir)
+        state = self.compile_dir / STATE_FILE
         valid = compiled or (mark is not None and (
             mark[0] == snapshot.generation
             or (mark[0] == since and self.epoch is not None and mark[1] == self.epoch)))
@@ -456,7 +493,7 @@ class Coordinator:
             finally:
                 kept.close()
         if not compiled and mark != (snapshot.generation, self.epoch):
-            _write_state_generation(self.compile_dir, snapshot.generation, self.epoch)
+            write_state_mark(self.compile_dir, snapshot.generation, self.epoch)
 
     def publish(self, *, restored: int | None = None) -> Published | None:
         """After a compile: publish what moved under the next generation (None: nothing
@@ -464,35 +501,45 @@ class Coordinator:
         lost branches the compile restored, as its report says (None: not known, so the
         created branches are looked at): with any, the compile's own pack is not enough
         (`RepoReplica.compiled_pack`)."""
+        staging, self._staging = self._staging, None
+        self._end_trickle()  # (no `stage`: nothing moved, or the compile failed)
+        try:
+            early = self._settle_early()
+        except _DeletedMeanwhile:
+            early = None
+            self._drop_deleted()
         epoch = self.epoch
         if epoch is None:
             raise LeaseLost(f"{self.name} no longer holds the compile lease")
-        staging, self._staging = self._staging, None
-        self._end_trickle()  # (no `stage`: nothing moved, or the compile failed)
         for _ in range(_PUBLISH_ATTEMPTS):
             try:
+                # (after the early publication: nothing moved since, unless it failed)
                 published = self._publish(self.working, self._before, epoch=epoch,
-                                          packs_before=self._packs_before, staging=staging,
-                                          restored=restored)
+                                          packs_before=self._packs_before,
+                                          staging=None if early else staging,
+                                          restored=restored) or early
                 break
             except _DeletedMeanwhile:
-                # What this compile wrote for a device deleted meanwhile is dropped with its
-                # branch (a compile asked for by the deletion follows); the rest is
-                # published on top of the deletion, packed from its refs (the compile's own
-                # pack holds the deleted device's objects).
-                self._packs_before = None
-                self._catch_up_working(compiled=True)
-                after = self.working.refs()
-                self._before = {n: t for n, t in self._before.items() if n in after}
+                self._drop_deleted()
         else:
             raise RuntimeError("devices kept being deleted while the compile was published; "
                                "compiling again")
         # The state is what this compile left, in the work repository as published now.
-        _write_state_generation(self.compile_dir, self.working.generation, epoch)
+        write_state_mark(self.compile_dir, self.working.generation, epoch)
         self._before = self.working.refs()
         self._packs_before = None
         self.sync()
         return published
+
+    def _drop_deleted(self) -> None:
+        """What this compile wrote for a device deleted meanwhile is dropped with its
+        branch (a compile asked for by the deletion follows); the rest is published on top
+        of the deletion, packed from its refs (the compile's own pack holds the deleted
+        device's objects)."""
+        self._packs_before = None
+        self._catch_up_working(compiled=True)
+        after = self.working.refs()
+        self._before = {n: t for n, t in self._before.items() if n in after}
 
     def _publish(self, replica: RepoReplica, before: dict[str, str], *, epoch: int | None,
                  packs_before: frozenset[str] | None = None,
@@ -650,17 +697,3 @@ def _devices(refs: dict[str, str | None]) -> frozenset[str]:
     """The devices whose branches are among `refs` (ref names)."""
     return frozenset(d for d in map(device_id_from_ref, refs) if d is not None)
 
-
-def _state_mark(directory: Path) -> tuple[int, int | None] | None:
-    """(the generation the compiler's state belongs to, the lease epoch it was written
-    under; None when an older server wrote only the generation), or None: no sidecar."""
-    try:
-        words = (directory / _STATE_GENERATION).read_text().split()
-        return int(words[0]), (int(words[1]) if len(words) > 1 else None)
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _write_state_generation(directory: Path, generation: int, epoch: int | None) -> None:
-    write_atomically(directory / _STATE_GENERATION,
-                     f"{generation}\n" if epoch is None else f"{generation} {epoch}\n")

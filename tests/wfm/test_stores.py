@@ -180,6 +180,17 @@ def test_bulk_marks_and_refs_upsert_alike_on_both_engines(store: Database,
     assert found["dep-00699"][5] is None
     assert store.read(lambda conn: conn.execute(
         "SELECT COUNT(*) FROM lead_marks").fetchone()[0]) == 1_234
+    # Taken in statements of 300: a mark of other bytes stays, the same mark twice is
+    # taken once, a mark nobody holds is not taken.
+    taking = [("dep-00000", "b" * 40), ("dep-00001", "a" * 40), ("dep-00000", "b" * 40),
+              ("dep-01200", "c" * 40), ("dep-09999", "c" * 40),
+              *((f"dep-{i:05d}", "c" * 40) for i in range(700, 1_100))]
+    taken = store.write_sync(lambda conn: lead_rows.consume_marks(conn, taking))
+    assert taken[:5] == [True, False, False, True, False] and all(taken[5:])
+    assert store.read(lambda conn: lead_rows.marks_of(conn, ["dep-00001", "dep-01200"])) \
+        .keys() == {"dep-00001"}
+    assert store.read(lambda conn: conn.execute(
+        "SELECT COUNT(*) FROM lead_marks").fetchone()[0]) == 1_234 - 2 - 400
 
     refs: dict[str, str | None] = {f"refs/heads/devices/d{i:05d}": f"{i:040x}"
                                    for i in range(1_201)}

@@ -52,7 +52,8 @@ from compiler.state import CompilerState
 from wfm.fleet.news import News
 from wfm.fleet.prefetch import Prefetch
 from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
-from wfm.fleet.staging import Background, Staged, StagedPack
+from wfm.fleet.sourceturns import SourceUpdate
+from wfm.fleet.staging import Background
 from wfm.fleet.statemark import STATE_FILE, state_mark, write_state_mark
 from wfm.fleet.trickle import PackTrickle
 from wfm.store import pack_rows, records, replica_rows
@@ -67,8 +68,6 @@ log = logging.getLogger("margo.wfm.replicas")
 
 #: The advisory lock key of the compile lease ("compile" in ASCII, as a bigint).
 LEASE_KEY = 0x636F6D70696C65
-#: The advisory lock under which replicas take turns updating the fleet source ("source").
-SOURCE_KEY = 0x736F75726365
 REPO = "devices"
 #: Seconds between two repairs of the served repository (`request_repair`).
 REPAIR_EVERY = 5.0
@@ -152,8 +151,6 @@ class Coordinator:
         #: The work repository's packs before the compile (`RepoReplica.compiled_pack`);
         #: None: publish with `git pack-objects`.
         self._packs_before: frozenset[str] | None = None
-        #: The pack of the compile being published, stored ahead of it (`stage`).
-        self._staging: StagedPack | None = None
         #: The compile's publication, started as its branches moved (`stage`): what it
         #: published and the work repository's refs then.
         self._early: Background[tuple[Published | None, dict[str, str]]] | None = None
@@ -387,7 +384,6 @@ class Coordinator:
         self._catch_up_working()
         self._before = self.working.refs()
         self._packs_before = self.working.pack_names()
-        self._staging = None
         self._settle_leftover()
         self._end_trickle()
         self._trickle = PackTrickle(self.db, REPO, self.working.path / "objects" / "pack")
@@ -400,48 +396,54 @@ class Coordinator:
 
     def stage(self, report: CompileReport) -> None:
         """As soon as a compile's branches moved (`compiler.compilation.compile_fleet`'s
-        `on_moved`, before its state is committed): work out the pack its publication will
-        name and store it, and publish it, each in a thread of its own
-        (`wfm.fleet.staging`); `publish` waits for that publication."""
-        if self._staging is not None:
-            self._staging.take({}, None)  # (a compile again after a failed one: let it end)
-        self._settle_leftover()
+        `on_moved`, before its state is committed and its objects freed: 5-6 s at a million
+        devices), publish it in a thread of its own (`wfm.fleet.staging`): store its pack
+        (`_store_ahead`), then publish; `publish` waits for that publication."""
+        self._settle_leftover()  # (a compile again after a failed one: let it end)
         before, packs_before = self._before, self._packs_before
         restored = report.restored_branches
         trickle, self._trickle = self._trickle, None
+        epoch = self.epoch
+        if epoch is None:  # (`publish` says the lease is lost)
+            if trickle is not None:
+                trickle.finish(None)
+            return
 
-        def work() -> Staged | None:
+        def publish() -> tuple[Published | None, dict[str, str]]:
             try:
-                moved = _moved(self.working.refs(), before)
-                current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
-                if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
-                    return None  # (a compaction packs every object again)
-                pack, index = self._pack_of(self.working, before, moved, packs_before,
-                                            restored)
-                trickled = None if trickle is None or not pack else trickle.finish(
-                    self.working.pack_file(pack))
-                if pack:
-                    self.db.write_apart(lambda c: pack_rows.stage_pack(
-                        c, REPO, pack, index, trickled=trickled))
-                return Staged(moved, restored, pack, index)
+                after = self.working.refs()
+                moved = _moved(after, before)
+                try:
+                    stored = self._store_ahead(before, moved, packs_before, restored, trickle)
+                except Exception:  # (packed and stored again by the transaction)
+                    log.exception("storing the compile's pack ahead of its publication failed")
+                    stored = None
+                return self._publish_moves(self.working, before, after, moved, epoch=epoch,
+                                           packs_before=packs_before, restored=restored,
+                                           stored=stored), after
             finally:
                 if trickle is not None:
-                    trickle.finish(None)  # (nothing, once finished above)
+                    trickle.finish(None)  # (nothing, once finished by `_store_ahead`)
 
-        self._staging = staging = StagedPack(work)
-        epoch = self.epoch
-        if epoch is not None:
-            self._early = Background(lambda: self._publish_early(
-                before, staging, packs_before, restored, epoch), name="margo-publication")
+        self._early = Background(publish, name="margo-publication")
 
-    def _publish_early(self, before: dict[str, str], staging: StagedPack,
-                       packs_before: frozenset[str] | None, restored: int | None,
-                       epoch: int | None) -> tuple[Published | None, dict[str, str]]:
-        """The publication `stage` starts: what it published, and the refs it published
-        (nothing moves the work repository's refs until the compile has ended)."""
-        published = self._publish(self.working, before, epoch=epoch, packs_before=packs_before,
-                                  staging=staging, restored=restored)
-        return published, self.working.refs()
+    def _store_ahead(self, before: dict[str, str], moved: dict[str, str | None],
+                     packs_before: frozenset[str] | None, restored: int | None,
+                     trickle: PackTrickle | None) -> tuple[PackData, PackData | None] | None:
+        """The pack (and index) the publication will name, stored before its transaction,
+        on a connection beside the writer's (`Database.write_apart`: the devices' writes do
+        not queue behind 3.8 GB), the parts the trickle stored already kept; None when this
+        publication packs every object (a compaction) or nothing moved."""
+        current = self.db.read(lambda c: replica_rows.published_generation(c, REPO))
+        if not moved or packs_before is None or (current + 1) % COMPACT_AFTER == 0:
+            return None
+        pack, index = self._pack_of(self.working, before, moved, packs_before, restored)
+        if not pack:
+            return None
+        trickled = None if trickle is None else trickle.finish(self.working.pack_file(pack))
+        self.db.write_apart(lambda c: pack_rows.stage_pack(c, REPO, pack, index,
+                                                           trickled=trickled))
+        return pack, index
 
     def _settle_early(self) -> Published | None:
         """Wait for the publication `stage` started, if any; what it published is what
@@ -501,8 +503,8 @@ class Coordinator:
         lost branches the compile restored, as its report says (None: not known, so the
         created branches are looked at): with any, the compile's own pack is not enough
         (`RepoReplica.compiled_pack`)."""
-        staging, self._staging = self._staging, None
         self._end_trickle()  # (no `stage`: nothing moved, or the compile failed)
+        attempted = self._early is not None
         try:
             early = self._settle_early()
         except _DeletedMeanwhile:
@@ -516,7 +518,8 @@ class Coordinator:
                 # (after the early publication: nothing moved since, unless it failed)
                 published = self._publish(self.working, self._before, epoch=epoch,
                                           packs_before=self._packs_before,
-                                          staging=None if early else staging,
+                                          # (what it stored ahead, unless published)
+                                          discard=attempted and early is None,
                                           restored=restored) or early
                 break
             except _DeletedMeanwhile:
@@ -542,19 +545,26 @@ class Coordinator:
         self._before = {n: t for n, t in self._before.items() if n in after}
 
     def _publish(self, replica: RepoReplica, before: dict[str, str], *, epoch: int | None,
-                 packs_before: frozenset[str] | None = None,
-                 staging: StagedPack | None = None,
-                 restored: int | None = None) -> Published | None:
+                 packs_before: frozenset[str] | None = None, restored: int | None = None,
+                 discard: bool = False) -> Published | None:
         """Publish what moved in `replica` since `before` under its next generation; with
         `epoch`, only while the compile lease still has it. `packs_before`: the packs
         `replica` held before a compile, whose own pack is then published as it is when
-        it can be (`RepoReplica.compiled_pack`); `staging`: that pack stored ahead
-        (`stage`), dropped again when it is not the one published; `restored`: as for
-        `publish`."""
+        it can be (`RepoReplica.compiled_pack`); `restored`: as for `publish`; `discard`:
+        drop the parts of a pack stored ahead that this publication does not name."""
         after = replica.refs()
-        moved = _moved(after, before)
-        staged = (None if staging is None or packs_before is None
-                  else staging.take(moved, restored))
+        return self._publish_moves(replica, before, after, _moved(after, before), epoch=epoch,
+                                   packs_before=packs_before, restored=restored,
+                                   discard=discard)
+
+    def _publish_moves(self, replica: RepoReplica, before: dict[str, str],
+                       after: dict[str, str], moved: dict[str, str | None], *,
+                       epoch: int | None, packs_before: frozenset[str] | None,
+                       restored: int | None, discard: bool = False,
+                       stored: tuple[PackData, PackData | None] | None = None
+                       ) -> Published | None:
+        """`_publish` of the refs `moved` from `before` to `after`; `stored`: the pack and
+        index stored ahead (`_store_ahead`)."""
         if not moved:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
@@ -563,8 +573,8 @@ class Coordinator:
         index: PackData | None
         if compact:
             pack, index = replica.full_pack()
-        elif staged is not None:
-            pack, index = staged.pack, staged.index
+        elif stored is not None:
+            pack, index = stored
         else:
             pack, index = self._pack_of(replica, before, moved, packs_before, restored)
 
@@ -579,7 +589,7 @@ class Coordinator:
             replica_rows.publish_rows(conn, replica.repo, generation, pack,
                                       after if compact else moved, compact=compact,
                                       index=index,
-                                      discarded=staging is not None and staged is None)
+                                      discarded=discard or (compact and stored is not None))
             replica_rows.set_counter(conn, replica.repo, generation)
             replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation
@@ -646,38 +656,10 @@ class Coordinator:
         for the turn and brings the copy up to date, `finish()` publishes what changed."""
         return SourceUpdate(self)
 
-
-class SourceUpdate:
-    """One replica's turn at the fleet source (see `Coordinator.source_update`)."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self._coordinator = coordinator
-        self._conn: PgConnection | None = None
-        self._before: dict[str, str] = {}
-
-    def begin(self) -> None:
-        source = self._coordinator.source
-        assert source is not None
-        conn = self._coordinator.db.connect()
-        try:
-            replica_rows.wait_advisory_lock(conn, SOURCE_KEY, timeout_ms=120000)
-            self._coordinator.sync_source()
-        except BaseException:
-            conn.close()
-            raise
-        self._conn, self._before = conn, source.refs()
-
-    def finish(self, *, publish: bool = True) -> Published | None:
-        """Publish what the turn changed (unless `publish` is false) and end the turn."""
-        conn, self._conn = self._conn, None
-        try:
-            source = self._coordinator.source
-            if not publish or source is None:
-                return None
-            return self._coordinator._publish(source, self._before, epoch=None)
-        finally:
-            if conn is not None:
-                conn.close()  # ends the session: the advisory lock goes with it
+    def publish_source(self, before: dict[str, str]) -> Published | None:
+        """Publish what moved in the fleet source since `before` (a `SourceUpdate`)."""
+        assert self.source is not None
+        return self._publish(self.source, before, epoch=None)
 
 
 def _request_compile(conn: Any) -> None:
@@ -696,4 +678,3 @@ def _moved(after: dict[str, str], before: dict[str, str]) -> dict[str, str | Non
 def _devices(refs: dict[str, str | None]) -> frozenset[str]:
     """The devices whose branches are among `refs` (ref names)."""
     return frozenset(d for d in map(device_id_from_ref, refs) if d is not None)
-

@@ -18,6 +18,8 @@ __all__ = ["consume_marks", "manifest_served_at", "marks_of", "pending_origins",
 
 #: Marks written per statement (each row is 7 parameters).
 _CHUNK = 400
+#: Marks taken per statement (each is 3 parameters).
+_CONSUMED = 300
 _MARK_COLUMNS = ("deployment_id", "device_id", "commit_id", "received_at", "compiled_at",
                  "trigger", "trace")
 _UPSERT = (" ON CONFLICT (deployment_id) DO UPDATE SET device_id = excluded.device_id, "
@@ -77,10 +79,28 @@ def marks_of(conn: Connection, deployment_ids: Sequence[str]) -> dict[str, tuple
 
 def consume_marks(conn: Connection, marks: Iterable[tuple[str, str]]) -> list[bool]:
     """Delete each (deployment_id, commit_id) mark; whether this call took it (another
-    replica may have taken the same mark: it is counted once)."""
-    return [conn.execute("DELETE FROM lead_marks WHERE deployment_id = ? AND commit_id = ?",
-                         (deployment_id, commit)).rowcount == 1
-            for deployment_id, commit in marks]
+    replica may have taken the same mark: it is counted once). A statement per
+    `_CONSUMED` marks (a statement per mark was a tenth of the store writer's time while
+    10,000 devices took a change up)."""
+    wanted = list(marks)
+    taken: set[tuple[str, str]] = set()
+    for start in range(0, len(wanted), _CONSUMED):
+        chunk = wanted[start:start + _CONSUMED]
+        # (fetchall: SQLite finishes a RETURNING statement only once its rows are all read)
+        taken.update((str(d), str(c)) for d, c in conn.execute(
+            "DELETE FROM lead_marks WHERE deployment_id IN ("
+            + ", ".join("?" for _ in chunk) + ") AND (deployment_id, commit_id) IN ("
+            + ", ".join("(?, ?)" for _ in chunk) + ") RETURNING deployment_id, commit_id",
+            (*(d for d, _ in chunk), *(v for mark in chunk for v in mark))).fetchall())
+    return [_take(taken, mark) for mark in wanted]
+
+
+def _take(taken: set[tuple[str, str]], mark: tuple[str, str]) -> bool:
+    """Whether `mark` was taken, once (the same mark twice: the second was not)."""
+    if mark in taken:
+        taken.discard(mark)
+        return True
+    return False
 
 
 def manifest_served_at(conn: Connection, client_id: str, version: int) -> float | None:

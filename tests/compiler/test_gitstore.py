@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from compiler.gitformat import device_ids_from_refs
 from compiler.gitstore import (
     DEVICE_ID_PATTERN,
     LOCK_FILE_NAME,
@@ -101,6 +102,19 @@ def test_device_ref_rejects_ids_outside_the_margo_grammar(device_id: str) -> Non
 )
 def test_refs_that_are_not_canonical_device_branches_decode_to_none(ref: str) -> None:
     assert device_id_from_ref(ref) is None
+
+
+@given(st.lists(st.one_of(DEVICE_IDS.map(device_ref), st.sampled_from([
+    "refs/heads/main", "refs/heads/devices/", "refs/heads/devices/a%2fb",
+    "refs/heads/devices/%41", "refs/heads/devices/a.b", "refs/heads/devices/a\nb",
+    "refs/tags/devices/x", "refs/heads/devices/a/b"])), max_size=8))
+def test_the_devices_of_many_refs_are_those_of_each(refs: list[str]) -> None:
+    """`device_ids_from_refs` (a few scans in C when every branch is a plain id) tells
+    what `device_id_from_ref` tells of each ref."""
+    expected = {d for d in map(device_id_from_ref, refs) if d is not None}
+    assert device_ids_from_refs(refs) == expected
+    plain = [device_ref(f"dev-{i}") for i in range(3)]
+    assert device_ids_from_refs(plain) == {"dev-0", "dev-1", "dev-2"}
 
 
 def test_blob_id_is_gits_blob_id() -> None:

@@ -207,3 +207,34 @@ def test_ref_targets_refuse_a_damaged_file_with_its_line(repo: Path) -> None:
     (repo / "packed-refs").write_text(f"{a} refs/heads/ok\nnot a ref\n")
     with pytest.raises(PackedRefsError, match=r"packed-refs:2: not a packed ref line"):
         ref_targets(repo)
+
+
+# --- replacing the whole file (`replace_refs`) -----------------------------------------
+
+
+def test_the_whole_file_replaced_reads_back_as_move_refs_would_write_it(repo: Path,
+                                                                       tmp_path: Path) -> None:
+    """The same refs given whole (`replace_refs`) or moved one by one (`move_refs`) give
+    byte-identical files, which Git reads back, and the file replaced must be the one the
+    caller listed."""
+    from compiler.packedrefs import packed_refs_identity, replace_refs
+
+    a, b, c = commits(repo, 3)
+    other = tmp_path / "other.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(other)], check=True)
+    wanted = {"refs/heads/devices/x": a, "refs/heads/devices/é": b, "refs/heads/devices/Z": c}
+    move_refs(other, {name: (None, oid) for name, oid in wanted.items()})
+    written = replace_refs(repo, None, wanted)
+    assert written == packed_refs_identity(repo)
+    assert (repo / "packed-refs").read_bytes() == (other / "packed-refs").read_bytes()
+    assert refs(repo) == wanted and ref_targets(repo) == wanted
+
+    with pytest.raises(RefMovedError, match="rewritten by someone else"):
+        replace_refs(repo, None, {"refs/heads/devices/x": b})  # (it listed no file)
+    git(repo, "update-ref", "refs/heads/devices/x", b)  # a loose file, shadowing its entry
+    with pytest.raises(LooseRefsError):
+        replace_refs(repo, packed_refs_identity(repo), {"refs/heads/devices/x": c})
+    with pytest.raises(PackedRefsError, match="not a full object id"):
+        replace_refs(repo, packed_refs_identity(repo), {"refs/heads/devices/x": "abc"})
+    assert ref_targets(repo)["refs/heads/devices/x"] == b and not (
+        repo / "packed-refs.lock").exists()

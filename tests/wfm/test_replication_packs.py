@@ -177,3 +177,33 @@ def test_the_refs_listing_follows_every_change_of_the_refs(tmp_path: Path) -> No
     listed["refs/heads/main"] = "0" * 40  # (a copy: the caller's to change)
     move_refs(repo.path, {"refs/heads/loose": (first, None)})
     assert repo.refs() == {"refs/heads/main": second}
+
+
+def test_moving_to_a_generation_rewrites_the_refs_it_listed_or_moves_each(
+        tmp_path: Path) -> None:
+    """`move_to` writes the whole `packed-refs` from the refs it listed (deleted refs
+    left out) and remembers them; a loose ref (which would shadow its entry) or a file
+    rewritten since the listing makes it move each ref in the file as it is instead."""
+    repo = RepoReplica("devices", tmp_path / "repo.git")
+    first = fast_import(repo.path, "one")
+    second = fast_import(repo.path, "two")
+    git = ["git", "--git-dir", str(repo.path)]
+    subprocess.run([*git, "update-ref", "refs/heads/devices/a", first], check=True)
+    subprocess.run([*git, "pack-refs", "--all", "--prune"], check=True)
+    assert repo.refs()["refs/heads/devices/a"] == first  # (listed: remembered)
+    repo.move_to(Snapshot(1, [], {"refs/heads/devices/a": second,
+                                  "refs/heads/devices/b": first, "refs/heads/gone": None}))
+    moved = {"refs/heads/main": second, "refs/heads/devices/a": second,
+             "refs/heads/devices/b": first}
+    assert repo.refs() == moved and repo.generation == 1
+    for name, target in moved.items():
+        assert str(pygit2.Repository(str(repo.path)).references[name].target) == target
+    assert not [p for p in (repo.path / "refs").rglob("*") if p.is_file()]  # (none loose)
+
+    subprocess.run([*git, "update-ref", "refs/heads/devices/a", first], check=True)  # loose
+    repo.move_to(Snapshot(2, [], {"refs/heads/devices/b": None}))
+    assert repo.refs() == {"refs/heads/main": second, "refs/heads/devices/a": first}
+    move_refs(repo.path, {"refs/heads/devices/c": (None, first)})  # (another writer)
+    repo.move_to(Snapshot(3, [], {"refs/heads/devices/a": second}))
+    assert repo.refs() == {"refs/heads/main": second, "refs/heads/devices/a": second,
+                           "refs/heads/devices/c": first}

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from compiler.gitformat import device_ids_from_refs
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.report import CompileReport
 from compiler.state import CompilerState
@@ -677,4 +678,4 @@ def _moved(after: dict[str, str], before: dict[str, str]) -> dict[str, str | Non
 
 def _devices(refs: dict[str, str | None]) -> frozenset[str]:
     """The devices whose branches are among `refs` (ref names)."""
-    return frozenset(d for d in map(device_id_from_ref, refs) if d is not None)
+    return device_ids_from_refs(refs)

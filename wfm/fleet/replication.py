@@ -31,10 +31,12 @@ from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import (
     FileIdentity,
     LooseRefsError,
+    PackedRefsError,
     has_loose_refs,
     move_refs,
     packed_refs_identity,
     ref_targets,
+    replace_refs,
 )
 from margo.files import move_atomically, write_atomically
 from wfm.store.pack_rows import PackData, mapped, pack_id
@@ -99,14 +101,19 @@ class RepoReplica:
         after a full compile the refs were listed three times (the staging, the publication,
         the next compile's start) from the same file: 2-3 s each at a million devices, on
         the way to the first manifest."""
+        return dict(self._listing()[1])
+
+    def _listing(self) -> tuple[FileIdentity | None, dict[str, str]]:
+        """`refs` and the identity of the `packed-refs` they were read from (the listing
+        remembered: the caller must not change it)."""
         identity = packed_refs_identity(self.path)
         remembered = self._refs
         if (identity is not None and remembered is not None and remembered[0] == identity
                 and not has_loose_refs(self.path)):
-            return dict(remembered[1])
+            return remembered
         refs = ref_targets(self.path)  # (read after the identity: never newer than it says)
         self._refs = None if identity is None else (identity, refs)
-        return dict(refs)
+        return identity, refs
 
     def _git(self, *args: str, stdin: PackData | Path | None = None) -> bytes:
         """Git on this repository; `stdin` bytes, or a file to read them from."""
@@ -298,20 +305,37 @@ class RepoReplica:
         was there already."""
         if snapshot.generation <= self.generation and not snapshot.packs:
             return False
-        current = self.refs()
+        identity, current = self._listing()
         # A None target is a ref deleted on purpose (a device its client deleted,
         # `wfm.fleet.coordination.publish_deletion`): it goes in the same rewrite, and a ref that
         # is not here is left absent.
-        updates = {name: (current.get(name), target) for name, target in snapshot.refs.items()
+        changed = {name: target for name, target in snapshot.refs.items()
                    if current.get(name) != target}
-        if updates:
-            try:
-                move_refs(self.path, updates)
-            except LooseRefsError:
-                self._git("pack-refs", "--all", "--prune")
-                move_refs(self.path, updates)
+        if changed:
+            self._rewrite_refs(identity, current, changed)
         self.mark_generation(snapshot.generation)
         return True
+
+    def _rewrite_refs(self, identity: FileIdentity | None, current: dict[str, str],
+                      changed: Mapping[str, str | None]) -> None:
+        """Move the `changed` refs (None: delete) of the refs `current` listed under
+        `identity`: the whole file written from them (`replace_refs`, a million moved refs
+        in about a second), else, when the file is not that one any more or a ref is a
+        loose file, each ref moved in it (`move_refs`)."""
+        refs = {**current, **{n: t for n, t in changed.items() if t is not None}}
+        for name in (n for n, t in changed.items() if t is None):
+            refs.pop(name, None)
+        try:
+            self._refs = (replace_refs(self.path, identity, refs), refs)
+            return
+        except PackedRefsError:  # (LooseRefsError and RefMovedError)
+            current = self.refs()  # (listed again)
+        updates = {n: (current.get(n), t) for n, t in changed.items() if current.get(n) != t}
+        try:
+            move_refs(self.path, updates)
+        except LooseRefsError:
+            self._git("pack-refs", "--all", "--prune")
+            move_refs(self.path, updates)
 
 
 def _link_missing(found: Path, folder: Path) -> None:

@@ -33,8 +33,9 @@ from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
 __all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError",
-           "has_loose_refs", "move_refs", "packed_ref_names", "packed_refs_identity",
-           "ref_names", "ref_targets", "replace_refs"]
+           "follow_moves", "has_loose_refs", "move_refs", "packed_ref_names",
+           "packed_refs_identity", "ref_names", "ref_targets", "replace_refs",
+           "take_last_move"]
 
 PACKED_REFS = "packed-refs"
 _LOCK_SUFFIX = ".lock"
@@ -69,6 +70,11 @@ _PACKED_NAMES: Remembered[frozenset[str]] = Remembered()
 #: True under the identity of the ``packed-refs`` this process last wrote: a file in the
 #: canonical form `_render` gives, which the next move can splice into (`_merged`).
 _OWN: Remembered[bool] = Remembered()
+#: The last `move_refs` of this process, under the identity of the file it wrote: the
+#: identity of the file it replaced and the updates (`take_last_move`).
+_MOVES: Remembered[tuple[FileIdentity | None, Mapping[str, tuple[str | None, str | None]]]] = (
+    Remembered())
+_FOLLOWED: set[Path] = set()
 
 
 def ref_names(git_dir: str | os.PathLike[str]) -> frozenset[str]:
@@ -195,7 +201,31 @@ def move_refs(git_dir: str | os.PathLike[str],
     else:
         _PACKED_NAMES.put(git_dir / PACKED_REFS, written, names)
         _OWN.put(git_dir / PACKED_REFS, written, True)
+    if (git_dir / PACKED_REFS).absolute() in _FOLLOWED:
+        _MOVES.put(git_dir / PACKED_REFS, written, (replaced, updates))
     return replaced, written
+
+
+def follow_moves(git_dir: str | os.PathLike[str]) -> None:
+    """Remember each `move_refs` of this repository's refs until `take_last_move` takes
+    it (only of repositories followed: the updates of a million moves are a hundred
+    megabytes)."""
+    _FOLLOWED.add((Path(git_dir) / PACKED_REFS).absolute())
+
+
+def take_last_move(git_dir: str | os.PathLike[str], identity: FileIdentity | None,
+                   ) -> tuple[FileIdentity | None, Mapping[str, tuple[str | None, str | None]]
+                              ] | None:
+    """The move (`move_refs`) by which this process wrote the ``packed-refs`` of
+    `identity`: the identity of the file it replaced and its updates (old, new; None:
+    absent), forgotten once taken; None when another move or writer came since, or the
+    repository is not followed (`follow_moves`). Why: a
+    caller that listed the replaced file's refs knows the new file's without reading it
+    (a million refs: 1.3 s checked and parsed, 2-3 s beside a compile's end)."""
+    move = _MOVES.get(Path(git_dir) / PACKED_REFS, identity)
+    if move is not None:
+        _MOVES.forget()
+    return move
 
 
 def replace_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,

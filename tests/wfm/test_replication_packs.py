@@ -207,3 +207,34 @@ def test_moving_to_a_generation_rewrites_the_refs_it_listed_or_moves_each(
     repo.move_to(Snapshot(3, [], {"refs/heads/devices/a": second}))
     assert repo.refs() == {"refs/heads/main": second, "refs/heads/devices/a": second,
                            "refs/heads/devices/c": first}
+
+
+def test_the_refs_after_a_move_of_this_process_are_known_without_reading_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile moves the work repository's branches (`move_refs`) after its refs were
+    listed: the next listing is that one with the moves applied, the file not read again
+    (a million refs: 2-3 s beside the compile's end); a rewrite by anyone else, or a move
+    from a file this listing did not come from, is read."""
+    repo = RepoReplica("devices", tmp_path / "repo.git")
+    first = fast_import(repo.path, "one")
+    second = fast_import(repo.path, "two")
+    git = ["git", "--git-dir", str(repo.path)]
+    subprocess.run([*git, "pack-refs", "--all", "--prune"], check=True)
+    assert repo.refs() == {"refs/heads/main": second}
+    reads: list[Path] = []
+    listing = replication.ref_targets
+    monkeypatch.setattr(replication, "ref_targets",
+                        lambda path: reads.append(Path(path)) or listing(path))
+    move_refs(repo.path, {"refs/heads/devices/a": (None, first),
+                          "refs/heads/main": (second, first)})
+    assert repo.refs() == {"refs/heads/main": first, "refs/heads/devices/a": first}
+    move_refs(repo.path, {"refs/heads/devices/a": (first, None)})
+    assert repo.refs() == {"refs/heads/main": first} and reads == []
+
+    subprocess.run([*git, "update-ref", "refs/heads/devices/b", second], check=True)
+    subprocess.run([*git, "pack-refs", "--all", "--prune"], check=True)  # (Git's rewrite)
+    assert repo.refs() == {"refs/heads/main": first, "refs/heads/devices/b": second}
+    assert reads == [repo.path]
+    other = RepoReplica("devices", tmp_path / "other.git")
+    move_refs(other.path, {"refs/heads/devices/c": (None, first)})  # (not listed before)
+    assert other.refs() == {"refs/heads/devices/c": first} and reads[-1] == other.path

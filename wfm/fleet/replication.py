@@ -32,11 +32,13 @@ from compiler.packedrefs import (
     FileIdentity,
     LooseRefsError,
     PackedRefsError,
+    follow_moves,
     has_loose_refs,
     move_refs,
     packed_refs_identity,
     ref_targets,
     replace_refs,
+    take_last_move,
 )
 from margo.files import move_atomically, write_atomically
 from wfm.store.pack_rows import PackData, mapped, pack_id
@@ -76,6 +78,7 @@ class RepoReplica:
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             init_bare_repository(self.path)
+        follow_moves(self.path)  # (the compile's move of the work repository's branches)
 
     # --- the local side ----------------------------------------------------------------
 
@@ -108,9 +111,15 @@ class RepoReplica:
         remembered: the caller must not change it)."""
         identity = packed_refs_identity(self.path)
         remembered = self._refs
-        if (identity is not None and remembered is not None and remembered[0] == identity
+        if (identity is not None and remembered is not None
                 and not has_loose_refs(self.path)):
-            return remembered
+            if remembered[0] == identity:
+                return remembered
+            move = take_last_move(self.path, identity)
+            if move is not None and move[0] == remembered[0]:  # (a compile's branches moved)
+                self._refs = (identity, _moved_refs(
+                    remembered[1], {name: new for name, (_, new) in move[1].items()}))
+                return self._refs
         refs = ref_targets(self.path)  # (read after the identity: never newer than it says)
         self._refs = None if identity is None else (identity, refs)
         return identity, refs
@@ -322,9 +331,7 @@ class RepoReplica:
         `identity`: the whole file written from them (`replace_refs`, a million moved refs
         in about a second), else, when the file is not that one any more or a ref is a
         loose file, each ref moved in it (`move_refs`)."""
-        refs = {**current, **{n: t for n, t in changed.items() if t is not None}}
-        for name in (n for n, t in changed.items() if t is None):
-            refs.pop(name, None)
+        refs = _moved_refs(current, changed)
         try:
             self._refs = (replace_refs(self.path, identity, refs), refs)
             return
@@ -336,6 +343,14 @@ class RepoReplica:
         except LooseRefsError:
             self._git("pack-refs", "--all", "--prune")
             move_refs(self.path, updates)
+
+
+def _moved_refs(refs: Mapping[str, str], changed: Mapping[str, str | None]) -> dict[str, str]:
+    """`refs` with the `changed` ones moved (None: deleted)."""
+    moved = {**refs, **{name: new for name, new in changed.items() if new is not None}}
+    for name in (name for name, new in changed.items() if new is None):
+        moved.pop(name, None)
+    return moved
 
 
 def _link_missing(found: Path, folder: Path) -> None:

@@ -321,3 +321,29 @@ def test_a_replica_from_before_the_parts_refuses_a_parted_pack(store: Database,
     with pytest.raises(RuntimeError, match="index-pack"):
         older.add_objects(replica_rows.Snapshot(1, [replica_rows.PublishedPack(
             1, bytes(pack), index)], {}))
+
+
+def test_a_pack_that_could_not_be_stored_ahead_is_stored_by_the_publication(
+        holder: tuple[PostgresDatabase, Coordinator], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storing the pack beside the publication's transaction fails (a fault PostgreSQL
+    cannot be asked for at that moment: the connection beside the writer's is made to
+    raise, a test double): the transaction stores and names the compile's pack itself,
+    and drops what the staging left."""
+    db, coordinator = holder
+    work = coordinator.prepare()
+    assert work is not None
+    own = compile_into(work, [files(d, "v1") for d in ("a", "b")])
+
+    def failing(*args: object, **options: object) -> None:
+        raise RuntimeError("staging failed")
+
+    monkeypatch.setattr(coordinator.db, "write_apart", failing)
+    coordinator.stage(CompileReport(revision="r"))
+    published = coordinator.publish(restored=0)
+    assert published is not None and published.generation == 1
+    name = pack_rows.pack_id(own.read_bytes())
+    assert db.read(lambda c: c.execute("SELECT parts FROM git_packs").fetchall()) == [(name,)]
+    assert stored_parts(db) == {name}
+    assert newest_pack(db, tmp_path).pack == own.read_bytes()
+    assert coordinator.serving.generation == 1

@@ -48,7 +48,7 @@ _REF_LINE = _OID + rb" refs/[^ \n]+"
 _PEEL_LINE = rb"\^" + _OID
 _OID_RE, _REF_RE, _PEEL_RE = (re.compile(p) for p in (_OID, _REF_LINE, _PEEL_LINE))
 # Every line after the header: a ref line, each optionally followed by its peeled id.
-_OIDS_RE = re.compile(rb"(?:%s\n)*" % _OID)  # ids, each followed by a line break
+_HEX_LINES_RE = re.compile(rb"[0-9a-f\n]*")
 _ENTRIES_RE = re.compile(rb"(?:%s\n(?:%s\n)?)*" % (_REF_LINE, _PEEL_LINE))
 # Git gives up on a held packed-refs.lock after one second (core.packedRefsTimeout).
 LOCK_TIMEOUT = 1.0
@@ -362,9 +362,13 @@ def _check_updates(updates: Mapping[str, tuple[str | None, str | None]]) -> None
 def _valid(names: Iterable[str], ids: list[str]) -> bool:
     """Whether every name is one this module writes and every id a full one, checked all
     at once."""
-    joined = "".join(names)
-    return (all(isinstance(oid, str) and len(oid) == 40 for oid in ids)
-            and _OIDS_RE.fullmatch("\n".join([*ids, ""]).encode()) is not None
+    if not all(isinstance(oid, str) and len(oid) == 40 for oid in ids):
+        return False
+    # Forty characters each, of [0-9a-f] only once the line breaks between them are the
+    # only ones: one character class scanned in C (a structured pattern took 0.25 s for a
+    # million ids, this 0.03 s).
+    lines, joined = "\n".join([*ids, ""]).encode(), "".join(names)
+    return (_HEX_LINES_RE.fullmatch(lines) is not None and lines.count(b"\n") == len(ids)
             and not any(c in joined for c in " \n\0")
             and all(name.startswith("refs/") for name in names))
 

@@ -137,6 +137,8 @@ def test_a_damaged_file_is_refused_with_its_line(repo: Path) -> None:
 @pytest.mark.parametrize(("name", "old", "new"), [
     ("heads/x", None, "a" * 40), ("refs/heads/a b", None, "a" * 40),
     ("refs/heads/x", None, "A" * 40), ("refs/heads/x", "abc", "a" * 40),
+    ("refs/heads/x", None, "a" * 20 + "\n" + "a" * 19), ("refs/heads/x", None, "é" * 40),
+    ("refs/heads/x", None, "a" * 39 + " "), ("refs/heads/x", "a" * 40, "g" * 40),
 ])
 def test_bad_updates_are_refused_before_anything_is_read(repo: Path, name: str,
                                                          old: str | None, new: str) -> None:

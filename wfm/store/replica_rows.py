@@ -84,9 +84,10 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path
             "generation <= ? ORDER BY generation", (repo, since, generation))
             if int(g) not in have]
         packs = _read_packs(conn, repo, wanted, spool, prefetched) if wanted else []
-        refs = {str(n): (None if t is None else str(t)) for n, t in conn.execute(
+        # (text columns: names and targets come as they are, a million in one C call)
+        refs: dict[str, str | None] = dict(conn.execute(
             "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
-            "generation <= ?", (repo, since, generation))}
+            "generation <= ?", (repo, since, generation)).fetchall())
     finally:
         conn.execute("COMMIT")
     return Snapshot(generation, packs, refs)

@@ -238,3 +238,7 @@ def test_the_refs_after_a_move_of_this_process_are_known_without_reading_them(
     other = RepoReplica("devices", tmp_path / "other.git")
     move_refs(other.path, {"refs/heads/devices/c": (None, first)})  # (not listed before)
     assert other.refs() == {"refs/heads/devices/c": first} and reads[-1] == other.path
+    empty = RepoReplica("devices", tmp_path / "empty.git")  # (a first compile's repository)
+    assert empty.refs() == {} and reads[-1] == empty.path
+    move_refs(empty.path, {"refs/heads/devices/d": (None, second)})
+    assert empty.refs() == {"refs/heads/devices/d": second} and len(reads) == 3

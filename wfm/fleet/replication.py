@@ -74,7 +74,7 @@ class RepoReplica:
         #: `link_objects_from` last listed them.
         self._listed: dict[Path, int] = {}
         #: The last listing of the refs, under the identity of the `packed-refs` it read.
-        self._refs: tuple[FileIdentity, dict[str, str]] | None = None
+        self._refs: tuple[FileIdentity | None, dict[str, str]] | None = None
         if not self.path.exists():
             self.path.parent.mkdir(parents=True, exist_ok=True)
             init_bare_repository(self.path)
@@ -111,9 +111,9 @@ class RepoReplica:
         remembered: the caller must not change it)."""
         identity = packed_refs_identity(self.path)
         remembered = self._refs
-        if (identity is not None and remembered is not None
-                and not has_loose_refs(self.path)):
-            if remembered[0] == identity:
+        loose = has_loose_refs(self.path)
+        if remembered is not None and not loose:
+            if remembered[0] == identity:  # (None: still no `packed-refs`, nor a loose ref)
                 return remembered
             move = take_last_move(self.path, identity)
             if move is not None and move[0] == remembered[0]:  # (a compile's branches moved)
@@ -121,7 +121,7 @@ class RepoReplica:
                     remembered[1], {name: new for name, (_, new) in move[1].items()}))
                 return self._refs
         refs = ref_targets(self.path)  # (read after the identity: never newer than it says)
-        self._refs = None if identity is None else (identity, refs)
+        self._refs = None if loose else (identity, refs)
         return identity, refs
 
     def _git(self, *args: str, stdin: PackData | Path | None = None) -> bytes:
@@ -318,20 +318,18 @@ class RepoReplica:
         # A None target is a ref deleted on purpose (a device its client deleted,
         # `wfm.fleet.coordination.publish_deletion`): it goes in the same rewrite, and a ref that
         # is not here is left absent.
-        changed = {name: target for name, target in snapshot.refs.items()
-                   if current.get(name) != target}
-        if changed:
-            self._rewrite_refs(identity, current, changed)
+        refs = _moved_refs(current, snapshot.refs)
+        if refs != current:  # (compared in C: a million refs' own diff took 0.8 s)
+            self._rewrite_refs(identity, refs, snapshot.refs)
         self.mark_generation(snapshot.generation)
         return True
 
-    def _rewrite_refs(self, identity: FileIdentity | None, current: dict[str, str],
+    def _rewrite_refs(self, identity: FileIdentity | None, refs: dict[str, str],
                       changed: Mapping[str, str | None]) -> None:
-        """Move the `changed` refs (None: delete) of the refs `current` listed under
-        `identity`: the whole file written from them (`replace_refs`, a million moved refs
-        in about a second), else, when the file is not that one any more or a ref is a
-        loose file, each ref moved in it (`move_refs`)."""
-        refs = _moved_refs(current, changed)
+        """Make `refs` (the listing of `identity` with the `changed` refs moved, None:
+        deleted) the refs: the whole file written from them (`replace_refs`, a million
+        moved refs in about a second), else, when the file is not that one any more or a
+        ref is a loose file, each changed ref moved in it (`move_refs`)."""
         try:
             self._refs = (replace_refs(self.path, identity, refs), refs)
             return

@@ -398,9 +398,8 @@ class Coordinator:
     def stage(self, report: CompileReport) -> None:
         """As soon as a compile's branches moved (`compiler.compilation.compile_fleet`'s
         `on_moved`, before its state is committed and its objects freed: 5-6 s at a million
-        devices), publish it in a thread of its own (`wfm.fleet.staging`), its pack stored
-        in another meanwhile (`_store_ahead`) and named once the refs are written (a
-        million ref rows: 4-5 s); `publish` waits for that publication."""
+        devices), publish it in a thread of its own (`wfm.fleet.staging`): store its pack
+        (`_store_ahead`), then publish; `publish` waits for that publication."""
         self._settle_leftover()  # (a compile again after a failed one: let it end)
         before, packs_before = self._before, self._packs_before
         restored = report.restored_branches
@@ -411,27 +410,21 @@ class Coordinator:
                 trickle.finish(None)
             return
 
-        def store(moved: dict[str, str | None]) -> tuple[PackData, PackData | None] | None:
+        def publish() -> tuple[Published | None, dict[str, str]]:
             try:
-                return self._store_ahead(before, moved, packs_before, restored, trickle)
-            except Exception:  # (packed and stored again by the transaction)
-                log.exception("storing the compile's pack ahead of its publication failed")
-                return None
+                after = self.working.refs()
+                moved = _moved(after, before)
+                try:
+                    stored = self._store_ahead(before, moved, packs_before, restored, trickle)
+                except Exception:  # (packed and stored again by the transaction)
+                    log.exception("storing the compile's pack ahead of its publication failed")
+                    stored = None
+                return self._publish_moves(self.working, before, after, moved, epoch=epoch,
+                                           packs_before=packs_before, restored=restored,
+                                           stored=stored), after
             finally:
                 if trickle is not None:
                     trickle.finish(None)  # (nothing, once finished by `_store_ahead`)
-
-        def publish() -> tuple[Published | None, dict[str, str]]:
-            after = self.working.refs()
-            moved = _moved(after, before)
-            ahead = Background(lambda: store(moved), name="margo-pack-staging")
-            try:
-                return self._publish_moves(
-                    self.working, before, after, moved, epoch=epoch, packs_before=packs_before,
-                    restored=restored, stored=None if packs_before is None else ahead.result
-                ), after
-            finally:
-                ahead.result()  # (the staging ends with the publication)
 
         self._early = Background(publish, name="margo-publication")
 
@@ -569,24 +562,24 @@ class Coordinator:
                        after: dict[str, str], moved: dict[str, str | None], *,
                        epoch: int | None, packs_before: frozenset[str] | None,
                        restored: int | None, discard: bool = False,
-                       stored: Callable[[], tuple[PackData, PackData | None] | None] | None
-                       = None) -> Published | None:
+                       stored: tuple[PackData, PackData | None] | None = None
+                       ) -> Published | None:
         """`_publish` of the refs `moved` from `before` to `after`; `stored`: the pack and
-        index being stored meanwhile (`_store_ahead`), asked for once the refs are written
-        (None: it could not be, so it is packed and stored by the transaction)."""
+        index stored ahead (`_store_ahead`)."""
         if not moved:
             return None
         current = self.db.read(lambda c: replica_rows.published_generation(c, replica.repo))
         compact = (current + 1) % COMPACT_AFTER == 0
-        pack: PackData = b""
-        index: PackData | None = None
+        pack: PackData
+        index: PackData | None
         if compact:
             pack, index = replica.full_pack()
-        elif stored is None:
+        elif stored is not None:
+            pack, index = stored
+        else:
             pack, index = self._pack_of(replica, before, moved, packs_before, restored)
 
         def write(conn: Any) -> int:
-            nonlocal pack, index
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
             if epoch is not None and lease_epoch != epoch:
                 raise LeaseLost(f"the compile lease moved to epoch {lease_epoch}")
@@ -594,16 +587,10 @@ class Coordinator:
                 # The lease never left this replica, so only deletions were published.
                 raise _DeletedMeanwhile(f"generation {published} was published meanwhile")
             generation = published + 1
-            replica_rows.publish_refs(conn, replica.repo, generation, after if compact else moved)
-            dropped = discard or (compact and stored is not None)
-            if stored is not None and not compact:
-                ahead = stored()  # (stored meanwhile, beside this transaction)
-                if ahead is None:
-                    ahead = self._pack_of(replica, before, moved, packs_before, restored)
-                    dropped = True  # (what the staging left)
-                pack, index = ahead
-            replica_rows.publish_pack(conn, replica.repo, generation, pack, compact=compact,
-                                      index=index, discarded=dropped)
+            replica_rows.publish_rows(conn, replica.repo, generation, pack,
+                                      after if compact else moved, compact=compact,
+                                      index=index,
+                                      discarded=discard or (compact and stored is not None))
             replica_rows.set_counter(conn, replica.repo, generation)
             replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation

@@ -112,15 +112,6 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     moved. A compaction, and a publication that drops what was staged for it
     (`discarded`: packed again without a deleted device), delete the parts no generation
     names."""
-    publish_pack(conn, repo, generation, pack, compact=compact, index=index,
-                 discarded=discarded)
-    publish_refs(conn, repo, generation, refs)
-
-
-def publish_pack(conn: Connection, repo: str, generation: int, pack: pack_rows.PackData, *,
-                 compact: bool, index: pack_rows.PackData | None = None,
-                 discarded: bool = False) -> None:
-    """The pack rows of `publish_rows`."""
     if pack:
         pack_rows.name_pack(conn, repo, generation, pack, index)
     if compact:
@@ -128,11 +119,6 @@ def publish_pack(conn: Connection, repo: str, generation: int, pack: pack_rows.P
                      (repo, generation))
     if compact or discarded:
         pack_rows.drop_unnamed_parts(conn, repo)
-
-
-def publish_refs(conn: Connection, repo: str, generation: int,
-                 refs: Mapping[str, str | None]) -> None:
-    """The ref rows of `publish_rows` (a ref deleted: a row without a target)."""
     moved = sorted(refs.items())
     copy = getattr(conn, "copy_rows", None)
     if copy is not None and len(moved) > _REFS_PER_STATEMENT:

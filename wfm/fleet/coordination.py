@@ -381,11 +381,11 @@ class Coordinator:
         replica does not hold the lease."""
         if not self.holding:
             return None
+        self._settle_leftover()  # (before the work repository catches up)
         self.sync_source()
         self._catch_up_working()
         self._before = self.working.refs()
         self._packs_before = self.working.pack_names()
-        self._settle_leftover()
         self._end_trickle()
         self._trickle = PackTrickle(self.db, REPO, self.working.path / "objects" / "pack")
         return self.compile_dir

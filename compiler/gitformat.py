@@ -138,8 +138,6 @@ _PLAIN_ID = (rf"(?=.{{1,{_PLAIN_MAX}}}\Z)(?!.*\.lock\Z)"
              r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 _PLAIN_ID_RE = re.compile(_PLAIN_ID, re.DOTALL)
 _PLAIN_CHARS_RE = re.compile(r"[A-Za-z0-9_.\n-]*")
-#: Plain branch components (`_PLAIN_RE`), one per line.
-_PLAIN_LINES_RE = re.compile(r"[A-Za-z0-9_\n-]*")
 
 
 def all_plain_device_ids(device_ids: Collection[str]) -> bool:
@@ -220,15 +218,15 @@ def device_id_from_ref(ref: str) -> str | None:
 def device_ids_from_refs(refs: Collection[str]) -> frozenset[str]:
     """`device_id_from_ref` of every ref, the refs that are no device branch left out.
     Why: a replica tells the devices of a million moved refs after each full compile (0.8 s
-    one by one); branches of plain ids (`_PLAIN_RE`), the usual fleet, are told with a few
-    scans in C over the names joined by line breaks, the others one by one."""
+    one by one); when every ref is a device branch named by a plain id (its own branch
+    component: `all_plain_device_ids`), the usual fleet, that id is the device, told with
+    a few scans in C over the names joined by line breaks; otherwise one by one."""
     names = list(refs)
     joined = "\n" + "\n".join(names)
     if (joined.count("\n") == len(names)  # no name holds a line break
             and joined.count("\n" + DEVICE_REF_PREFIX) == len(names)):
         ids = [name[len(DEVICE_REF_PREFIX):] for name in names]
-        text = "\n" + "\n".join(ids) + "\n"
-        if _PLAIN_LINES_RE.fullmatch(text) and "\n\n" not in text:
+        if all_plain_device_ids(ids):
             return frozenset(ids)
     return frozenset(d for d in map(device_id_from_ref, names) if d is not None)
 

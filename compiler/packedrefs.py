@@ -219,9 +219,9 @@ def take_last_move(git_dir: str | os.PathLike[str], identity: FileIdentity | Non
     """The move (`move_refs`) by which this process wrote the ``packed-refs`` of
     `identity`: the identity of the file it replaced and its updates (old, new; None:
     absent), forgotten once taken; None when another move or writer came since, or the
-    repository is not followed (`follow_moves`). Why: a
-    caller that listed the replaced file's refs knows the new file's without reading it
-    (a million refs: 1.3 s checked and parsed, 2-3 s beside a compile's end)."""
+    repository is not followed (`follow_moves`). Why: a caller that listed the replaced
+    file's refs knows the new file's without reading it (a million refs: 1.3 s checked and
+    parsed, 2-3 s beside a compile's end)."""
     move = _MOVES.get(Path(git_dir) / PACKED_REFS, identity)
     if move is not None:
         _MOVES.forget()
@@ -256,9 +256,9 @@ def replace_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
 
 def _rendered(targets: Mapping[str, str]) -> bytes:
     """`_render` of refs given as names and ids (branches at commits: no peel lines)."""
-    header = _HEADER_PREFIX + b" " + b" ".join(_TRAITS) + b" \n"
     # (code point order is UTF-8's byte order: the order Git reads the file in)
-    return header + "".join([f"{targets[name]} {name}\n" for name in sorted(targets)]).encode()
+    return _header(_TRAITS) + "".join(
+        [f"{targets[name]} {name}\n" for name in sorted(targets)]).encode()
 
 
 def _rewritten(path: Path, current: bytes, updates: Mapping[str, tuple[str | None, str | None]],
@@ -509,6 +509,10 @@ def _first_bad_line(data: bytes, path: Path) -> str:
 
 def _render(traits: tuple[bytes, ...], entries: Mapping[bytes, bytes]) -> bytes:
     """The file ``git pack-refs`` would write: header, then refs sorted by name bytes."""
+    return _header(traits) + b"".join(entries[name] for name in sorted(entries))
+
+
+def _header(traits: tuple[bytes, ...]) -> bytes:
+    """The header line claiming `traits` (those this module knows) and "sorted"."""
     kept = [t for t in _TRAITS if t in traits or t == b"sorted"]
-    header = _HEADER_PREFIX + b" " + b" ".join(kept) + b" \n"
-    return header + b"".join(entries[name] for name in sorted(entries))
+    return _HEADER_PREFIX + b" " + b" ".join(kept) + b" \n"

@@ -31,7 +31,7 @@ from compiler.forkgate import init_bare_repository
 from compiler.packedrefs import (
     FileIdentity,
     LooseRefsError,
-    PackedRefsError,
+    RefMovedError,
     follow_moves,
     has_loose_refs,
     move_refs,
@@ -333,7 +333,7 @@ class RepoReplica:
         try:
             self._refs = (replace_refs(self.path, identity, refs), refs)
             return
-        except PackedRefsError:  # (LooseRefsError and RefMovedError)
+        except (LooseRefsError, RefMovedError):
             current = self.refs()  # (listed again)
         updates = {n: (current.get(n), t) for n, t in changed.items() if current.get(n) != t}
         try:

@@ -33,7 +33,7 @@ from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
 __all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError",
-           "follow_moves", "has_loose_refs", "move_refs", "packed_ref_names",
+           "copy_refs", "follow_moves", "has_loose_refs", "move_refs", "packed_ref_names",
            "packed_refs_identity", "ref_names", "ref_targets", "replace_refs",
            "take_last_move"]
 
@@ -252,6 +252,52 @@ def replace_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
         os.fsync(lock_fd)
         os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
         return _identity(lock_fd)
+
+
+def copy_refs(source_dir: str | os.PathLike[str], source: FileIdentity,
+              git_dir: str | os.PathLike[str], expected: FileIdentity | None, *,
+              timeout: float = LOCK_TIMEOUT) -> FileIdentity:
+    """Make the ``packed-refs`` of `source_dir`, while it is the file of identity `source`,
+    the whole ``packed-refs`` of `git_dir`, if that is still the file of `expected` (None:
+    there is none), byte for byte; the identity of the file written. One atomic rename,
+    like `replace_refs`.
+
+    Why: the replica that compiles serves a copy of the repository it compiles into, and
+    after its publication both hold the same refs; rendering a million of them again took
+    2.7-3 s beside the other replica's sync, where the kernel copies the file in a tenth of
+    that. `RefMovedError` when either file is another one, `LooseRefsError` when a ref of
+    either repository is a loose file (it would shadow its entry), nothing changed either
+    way."""
+    git_dir, source_dir = Path(git_dir), Path(source_dir)
+    with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
+        loose = _loose_ref_names(git_dir) | _loose_ref_names(source_dir)
+        if loose:
+            raise LooseRefsError(sorted(loose))
+        if packed_refs_identity(git_dir) != expected:
+            raise RefMovedError(f"{git_dir / PACKED_REFS} was rewritten by someone else")
+        try:
+            fd = os.open(source_dir / PACKED_REFS, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise RefMovedError(f"{source_dir / PACKED_REFS} is gone") from None
+        try:
+            if _identity(fd) != source:  # (every writer renames: this fd's file is fixed)
+                raise RefMovedError(f"{source_dir / PACKED_REFS} was rewritten meanwhile")
+            _copy_whole(fd, lock_fd, source[2])
+        finally:
+            os.close(fd)
+        os.fsync(lock_fd)
+        os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
+        return _identity(lock_fd)
+
+
+def _copy_whole(source_fd: int, target_fd: int, size: int) -> None:
+    """`size` bytes from the start of one file to the end of another, in the kernel."""
+    offset = 0
+    while offset < size:
+        copied = os.copy_file_range(source_fd, target_fd, size - offset, offset)
+        if copied == 0:
+            raise RefMovedError("packed-refs ended before its size")  # (never renamed over)
+        offset += copied
 
 
 def _rendered(targets: Mapping[str, str]) -> bytes:

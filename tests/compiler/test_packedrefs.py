@@ -240,3 +240,42 @@ def test_the_whole_file_replaced_reads_back_as_move_refs_would_write_it(repo: Pa
         replace_refs(repo, packed_refs_identity(repo), {"refs/heads/devices/x": "abc"})
     assert ref_targets(repo)["refs/heads/devices/x"] == b and not (
         repo / "packed-refs.lock").exists()
+
+
+def test_a_file_copied_from_another_repository_is_that_file_and_only_that_one(
+        repo: Path, tmp_path: Path) -> None:
+    """`copy_refs` makes another repository's ``packed-refs`` this one's, byte for byte,
+    which Git reads back; it refuses, changing nothing, when either file is not the one the
+    caller listed or a ref of either is a loose file."""
+    from compiler.packedrefs import copy_refs, packed_refs_identity
+
+    a, b, c = commits(repo, 3)
+    source = tmp_path / "source.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(source)], check=True)
+    git(source, "fetch", "-q", str(repo), *(f"{oid}:refs/tmp/{i}" for i, oid in
+                                            enumerate((a, b, c))))
+    for i in range(3):  # (the objects stay)
+        git(source, "update-ref", "-d", f"refs/tmp/{i}")
+    wanted = {f"refs/heads/devices/{i:03}": (a, b, c)[i % 3] for i in range(300)}
+    move_refs(source, {name: (None, oid) for name, oid in wanted.items()})
+    move_refs(repo, {"refs/heads/devices/old": (None, a)})
+    listed = packed_refs_identity(source)
+    assert listed is not None
+
+    with pytest.raises(RefMovedError, match="rewritten by someone else"):
+        copy_refs(source, listed, repo, None)  # (the target listed no file: it has one)
+    target = packed_refs_identity(repo)
+    with pytest.raises(RefMovedError, match="rewritten meanwhile"):
+        copy_refs(source, (*listed[:2], listed[2] + 1, *listed[3:]), repo, target)
+    assert refs(repo) == {"refs/heads/devices/old": a}
+
+    written = copy_refs(source, listed, repo, target)
+    assert written == packed_refs_identity(repo) and written != listed
+    assert (repo / "packed-refs").read_bytes() == (source / "packed-refs").read_bytes()
+    assert refs(repo) == wanted and ref_targets(repo) == wanted
+    assert not (repo / "packed-refs.lock").exists()
+
+    git(source, "update-ref", "refs/heads/devices/loose", b)  # shadows nothing, yet loose
+    with pytest.raises(LooseRefsError):
+        copy_refs(source, listed, repo, written)
+    assert refs(repo) == wanted and not (repo / "packed-refs.lock").exists()

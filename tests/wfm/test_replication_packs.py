@@ -242,3 +242,40 @@ def test_the_refs_after_a_move_of_this_process_are_known_without_reading_them(
     assert empty.refs() == {} and reads[-1] == empty.path
     move_refs(empty.path, {"refs/heads/devices/d": (None, second)})
     assert empty.refs() == {"refs/heads/devices/d": second} and len(reads) == 3
+
+
+def test_the_served_copy_takes_the_work_repository_refs_file_when_it_was_where_they_were(
+        tmp_path: Path) -> None:
+    """`move_like`: the compiling replica's served copy, at the refs its work repository had
+    before a compile, takes the work repository's `packed-refs` as it is (the same bytes),
+    and remembers them; when its refs were others (a ref the work repository never had),
+    it moves to the snapshot as `move_to` does, keeping what only it had."""
+    work = RepoReplica("devices", tmp_path / "work.git")
+    serving = RepoReplica("devices", tmp_path / "serving.git")
+    first = fast_import(work.path, "one", pack=True)
+    second = fast_import(work.path, "two", pack=True)
+    subprocess.run(["git", "--git-dir", str(work.path), "update-ref", "-d", "refs/heads/main"],
+                   check=True)
+    assert serving.link_objects_from(work)
+    move_refs(work.path, {"refs/heads/devices/a": (None, first)})
+    move_refs(serving.path, {"refs/heads/devices/a": (None, first)})
+    before = work.refs()
+    move_refs(work.path, {"refs/heads/devices/a": (first, second),
+                          "refs/heads/devices/b": (None, first)})
+    after = work.refs()
+    moved: dict[str, str | None] = {"refs/heads/devices/a": second,
+                                    "refs/heads/devices/b": first}
+
+    assert serving.move_like(work, before, after, Snapshot(1, [], moved))
+    assert (serving.path / "packed-refs").read_bytes() == (work.path / "packed-refs").read_bytes()
+    assert serving.refs() == after and serving.generation == 1
+    assert not serving.move_like(work, before, after, Snapshot(1, [], moved))  # (there)
+
+    move_refs(serving.path, {"refs/heads/devices/only-here": (None, second)})
+    later = {**after, "refs/heads/devices/b": second}
+    move_refs(work.path, {"refs/heads/devices/b": (first, second)})
+    assert serving.move_like(work, after, later,
+                             Snapshot(2, [], {"refs/heads/devices/b": second}))
+    assert serving.refs() == {**later, "refs/heads/devices/only-here": second}
+    for name, target in serving.refs().items():
+        assert str(pygit2.Repository(str(serving.path)).references[name].target) == target

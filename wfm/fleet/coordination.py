@@ -80,6 +80,10 @@ _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
 REACHED_FOR = 2.0
 
 
+#: A publication's refs before and after, and what moved between them (None: deleted).
+_Moves = tuple[dict[str, str], dict[str, str], dict[str, str | None]]
+
+
 class LeaseLost(RuntimeError):
     """Another replica took the compile lease: this one's compile is not published."""
 
@@ -337,9 +341,14 @@ class Coordinator:
                     self.serving.add_objects(snapshot)
                     return self._move_serving(snapshot)
 
-    def _move_serving(self, snapshot: replica_rows.Snapshot) -> bool:
+    def _move_serving(self, snapshot: replica_rows.Snapshot, *,
+                      like: tuple[RepoReplica, dict[str, str], dict[str, str]] | None = None
+                      ) -> bool:
+        """`snapshot` served; `like`: it is what moved that repository's refs from the
+        first to the second (`RepoReplica.move_like`)."""
         with self.lock:
-            moved = self.serving.move_to(snapshot)
+            moved = (self.serving.move_to(snapshot) if like is None
+                     else self.serving.move_like(*like, snapshot))
             if moved:
                 # In the same step as the refs: a state computed in between would be the
                 # previous generation's, served as this one's (replicas woken together by
@@ -600,20 +609,20 @@ class Coordinator:
             return generation
 
         generation = self._commit_publication(replica, write, current + 1,
-                                              None if compact else moved)
+                                              None if compact else (before, after, moved))
         return Published(generation, len(moved), len(pack))
 
     def _commit_publication(self, replica: RepoReplica, write: Callable[[Any], int],
-                            generation: int, moved: dict[str, str | None] | None) -> int:
+                            generation: int, moves: _Moves | None) -> int:
         """Run the publication's `write` (of `generation`, unless another got there). From
         the work repository, the served copy takes the objects by hard links first,
-        invisible until the refs move; then, with `moved` (not a compaction), it moves to
-        what was published without reading it back (a million refs: 2 s, and as long to
-        tell their devices), the sync waiting meanwhile."""
+        invisible until the refs move; then, with `moves` (before, after and what moved;
+        not a compaction), it moves to what was published without reading it back (a
+        million refs: 2 s, and as long to tell their devices), the sync waiting meanwhile."""
         linked = replica is self.working and self.serving.link_objects_from(replica)
         if linked:
             self._linking = generation
-        own = moved if linked else None  # (the refs the served copy moves to by itself)
+        own = moves if linked else None  # (the refs the served copy moves to by itself)
         with self._sync_lock if own is not None else contextlib.nullcontext():
             try:
                 generation = self.db.write_sync(write)
@@ -624,7 +633,8 @@ class Coordinator:
             replica.mark_generation(generation)
             if own is not None and self.serving.generation == generation - 1:
                 with GIT_SECONDS.labels("sync").time():
-                    self._move_serving(replica_rows.Snapshot(generation, [], own))
+                    self._move_serving(replica_rows.Snapshot(generation, [], own[2]),
+                                       like=(replica, own[0], own[1]))
         return generation
 
     @staticmethod

@@ -32,6 +32,7 @@ from compiler.packedrefs import (
     FileIdentity,
     LooseRefsError,
     RefMovedError,
+    copy_refs,
     follow_moves,
     has_loose_refs,
     move_refs,
@@ -321,6 +322,26 @@ class RepoReplica:
         refs = _moved_refs(current, snapshot.refs)
         if refs != current:  # (compared in C: a million refs' own diff took 0.8 s)
             self._rewrite_refs(identity, refs, snapshot.refs)
+        self.mark_generation(snapshot.generation)
+        return True
+
+    def move_like(self, other: RepoReplica, before: Mapping[str, str],
+                  after: Mapping[str, str], snapshot: Snapshot) -> bool:
+        """`move_to(snapshot)`, whose refs are what moved `other`'s from `before` to
+        `after`: when this repository's refs are `before` and `other`'s still `after`,
+        `other`'s ``packed-refs`` is copied as it is (`copy_refs`: a million refs in a
+        tenth of a second, against 2.7-3 s to write them) instead of written from them."""
+        if snapshot.generation <= self.generation and not snapshot.packs:
+            return False
+        identity, current = self._listing()
+        source, refs = other._listing()
+        if source is None or current != before or refs != after:
+            return self.move_to(snapshot)
+        try:
+            written = copy_refs(other.path, source, self.path, identity)
+        except (LooseRefsError, RefMovedError):
+            return self.move_to(snapshot)
+        self._refs = (written, refs)  # (both listings are only read: one dict will do)
         self.mark_generation(snapshot.generation)
         return True
 

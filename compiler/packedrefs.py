@@ -32,10 +32,25 @@ from pathlib import Path
 from compiler.remembered import Remembered
 from compiler.stalelocks import recover_stale_locks
 
-__all__ = ["FileIdentity", "LooseRefsError", "PackedRefsError", "RefMovedError",
-           "copy_refs", "follow_moves", "has_loose_refs", "move_refs", "packed_ref_names",
-           "packed_refs_identity", "ref_names", "ref_targets", "replace_refs",
-           "take_last_move"]
+__all__ = [
+    "FileIdentity",
+    "LooseRefsError",
+    "PackedRefsError",
+    "RefMovedError",
+    "canonical_refs",
+    "copy_refs",
+    "follow_moves",
+    "has_loose_refs",
+    "install_refs",
+    "move_refs",
+    "packed_ref_names",
+    "packed_refs_identity",
+    "ref_names",
+    "ref_targets",
+    "rendered_refs",
+    "replace_refs",
+    "take_last_move",
+]
 
 PACKED_REFS = "packed-refs"
 _LOCK_SUFFIX = ".lock"
@@ -285,6 +300,57 @@ def copy_refs(source_dir: str | os.PathLike[str], source: FileIdentity,
             _copy_whole(fd, lock_fd, source[2])
         finally:
             os.close(fd)
+        os.fsync(lock_fd)
+        os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
+        return _identity(lock_fd)
+
+
+def rendered_refs(targets: Mapping[str, str]) -> bytes:
+    """The whole ``packed-refs`` file holding `targets` (names and object ids), as
+    `replace_refs` and `move_refs` write it: what `canonical_refs` accepts."""
+    if not _valid(targets, list(targets.values())):
+        _check_updates({name: (None, target) for name, target in targets.items()})
+    return _rendered(targets)
+
+
+def canonical_refs(data: bytes) -> dict[str, str]:
+    """The refs of a whole ``packed-refs`` file in the form this module writes (its
+    header, ref lines sorted by name, no peel lines), checked as a whole: `PackedRefsError`
+    for anything else. Why: a replica installs a file another replica published as it is
+    (`install_refs`) and must not hand Git one it would misread (an unsorted file claiming
+    "sorted" makes Git's binary search miss refs)."""
+    header = _header(_TRAITS)
+    if not data.startswith(header):
+        raise PackedRefsError("a published ref list does not start with the header "
+                              f"{header.decode().strip()!r}")
+    try:
+        lines = data[len(header):].decode().split("\n")
+    except UnicodeDecodeError:
+        lines = ["not UTF-8"]
+    ids, names = [line[:40] for line in lines[:-1]], [line[41:] for line in lines[:-1]]
+    if lines[-1] or not _valid(names, ids) or any(line[40:41] != " " for line in lines[:-1]):
+        raise PackedRefsError(_first_bad_line(data, Path("published ref list")))
+    targets = dict(zip(names, ids, strict=True))
+    if len(targets) != len(names) or sorted(names) != names:  # (C passes)
+        raise PackedRefsError("a published ref list is not sorted by name, once each")
+    return targets
+
+
+def install_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
+                 data: bytes, *, timeout: float = LOCK_TIMEOUT) -> FileIdentity:
+    """Write `data`, a whole file `canonical_refs` accepted, as the ``packed-refs`` of
+    `git_dir` if that is still the file of identity `expected` (None: there is none); the
+    identity of the file written. One atomic rename, like `replace_refs`, with its
+    errors."""
+    git_dir = Path(git_dir)
+    with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
+        if has_loose_refs(git_dir):
+            raise LooseRefsError(sorted(_loose_ref_names(git_dir)))
+        if packed_refs_identity(git_dir) != expected:
+            raise RefMovedError(f"{git_dir / PACKED_REFS} was rewritten by someone else")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(lock_fd, view):]
         os.fsync(lock_fd)
         os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
         return _identity(lock_fd)

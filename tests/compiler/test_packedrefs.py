@@ -279,3 +279,49 @@ def test_a_file_copied_from_another_repository_is_that_file_and_only_that_one(
     with pytest.raises(LooseRefsError):
         copy_refs(source, listed, repo, written)
     assert refs(repo) == wanted and not (repo / "packed-refs.lock").exists()
+
+
+def test_a_published_list_is_installed_only_in_the_form_this_module_writes(
+        repo: Path) -> None:
+    """`canonical_refs` accepts exactly what `rendered_refs` writes (header, sorted names
+    once each, full ids, a final line break) and names the first bad line otherwise;
+    `install_refs` writes such a file as it is, which Git reads back, if the file it
+    replaces is the one the caller listed."""
+    from compiler.packedrefs import (
+        canonical_refs,
+        install_refs,
+        packed_refs_identity,
+        rendered_refs,
+    )
+
+    a, b = commits(repo, 2)
+    wanted = {"refs/heads/devices/x": a, "refs/heads/devices/é": b, "refs/heads/devices/Z": a}
+    data = rendered_refs(wanted)
+    assert canonical_refs(data) == wanted
+    header, _, body = data.partition(b"\n")
+    lines = body.splitlines(keepends=True)
+    bad = {
+        "unsorted": header + b"\n" + b"".join(reversed(lines)),
+        "twice": header + b"\n" + body + lines[-1],
+        "header": body,
+        "short id": data.replace(a.encode(), a[:39].encode()),
+        "peeled": data + f"^{a}\n".encode(),
+        "no line break": data[:-1],
+        "no space": data.replace(f"{a} ".encode(), f"{a}\t".encode(), 1),
+        "not UTF-8": data.replace("é".encode(), b"\xff"),
+    }
+    for why, wrong in bad.items():
+        with pytest.raises(PackedRefsError):
+            canonical_refs(wrong)
+            pytest.fail(why)
+    assert canonical_refs(rendered_refs({})) == {}
+
+    with pytest.raises(RefMovedError):
+        install_refs(repo, packed_refs_identity(repo) or (0, 0, 0, 0, 0), data)
+    written = install_refs(repo, None, data)
+    assert written == packed_refs_identity(repo)
+    assert (repo / "packed-refs").read_bytes() == data and refs(repo) == wanted
+    git(repo, "update-ref", "refs/heads/devices/loose", b)
+    with pytest.raises(LooseRefsError):
+        install_refs(repo, written, rendered_refs({}))
+    assert (repo / "packed-refs").read_bytes() == data

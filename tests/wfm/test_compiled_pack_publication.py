@@ -276,7 +276,7 @@ def test_a_pack_stored_ahead_but_not_published_is_dropped(
         holder: tuple[PostgresDatabase, Coordinator]) -> None:
     """A device deleted while the compile ran: its publication packs again without it,
     and the stored pack (which holds the deleted device's objects) goes."""
-    from wfm.fleet.coordination import publish_deletion
+    from wfm.fleet.deletions import publish_deletion
 
     db, coordinator = holder
     work = coordinator.prepare()

@@ -1,4 +1,4 @@
-"""A device deletion published by any replica (`wfm.fleet.coordination.publish_deletion`) against
+"""A device deletion published by any replica (`wfm.fleet.deletions.publish_deletion`) against
 the compiling replica's side of it: a compile that raced the deletion publishes nothing of
 the deleted branch, an idle holder drops the branch and what its compiler state remembers of
 the device before it compiles again, and neither the served copy nor a later publication
@@ -78,7 +78,8 @@ def first_generation(coordinator: Coordinator) -> tuple[Path, str, str]:
 
 def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch(
         holder: tuple[PostgresDatabase, object]) -> None:
-    from wfm.fleet.coordination import Coordinator, publish_deletion
+    from wfm.fleet.coordination import Coordinator
+    from wfm.fleet.deletions import publish_deletion
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)
@@ -118,7 +119,8 @@ def test_a_compile_that_raced_a_deletion_publishes_nothing_of_the_deleted_branch
 
 def test_an_idle_holder_drops_the_branch_and_forgets_the_device_before_it_compiles(
         holder: tuple[PostgresDatabase, object]) -> None:
-    from wfm.fleet.coordination import Coordinator, publish_deletion
+    from wfm.fleet.coordination import Coordinator
+    from wfm.fleet.deletions import publish_deletion
 
     db, coordinator = holder
     assert isinstance(coordinator, Coordinator)

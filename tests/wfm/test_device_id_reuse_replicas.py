@@ -1,5 +1,5 @@
 """A deleted device id starts from an empty history on EVERY replica: the deletion is
-published in the shared store with the device's rows (`wfm.fleet.coordination.publish_deletion`),
+published in the shared store with the device's rows (`wfm.fleet.deletions.publish_deletion`),
 each replica removes the branch from the repository it serves, a repair or a replica built
 from the database never brings it back, and whoever registers the id next, through any
 replica, gets a branch of its own with none of the previous owner's commits or objects.

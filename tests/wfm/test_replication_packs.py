@@ -279,3 +279,30 @@ def test_the_served_copy_takes_the_work_repository_refs_file_when_it_was_where_t
     assert serving.refs() == {**later, "refs/heads/devices/only-here": second}
     for name, target in serving.refs().items():
         assert str(pygit2.Repository(str(serving.path)).references[name].target) == target
+
+
+def test_the_refs_file_published_is_the_repositorys_own_when_it_holds_those_refs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`refs_file`: the repository's `packed-refs` as it is when its listing is the refs
+    asked for (a million refs are not written out again for a published list); written
+    from the refs when they are others, or when the file is Git's own (peeled lines)."""
+    repo = RepoReplica("devices", tmp_path / "repo.git")
+    first = fast_import(repo.path, "one")
+    subprocess.run(["git", "--git-dir", str(repo.path), "update-ref", "-d", "refs/heads/main"],
+                   check=True)
+    move_refs(repo.path, {"refs/heads/devices/a": (None, first)})
+    own = (repo.path / "packed-refs").read_bytes()
+    rendering = replication.rendered_refs
+    rendered: list[int] = []
+    monkeypatch.setattr(replication, "rendered_refs",
+                        lambda refs: rendered.append(len(refs)) or rendering(refs))
+    assert repo.refs_file({"refs/heads/devices/a": first}) == own and rendered == [0]
+    other = {"refs/heads/devices/b": first}
+    assert repo.refs_file(other) == rendering(other) and rendered[-1] == 1
+    subprocess.run(["git", "--git-dir", str(repo.path), "tag", "-a", "-m", "t", "t", first],
+                   check=True)
+    subprocess.run(["git", "--git-dir", str(repo.path), "pack-refs", "--all", "--prune"],
+                   check=True)
+    listed = repo.refs()
+    assert b"^" in (repo.path / "packed-refs").read_bytes()
+    assert repo.refs_file(listed) == rendering(listed)

@@ -50,26 +50,26 @@ from compiler.gitformat import device_ids_from_refs
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
 from compiler.report import CompileReport
 from compiler.state import CompilerState
+from wfm.fleet.deletions import REPO, deletion_generation, publish_deletion
 from wfm.fleet.news import News
 from wfm.fleet.prefetch import Prefetch
-from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica
+from wfm.fleet.replication import COMPACT_AFTER, Published, RepoReplica, ref_moves
 from wfm.fleet.sourceturns import SourceUpdate
 from wfm.fleet.staging import Background
 from wfm.fleet.statemark import STATE_FILE, state_mark, write_state_mark
 from wfm.fleet.trickle import PackTrickle
-from wfm.store import pack_rows, records, replica_rows
+from wfm.store import pack_rows, records, ref_lists, replica_rows
 from wfm.store.database import DatabaseUnavailable
 from wfm.store.pack_rows import PackData
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
 
-__all__ = ["Coordinator", "LeaseLost", "SourceUpdate", "deletion_generation", "publish_deletion"]
+__all__ = ["Coordinator", "LeaseLost", "SourceUpdate"]
 
 log = logging.getLogger("margo.wfm.replicas")
 
 #: The advisory lock key of the compile lease ("compile" in ASCII, as a bigint).
 LEASE_KEY = 0x636F6D70696C65
-REPO = "devices"
 #: Seconds between two repairs of the served repository (`request_repair`).
 REPAIR_EVERY = 5.0
 #: How often a compile's publication starts over after devices were deleted meanwhile.
@@ -91,33 +91,6 @@ class LeaseLost(RuntimeError):
 class _DeletedMeanwhile(RuntimeError):
     """Devices were deleted (`publish_deletion`) after the compile's `prepare`: the work
     repository must drop their branches before anything of this compile is published."""
-
-
-def publish_deletion(conn: Any, device_ids: list[str]) -> int:
-    """Publish that these devices' branches are deleted, under the next generation, in the
-    caller's transaction (the one that deletes the devices' rows): every replica removes
-    the refs when it syncs to it, and no later sync, repair or compaction restores them
-    (a ref row without a target is what every replica applies as "no such branch"). The
-    generation it published."""
-    generation = replica_rows.lock_device_generation(conn) + 1
-    refs: dict[str, str | None] = {}
-    for device_id in device_ids:
-        with contextlib.suppress(ValueError):  # an id that cannot have a branch has none
-            refs[device_ref(device_id)] = None
-    replica_rows.publish_rows(conn, REPO, generation, b"", refs, compact=False)
-    replica_rows.set_counter(conn, REPO, generation)
-    replica_rows.announce(conn, f"{REPO} {generation}")
-    return generation
-
-
-def deletion_generation(conn: Any, device_id: str) -> int | None:
-    """The generation that published the device's branch as deleted (None: it was not, or
-    a later compile gave the id a branch again)."""
-    try:
-        name = device_ref(device_id)
-    except ValueError:
-        return None
-    return replica_rows.deleted_at(conn, REPO, name)
 
 
 class Coordinator:
@@ -143,7 +116,8 @@ class Coordinator:
         #: Held while the served repository moves (and by readers that must not see it move).
         self.lock = threading.RLock()
         #: Told, as each sync moves the served repository (under `lock`: it must not block),
-        #: which devices' branches moved (all of them after a repair).
+        #: which devices' branches moved (after a repair: all of them, or those that
+        #: differed from a published list, `wfm.store.ref_lists`).
         self.on_synced: Callable[[frozenset[str]], None] = lambda devices: None
         self.on_compile_due: Callable[[], None] = lambda: None
         self._lease: PgConnection | None = None
@@ -349,12 +323,12 @@ class Coordinator:
         with self.lock:
             moved = (self.serving.move_to(snapshot) if like is None
                      else self.serving.move_like(*like, snapshot))
-            if moved:
+            if moved is not None:
                 # In the same step as the refs: a state computed in between would be the
                 # previous generation's, served as this one's (replicas woken together by
                 # the news sync at the same moment).
-                self.on_synced(device_ids_from_refs(snapshot.refs))
-        return moved
+                self.on_synced(device_ids_from_refs(moved))
+        return moved is not None
 
     # --- deleting a device (any replica) -----------------------------------------------
 
@@ -422,7 +396,7 @@ class Coordinator:
         def publish() -> tuple[Published | None, dict[str, str]]:
             try:
                 after = self.working.refs()
-                moved = _moved(after, before)
+                moved = ref_moves(after, before)
                 try:
                     stored = self._store_ahead(before, moved, packs_before, restored, trickle)
                 except Exception:  # (packed and stored again by the transaction)
@@ -567,7 +541,7 @@ class Coordinator:
         it can be (`RepoReplica.compiled_pack`); `restored`: as for `publish`; `discard`:
         drop the parts of a pack stored ahead that this publication does not name."""
         after = replica.refs()
-        return self._publish_moves(replica, before, after, _moved(after, before), epoch=epoch,
+        return self._publish_moves(replica, before, after, ref_moves(after, before), epoch=epoch,
                                    packs_before=packs_before, restored=restored,
                                    discard=discard)
 
@@ -591,6 +565,7 @@ class Coordinator:
             pack, index = stored
         else:
             pack, index = self._pack_of(replica, before, moved, packs_before, restored)
+        listed = self._stage_list(replica, after, after if compact else moved)
 
         def write(conn: Any) -> int:
             published, lease_epoch = replica_rows.lock_counter(conn, replica.repo)
@@ -602,8 +577,7 @@ class Coordinator:
             generation = published + 1
             replica_rows.publish_rows(conn, replica.repo, generation, pack,
                                       after if compact else moved, compact=compact,
-                                      index=index,
-                                      discarded=discard)
+                                      index=index, discarded=discard, listed=listed)
             replica_rows.set_counter(conn, replica.repo, generation)
             replica_rows.announce(conn, f"{replica.repo} {generation}")
             return generation
@@ -611,6 +585,16 @@ class Coordinator:
         generation = self._commit_publication(replica, write, current + 1,
                                               None if compact else (before, after, moved))
         return Published(generation, len(moved), len(pack))
+
+    def _stage_list(self, replica: RepoReplica, after: dict[str, str],
+                    written: dict[str, str] | dict[str, str | None]) -> str | None:
+        """The list of every ref `after` (`wfm.store.ref_lists`), stored before the
+        publication (beside the writer, as the pack) when it is to write refs enough to be
+        worth it (`written`); its name, or None: the refs go as rows."""
+        if not ref_lists.worth_listing(len(written), len(after)):
+            return None
+        data = replica.refs_file(after)
+        return self.db.write_apart(lambda c: ref_lists.stage_list(c, replica.repo, data))
 
     def _commit_publication(self, replica: RepoReplica, write: Callable[[Any], int],
                             generation: int, moves: _Moves | None) -> int:
@@ -644,14 +628,13 @@ class Coordinator:
         """The pack (and index) of what `moved` reaches that `before` does not: the
         compile's own when it is that (`RepoReplica.compiled_pack`; never when the compile
         said it restored lost branches), else packed anew."""
-        tips = {n: t for n, t in moved.items() if t is not None}
         if packs_before is not None and not restored:
-            created = (None if restored == 0 else
-                       [t for n, t in tips.items() if n not in before])
+            created = (None if restored == 0 else  # (else a million tips are not listed)
+                       [t for n, t in moved.items() if t is not None and n not in before])
             own = replica.compiled_pack(packs_before, created)
             if own is not None:
                 return own
-        return replica.pack(tips, before.values())
+        return replica.pack({n: t for n, t in moved.items() if t is not None}, before.values())
 
     # --- the fleet source (hosted, or mirrored from a remote) --------------------------
 
@@ -681,10 +664,3 @@ def _request_compile(conn: Any) -> None:
     """A compile request, announced to the holder (`wfm.fleet.news`)."""
     replica_rows.request_compile(conn)
     replica_rows.announce(conn, "compile")
-
-
-def _moved(after: dict[str, str], before: dict[str, str]) -> dict[str, str | None]:
-    """The refs that moved from `before` to `after` (None: deleted)."""
-    moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
-    moved.update({n: None for n in before if n not in after})
-    return moved

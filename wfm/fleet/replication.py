@@ -32,12 +32,15 @@ from compiler.packedrefs import (
     FileIdentity,
     LooseRefsError,
     RefMovedError,
+    canonical_refs,
     copy_refs,
     follow_moves,
     has_loose_refs,
+    install_refs,
     move_refs,
     packed_refs_identity,
     ref_targets,
+    rendered_refs,
     replace_refs,
     take_last_move,
 )
@@ -45,7 +48,7 @@ from margo.files import move_atomically, write_atomically
 from wfm.store.pack_rows import PackData, mapped, pack_id
 from wfm.store.replica_rows import PublishedPack, Snapshot
 
-__all__ = ["COMPACT_AFTER", "Published", "RepoReplica"]
+__all__ = ["COMPACT_AFTER", "Moved", "Published", "RepoReplica", "ref_moves"]
 
 COMPACT_AFTER = 64
 _GENERATION_FILE = "margo-generation"
@@ -54,6 +57,10 @@ _GIT = ("git", "-c", "core.warnAmbiguousRefs=false")
 _SETTLED_NS = 2_000_000_000
 #: How a pack index of version 2 starts (Git's `pack-format.txt`).
 _INDEX_V2 = b"\377tOc\0\0\0\2"
+
+
+#: The refs a sync moved (None: deleted); None when the repository was there already.
+Moved = Mapping[str, str | None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +227,7 @@ class RepoReplica:
         if snapshot.generation <= self.generation and not snapshot.packs:
             return False
         self.add_objects(snapshot)
-        return self.move_to(snapshot)
+        return self.move_to(snapshot) is not None
 
     def add_objects(self, snapshot: Snapshot) -> None:
         """The snapshot's objects, which no ref names yet: invisible to readers, so this
@@ -309,30 +316,51 @@ class RepoReplica:
         another replica published that generation meanwhile, its pack would be missing."""
         self._linked.add(generation)
 
-    def move_to(self, snapshot: Snapshot) -> bool:
+    def move_to(self, snapshot: Snapshot) -> Moved:
         """The refs and generation of a snapshot whose objects are here (`add_objects`): the
-        one visible step, a single rewrite of the refs (deleted ones removed). False when it
-        was there already."""
+        one visible step, a single rewrite of the refs (deleted ones removed). What moved;
+        None when it was there already."""
         if snapshot.generation <= self.generation and not snapshot.packs:
-            return False
+            return None
         identity, current = self._listing()
+        if snapshot.whole is not None:
+            return self._move_to_list(identity, current, snapshot)
         # A None target is a ref deleted on purpose (a device its client deleted,
-        # `wfm.fleet.coordination.publish_deletion`): it goes in the same rewrite, and a ref that
+        # `wfm.fleet.deletions.publish_deletion`): it goes in the same rewrite, and a ref that
         # is not here is left absent.
         refs = _moved_refs(current, snapshot.refs)
         if refs != current:  # (compared in C: a million refs' own diff took 0.8 s)
             self._rewrite_refs(identity, refs, snapshot.refs)
         self.mark_generation(snapshot.generation)
-        return True
+        return snapshot.refs
+
+    def _move_to_list(self, identity: FileIdentity | None, current: dict[str, str],
+                      snapshot: Snapshot) -> Moved:
+        """`move_to` a published list (`wfm.store.ref_lists`) and the refs moved after it:
+        the list's file installed as it is when nothing moved after it (`install_refs`: a
+        million refs are not written again), else written from both."""
+        assert snapshot.whole is not None
+        listed = canonical_refs(snapshot.whole)
+        refs = _moved_refs(listed, snapshot.refs) if snapshot.refs else listed
+        moved = ref_moves(refs, current)
+        if moved and refs is listed:
+            try:
+                self._refs = (install_refs(self.path, identity, snapshot.whole), refs)
+            except (LooseRefsError, RefMovedError):
+                self._rewrite_refs(identity, refs, moved)
+        elif moved:
+            self._rewrite_refs(identity, refs, moved)
+        self.mark_generation(snapshot.generation)
+        return moved
 
     def move_like(self, other: RepoReplica, before: Mapping[str, str],
-                  after: Mapping[str, str], snapshot: Snapshot) -> bool:
+                  after: Mapping[str, str], snapshot: Snapshot) -> Moved:
         """`move_to(snapshot)`, whose refs are what moved `other`'s from `before` to
         `after`: when this repository's refs are `before` and `other`'s still `after`,
         `other`'s ``packed-refs`` is copied as it is (`copy_refs`: a million refs in a
         tenth of a second, against 2.7-3 s to write them) instead of written from them."""
         if snapshot.generation <= self.generation and not snapshot.packs:
-            return False
+            return None
         identity, current = self._listing()
         source, refs = other._listing()
         if source is None or current != before or refs != after:
@@ -343,7 +371,22 @@ class RepoReplica:
             return self.move_to(snapshot)
         self._refs = (written, refs)  # (both listings are only read: one dict will do)
         self.mark_generation(snapshot.generation)
-        return True
+        return snapshot.refs
+
+    def refs_file(self, refs: Mapping[str, str]) -> bytes:
+        """A whole ``packed-refs`` file holding exactly `refs` in the form
+        `compiler.packedrefs.canonical_refs` accepts: this repository's own file when it is
+        (its listing is `refs`, and it is in that form), else written from them."""
+        identity, current = self._listing()
+        if identity is not None and current == refs:
+            try:
+                data = (self.path / "packed-refs").read_bytes()
+            except FileNotFoundError:
+                data = b""
+            if (packed_refs_identity(self.path) == identity and b"^" not in data
+                    and data.startswith(rendered_refs({}))):
+                return data
+        return rendered_refs(refs)
 
     def _rewrite_refs(self, identity: FileIdentity | None, refs: dict[str, str],
                       changed: Mapping[str, str | None]) -> None:
@@ -362,6 +405,13 @@ class RepoReplica:
         except LooseRefsError:
             self._git("pack-refs", "--all", "--prune")
             move_refs(self.path, updates)
+
+
+def ref_moves(after: Mapping[str, str], before: Mapping[str, str]) -> dict[str, str | None]:
+    """The refs that moved from `before` to `after` (None: deleted)."""
+    moved: dict[str, str | None] = {n: t for n, t in after.items() if before.get(n) != t}
+    moved.update({n: None for n in before if n not in after})
+    return moved
 
 
 def _moved_refs(refs: Mapping[str, str], changed: Mapping[str, str | None]) -> dict[str, str]:

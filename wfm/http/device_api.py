@@ -129,7 +129,7 @@ class Api:
         state only through a branch, and branches move only with a generation: one
         registered on another replica meanwhile has none here until a sync brings it (and a
         new read), and a deletion is itself a generation
-        (`wfm.fleet.coordination.publish_deletion`); a state made without a device whose
+        (`wfm.fleet.deletions.publish_deletion`); a state made without a device whose
         id was deleted and registered again is refused by the manifest versions'
         generation guard (`Coordinator.registered`)."""
         if self.coordinator is None:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wfm.store import pack_rows
+from wfm.store import pack_rows, ref_lists
 from wfm.store.database import Connection
 
-__all__ = ["COUNTERS", "NEWS_CHANNEL", "PublishedPack", "Snapshot", "announce",
+__all__ = ["COUNTERS", "LISTED", "NEWS_CHANNEL", "PublishedPack", "Snapshot", "announce",
            "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
            "lock_device_generation", "publish_rows", "published_generation", "published_ref",
            "read_snapshot", "request_compile", "set_counter", "take_lease",
@@ -42,6 +42,10 @@ class Snapshot:
     generation: int
     packs: list[PublishedPack]  # newer than the replica's (but those it said it has)
     refs: dict[str, str | None]  # name -> target (None: deleted) that moved since then
+    #: The whole `packed-refs` file of a published list (`wfm.store.ref_lists`) newer than
+    #: the replica's generation, which `refs` moved on from (None: `refs` moved from the
+    #: replica's own refs).
+    whole: bytes | None = None
 
 
 #: Refs written per statement by a publication: a full compile moves every device's branch,
@@ -53,6 +57,12 @@ _REFS_UPSERT = (" ON CONFLICT (repo, name) DO UPDATE SET target = excluded.targe
                 "generation = excluded.generation")
 #: The `fleet_state` column counting each repository's generations.
 COUNTERS = {"devices": "generation", "source": "source_generation"}
+#: The `git_refs` row each publication of a whole list (`wfm.store.ref_lists`) writes, at
+#: its generation: a replica of a version before the lists, still running while the others
+#: are upgraded, takes it for a ref to move, refuses its target (not an object id) and keeps
+#: serving the generation it has, instead of moving to a generation whose refs it lacks.
+#: Newer replicas never read it: the list stands for every row of its generation.
+LISTED = ("refs/margo/listed", "margo: these refs are listed in git_ref_lists (schema 15)")
 #: The PostgreSQL channel replicas are told on that a generation was published or a compile
 #: requested (`wfm.fleet.news`).
 NEWS_CHANNEL = "margo_fleet_news"
@@ -84,13 +94,17 @@ def read_snapshot(conn: Any, repo: str, since: int, *, dialect: str, spool: Path
             "generation <= ? ORDER BY generation", (repo, since, generation))
             if int(g) not in have]
         packs = _read_packs(conn, repo, wanted, spool, prefetched) if wanted else []
+        listed = ref_lists.newest_list(conn, repo, generation)
+        whole = None
+        if listed is not None and listed[0] > since:
+            whole, since = ref_lists.read_list(conn, repo, listed[1]), listed[0]
         # (text columns: names and targets come as they are, a million in one C call)
         refs: dict[str, str | None] = dict(conn.execute(
             "SELECT name, target FROM git_refs WHERE repo = ? AND generation > ? AND "
             "generation <= ?", (repo, since, generation)).fetchall())
     finally:
         conn.execute("COMMIT")
-    return Snapshot(generation, packs, refs)
+    return Snapshot(generation, packs, refs, whole)
 
 
 def _read_packs(conn: Any, repo: str, generations: list[int], spool: Path,
@@ -106,12 +120,14 @@ def _read_packs(conn: Any, repo: str, generations: list[int], spool: Path,
 
 def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.PackData,
                  refs: Mapping[str, str | None], *, compact: bool,
-                 index: pack_rows.PackData | None = None, discarded: bool = False) -> None:
+                 index: pack_rows.PackData | None = None, discarded: bool = False,
+                 listed: str | None = None) -> None:
     """The rows of one publication (the caller's transaction holds the fence): the pack
     and its index (in parts, `wfm.store.pack_rows`, staged before or now), the refs that
     moved. A compaction, and a publication that drops what was staged for it
     (`discarded`: packed again without a deleted device), delete the parts no generation
-    names."""
+    names. `listed`: the staged list (`wfm.store.ref_lists`) of every ref after it, which
+    stands for the moved ones (only the deleted ones are written, for `deleted_at`)."""
     if pack:
         pack_rows.name_pack(conn, repo, generation, pack, index)
     if compact:
@@ -119,6 +135,12 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
                      (repo, generation))
     if compact or discarded:
         pack_rows.drop_unnamed_parts(conn, repo)
+    if listed is not None:
+        ref_lists.name_list(conn, repo, listed, generation)
+        refs = {**{n: t for n, t in refs.items() if t is None}, LISTED[0]: LISTED[1]}
+    elif discarded:
+        conn.execute("DELETE FROM git_ref_lists WHERE repo = ? AND generation IS NULL",
+                     (repo,))
     moved = sorted(refs.items())
     copy = getattr(conn, "copy_rows", None)
     if copy is not None and len(moved) > _REFS_PER_STATEMENT:
@@ -170,17 +192,33 @@ def published_generation(conn: Connection, repo: str) -> int:
 
 
 def deleted_at(conn: Connection, repo: str, name: str) -> int | None:
-    """The generation that published the ref `name` as deleted (None: it was not)."""
+    """The generation that published the ref `name` as deleted (None: it was not, or a
+    newer list, `wfm.store.ref_lists`, lists it again)."""
     row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
                        "target IS NULL", (repo, name)).fetchone()
-    return None if row is None else int(row[0])
+    if row is None:
+        return None
+    listed = ref_lists.newest_list(conn, repo)
+    if listed is not None and listed[0] > int(row[0]) and ref_lists.find_ref(
+            conn, repo, listed[1], name) is not None:
+        return None
+    return int(row[0])
 
 
 def published_ref(conn: Connection, repo: str, name: str) -> tuple[str | None, int] | None:
-    """(target, generation) of a published ref (target None: published as deleted)."""
+    """(target, generation) of a published ref (target None: published as deleted): its
+    row, unless the newest published list (`wfm.store.ref_lists`) is newer, which then
+    says (a ref it does not list is published as deleted only if its row says so)."""
     row = conn.execute("SELECT target, generation FROM git_refs WHERE repo = ? AND name = ?",
                        (repo, name)).fetchone()
-    return None if row is None else (None if row[0] is None else str(row[0]), int(row[1]))
+    found = None if row is None else (None if row[0] is None else str(row[0]), int(row[1]))
+    listed = ref_lists.newest_list(conn, repo)
+    if listed is None or (found is not None and found[1] > listed[0]):
+        return found
+    target = ref_lists.find_ref(conn, repo, listed[1], name)
+    if target is not None:
+        return target, listed[0]
+    return found if found is not None and found[0] is None else None
 
 
 def compile_state(conn: Connection) -> tuple[int, int]:

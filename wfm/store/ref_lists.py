@@ -13,13 +13,14 @@ generation: refs published later are `git_refs` rows of a newer generation, on t
 nothing of a ref it lists (`replica_rows.published_ref`). Only the newest named list is
 kept.
 
-Each chunk records the first ref name it holds, so one ref is found by reading one chunk
-(`find_ref`), not the list.
+Each chunk records the first ref name it holds (as bytes: compared in Git's byte order by
+both databases, whatever PostgreSQL's collation), so one ref is found by reading the one
+chunk that would hold it (`find_ref`: 64 KiB, through an index), not the list: a server
+asks for each device that has no branch where it is (`wfm.fleet.desired`).
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 from typing import Any
 
@@ -28,13 +29,14 @@ from wfm.store.database import Connection
 __all__ = ["CHUNK_BYTES", "LIST_FROM", "find_ref", "name_list", "newest_list", "read_list",
            "stage_list", "worth_listing"]
 
-#: The most bytes of a list one row holds, past the line that crosses it.
-CHUNK_BYTES = 1 << 20
+#: The most bytes of a list one row holds, past the line that crosses it (a million refs:
+#: about 1,200 rows).
+CHUNK_BYTES = 64 << 10
 #: Refs written from which a publication stores its whole list instead of rows, if they
 #: are also most of the repository's: 50,000 rows took about 0.2 s.
 LIST_FROM = 50_000
 _COLUMNS = ("repo", "list", "chunk", "first", "data")
-_TYPES = ("text", "text", "int8", "text", "bytea")
+_TYPES = ("text", "text", "int8", "bytea", "bytea")
 
 
 def worth_listing(written: int, total: int, *, start: int | None = None) -> bool:
@@ -62,7 +64,7 @@ def stage_list(conn: Connection, repo: str, data: bytes) -> str:
     return name
 
 
-def _chunks(data: bytes) -> list[tuple[str, bytes]]:
+def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
     """`data` cut after the line break that ends each `CHUNK_BYTES`, each chunk with the
     name on its first ref line (the header's chunk: its first after the header)."""
     chunks, start = [], 0
@@ -70,7 +72,7 @@ def _chunks(data: bytes) -> list[tuple[str, bytes]]:
         end = data.find(b"\n", min(start + CHUNK_BYTES, len(data)) - 1) + 1 or len(data)
         chunk = data[start:end]
         line = chunk if start else chunk.partition(b"\n")[2]
-        chunks.append((line[41:line.find(b"\n")].decode(), chunk))
+        chunks.append((line[41:line.find(b"\n")], chunk))
         start = end
     return chunks
 
@@ -103,18 +105,15 @@ def read_list(conn: Any, repo: str, name: str) -> bytes:
 
 def find_ref(conn: Any, repo: str, name: str, ref: str) -> str | None:
     """The object id list `name` gives `ref` (None: it lists no such ref), from the one
-    chunk that would hold it (first names compared here, in byte order, as Git sorts)."""
-    firsts = conn.execute("SELECT chunk, first FROM git_ref_lists WHERE repo = ? AND "
-                          "list = ? ORDER BY chunk", (repo, name)).fetchall()
-    keys = [str(first).encode() for _, first in firsts]
-    at = bisect.bisect_right(keys, ref.encode()) - 1
-    if at < 0:
-        return None
+    chunk that would hold it: the last whose first name is not after it."""
+    wanted = ref.encode()
     execute = getattr(conn, "execute_binary", conn.execute)
-    row = execute("SELECT data FROM git_ref_lists WHERE repo = ? AND list = ? AND chunk = ?",
-                  (repo, name, int(firsts[at][0]))).fetchone()
+    row = execute("SELECT data FROM git_ref_lists WHERE repo = ? AND list = ? AND first <= ? "
+                  "ORDER BY first DESC LIMIT 1", (repo, name, wanted)).fetchone()
+    if row is None:
+        return None
     chunk = b"\n" + bytes(row[0])
-    found = chunk.find(b" " + ref.encode() + b"\n")
+    found = chunk.find(b" " + wanted + b"\n")  # (names hold no space: only a line's own)
     if found < 41 or chunk[found - 41:found - 40] != b"\n":
         return None
     return chunk[found - 40:found].decode()

@@ -243,8 +243,13 @@ _REF_LISTS = [_both(s) for s in (
     # a full compile's million refs as `git_refs` rows took 3.4-6.8 s inside the
     # publication's transaction.
     """CREATE TABLE IF NOT EXISTS git_ref_lists (
-        repo TEXT NOT NULL, list TEXT NOT NULL, chunk {int} NOT NULL, first TEXT NOT NULL,
-        generation {int}, data {bytes} NOT NULL, PRIMARY KEY (repo, list, chunk))""",
+        repo TEXT NOT NULL, list TEXT NOT NULL, chunk {int} NOT NULL,
+        first {bytes} NOT NULL, generation {int}, data {bytes} NOT NULL,
+        PRIMARY KEY (repo, list, chunk))""",
+    # One ref's chunk, and the newest list, each found through an index.
+    "CREATE INDEX IF NOT EXISTS git_ref_lists_by_first ON git_ref_lists (repo, list, first)",
+    "CREATE INDEX IF NOT EXISTS git_ref_lists_by_generation ON git_ref_lists "
+    "(repo, chunk, generation)",
 )]
 #: Object ids and ref names, compressed by half at best: stored as they are, out of line.
 _REF_LISTS_STORAGE = "ALTER TABLE git_ref_lists ALTER COLUMN data SET STORAGE EXTERNAL"

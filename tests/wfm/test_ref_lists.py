@@ -41,10 +41,10 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def publish(db: Database, generation: int, refs: dict[str, str | None],
-            listed: str | None = None) -> None:
+            listed: str | None = None, *, compact: bool = False) -> None:
     def write(conn: object) -> None:
         replica_rows.publish_rows(conn, "devices", generation, b"", refs,  # type: ignore[arg-type]
-                                  compact=False, listed=listed)
+                                  compact=compact, listed=listed)
         replica_rows.set_counter(conn, "devices", generation)  # type: ignore[arg-type]
     db.write_sync(write)
 
@@ -104,6 +104,12 @@ def test_a_list_is_named_read_whole_and_found_one_ref_at_a_time(
         "SELECT DISTINCT list FROM git_ref_lists").fetchall()) == [(other,)]
     assert asked(moved) == (None, None)  # (a newer list that does not list it)
     assert asked(gone) == ((None, 3), 3)
+
+    # A list staged for a publication that never happened goes with the next compaction.
+    store.write_sync(lambda c: ref_lists.stage_list(c, "devices", data))
+    publish(store, 5, {}, compact=True)
+    assert store.read(lambda c: c.execute(
+        "SELECT DISTINCT list FROM git_ref_lists").fetchall()) == [(other,)]
 
 
 def test_a_publication_is_listed_only_when_most_refs_move() -> None:

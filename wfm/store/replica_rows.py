@@ -125,8 +125,8 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     """The rows of one publication (the caller's transaction holds the fence): the pack
     and its index (in parts, `wfm.store.pack_rows`, staged before or now), the refs that
     moved. A compaction, and a publication that drops what was staged for it
-    (`discarded`: packed again without a deleted device), delete the parts no generation
-    names. `listed`: the staged list (`wfm.store.ref_lists`) of every ref after it, which
+    (`discarded`: packed again without a deleted device), delete the parts and lists no
+    generation names. `listed`: the staged list (`wfm.store.ref_lists`) of every ref after it, which
     stands for the moved ones (only the deleted ones are written, for `deleted_at`)."""
     if pack:
         pack_rows.name_pack(conn, repo, generation, pack, index)
@@ -138,7 +138,7 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     if listed is not None:
         ref_lists.name_list(conn, repo, listed, generation)
         refs = {**{n: t for n, t in refs.items() if t is None}, LISTED[0]: LISTED[1]}
-    elif discarded:
+    elif compact or discarded:  # (a list staged for a publication that did not happen)
         conn.execute("DELETE FROM git_ref_lists WHERE repo = ? AND generation IS NULL",
                      (repo,))
     moved = sorted(refs.items())

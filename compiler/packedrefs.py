@@ -26,7 +26,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from compiler.remembered import Remembered
@@ -258,15 +258,8 @@ def replace_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
     git_dir = Path(git_dir)
     if not _valid(targets, list(targets.values())):
         _check_updates({name: (None, target) for name, target in targets.items()})
-    with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
-        if has_loose_refs(git_dir):
-            raise LooseRefsError(sorted(_loose_ref_names(git_dir)))
-        if packed_refs_identity(git_dir) != expected:
-            raise RefMovedError(f"{git_dir / PACKED_REFS} was rewritten by someone else")
-        os.write(lock_fd, _rendered(targets))
-        os.fsync(lock_fd)
-        os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
-        return _identity(lock_fd)
+    return _replace_file(git_dir, expected, lambda fd: _write_all(fd, _rendered(targets)),
+                         timeout)
 
 
 def copy_refs(source_dir: str | os.PathLike[str], source: FileIdentity,
@@ -283,13 +276,9 @@ def copy_refs(source_dir: str | os.PathLike[str], source: FileIdentity,
     that. `RefMovedError` when either file is another one, `LooseRefsError` when a ref of
     either repository is a loose file (it would shadow its entry), nothing changed either
     way."""
-    git_dir, source_dir = Path(git_dir), Path(source_dir)
-    with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
-        loose = _loose_ref_names(git_dir) | _loose_ref_names(source_dir)
-        if loose:
-            raise LooseRefsError(sorted(loose))
-        if packed_refs_identity(git_dir) != expected:
-            raise RefMovedError(f"{git_dir / PACKED_REFS} was rewritten by someone else")
+    source_dir = Path(source_dir)
+
+    def copy(lock_fd: int) -> None:
         try:
             fd = os.open(source_dir / PACKED_REFS, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -300,9 +289,8 @@ def copy_refs(source_dir: str | os.PathLike[str], source: FileIdentity,
             _copy_whole(fd, lock_fd, source[2])
         finally:
             os.close(fd)
-        os.fsync(lock_fd)
-        os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
-        return _identity(lock_fd)
+
+    return _replace_file(git_dir, expected, copy, timeout, also=source_dir)
 
 
 def rendered_refs(targets: Mapping[str, str]) -> bytes:
@@ -325,8 +313,8 @@ def canonical_refs(data: bytes) -> dict[str, str]:
                               f"{header.decode().strip()!r}")
     try:
         lines = data[len(header):].decode().split("\n")
-    except UnicodeDecodeError:
-        lines = ["not UTF-8"]
+    except UnicodeDecodeError as exc:
+        raise PackedRefsError(f"a published ref list is not UTF-8: {exc}") from None
     ids, names = [line[:40] for line in lines[:-1]], [line[41:] for line in lines[:-1]]
     if lines[-1] or not _valid(names, ids) or any(line[40:41] != " " for line in lines[:-1]):
         raise PackedRefsError(_first_bad_line(data, Path("published ref list")))
@@ -342,18 +330,33 @@ def install_refs(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
     `git_dir` if that is still the file of identity `expected` (None: there is none); the
     identity of the file written. One atomic rename, like `replace_refs`, with its
     errors."""
+    return _replace_file(git_dir, expected, lambda fd: _write_all(fd, data), timeout)
+
+
+def _replace_file(git_dir: str | os.PathLike[str], expected: FileIdentity | None,
+                  write: Callable[[int], None], timeout: float, *,
+                  also: Path | None = None) -> FileIdentity:
+    """The whole ``packed-refs`` of `git_dir` replaced by what `write` writes to Git's
+    lock file, if it is still the file of identity `expected` and no ref of `git_dir` (nor
+    of the repository `also`) is a loose file; fsynced, then one rename. The identity of
+    the file written; `RefMovedError` or `LooseRefsError` with nothing changed."""
     git_dir = Path(git_dir)
     with _locked(git_dir / PACKED_REFS, timeout) as lock_fd:
-        if has_loose_refs(git_dir):
-            raise LooseRefsError(sorted(_loose_ref_names(git_dir)))
+        loose = _loose_ref_names(git_dir) | (_loose_ref_names(also) if also else frozenset())
+        if loose:
+            raise LooseRefsError(sorted(loose))
         if packed_refs_identity(git_dir) != expected:
             raise RefMovedError(f"{git_dir / PACKED_REFS} was rewritten by someone else")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(lock_fd, view):]
+        write(lock_fd)
         os.fsync(lock_fd)
         os.replace(git_dir / (PACKED_REFS + _LOCK_SUFFIX), git_dir / PACKED_REFS)
         return _identity(lock_fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _copy_whole(source_fd: int, target_fd: int, size: int) -> None:

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from compiler.gitformat import device_ids_from_refs
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
@@ -80,8 +80,12 @@ _ERRORS = (DatabaseUnavailable, OSError, RuntimeError)
 REACHED_FOR = 2.0
 
 
-#: A publication's refs before and after, and what moved between them (None: deleted).
-_Moves = tuple[dict[str, str], dict[str, str], dict[str, str | None]]
+class _Moves(NamedTuple):
+    """A publication's refs before and after, and what moved between them (None: deleted)."""
+
+    before: dict[str, str]
+    after: dict[str, str]
+    moved: dict[str, str | None]
 
 
 class LeaseLost(RuntimeError):
@@ -583,7 +587,7 @@ class Coordinator:
             return generation
 
         generation = self._commit_publication(replica, write, current + 1,
-                                              None if compact else (before, after, moved))
+                                              None if compact else _Moves(before, after, moved))
         return Published(generation, len(moved), len(pack))
 
     def _stage_list(self, replica: RepoReplica, after: dict[str, str],
@@ -617,8 +621,8 @@ class Coordinator:
             replica.mark_generation(generation)
             if own is not None and self.serving.generation == generation - 1:
                 with GIT_SECONDS.labels("sync").time():
-                    self._move_serving(replica_rows.Snapshot(generation, [], own[2]),
-                                       like=(replica, own[0], own[1]))
+                    self._move_serving(replica_rows.Snapshot(generation, [], own.moved),
+                                       like=(replica, own.before, own.after))
         return generation
 
     @staticmethod

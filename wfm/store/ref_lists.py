@@ -26,8 +26,8 @@ from typing import Any
 
 from wfm.store.database import Connection
 
-__all__ = ["CHUNK_BYTES", "LIST_FROM", "find_ref", "name_list", "newest_list", "read_list",
-           "stage_list", "worth_listing"]
+__all__ = ["CHUNK_BYTES", "LIST_FROM", "drop_unnamed_lists", "find_ref", "name_list",
+           "newest_list", "read_list", "stage_list", "worth_listing"]
 
 #: The most bytes of a list one row holds, past the line that crosses it (a million refs:
 #: about 1,200 rows).
@@ -84,6 +84,11 @@ def name_list(conn: Connection, repo: str, name: str, generation: int) -> None:
                     (generation, repo, name)).rowcount < 1:
         raise RuntimeError(f"the ref list {name} staged for generation {generation} is gone")
     conn.execute("DELETE FROM git_ref_lists WHERE repo = ? AND list <> ?", (repo, name))
+
+
+def drop_unnamed_lists(conn: Connection, repo: str) -> None:
+    """Delete the lists no publication named (staged for one that did not happen)."""
+    conn.execute("DELETE FROM git_ref_lists WHERE repo = ? AND generation IS NULL", (repo,))
 
 
 def newest_list(conn: Any, repo: str, upto: int | None = None) -> tuple[int, str] | None:

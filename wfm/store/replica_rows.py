@@ -126,8 +126,9 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     and its index (in parts, `wfm.store.pack_rows`, staged before or now), the refs that
     moved. A compaction, and a publication that drops what was staged for it
     (`discarded`: packed again without a deleted device), delete the parts and lists no
-    generation names. `listed`: the staged list (`wfm.store.ref_lists`) of every ref after it, which
-    stands for the moved ones (only the deleted ones are written, for `deleted_at`)."""
+    generation names. `listed`: the staged list (`wfm.store.ref_lists`) of every ref after
+    it, which stands for the moved ones (only the deleted ones are written, for
+    `deleted_at`)."""
     if pack:
         pack_rows.name_pack(conn, repo, generation, pack, index)
     if compact:
@@ -138,9 +139,8 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
     if listed is not None:
         ref_lists.name_list(conn, repo, listed, generation)
         refs = {**{n: t for n, t in refs.items() if t is None}, LISTED[0]: LISTED[1]}
-    elif compact or discarded:  # (a list staged for a publication that did not happen)
-        conn.execute("DELETE FROM git_ref_lists WHERE repo = ? AND generation IS NULL",
-                     (repo,))
+    elif compact or discarded:
+        ref_lists.drop_unnamed_lists(conn, repo)
     moved = sorted(refs.items())
     copy = getattr(conn, "copy_rows", None)
     if copy is not None and len(moved) > _REFS_PER_STATEMENT:
@@ -194,15 +194,11 @@ def published_generation(conn: Connection, repo: str) -> int:
 def deleted_at(conn: Connection, repo: str, name: str) -> int | None:
     """The generation that published the ref `name` as deleted (None: it was not, or a
     newer list, `wfm.store.ref_lists`, lists it again)."""
-    row = conn.execute("SELECT generation FROM git_refs WHERE repo = ? AND name = ? AND "
-                       "target IS NULL", (repo, name)).fetchone()
-    if row is None:
-        return None
-    listed = ref_lists.newest_list(conn, repo)
-    if listed is not None and listed[0] > int(row[0]) and ref_lists.find_ref(
-            conn, repo, listed[1], name) is not None:
-        return None
-    return int(row[0])
+    if conn.execute("SELECT 1 FROM git_refs WHERE repo = ? AND name = ? AND target IS NULL",
+                    (repo, name)).fetchone() is None:
+        return None  # (every registration asks: no list is read for an id never deleted)
+    found = published_ref(conn, repo, name)
+    return found[1] if found is not None and found[0] is None else None
 
 
 def published_ref(conn: Connection, repo: str, name: str) -> tuple[str | None, int] | None:

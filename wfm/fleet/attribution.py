@@ -194,6 +194,14 @@ class Attribution:
             return Applied(None, f"{how}manifestVersion {version} (not remembered)")
         return Applied(held.get(deployment_id), f"{how}manifestVersion {version}")
 
+    def remember(self, client_id: str, version: int, held: dict[str, str]) -> None:
+        """What the client's manifestVersion holds, known where it was handed out
+        (`wfm.http.manifests`): the reports about it then need no read."""
+        self._versions[(client_id, version)] = held
+        self._versions.move_to_end((client_id, version))
+        while len(self._versions) > _VERSIONS_KEPT:
+            self._versions.popitem(last=False)
+
     async def _version(self, client_id: str, version: int) -> dict[str, str] | None:
         """What the client's manifestVersion held (None: not remembered, or not written yet:
         asked again next time)."""
@@ -205,7 +213,5 @@ class Attribution:
             lambda conn: records.manifest_contents(conn, client_id, {version}))
         held = contents.get(version)
         if held is not None:
-            self._versions[key] = held
-            while len(self._versions) > _VERSIONS_KEPT:
-                self._versions.popitem(last=False)
+            self.remember(client_id, version, held)
         return held

@@ -16,7 +16,7 @@ themselves (`wfm.http.callers`, `.capabilities`, `.statuses`, `.manifests`,
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from starlette.concurrency import run_in_threadpool
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
     from wfm.fleet.coordination import Coordinator
     from wfm.fleet.leadtime import LeadTimes
 
-__all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api"]
+__all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api", "ServedManifest"]
 
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
@@ -47,6 +47,18 @@ _STATE_READS = 3
 #: Clients whose device lists a replica remembers at once (`Api.served_state`); past it,
 #: all are forgotten and read again.
 _MAX_DEVICE_LISTS = 200_000
+
+
+class ServedManifest(NamedTuple):
+    """The manifest a client was last served through one URL prefix (`wfm.http.manifests`):
+    at which local generation, its bytes and ETag, its manifestVersion and the digest of
+    the state it describes."""
+
+    generation: int
+    body: bytes
+    etag: str
+    version: int
+    state_digest: str
 
 
 class Api:
@@ -87,7 +99,7 @@ class Api:
         self.identity.open(clients)
         #: Polls dominate the traffic: per (client, URL prefix), the manifest served at a
         #: generation (`wfm.http.manifests`).
-        self.served_manifests: dict[tuple[str, str], tuple[int, bytes, str, int]] = {}
+        self.served_manifests: dict[tuple[str, str], ServedManifest] = {}
         self.credentials = CredentialCache(
             lambda: db.offload(clients.credentials_epoch),
             lambda token: db.offload(clients.token_lookup, token))

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from margo.digests import digest_of
 from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
 from wfm.http.callers import Callers
-from wfm.http.device_api import Api
+from wfm.http.device_api import Api, ServedManifest
 from wfm.http.httpcache import accepts, etag_matches, immutable
 from wfm.http.manifest_waits import MANIFEST_MEDIA_TYPE, manifest_answer
 from wfm.http.request_parts import header
@@ -59,11 +59,11 @@ class Manifests:
         cached = self.api.served_manifests.get((client.client_id, prefix))
         coordinator = self.api.coordinator
         from_memory = coordinator is None or coordinator.database_reached
-        if cached is not None and cached[0] == self.api.desired.generation and (
-                (from_memory and etag_matches(condition, cached[2]))
-                or await self._still_current(client, cached[3])):
-            return cached[1], cached[2]
-        return await self._fresh_manifest(client, prefix)
+        if cached is not None and cached.generation == self.api.desired.generation and (
+                (from_memory and etag_matches(condition, cached.etag))
+                or await self._still_current(client, cached.version)):
+            return cached.body, cached.etag
+        return await self._fresh_manifest(client, prefix, cached)
 
     async def get_deployment(self, request: Request) -> Response:
         client, _ = await self.callers.scoped(request)
@@ -97,19 +97,30 @@ class Manifests:
         raise ProblemError(404, f"no bundle with digest {digest} for this client",
                            margo_type="invalid-bundle")
 
-    async def _manifest_version(self, client: Client, state: ClientState,
-                                generation: int) -> int | None:
+    async def _manifest_version(self, client: Client, state: ClientState, generation: int,
+                                served: ServedManifest | None) -> int | None:
         """The client's manifestVersion for this state: 1 for the first, +1 whenever the
         served state changes; persisted, so it never goes back (restarts included). None
-        when another replica already gave the client a newer generation's state."""
+        when another replica already gave the client a newer generation's state.
+
+        The version is read first, and written only when the state changed; unless this
+        process `served` the client another state already: then it changed (or another
+        replica moved the version to this state, which the write finds and keeps), and the
+        read would be a round trip for nothing on every device a change reaches. What the
+        version holds is handed to `Attribution`, which the device's status reports about
+        it ask next."""
         state_digest = state.state_digest
-        current = await self.api.db.aread(
-            lambda conn: records.manifest_version(conn, client.client_id))
-        if current is not None and current[0] > 0 and current[1] == state_digest:
-            return current[0]
+        if served is None or served.state_digest == state_digest:
+            current = await self.api.db.aread(
+                lambda conn: records.manifest_version(conn, client.client_id))
+            if current is not None and current[0] > 0 and current[1] == state_digest:
+                return current[0]
         contents = {d.deployment_id: d.digest for d in state.deployments}
-        return await self.api.db.write(lambda conn: records.advance_manifest_version(
+        version = await self.api.db.write(lambda conn: records.advance_manifest_version(
             conn, client.client_id, state_digest, generation, contents))
+        if version is not None:
+            self.api.attribution.remember(client.client_id, version, contents)
+        return version
 
     async def _still_current(self, client: Client, version: int) -> bool:
         """Whether a cached manifest is still the client's newest. One process knows (its
@@ -122,17 +133,19 @@ class Manifests:
             lambda conn: records.manifest_version(conn, client.client_id))
         return current is not None and current[0] == version
 
-    async def _fresh_manifest(self, client: Client, prefix: str) -> tuple[bytes, str]:
+    async def _fresh_manifest(self, client: Client, prefix: str,
+                              served: ServedManifest | None) -> tuple[bytes, str]:
         for _ in range(3):
             local = self.api.desired.generation
             generation, state = await self.api.served_state(client)
-            version = await self._manifest_version(client, state, generation)
+            version = await self._manifest_version(client, state, generation, served)
             if version is None:  # behind another replica: catch up, then answer
                 await run_in_threadpool(self.api.coordinator.sync)  # type: ignore[union-attr]
                 continue
             body = manifest_body(version, state, prefix)
             etag = '"' + digest_of(body) + '"'
-            self.api.served_manifests[(client.client_id, prefix)] = (local, body, etag, version)
+            self.api.served_manifests[(client.client_id, prefix)] = ServedManifest(
+                local, body, etag, version, state.state_digest)
             return body, etag
         raise ProblemError(503, "the fleet's newest desired state is not here yet",
                            retry_after=1)

@@ -5,6 +5,7 @@ and what happens when PostgreSQL goes away and comes back."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import psycopg
@@ -94,6 +95,56 @@ def test_one_bad_write_does_not_sink_its_batch(store: Database) -> None:
         bad.result(timeout=10)
     assert store.read(lambda c: c.execute("SELECT COUNT(*) FROM access_tokens")
                       .fetchone()[0]) == 20
+
+
+def test_each_write_of_a_batch_keeps_its_own_outcome(store: Database) -> None:
+    """Wherever a failure falls in one batch, it is that write's alone: an SQL error
+    between a write's statements (PostgreSQL's writer sends a write's statements without
+    waiting for each answer, so the error arrives after the next statement was sent), an
+    exception raised after a write's statements ran; and a row count read inside a write
+    is the statement's own, not one still on its way."""
+    ClientRegistry(store).add("plant-a")
+
+    def token(conn: Connection, name: str) -> int:
+        return conn.execute("INSERT INTO access_tokens VALUES (?, ?, ?)",
+                            (name, "plant-a", 1.0)).rowcount
+
+    def sql_error_midway(conn: Connection) -> None:
+        token(conn, "half-1")
+        conn.execute("INSERT INTO nowhere VALUES (1)")
+        token(conn, "half-2")
+
+    def sql_error_last(conn: Connection) -> None:
+        token(conn, "last-1")
+        conn.execute("INSERT INTO nowhere VALUES (2)")
+
+    def refused_after_writing(conn: Connection) -> None:
+        token(conn, "refused")
+        raise ValueError("refused after writing")
+
+    def counted(conn: Connection) -> int:
+        token(conn, "c-1")
+        token(conn, "c-2")
+        return conn.execute("UPDATE access_tokens SET expires_at = 2.0 WHERE client_id = ? "
+                            "AND token_hash LIKE 'c-%'", ("plant-a",)).rowcount
+
+    release = threading.Event()
+    first = store.submit(lambda conn: release.wait(10))  # the rest queue behind it: one batch
+    futures = [store.submit(lambda c: token(c, "before")), store.submit(sql_error_midway),
+               store.submit(lambda c: token(c, "between")), store.submit(sql_error_last),
+               store.submit(refused_after_writing), store.submit(counted),
+               store.submit(lambda c: token(c, "after"))]
+    release.set()
+    assert first.result(timeout=10)
+    for failed in (futures[1], futures[3]):
+        with pytest.raises((sqlite3.OperationalError, psycopg.errors.UndefinedTable)):
+            failed.result(timeout=10)
+    with pytest.raises(ValueError, match="refused after writing"):
+        futures[4].result(timeout=10)
+    assert [futures[i].result(timeout=10) for i in (0, 2, 5, 6)] == [1, 1, 2, 1]
+    assert store.read(lambda c: sorted(row[0] for row in c.execute(
+        "SELECT token_hash FROM access_tokens"))) == ["after", "before", "between", "c-1",
+                                                      "c-2"]
 
 
 def test_placeholders_are_translated_outside_quoted_text() -> None:

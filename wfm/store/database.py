@@ -110,6 +110,10 @@ def _settle_on_loops(results: list[tuple[Waiter, Any, BaseException | None]]) ->
             loop.call_soon_threadsafe(_settle, settled)
 
 
+def _answered() -> None:
+    """Every statement sent was answered already (statements wait for their answers)."""
+
+
 def _settle(settled: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
     for future, value, error in settled:
         if future.done():  # cancelled while its write ran
@@ -154,6 +158,13 @@ class Database:
 
     def _close_write_connection(self, conn: Any) -> None:
         conn.close()
+
+    def _pipelined(self, conn: Any) -> contextlib.AbstractContextManager[Callable[[], None]]:
+        """How a batch's statements travel on the write connection: here each waits for
+        its answer. An engine across a network sends a write's statements without waiting
+        (`wfm.store.pgdb`); the callable it yields waits for them, so that a write's errors
+        are raised while it is still the one to roll back. Left, it waits for the rest."""
+        return contextlib.nullcontext(_answered)
 
     def read(self, fn: Callable[[Any], T]) -> T:
         """Run a read on a connection that sees every committed write."""
@@ -357,20 +368,24 @@ class Database:
         """One transaction, each write in its own savepoint; the futures resolve after the
         commit. Any error outside a write's savepoint propagates: the batch fails whole."""
         results: list[tuple[Waiter, Any, BaseException | None]] = []
-        conn.execute(self.begin)
-        for fn, future in batch:
-            # Each write's savepoint stays on the stack until the commit: `ROLLBACK TO` goes
-            # back to the newest of that name, this write's, and not releasing saves a round
-            # trip per write (on PostgreSQL, the writer's cost is its round trips).
-            conn.execute("SAVEPOINT item")
-            try:
-                results.append((future, fn(conn), None))
-            except self.unavailable:
-                raise
-            except Exception as exc:  # one bad write must not sink its neighbours
-                conn.execute("ROLLBACK TO SAVEPOINT item")
-                results.append((future, None, exc))
-        conn.execute("COMMIT")
+        with self._pipelined(conn) as answered:
+            conn.execute(self.begin)
+            for fn, future in batch:
+                # Each write's savepoint stays on the stack until the commit: `ROLLBACK TO`
+                # goes back to the newest of that name, this write's, and not releasing
+                # saves a round trip per write (on PostgreSQL, the writer's cost is its
+                # round trips).
+                conn.execute("SAVEPOINT item")
+                try:
+                    value = fn(conn)
+                    answered()  # (a pipelined write's errors are raised here, still its own)
+                    results.append((future, value, None))
+                except self.unavailable:
+                    raise
+                except Exception as exc:  # one bad write must not sink its neighbours
+                    conn.execute("ROLLBACK TO SAVEPOINT item")
+                    results.append((future, None, exc))
+            conn.execute("COMMIT")
         _settle_on_loops(results)
 
     def close(self) -> None:

@@ -21,9 +21,10 @@ database URL names itself win.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import psycopg
@@ -108,9 +109,43 @@ class PgConnection:
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.raw = conn
+        self._pipeline: psycopg.Pipeline | None = None
+        self._mode: contextlib.AbstractContextManager[psycopg.Pipeline] | None = None
 
-    def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any]:
-        return self.raw.execute(translate(sql), tuple(parameters))
+    def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
+        cursor = self.raw.execute(translate(sql), tuple(parameters))
+        return cursor if self._pipeline is None else _Pending(cursor, self)
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[Callable[[], None]]:
+        """Statements sent without waiting for each answer (PostgreSQL's pipeline mode):
+        a status report's write was four round trips in turn, the writer's whole cost. A
+        fetch still waits for its own rows, a row count for the pipeline; the callable
+        yielded waits for everything sent, raising the first error among it (then the
+        statements after it were skipped). Leaving waits for the rest."""
+        self._enter_pipeline()
+        try:
+            yield self.answered
+        except BaseException as exc:
+            self._leave_pipeline(exc)
+            raise
+        self._leave_pipeline(None)
+
+    def answered(self) -> None:
+        """Wait until every statement sent is answered (at once outside pipeline mode)."""
+        if self._pipeline is not None:
+            self._pipeline.sync()
+
+    def _enter_pipeline(self) -> None:
+        mode = self.raw.pipeline()
+        self._pipeline = mode.__enter__()
+        self._mode = mode
+
+    def _leave_pipeline(self, exc: BaseException | None) -> None:
+        mode, self._mode, self._pipeline = self._mode, None, None
+        if mode is not None:
+            mode.__exit__(type(exc) if exc is not None else None, exc,
+                          exc.__traceback__ if exc is not None else None)
 
     def copy_rows(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], *,
                   types: Sequence[str] | None = None) -> None:
@@ -120,6 +155,17 @@ class PgConnection:
         `types` (each column's PostgreSQL type) in the binary format: bytes go as they are,
         not as text (`wfm.store.pack_rows`' parts)."""
         binary = " WITH (FORMAT BINARY)" if types is not None else ""
+        if self._pipeline is None:
+            self._copy(table, columns, rows, types, binary)
+            return
+        self._leave_pipeline(None)  # (COPY cannot run in pipeline mode)
+        try:
+            self._copy(table, columns, rows, types, binary)
+        finally:
+            self._enter_pipeline()
+
+    def _copy(self, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+              types: Sequence[str] | None, binary: str) -> None:
         with self.raw.cursor().copy(
                 f"COPY {table} ({', '.join(columns)}) FROM STDIN{binary}") as copy:
             if types is not None:
@@ -134,6 +180,31 @@ class PgConnection:
 
     def close(self) -> None:
         self.raw.close()
+
+
+class _Pending:
+    """A cursor whose statement may still be on its way (`PgConnection.pipelined`): its
+    rows are fetched as psycopg does (a fetch waits for its own answer), and its row count,
+    known only once answered, waits for the pipeline: a count read early would be -1."""
+
+    __slots__ = ("_connection", "_cursor")
+
+    def __init__(self, cursor: psycopg.Cursor[Any], connection: PgConnection) -> None:
+        self._cursor, self._connection = cursor, connection
+
+    @property
+    def rowcount(self) -> int:
+        self._connection.answered()
+        return self._cursor.rowcount
+
+    def fetchone(self) -> Any:
+        return self._cursor.fetchone()
+
+    def fetchall(self) -> list[Any]:
+        return self._cursor.fetchall()
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._cursor)
 
 
 class PostgresDatabase(Database):
@@ -162,6 +233,10 @@ class PostgresDatabase(Database):
 
     def _write_connection(self) -> PgConnection:
         return PgConnection(psycopg.connect(self.url, autocommit=True, **self._settings))
+
+    def _pipelined(self, conn: PgConnection) -> contextlib.AbstractContextManager[
+            Callable[[], None]]:
+        return conn.pipelined()
 
     def write_apart(self, fn: Callable[[Any], T]) -> T:
         """`fn` in a transaction on a connection of its own (see `Database.write_apart`)."""

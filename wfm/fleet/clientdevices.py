@@ -6,7 +6,9 @@ table: every registration and deletion goes through `wfm.http.capabilities`, whi
 so here, so the answer can be remembered until it changes. That took two indexed reads
 off the event loop per status report, about a sixth of what the server spent on one. With replicas
 another process registers and forgets devices, and a stale answer would serve a state
-without a device another replica just registered: every lookup reads.
+without a device another replica just registered: every lookup reads, and the lookups made
+while a read is on its way are read together (`wfm.store.coalesced`: a generation wakes
+thousands of held polls at once, each asking for its client's list).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from wfm.store import records
+from wfm.store.coalesced import Coalesced
 from wfm.store.database import Database
 
 __all__ = ["ClientDevices"]
@@ -33,6 +36,8 @@ class ClientDevices:
         self._on_change = on_change
         self._sole_writer = sole_writer
         self._known: dict[str, tuple[str, ...]] = {}
+        self._reads: Coalesced[str, tuple[str, ...]] = Coalesced(db, records.clients_devices,
+                                                                 ())
         # Bumped by every change: a read that started before one is not remembered.
         self._changes = 0
 
@@ -41,7 +46,7 @@ class ClientDevices:
         if known is not None:
             return known
         changes = self._changes
-        devices = await self._db.aread(lambda conn: records.client_devices(conn, client_id))
+        devices = await self._reads.get(client_id)
         if self._sole_writer and changes == self._changes:
             if len(self._known) >= _MAX_REMEMBERED:
                 self._known.clear()

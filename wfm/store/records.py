@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HIST
            "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",
            "DeviceRow",
            "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
+           "clients_devices",
            "device_digests", "device_documents", "device_owner", "device_row", "device_rows",
            "device_texts", "device_time",
            "forget_device", "git_handout", "git_handout_at", "manifest_contents",
@@ -198,6 +199,21 @@ def client_devices(conn: Connection, client_id: str) -> tuple[str, ...]:
     rows = conn.execute("SELECT device_id FROM devices WHERE client_id = ? ORDER BY device_id",
                         (client_id,))
     return tuple(r[0] for r in rows)
+
+
+def clients_devices(conn: Connection, client_ids: Sequence[str]
+                    ) -> dict[str, tuple[str, ...]]:
+    """`client_devices` of many clients in one statement (a client without devices is not
+    in the answer)."""
+    found: dict[str, list[str]] = {}
+    for start in range(0, len(client_ids), 500):
+        chunk = client_ids[start:start + 500]
+        marks = ", ".join("?" for _ in chunk)
+        for client_id, device_id in conn.execute(
+                f"SELECT client_id, device_id FROM devices WHERE client_id IN ({marks}) "
+                "ORDER BY client_id, device_id", tuple(chunk)):
+            found.setdefault(client_id, []).append(device_id)
+    return {client_id: tuple(devices) for client_id, devices in found.items()}
 
 
 def device_documents(conn: Connection) -> ReportedDocuments:

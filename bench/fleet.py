@@ -8,8 +8,9 @@ processes: each reports its capabilities once, then polls its manifest every P s
 (uniform jitter of ±`--jitter`, the first poll spread uniformly over [0, P)) with
 `If-None-Match`; on a new `manifestVersion` it fetches the deployment YAMLs that changed (or
 the bundle, `--fetch bundle`) and reports `installing` then `installed` for each, with the
-new version adopted. Once every device has installed its first deployment, an edit to the
-intent that every device carries (`hello-everywhere`'s greeting) is committed and
+new version adopted and its device named (as `margo device run` reports). Once every
+device has installed its first deployment, an edit to the intent that every device
+carries (`hello-everywhere`'s greeting) is committed and
 `git push`ed to the server's hosted source (`--host-source`, the operator's own way in):
 that moment is t = 0. Printed per store:
 
@@ -361,8 +362,8 @@ class Fleet:
                             state: str, document: bytes) -> tuple[bool, float | None]:
         """Whether the report was stored; else when to poll again (None: the period)."""
         components = [name.decode() for name in COMPONENT.findall(document)]
-        body = json.dumps({"deploymentId": deployment_id, "adoptedManifestVersion": version,
-                           "status": {"state": state},
+        body = json.dumps({"deploymentId": deployment_id, "deviceId": device.device_id,
+                           "adoptedManifestVersion": version, "status": {"state": state},
                            "components": [{"name": n, "state": state}
                                           for n in components]}).encode()
         status, reply, _ = await self.call(device, "status", "POST",

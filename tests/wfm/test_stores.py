@@ -114,6 +114,10 @@ def test_each_write_of_a_batch_keeps_its_own_outcome(store: Database) -> None:
         conn.execute("INSERT INTO nowhere VALUES (1)")
         token(conn, "half-2")
 
+    def sql_error_then_read(conn: Connection) -> None:
+        conn.execute("INSERT INTO nowhere VALUES (3)")
+        conn.execute("SELECT COUNT(*) FROM access_tokens").fetchone()
+
     def sql_error_last(conn: Connection) -> None:
         token(conn, "last-1")
         conn.execute("INSERT INTO nowhere VALUES (2)")
@@ -133,15 +137,15 @@ def test_each_write_of_a_batch_keeps_its_own_outcome(store: Database) -> None:
     futures = [store.submit(lambda c: token(c, "before")), store.submit(sql_error_midway),
                store.submit(lambda c: token(c, "between")), store.submit(sql_error_last),
                store.submit(refused_after_writing), store.submit(counted),
-               store.submit(lambda c: token(c, "after"))]
+               store.submit(sql_error_then_read), store.submit(lambda c: token(c, "after"))]
     release.set()
     assert first.result(timeout=10)
-    for failed in (futures[1], futures[3]):
+    for failed in (futures[1], futures[3], futures[6]):
         with pytest.raises((sqlite3.OperationalError, psycopg.errors.UndefinedTable)):
             failed.result(timeout=10)
     with pytest.raises(ValueError, match="refused after writing"):
         futures[4].result(timeout=10)
-    assert [futures[i].result(timeout=10) for i in (0, 2, 5, 6)] == [1, 1, 2, 1]
+    assert [futures[i].result(timeout=10) for i in (0, 2, 5, 7)] == [1, 1, 2, 1]
     assert store.read(lambda c: sorted(row[0] for row in c.execute(
         "SELECT token_hash FROM access_tokens"))) == ["after", "before", "between", "c-1",
                                                       "c-2"]

@@ -173,19 +173,22 @@ class PgConnection:
             for row in rows:
                 copy.write_row(row)
 
-    def execute_binary(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any]:
+    def execute_binary(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
         """`execute`, with the results in PostgreSQL's binary format: a bytea column comes
         as its bytes instead of twice as many hex digits to decode."""
-        return self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
+        cursor = self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
+        return cursor if self._pipeline is None else _Pending(cursor, self)
 
     def close(self) -> None:
         self.raw.close()
 
 
 class _Pending:
-    """A cursor whose statement may still be on its way (`PgConnection.pipelined`): its
-    rows are fetched as psycopg does (a fetch waits for its own answer), and its row count,
-    known only once answered, waits for the pipeline: a count read early would be -1."""
+    """A cursor whose statement may still be on its way (`PgConnection.pipelined`). Its
+    row count and rows are read once the whole pipeline is answered (the same round trip
+    a fetch of its own makes): a count read early would be -1, and a fetch of its own after
+    a statement that failed would raise psycopg's `PipelineAborted` (an `OperationalError`,
+    taken for "the database is gone") instead of that statement's error."""
 
     __slots__ = ("_connection", "_cursor")
 
@@ -198,12 +201,15 @@ class _Pending:
         return self._cursor.rowcount
 
     def fetchone(self) -> Any:
+        self._connection.answered()
         return self._cursor.fetchone()
 
     def fetchall(self) -> list[Any]:
+        self._connection.answered()
         return self._cursor.fetchall()
 
     def __iter__(self) -> Iterator[Any]:
+        self._connection.answered()
         return iter(self._cursor)
 
 

@@ -5,14 +5,16 @@ client's device list)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 import pytest
 
 from wfm.identity.clients import ClientRegistry
 from wfm.store import records
-from wfm.store.coalesced import Coalesced
+from wfm.store.coalesced import Coalesced, CoalescedWrites
 from wfm.store.database import Database
 
 DOC = {"properties": {"id": "x", "vendor": "Example"}}
@@ -108,3 +110,92 @@ def test_device_lists_of_many_clients_match_one_at_a_time(store: Database,
     together = store.read(lambda conn: records.clients_devices(conn, ids))
     assert {c: together.get(c, ()) for c in ids} == {
         c: store.read(lambda conn, c=c: records.client_devices(conn, c)) for c in ids}
+
+
+def _report(deployment: str, state: str, *, client: str = "plant-0",
+            device: str = "dev-0-0", error: str | None = None) -> records.StatusReport:
+    status: dict[str, Any] = {"state": state}
+    if error is not None:
+        status["error"] = {"message": error}
+    document = {"deploymentId": deployment, "status": status, "components": []}
+    return records.StatusReport(client, deployment, device, state, document,
+                                f"{deployment}:{state}:{error}", 1)
+
+
+def _stored(store: Database, prefix: str) -> list[tuple[Any, ...]]:
+    """The statuses and their history under deployments named `prefix`..., without times
+    and with the prefix cut off."""
+    def read(conn: Any) -> list[tuple[Any, ...]]:
+        rows = [("status", r[0][len(prefix):], *r[1:]) for r in conn.execute(
+            "SELECT deployment_id, state, digest, history_count, meaning FROM statuses "
+            "WHERE deployment_id LIKE ? ORDER BY deployment_id", (prefix + "%",))]
+        return rows + [("history", r[0][len(prefix):], *r[1:]) for r in conn.execute(
+            "SELECT deployment_id, state FROM status_reports WHERE deployment_id LIKE ? "
+            "ORDER BY id", (prefix + "%",))]
+    return store.read(read)
+
+
+def test_reports_written_together_store_what_one_at_a_time_would(store: Database) -> None:
+    """New, repeated (same bytes), re-asserted (same meaning, other bytes) and changed
+    reports, one deployment reported twice in one write: the same answers and rows."""
+    ClientRegistry(store).add("plant-0")
+
+    def reports(prefix: str) -> list[list[records.StatusReport]]:
+        def r(name: str, state: str, error: str | None = None) -> records.StatusReport:
+            report = _report(prefix + name, state, error=error)
+            return records.StatusReport(**{**{f: getattr(report, f) for f in (
+                "client_id", "deployment_id", "device_id", "state", "document", "adopted",
+                "applied")}, "digest": report.digest.removeprefix(prefix)})
+        return [[r("a", "installing"), r("b", "installing"), r("c", "failed", "x")],
+                [r("a", "installing"), r("b", "installed"), r("b", "installed"),
+                 r("c", "failed", "y"), r("d", "installing"), r("d", "installed")]]
+
+    one_at_a_time = [[store.write_sync(lambda c, r=r: records.store_status(
+        c, client_id=r.client_id, deployment_id=r.deployment_id, device_id=r.device_id,
+        state=r.state, document=r.document, digest=r.digest, adopted=r.adopted))
+        for r in group] for group in reports("one-")]
+    together = [store.write_sync(lambda c, g=group: records.store_statuses(c, g))
+                for group in reports("all-")]
+    assert together == one_at_a_time
+    assert [w.changed for w in together[1]] == [False, True, False, True, True, True]
+    assert _stored(store, "all-") == _stored(store, "one-")
+
+
+def test_writes_that_arrive_together_go_together_and_keep_their_own_outcomes(
+        store: Database) -> None:
+    ClientRegistry(store).add("plant-0")
+    groups: list[int] = []
+
+    def many(conn: Any, reports: Sequence[records.StatusReport]) -> list[records.StatusWrite]:
+        groups.append(len(reports))
+        return records.store_statuses(conn, reports)
+
+    def one(conn: Any, report: records.StatusReport) -> records.StatusWrite:
+        if report.deployment_id == "bad":  # a write the database refuses, alone or grouped
+            conn.execute("INSERT INTO nowhere VALUES (1)")
+        return records.store_statuses(conn, [report])[0]
+
+    def many_with_bad(conn: Any, reports: Sequence[records.StatusReport]
+                      ) -> list[records.StatusWrite]:
+        return [one(conn, report) for report in reports] if any(
+            r.deployment_id == "bad" for r in reports) else many(conn, reports)
+
+    writes = CoalescedWrites(store, many_with_bad, one, most=4)
+
+    async def main() -> list[Any]:
+        first = await writes.write(_report("first", "installing"))
+        rest = await asyncio.gather(*(writes.write(_report(f"d{i}", "installing"))
+                                      for i in range(6)),
+                                    writes.write(_report("bad", "installing")),
+                                    writes.write(_report("d0", "installed")),
+                                    return_exceptions=True)
+        return [first, *rest]
+
+    answers = asyncio.run(main())
+    assert answers[0] == records.StatusWrite(created=True, changed=True)
+    assert answers[1:7] == [records.StatusWrite(created=True, changed=True)] * 6
+    assert isinstance(answers[7], (sqlite3.OperationalError, psycopg.errors.UndefinedTable))
+    assert answers[8] == records.StatusWrite(created=False, changed=True)
+    assert groups[0] == 4  # the first went alone, then four at a time: d0..d3 together
+    assert store.read(lambda c: c.execute(
+        "SELECT COUNT(*) FROM statuses").fetchone()[0]) == 7

@@ -28,6 +28,7 @@ from wfm.http.request_parts import check_identifier, generation, json_body
 from wfm.identity.clients import Client
 from wfm.problems import ProblemError, semantic_error
 from wfm.store import records
+from wfm.store.coalesced import CoalescedWrites
 from wfm.store.database import Connection
 
 __all__ = ["MAX_MANIFEST_VERSION", "StatusIntake"]
@@ -44,6 +45,16 @@ class StatusIntake:
     def __init__(self, api: Api, callers: Callers) -> None:
         self.api, self.callers = api, callers
         self._rollouts_checked, self._rollouts_moving = -1e9, False
+        self._written: CoalescedWrites[records.StatusReport, records.StatusWrite] | None = None
+
+    @property
+    def _writes(self) -> CoalescedWrites[records.StatusReport, records.StatusWrite]:
+        """The reports that arrive together are written together (`wfm.store.coalesced`);
+        the database exists once the server has started."""
+        if self._written is None:
+            self._written = CoalescedWrites(self.api.db, records.store_statuses,
+                                            _store_one)
+        return self._written
 
     async def post(self, request: Request) -> Response:
         client, _ = await self.callers.scoped(request)
@@ -58,14 +69,9 @@ class StatusIntake:
             client_id=client.client_id, device_id=device_id,
             deployment_id=deployment_id, claim=claim_of(doc))
 
-        def write(conn: Connection) -> records.StatusWrite:
-            return records.store_status(
-                conn, client_id=client.client_id, deployment_id=deployment_id,
-                device_id=device_id, state=str(status.state), document=doc,
-                digest=data_digest(doc), adopted=status.adopted_manifest_version,
-                applied=applied)
-
-        written = await self.api.db.write(write)
+        written = await self._writes.write(records.StatusReport(
+            client.client_id, deployment_id, device_id, str(status.state), doc,
+            data_digest(doc), status.adopted_manifest_version, applied))
         self.api.last_status_at = time.monotonic()
         if self.api.lead_times is not None:  # (queues an installed report; never waits)
             self.api.lead_times.reported(client.client_id, device_id, deployment_id,
@@ -121,6 +127,10 @@ class StatusIntake:
                 return device_id
         return await self.api.db.aread(lambda conn: records.status_device(conn, deployment_id,
                                                                           client.client_id))
+
+
+def _store_one(conn: Connection, report: records.StatusReport) -> records.StatusWrite:
+    return records.store_statuses(conn, [report])[0]
 
 
 def _validated(doc: dict[str, Any], deployment_id: str

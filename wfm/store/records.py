@@ -19,17 +19,14 @@ from wfm.store.fleet_rows import id_lists
 
 __all__ = ["CAPABILITY_HISTORY", "DEVICE_TIME", "HISTORY_VERSIONS", "STATUS_HISTORY",
            "STATUS_HISTORY_BYTES", "UNKNOWN", "Applied", "CapabilityWrite", "DeviceLimitReached",
-           "DeviceRow",
-           "StatusWrite", "advance_manifest_version", "client_devices", "client_polls",
-           "clients_devices",
-           "device_digests", "device_documents", "device_owner", "device_row", "device_rows",
-           "device_texts", "device_time",
-           "forget_device", "git_handout", "git_handout_at", "manifest_contents",
+           "DeviceRow", "StatusReport", "StatusWrite", "advance_manifest_version",
+           "client_devices", "client_polls", "clients_devices", "device_digests",
+           "device_documents", "device_owner", "device_row", "device_rows", "device_texts",
+           "device_time", "forget_device", "git_handout", "git_handout_at", "manifest_contents",
            "manifest_contents_of", "manifest_version", "raise_manifest_generation",
-           "record_git_handouts", "record_polls", "report_meaning",
-           "rollout_progressing", "status_device", "status_history", "statuses_by_deployment",
-           "store_capabilities", "store_status",
-           "trim_capability_history", "trim_status_history"]
+           "record_git_handouts", "record_polls", "report_meaning", "rollout_progressing",
+           "status_device", "status_history", "statuses_by_deployment", "store_capabilities",
+           "store_status", "store_statuses", "trim_capability_history", "trim_status_history"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +372,20 @@ def report_meaning(document: dict[str, Any], applied: Applied) -> str:
                         "deviceId": document.get("deviceId"), "applied": applied.digest})
 
 
+@dataclass(frozen=True, slots=True)
+class StatusReport:
+    """One status report as stored (`store_status`, `store_statuses`)."""
+
+    client_id: str
+    deployment_id: str
+    device_id: str | None
+    state: str
+    document: dict[str, Any]
+    digest: str
+    adopted: int | None
+    applied: Applied = UNKNOWN
+
+
 def store_status(conn: Connection, *, client_id: str, deployment_id: str,
                  device_id: str | None, state: str, document: dict[str, Any], digest: str,
                  adopted: int | None, applied: Applied = UNKNOWN,
@@ -384,9 +395,56 @@ def store_status(conn: Connection, *, client_id: str, deployment_id: str,
     bytes; a device re-asserting its state) only refreshes the stored one. A changed
     report is appended to the deployment's history, which keeps the last `history` of them
     (trimmed every `_STATUS_TRIM_EVERY` reports, by the count kept on the status row)."""
-    existing = conn.execute("SELECT digest, history_count, meaning FROM statuses WHERE "
-                            "deployment_id = ? AND client_id = ?",
-                            (deployment_id, client_id)).fetchone()
+    report = StatusReport(client_id, deployment_id, device_id, state, document, digest,
+                          adopted, applied)
+    return _store(conn, report, _stored_status(conn, deployment_id, client_id), history)
+
+
+def store_statuses(conn: Connection, reports: Sequence[StatusReport],
+                   history: int = STATUS_HISTORY) -> list[StatusWrite]:
+    """`store_status` of each report, in order, with the statuses they update read in one
+    statement: on PostgreSQL that read was a round trip per report (`wfm.http.statuses`
+    writes the reports that arrive together so). A deployment reported twice is read again
+    for its later reports."""
+    stored = _stored_statuses(conn, sorted({(r.deployment_id, r.client_id) for r in reports}))
+    written: list[StatusWrite] = []
+    seen: set[tuple[str, str]] = set()
+    for report in reports:
+        key = (report.deployment_id, report.client_id)
+        existing = _stored_status(conn, *key) if key in seen else stored.get(key)
+        seen.add(key)
+        written.append(_store(conn, report, existing, history))
+    return written
+
+
+def _stored_status(conn: Connection, deployment_id: str, client_id: str) -> Any:
+    return conn.execute("SELECT digest, history_count, meaning FROM statuses WHERE "
+                        "deployment_id = ? AND client_id = ?",
+                        (deployment_id, client_id)).fetchone()
+
+
+def _stored_statuses(conn: Connection, keys: Sequence[tuple[str, str]]
+                     ) -> dict[tuple[str, str], Any]:
+    """`_stored_status` of each (deployment, client), looked up by the primary key."""
+    wanted = set(keys)
+    deployments = sorted({deployment_id for deployment_id, _ in keys})
+    found: dict[tuple[str, str], Any] = {}
+    for start in range(0, len(deployments), 500):
+        chunk = deployments[start:start + 500]
+        rows = conn.execute(
+            "SELECT deployment_id, client_id, digest, history_count, meaning FROM statuses "
+            f"WHERE deployment_id IN ({', '.join('?' for _ in chunk)})", tuple(chunk)
+        ).fetchall()
+        found.update({(row[0], row[1]): tuple(row[2:]) for row in rows
+                      if (row[0], row[1]) in wanted})
+    return found
+
+
+def _store(conn: Connection, report: StatusReport, existing: Any, history: int) -> StatusWrite:
+    """`report` over `existing` (the stored status's digest, history count and meaning;
+    None: none stored for this client)."""
+    digest, applied, document = report.digest, report.applied, report.document
+    deployment_id, client_id = report.deployment_id, report.client_id
     if existing is not None and existing[0] == digest:
         return StatusWrite(created=False, changed=False)
     now = time.time()
@@ -396,7 +454,8 @@ def store_status(conn: Connection, *, client_id: str, deployment_id: str,
         conn.execute("UPDATE statuses SET document = ?, digest = ?, "
                      "adopted_manifest_version = ?, applied_via = ?, reported_at = ? "
                      "WHERE deployment_id = ? AND client_id = ?",
-                     (text, digest, adopted, applied.via, now, deployment_id, client_id))
+                     (text, digest, report.adopted, applied.via, now, deployment_id,
+                      client_id))
         return StatusWrite(created=False, changed=False)
     conn.execute(
         "INSERT INTO statuses (deployment_id, client_id, device_id, state, document, digest, "
@@ -408,12 +467,13 @@ def store_status(conn: Connection, *, client_id: str, deployment_id: str,
         "applied_digest = excluded.applied_digest, applied_via = excluded.applied_via, "
         "meaning = excluded.meaning, "
         "reported_at = excluded.reported_at, history_count = statuses.history_count + 1",
-        (deployment_id, client_id, device_id, state, text, digest, adopted, applied.digest,
-         applied.via, meaning, now))
+        (deployment_id, client_id, report.device_id, report.state, text, digest,
+         report.adopted, applied.digest, applied.via, meaning, now))
     conn.execute("INSERT INTO status_reports (deployment_id, client_id, device_id, state, "
                  "document, reported_at, device_time) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                 (deployment_id, client_id, device_id, state,
-                  _history_document(document, text, state), now, device_time(document)))
+                 (deployment_id, client_id, report.device_id, report.state,
+                  _history_document(document, text, report.state), now,
+                  device_time(document)))
     # The count as read above, plus this report: no statement of its own (a concurrent
     # writer on another replica may make it one short, which only delays a trim).
     if existing is not None and int(existing[1] or 0) + 1 >= history + _STATUS_TRIM_EVERY:

@@ -111,10 +111,16 @@ class PgConnection:
         self.raw = conn
         self._pipeline: psycopg.Pipeline | None = None
         self._mode: contextlib.AbstractContextManager[psycopg.Pipeline] | None = None
+        #: Whether statements were sent in pipeline mode since the pipeline was last waited for.
+        self._unanswered = False
 
     def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
         cursor = self.raw.execute(translate(sql), tuple(parameters))
-        return cursor if self._pipeline is None else _Pending(cursor, self)
+        return cursor if self._pipeline is None else self._pending(cursor)
+
+    def _pending(self, cursor: psycopg.Cursor[Any]) -> _Pending:
+        self._unanswered = True
+        return _Pending(cursor, self)
 
     @contextlib.contextmanager
     def pipelined(self) -> Iterator[Callable[[], None]]:
@@ -132,9 +138,11 @@ class PgConnection:
         self._leave_pipeline(None)
 
     def answered(self) -> None:
-        """Wait until every statement sent is answered (at once outside pipeline mode)."""
-        if self._pipeline is not None:
+        """Wait until every statement sent is answered (at once when none is on its way:
+        outside pipeline mode, or nothing sent since the last wait)."""
+        if self._pipeline is not None and self._unanswered:
             self._pipeline.sync()
+            self._unanswered = False
 
     def _enter_pipeline(self) -> None:
         mode = self.raw.pipeline()
@@ -143,6 +151,7 @@ class PgConnection:
 
     def _leave_pipeline(self, exc: BaseException | None) -> None:
         mode, self._mode, self._pipeline = self._mode, None, None
+        self._unanswered = False  # (leaving waits for every answer)
         if mode is not None:
             mode.__exit__(type(exc) if exc is not None else None, exc,
                           exc.__traceback__ if exc is not None else None)
@@ -177,7 +186,7 @@ class PgConnection:
         """`execute`, with the results in PostgreSQL's binary format: a bytea column comes
         as its bytes instead of twice as many hex digits to decode."""
         cursor = self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
-        return cursor if self._pipeline is None else _Pending(cursor, self)
+        return cursor if self._pipeline is None else self._pending(cursor)
 
     def close(self) -> None:
         self.raw.close()

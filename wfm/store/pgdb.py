@@ -115,8 +115,14 @@ class PgConnection:
         self._unanswered = False
 
     def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
-        cursor = self.raw.execute(translate(sql), tuple(parameters))
-        return cursor if self._pipeline is None else self._pending(cursor)
+        if self._pipeline is None:
+            return self.raw.execute(translate(sql), tuple(parameters))
+        try:
+            cursor = self.raw.execute(translate(sql), tuple(parameters))
+        except psycopg.Error:  # (an earlier statement's answer, read while sending this)
+            self._restart_pipeline()
+            raise
+        return self._pending(cursor)
 
     def _pending(self, cursor: psycopg.Cursor[Any]) -> _Pending:
         self._unanswered = True
@@ -140,9 +146,29 @@ class PgConnection:
     def answered(self) -> None:
         """Wait until every statement sent is answered (at once when none is on its way:
         outside pipeline mode, or nothing sent since the last wait)."""
-        if self._pipeline is not None and self._unanswered:
+        if self._pipeline is None or not self._unanswered:
+            return
+        try:
             self._pipeline.sync()
-            self._unanswered = False
+        except psycopg.Error:
+            self._restart_pipeline()
+            raise
+        self._unanswered = False
+
+    def _restart_pipeline(self) -> None:
+        """Leave pipeline mode and enter it again, after a statement failed. psycopg raises
+        a pipeline's first error as soon as it reads it (a wait, a fetch, or sending a
+        later statement), possibly before PostgreSQL was sent the sync that ends the
+        failed segment: until then it skips every statement ("pipeline aborted"), the
+        caller's `ROLLBACK TO SAVEPOINT` too, and the answers still to come would be raised
+        at the next wait, as an error of whatever write waits then. Leaving sends that sync
+        and reads every answer (raising the skipped ones: expected here, the caller raises
+        the first error). A connection that broke stays out of pipeline mode; its next
+        statement says so."""
+        with contextlib.suppress(psycopg.Error):
+            self._leave_pipeline(None)
+        with contextlib.suppress(psycopg.Error):
+            self._enter_pipeline()
 
     def _enter_pipeline(self) -> None:
         mode = self.raw.pipeline()
@@ -185,8 +211,14 @@ class PgConnection:
     def execute_binary(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
         """`execute`, with the results in PostgreSQL's binary format: a bytea column comes
         as its bytes instead of twice as many hex digits to decode."""
-        cursor = self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
-        return cursor if self._pipeline is None else self._pending(cursor)
+        if self._pipeline is None:
+            return self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
+        try:
+            cursor = self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
+        except psycopg.Error:
+            self._restart_pipeline()
+            raise
+        return self._pending(cursor)
 
     def close(self) -> None:
         self.raw.close()

@@ -77,9 +77,7 @@ class Coalesced(Generic[K, V]):
                 future.cancel()
             raise
         except Exception as exc:
-            for future in batch.values():
-                if not future.done():
-                    future.set_exception(exc)
+            _fail(list(batch.items()), exc)
         else:
             for key, future in batch.items():
                 if not future.done():

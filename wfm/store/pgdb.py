@@ -115,16 +115,17 @@ class PgConnection:
         self._unanswered = False
 
     def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
+        return self._sent(lambda: self.raw.execute(translate(sql), tuple(parameters)))
+
+    def _sent(self, send: Callable[[], psycopg.Cursor[Any]]) -> psycopg.Cursor[Any] | _Pending:
+        """`send()`'s cursor; in pipeline mode, one whose answers are waited for on use."""
         if self._pipeline is None:
-            return self.raw.execute(translate(sql), tuple(parameters))
+            return send()
         try:
-            cursor = self.raw.execute(translate(sql), tuple(parameters))
+            cursor = send()
         except psycopg.Error:  # (an earlier statement's answer, read while sending this)
             self._restart_pipeline()
             raise
-        return self._pending(cursor)
-
-    def _pending(self, cursor: psycopg.Cursor[Any]) -> _Pending:
         self._unanswered = True
         return _Pending(cursor, self)
 
@@ -132,9 +133,9 @@ class PgConnection:
     def pipelined(self) -> Iterator[Callable[[], None]]:
         """Statements sent without waiting for each answer (PostgreSQL's pipeline mode):
         a status report's write was four round trips in turn, the writer's whole cost. A
-        fetch still waits for its own rows, a row count for the pipeline; the callable
-        yielded waits for everything sent, raising the first error among it (then the
-        statements after it were skipped). Leaving waits for the rest."""
+        fetch or a row count waits for everything sent (`_Pending`), and so does the
+        callable yielded, raising the first error among it (then the statements after it
+        were skipped). Leaving waits for the rest."""
         self._enter_pipeline()
         try:
             yield self.answered
@@ -211,14 +212,8 @@ class PgConnection:
     def execute_binary(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
         """`execute`, with the results in PostgreSQL's binary format: a bytea column comes
         as its bytes instead of twice as many hex digits to decode."""
-        if self._pipeline is None:
-            return self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
-        try:
-            cursor = self.raw.cursor(binary=True).execute(translate(sql), tuple(parameters))
-        except psycopg.Error:
-            self._restart_pipeline()
-            raise
-        return self._pending(cursor)
+        return self._sent(lambda: self.raw.cursor(binary=True).execute(translate(sql),
+                                                                       tuple(parameters)))
 
     def close(self) -> None:
         self.raw.close()

@@ -203,9 +203,7 @@ def clients_devices(conn: Connection, client_ids: Sequence[str]
     """`client_devices` of many clients in one statement (a client without devices is not
     in the answer)."""
     found: dict[str, list[str]] = {}
-    for start in range(0, len(client_ids), 500):
-        chunk = client_ids[start:start + 500]
-        marks = ", ".join("?" for _ in chunk)
+    for chunk, marks in id_lists(list(client_ids)):
         for client_id, device_id in conn.execute(
                 f"SELECT client_id, device_id FROM devices WHERE client_id IN ({marks}) "
                 "ORDER BY client_id, device_id", tuple(chunk)):
@@ -429,12 +427,10 @@ def _stored_statuses(conn: Connection, keys: Sequence[tuple[str, str]]
     wanted = set(keys)
     deployments = sorted({deployment_id for deployment_id, _ in keys})
     found: dict[tuple[str, str], Any] = {}
-    for start in range(0, len(deployments), 500):
-        chunk = deployments[start:start + 500]
+    for chunk, marks in id_lists(deployments):
         rows = conn.execute(
             "SELECT deployment_id, client_id, digest, history_count, meaning FROM statuses "
-            f"WHERE deployment_id IN ({', '.join('?' for _ in chunk)})", tuple(chunk)
-        ).fetchall()
+            f"WHERE deployment_id IN ({marks})", tuple(chunk)).fetchall()
         found.update({(row[0], row[1]): tuple(row[2:]) for row in rows
                       if (row[0], row[1]) in wanted})
     return found

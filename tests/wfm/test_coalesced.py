@@ -33,7 +33,9 @@ def _fleet(store: Database, clients: int) -> None:
 
 
 class Counted:
-    """`records.clients_devices`, counting its calls and the keys of each."""
+    """`records.clients_devices` on the real store, counting its calls and the keys of
+    each; its first `fail` calls raise instead: a read that fails once and then works is a
+    fault the real database cannot produce on demand (stopping it fails every read)."""
 
     def __init__(self, fail: int = 0) -> None:
         self.calls: list[int] = []

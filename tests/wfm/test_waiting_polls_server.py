@@ -26,6 +26,7 @@ import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
 from kits.serverkit import add_client, two_replicas, use_store
+from prometheus_client.parser import text_string_to_metric_families
 
 from tools.devices import intent
 from tools.margoserver import margo_server
@@ -107,6 +108,54 @@ def test_a_waiting_poll_is_answered_as_an_immediate_poll_only_later(
         waited, seconds = poll(http, path, etag, "respond-async, wait=1;x=y")
         assert (waited.status_code, waited.headers["preference-applied"]) == (304, "wait=1")
         assert waited.headers["etag"] == etag and seconds >= 0.9
+
+
+def _route_figures(base: str, route: str) -> dict[tuple[str, str], float]:
+    """The request metrics' samples for GETs of `route`: (sample name, status code or "")
+    -> value (histogram buckets left out)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {(sample.name, sample.labels.get("code", "")): sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name.startswith("margo_http_request")
+            for sample in family.samples
+            if sample.labels.get("route") == route and sample.labels.get("method") == "GET"
+            and not sample.name.endswith("_bucket")}
+
+
+@pytest.mark.parametrize(("path", "route"), [
+    ("/api/v1/deployments", "/api/v1/deployments"),
+    ("/api/v1/clients/edge/deployments", "/api/v1/clients/{clientId}/deployments")],
+    ids=["rc.3", "rc.2"])
+def test_a_held_poll_is_counted_once_when_answered_over_its_whole_time(
+        server: FleetServer, path: str, route: str) -> None:
+    """A held poll waits outside the middleware stack and goes back through it to be
+    answered (`wfm.admission.parking`): the request metrics count it once, as answered,
+    with the time it was held; its first pass, which answers nothing, is never counted
+    (as the 500 an unanswered request would be)."""
+    ok = ("margo_http_requests_total", "200")
+    answered = _route_figures(server.base, route).get(ok, 0.0)
+
+    def counted() -> dict[tuple[str, str], float]:
+        figures = _route_figures(server.base, route)
+        return figures if figures.get(ok) == answered + 1 else {}
+
+    with server.client(timeout=30) as http:
+        etag = poll(http, path, None)[0].headers["etag"]  # (each path's manifest its own)
+        before = poll_until("that poll counted", counted)
+        waited, seconds = poll(http, path, etag, "wait=1")
+    assert waited.headers["preference-applied"] == "wait=1" and seconds >= 0.9
+
+    def moved() -> dict[tuple[str, str], float]:  # (`/metrics` is cached for a moment)
+        after = _route_figures(server.base, route)
+        return {key: after[key] - before.get(key, 0.0) for key in after
+                if after[key] != before.get(key, 0.0)}
+
+    changes = poll_until("the poll counted", moved)
+    assert {key: value for key, value in changes.items()
+            if key[0] == "margo_http_requests_total"} == {
+        ("margo_http_requests_total", "304"): 1.0}
+    assert changes[("margo_http_request_duration_seconds_count", "")] == 1.0
+    assert 0.9 <= changes[("margo_http_request_duration_seconds_sum", "")] <= seconds + 0.5
 
 
 @pytest.mark.parametrize(("values", "expected"), [

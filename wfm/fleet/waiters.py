@@ -23,10 +23,10 @@ handed to the event loop the requests wait on; the index is only ever touched th
 Bounds. At most `limit` tickets at once (`margo serve --max-waiters`): past it a request is
 answered at once, as a plain poll (no `Preference-Applied`), which sheds the load onto the
 device's polling interval instead of the server's memory. Each held request costs its
-connection (about 10 KiB kept alive) and, held, its request's frames through the ASGI
-stack, a ticket, a future and a timer: about 14-16 KiB more (bench/held_polls.py, the
-server's RSS with 10,000 idle connections, then with a held poll on each;
-docs/benchmarks.md). A client that disconnects is released at once: its connection says so
+connection (about 10 KiB kept alive) and, held, what waits for it: outside the ASGI stack
+(`wfm.admission.parking`), its scope, a few frames, a ticket, a future and a timer, about
+7.4 KiB more (13 KiB while it waited inside the stack; bench/held_polls.py, the server's
+RSS with 10,000 idle connections, then with a held poll on each; docs/benchmarks.md). A client that disconnects is released at once: its connection says so
 (`margo serve` gives each request its connection's `Closing`, `wfm.server.closing`), or,
 served without one, its request's `receive`, read by a task meanwhile. `close` (server
 shutdown) answers every held request at once (304 with `Preference-Applied`: it was held,
@@ -146,6 +146,10 @@ class _Ticket:
         self.keys = keys
         self.future: asyncio.Future[Outcome] | None = None
         self.outcome: Outcome | None = None  # a wake or disconnect that came between waits
+
+    def gone(self, *_: Any) -> None:
+        """Its client disconnected (a connection's callback, or a watch task's)."""
+        self.resolve(Outcome.GONE)
 
     def resolve(self, outcome: Outcome) -> None:
         if self.future is not None and not self.future.done():
@@ -306,24 +310,34 @@ class Waiters:
         if ticket is None:
             _ENDS[Outcome.SHED].inc()
             return Outcome.SHED
-        unwatch = _watch_disconnect(ticket, receive, closing)
+        watch = _watch_disconnect(ticket, receive, closing)
         try:
             outcome = await self._held(ticket, seconds, since=since, check=check)
         finally:
-            unwatch()
+            _unwatch(ticket, watch, receive, closing)
             self._leave(ticket)
         _ENDS[outcome].inc()
         return outcome
 
     async def _held(self, ticket: _Ticket, seconds: float, *, since: int,
                     check: Check) -> Outcome:
-        """`hold` once the ticket is had and its disconnect watched."""
+        """`hold` once the ticket is had and its disconnect watched. (One coroutine: each
+        held request keeps its frames for up to a minute.)"""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         if self.changes != since:
             ticket.outcome = Outcome.CHANGED  # woken between the check and now
         while True:
-            outcome = await self._next(ticket, loop, deadline)
+            outcome = self._pending(ticket, loop, deadline)
+            if outcome is None:
+                future: asyncio.Future[Outcome] = loop.create_future()
+                ticket.future = future
+                timer = loop.call_at(deadline, ticket.resolve, Outcome.TIMEOUT)
+                try:
+                    outcome = await future
+                finally:
+                    timer.cancel()
+                    ticket.future = None
             if outcome is not Outcome.CHANGED:
                 return outcome
             async with self._checks:
@@ -332,10 +346,11 @@ class Waiters:
                 return Outcome.CHANGED
             self._rekey(ticket, keys)
 
-    async def _next(self, ticket: _Ticket, loop: asyncio.AbstractEventLoop,
-                    deadline: float) -> Outcome:
-        """The ticket's next event: a wake or disconnect that came while it was checking,
-        else the first of a wake, a disconnect, the server stopping and the deadline."""
+    def _pending(self, ticket: _Ticket, loop: asyncio.AbstractEventLoop,
+                 deadline: float) -> Outcome | None:
+        """What ends the ticket's next wait before it starts: a wake or disconnect that came
+        while it was checking, the server stopping, the deadline; None: wait (for the first
+        of a wake, a disconnect, the server stopping and the deadline)."""
         if ticket.outcome is not None:
             outcome, ticket.outcome = ticket.outcome, None
             return outcome
@@ -343,14 +358,7 @@ class Waiters:
             return Outcome.CLOSED
         if loop.time() >= deadline:
             return Outcome.TIMEOUT
-        future: asyncio.Future[Outcome] = loop.create_future()
-        ticket.future = future
-        timer = loop.call_at(deadline, ticket.resolve, Outcome.TIMEOUT)
-        try:
-            return await future
-        finally:
-            timer.cancel()
-            ticket.future = None
+        return None
 
 
 class Rewind:
@@ -375,21 +383,20 @@ class Rewind:
 
 
 def _watch_disconnect(ticket: _Ticket, receive: Callable[[], Awaitable[Any]],
-                      closing: Closing | None) -> Callable[[], None]:
+                      closing: Closing | None) -> asyncio.Future[None] | None:
     """Resolve the ticket `GONE` when its client disconnects, as told by the connection's
-    `closing` when there is one, else by a task reading `receive`; what stops watching."""
-    def gone(*_: Any) -> None:
-        ticket.resolve(Outcome.GONE)
-
+    `closing` when there is one (None returned), else by a task reading `receive` (that
+    task returned)."""
     if closing is not None:
-        closing.add(gone)
-        return lambda: closing.discard(gone)
+        closing.add(ticket.gone)
+        return None
     watch = asyncio.ensure_future(_disconnected(receive))
-    watch.add_done_callback(gone)
-    return lambda: _stop_watch(watch, receive)
+    watch.add_done_callback(ticket.gone)
+    return watch
 
 
-def _stop_watch(watch: asyncio.Future[None], receive: Callable[[], Awaitable[Any]]) -> None:
+def _unwatch(ticket: _Ticket, watch: asyncio.Future[None] | None,
+             receive: Callable[[], Awaitable[Any]], closing: Closing | None) -> None:
     """End a held request's disconnect watch once its wait is over. A `Rewind`'s watch is
     cancelled: it reads body messages that whoever answers next must get. A plain one is
     left to end by itself: the ASGI server reports a completed response to a pending
@@ -397,7 +404,9 @@ def _stop_watch(watch: asyncio.Future[None], receive: Callable[[], Awaitable[Any
     it threw an exception through its frames, CPU spent on every renewal (too little to
     tell apart in `bench/held_polls.py --renewals`, whose runs vary by more). An app that
     never answers would keep it until the connection closes, which then ends it."""
-    if isinstance(receive, Rewind):
+    if closing is not None:
+        closing.discard(ticket.gone)
+    elif watch is not None and isinstance(receive, Rewind):
         watch.cancel()
 
 

@@ -79,6 +79,7 @@ import inspect
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import pygit2
@@ -89,10 +90,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiler.gitstore import device_ref
 from compiler.recorded import recorded_branch
+from wfm.admission.parking import parked_answer
 from wfm.fleet.desired import STATE_LOST_RETRY
 from wfm.fleet.waiters import Rewind
 from wfm.git.backend import BackendExchange, CgiRequest, Delivered, problem
-from wfm.git.refwaits import Moved, RefWaits
+from wfm.git.refwaits import RefWaits
 from wfm.git.upload_gate import Gate
 
 __all__ = ["REALM", "Authorize", "Lost", "git_app"]
@@ -169,6 +171,9 @@ class _GitServer:
         """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
         if request.method != "GET":
             return _method_not_allowed("GET")
+        held = parked_answer(request.scope)  # a held advertisement back to be answered
+        if held is not None:
+            return held
         service = request.query_params.get("service")
         if service != _UPLOAD_PACK:
             return await _read_only(request) if service else _dumb_refused()
@@ -180,7 +185,7 @@ class _GitServer:
             return _method_not_allowed("POST")
         return await self._serve(request, _UPLOAD_PACK, query="")
 
-    async def _serve(self, request: Request, service: str, *, query: str,
+    async def _serve(self, request: Request, service: str, query: str,
                      applied: str | None = None) -> Response:
         """Authorize, then 404 for devices without a branch, else hand over to Git (a ref
         advertisement may be answered 304 or held first: `wfm.git.refwaits`; `applied`:
@@ -209,9 +214,8 @@ class _GitServer:
         if service == "info/refs":
             answer = await self.waits.answer(
                 request, device_id, ref, tip, since=since, applied=applied,
-                tip_of=lambda: asyncio.to_thread(_branch_tip, self.repository, ref))
-            if isinstance(answer, Moved):
-                return await self._serve(request, service, query=query, applied=answer.header)
+                tip_of=partial(asyncio.to_thread, _branch_tip, self.repository, ref),
+                fresh=partial(self._serve, request, service, query))
             if isinstance(answer, Response):
                 return answer
             extra = answer

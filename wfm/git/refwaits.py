@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
+from wfm.admission.parking import PARKED, park
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
     DEFAULT_MAX_WAIT,
+    Closing,
     Outcome,
     Waiters,
     device_key,
@@ -34,12 +36,15 @@ from wfm.fleet.waiters import (
     wait_headers,
 )
 
-__all__ = ["Moved", "RefWaits", "refs_etag"]
+__all__ = ["Fresh", "RefWaits", "refs_etag"]
 
 #: Headers added to a ref advertisement (names lowercase, as ASGI sends them).
 Headers = list[tuple[bytes, bytes]]
 #: The device branch's tip now (None: it has none any more).
 TipOf = Callable[[], Awaitable[str | None]]
+#: The advertisement served afresh after a held request's branch moved, saying the wait
+#: was applied (the `Preference-Applied` value).
+Fresh = Callable[[str], Awaitable[Response]]
 
 
 def refs_etag(ref: str, tip: str) -> str:
@@ -57,14 +62,6 @@ def _matches(condition: str | None, etag: str) -> bool:
                for c in condition.split(","))
 
 
-@dataclass(frozen=True, slots=True)
-class Moved:
-    """The branch moved while the request was held: serve the advertisement afresh, saying
-    the wait was applied (`header`, the `Preference-Applied` value)."""
-
-    header: str
-
-
 class RefWaits:
     """Conditional and waiting ref advertisements over one server's `Waiters`."""
 
@@ -77,12 +74,14 @@ class RefWaits:
         return self.waiters.mark() if self.waiters is not None else 0
 
     async def answer(self, request: Request, device_id: str, ref: str, tip: str,
-                     tip_of: TipOf, *, since: int, applied: str | None = None
-                     ) -> Response | Headers | Moved:
+                     tip_of: TipOf, fresh: Fresh, *, since: int,
+                     applied: str | None = None) -> Response | Headers:
         """Before Git advertises `tip` (read after `since` was `mark`ed): a 304 when the
-        caller holds it (after holding a waiting poll until the branch moves: `Moved`), else
-        the headers the advertisement gets. `applied`: this is the advertisement served
-        after a held request (`Moved`), which is not held again."""
+        caller holds it (after holding a waiting poll until the branch moves: then what
+        `fresh` serves), else the headers the advertisement gets. `applied`: this is the
+        advertisement served after a held request, which is not held again. A held
+        request waits outside the ASGI stack (`wfm.admission.parking`): its handler
+        returns `PARKED`, and hands back the answer (`parked_answer`) when it comes back."""
         etag = refs_etag(ref, tip)
         extra = {"Preference-Applied": applied} if applied else {}
         if not _matches(request.headers.get("if-none-match"), etag):
@@ -94,19 +93,40 @@ class RefWaits:
                                   limit=self.max_wait)
         if not wait or self.waiters is None:
             return _not_modified(etag, extra)
-        key = frozenset((device_key(device_id),))
+        held = _HeldAdvertisement(self.waiters, device_id, tip, etag, wait, since, tip_of,
+                                  fresh, request.receive, request.scope.get(CLOSING_SCOPE_KEY))
+        if park(request.scope, held.answer):
+            return PARKED
+        return await held.answer()
 
-        async def check() -> tuple[bool, frozenset[str]]:
-            return await tip_of() != tip, key
 
-        outcome = await self.waiters.hold(key, wait, since=since,
-                                          receive=request.receive, check=check,
-                                          closing=request.scope.get(CLOSING_SCOPE_KEY))
-        applied_now = wait_headers(wait)
+class _HeldAdvertisement:
+    """A waiting ref advertisement while it is held (one object: see
+    `wfm.http.manifest_waits._HeldPoll`)."""
+
+    __slots__ = ("closing", "etag", "fresh", "keys", "receive", "since", "tip", "tip_of",
+                 "wait", "waiters")
+
+    def __init__(self, waiters: Waiters, device_id: str, tip: str, etag: str, wait: int,
+                 since: int, tip_of: TipOf, fresh: Fresh, receive: Receive,
+                 closing: Closing | None) -> None:
+        self.waiters, self.keys = waiters, frozenset((device_key(device_id),))
+        self.tip, self.etag, self.wait, self.since = tip, etag, wait, since
+        self.tip_of, self.fresh, self.receive, self.closing = tip_of, fresh, receive, closing
+
+    async def check(self) -> tuple[bool, frozenset[str]]:
+        return await self.tip_of() != self.tip, self.keys
+
+    async def answer(self) -> Response:
+        """Held until the branch moves (then served afresh) or the wait runs out (304)."""
+        outcome = await self.waiters.hold(self.keys, self.wait, since=self.since,
+                                          receive=self.receive, check=self.check,
+                                          closing=self.closing)
+        applied = wait_headers(self.wait)
         if outcome is Outcome.CHANGED:
-            return Moved(applied_now["Preference-Applied"])
+            return await self.fresh(applied["Preference-Applied"])
         held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
-        return _not_modified(etag, applied_now if held else None)
+        return _not_modified(self.etag, applied if held else None)
 
 
 def _not_modified(etag: str, extra: dict[str, str] | None = None) -> Response:

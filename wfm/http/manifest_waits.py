@@ -12,9 +12,12 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive
 
+from wfm.admission.parking import PARKED, park
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
+    Closing,
     Outcome,
     client_key,
     device_key,
@@ -43,21 +46,44 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
     wait = requested_wait(prefer_values(request.scope["headers"]), limit=api.max_wait)
     if not wait:
         return _not_modified(etag)
-    latest = (body, etag)
+    poll = _HeldPoll(api, client, condition, current, (body, etag), wait, since,
+                     await _keys(api, client), request.receive,
+                     request.scope.get(CLOSING_SCOPE_KEY))
+    if park(request.scope, poll.answer):  # waits outside the stack (`wfm.admission.parking`)
+        return PARKED
+    return await poll.answer()
 
-    async def check() -> tuple[bool, frozenset[str]]:
-        nonlocal latest
-        latest = await current()
-        return not etag_matches(condition, latest[1]), await _keys(api, client)
 
-    outcome = await api.waiters.hold(await _keys(api, client), wait, since=since,
-                                     receive=request.receive, check=check,
-                                     closing=request.scope.get(CLOSING_SCOPE_KEY))
-    applied = wait_headers(wait)
-    if outcome is Outcome.CHANGED:
-        return _manifest(*latest, extra=applied)
-    held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
-    return _not_modified(latest[1], extra=applied if held else None)
+class _HeldPoll:
+    """A waiting poll while it is held: one object, not a closure per callback (10,000 of
+    them are held at once, and each container they keep is walked by the collector)."""
+
+    __slots__ = ("api", "client", "closing", "condition", "current", "keys", "latest",
+                 "receive", "since", "wait")
+
+    def __init__(self, api: Api, client: Client, condition: str | None, current: Current,
+                 latest: tuple[bytes, str], wait: int, since: int, keys: frozenset[str],
+                 receive: Receive, closing: Closing | None) -> None:
+        self.api, self.client, self.condition, self.current = api, client, condition, current
+        self.latest, self.wait, self.since, self.keys = latest, wait, since, keys
+        self.receive, self.closing = receive, closing
+
+    async def check(self) -> tuple[bool, frozenset[str]]:
+        """After a wake: whether the manifest changed, and what wakes the poll now."""
+        self.latest = await self.current()
+        return (not etag_matches(self.condition, self.latest[1]),
+                await _keys(self.api, self.client))
+
+    async def answer(self) -> Response:
+        """Held until the manifest changes or the wait runs out; then answered."""
+        outcome = await self.api.waiters.hold(self.keys, self.wait, since=self.since,
+                                              receive=self.receive, check=self.check,
+                                              closing=self.closing)
+        applied = wait_headers(self.wait)
+        if outcome is Outcome.CHANGED:
+            return _manifest(*self.latest, extra=applied)
+        held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
+        return _not_modified(self.latest[1], extra=applied if held else None)
 
 
 async def _keys(api: Api, client: Client) -> frozenset[str]:

@@ -8,11 +8,14 @@ included). Documents and bundles are addressed by digest, so they are immutable.
 
 from __future__ import annotations
 
+from functools import partial
+
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
 from margo.digests import digest_of
+from wfm.admission.parking import parked_answer
 from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api, ServedManifest
@@ -33,6 +36,9 @@ class Manifests:
         self.api, self.callers = api, callers
 
     async def get_manifest(self, request: Request) -> Response:
+        answer = parked_answer(request.scope)  # a held poll back to be answered
+        if answer is not None:
+            return answer
         client, prefix = await self.callers.scoped(request)
         if not accepts(header(request, b"accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",
@@ -43,7 +49,7 @@ class Manifests:
         body, etag = await self._manifest(client, prefix, condition)
         return await manifest_answer(
             request, self.api, client, since=since, condition=condition, body=body,
-            etag=etag, current=lambda: self._manifest(client, prefix, condition))
+            etag=etag, current=partial(self._manifest, client, prefix, condition))
 
     async def _manifest(self, client: Client, prefix: str,
                         condition: str | None) -> tuple[bytes, str]:

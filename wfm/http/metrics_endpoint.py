@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from wfm.admission.parking import PARKING_SCOPE_KEY, parked
 from wfm.identity.credentials import same_secret
 from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
@@ -138,7 +139,8 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = time.perf_counter()
+        slot = scope.get(PARKING_SCOPE_KEY)  # a held request counts from its beginning
+        start = slot.started if slot is not None else time.perf_counter()
         code = 500  # an exception escaping the app is answered 500 further out
         cell: list[Scope] = []
         scope[_CELL] = cell
@@ -152,8 +154,9 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, sending)
         finally:
-            self.stats.observe(route_of(cell[0]) if cell else _UNMATCHED, scope["method"],
-                               code, time.perf_counter() - start)
+            if not parked(scope):  # (a parked request is counted once, when answered)
+                self.stats.observe(route_of(cell[0]) if cell else _UNMATCHED,
+                                   scope["method"], code, time.perf_counter() - start)
 
 
 class _Registered(Collector):

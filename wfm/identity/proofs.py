@@ -52,6 +52,7 @@ from margo.spiffe import (
     verify_svid_chain,
 )
 from wfm.admission import budgets
+from wfm.admission.parking import answering
 from wfm.identity.clients import Client, ClientRegistry
 from wfm.identity.signatures import SignatureError, check_content_digest, verify_signature
 from wfm.identity.tls import TrustStore, peer_certificates
@@ -320,7 +321,7 @@ class SignatureMiddleware:
         if forwarded and not self.identity.is_trusted_proxy(peer):
             scope = {**scope, "headers": [(k, v) for k, v in raw
                                           if k.lower() not in CLIENT_CERT_HEADERS]}
-        if not signed:
+        if not signed or answering(scope):  # (a parked request was checked on its way in)
             await self.app(scope, receive, send)
             return
         request = Request(scope)

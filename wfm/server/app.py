@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from compiler.gitstore import REPOSITORY_NAME, DeviceStore
 from wfm.admission.bodylimit import DEFAULT_BODY_TIMEOUT, BodyLimit, BodyLimitMiddleware
 from wfm.admission.budgets import DEFAULT_BUDGETS, BudgetSettings, Ledger, Trimmer
+from wfm.admission.parking import Parking
 from wfm.fleet.audit import RETENTION_DAYS, Auditor
 from wfm.fleet.compiles import CompileService, SourceConfig
 from wfm.fleet.desired import DesiredState
@@ -262,9 +263,11 @@ def create_app(config: ServerConfig) -> Starlette:
     app = Starlette(
         routes=_routes(config, edge, fleet, metrics, late),
         lifespan=lifespan,
-        # Requests are counted outermost (refusals too); then body limits and budgets:
-        # nothing below (signature checks buffer bodies) sees more.
-        middleware=[Middleware(MetricsMiddleware, stats=stats),
+        # Held requests wait outside the stack (`wfm.admission.parking`); requests are
+        # counted outermost (refusals too); then body limits and budgets: nothing below
+        # (signature checks buffer bodies) sees more.
+        middleware=[Middleware(Parking),
+                    Middleware(MetricsMiddleware, stats=stats),
                     Middleware(BodyLimitMiddleware, rules=body_limits(config),
                                ledger=Ledger(config.budgets, Trimmer())),
                     Middleware(SignatureMiddleware, identity=identity),

@@ -118,9 +118,11 @@ def running_replicas(data: Path, *extra: str, count: int = REPLICAS,
 
 
 @contextmanager
-def two_replicas(folder: Path, clients: Iterable[str]) -> Iterator[dict[str, Any]]:
+def two_replicas(folder: Path, clients: Iterable[str],
+                 extra: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """Two servers on one PostgreSQL database, each reached directly (no balancer), on a
-    copy of the example fleet (`<folder>/fleet`), with `clients` added. Yields `bases`,
+    copy of the example fleet (`<folder>/fleet`), with `clients` added (and `extra`
+    options, such as `--watch-source`). Yields `bases`,
     `tokens` (per client), `data`, `url` (the database), `args` (what another replica is
     started with), `log_dir`, `source` and `repos` (each replica's device repository)."""
     source = folder / "fleet"
@@ -129,7 +131,7 @@ def two_replicas(folder: Path, clients: Iterable[str]) -> Iterator[dict[str, Any
     with use_store("replicas"):
         tokens = {name: add_client(data, name) for name in clients}
         url = database_for(data)
-        args = ("--source", str(source), "--database", url)
+        args = ("--source", str(source), "--database", url, *extra)
         with _one_server(data / "replica-0", *args, log_dir=folder) as first, \
                 _one_server(data / "replica-1", *args, log_dir=folder) as second:
             yield {"bases": [first, second], "tokens": tokens, "data": data, "url": url,

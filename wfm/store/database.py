@@ -37,7 +37,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
-from wfm.telemetry.metrics import DB_BATCH_SECONDS, DB_BATCH_WRITES
+from wfm.telemetry.metrics import DB_BATCH_SECONDS, DB_BATCH_WRITES, DB_REQUEST_READS
 
 __all__ = ["Connection", "Cursor", "Database", "DatabaseUnavailable"]
 
@@ -182,6 +182,7 @@ class Database:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)`, a call that reads this store (a registry lookup, say), from the
         event loop: in place for a local store, on a worker thread for a remote one."""
+        DB_REQUEST_READS.inc()
         if not self.remote_reads:
             return fn(*args)
         return await anyio.to_thread.run_sync(fn, *args)

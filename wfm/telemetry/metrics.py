@@ -29,8 +29,9 @@ from prometheus_client import (
 )
 
 __all__ = ["COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS", "DB_BATCH_SECONDS",
-           "DB_BATCH_WRITES", "GIT_SECONDS", "HELD_POLLS", "HELD_POLL_ENDS", "LAST_COMPILE",
-           "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
+           "DB_BATCH_WRITES", "DB_REQUEST_READS", "GIT_SECONDS", "HELD_POLLS",
+           "HELD_POLL_ENDS", "LAST_COMPILE", "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS",
+           "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `*_created` series: twice the series for nothing we use
 #: The text exposition format every Prometheus reads (2.x and 3.x; our names need nothing
@@ -72,6 +73,10 @@ DB_BATCH_SECONDS = Histogram(
 DB_BATCH_WRITES = Histogram(
     "margo_db_write_batch_size", "Writes grouped into one write transaction.",
     buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000), registry=PROCESS)
+DB_REQUEST_READS = Counter(
+    "margo_db_request_reads_total", "Reads of the database made while answering requests "
+    "(from the event loop; on PostgreSQL each is a round trip, from a worker thread).",
+    registry=PROCESS)
 GIT_SECONDS = Histogram(
     "margo_git_operation_duration_seconds", "Git work outside requests, by operation: "
     "source_fetch (a mirrored source), publish and sync (replicas).", ["operation"],

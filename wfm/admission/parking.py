@@ -33,7 +33,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["PARKED", "PARKING_SCOPE_KEY", "Parking", "ParkingSlot", "answering", "park",
-           "parked", "parked_answer"]
+           "parked", "parked_answer", "started"]
 
 #: Where a request's scope holds its `ParkingSlot` (every copy of the scope shares it).
 PARKING_SCOPE_KEY = "margo.parking"
@@ -84,6 +84,13 @@ def park(scope: MutableMapping[str, Any], hold: Hold) -> bool:
         return False
     slot.hold = hold
     return True
+
+
+def started(scope: MutableMapping[str, Any]) -> float | None:
+    """When a request that may park began (`time.perf_counter()`), for what times it over
+    both passes; None for any other request."""
+    slot = _slot(scope)
+    return slot.started if slot is not None else None
 
 
 def parked(scope: MutableMapping[str, Any]) -> bool:

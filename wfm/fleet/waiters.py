@@ -423,8 +423,12 @@ async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
             pass
 
 
-def wait_headers(seconds: int) -> dict[str, str]:
-    """What a held request's answer says it did (RFC 7240)."""
+def wait_headers(seconds: int, outcome: Outcome) -> dict[str, str]:
+    """What the answer of a request that went through `hold` says it did (RFC 7240):
+    `Preference-Applied` when it was held (until its answer changed, its wait ran out or
+    the server stopped), nothing when it was not (shed) or nobody reads it (gone)."""
+    if outcome in (Outcome.SHED, Outcome.GONE):
+        return {}
     return {"Preference-Applied": f"wait={seconds}"}
 
 

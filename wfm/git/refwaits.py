@@ -122,11 +122,10 @@ class _HeldAdvertisement:
         outcome = await self.waiters.hold(self.keys, self.wait, since=self.since,
                                           receive=self.receive, check=self.check,
                                           closing=self.closing)
-        applied = wait_headers(self.wait)
+        applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return await self.fresh(applied["Preference-Applied"])
-        held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
-        return _not_modified(self.etag, applied if held else None)
+        return _not_modified(self.etag, applied)
 
 
 def _not_modified(etag: str, extra: dict[str, str] | None = None) -> Response:

@@ -79,11 +79,10 @@ class _HeldPoll:
         outcome = await self.api.waiters.hold(self.keys, self.wait, since=self.since,
                                               receive=self.receive, check=self.check,
                                               closing=self.closing)
-        applied = wait_headers(self.wait)
+        applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return _manifest(*self.latest, extra=applied)
-        held = outcome in (Outcome.TIMEOUT, Outcome.CLOSED)
-        return _not_modified(self.latest[1], extra=applied if held else None)
+        return _not_modified(self.latest[1], extra=applied)
 
 
 async def _keys(api: Api, client: Client) -> frozenset[str]:

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wfm.admission.parking import PARKING_SCOPE_KEY, parked
+from wfm.admission.parking import parked, started
 from wfm.identity.credentials import same_secret
 from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
@@ -139,8 +139,9 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        slot = scope.get(PARKING_SCOPE_KEY)  # a held request counts from its beginning
-        start = slot.started if slot is not None else time.perf_counter()
+        start = started(scope)  # a held request counts from its beginning
+        if start is None:
+            start = time.perf_counter()
         code = 500  # an exception escaping the app is answered 500 further out
         cell: list[Scope] = []
         scope[_CELL] = cell

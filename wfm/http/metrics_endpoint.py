@@ -59,7 +59,11 @@ def route_of(scope: Scope) -> str:
 class RouteMiddleware:
     """Innermost: tells `MetricsMiddleware` which route answered. The middlewares between
     them pass copies of the scope down, and the router marks the copy it was given; the
-    cell is shared by every copy."""
+    cell is shared by every copy. It gets the route's label, never the scope: a scope in a
+    cell in that scope is a reference cycle, which only the collector frees. MEASURED
+    (`bench/held_polls.py --renewals`, `gc.DEBUG_SAVEALL`): ten cyclic objects a request,
+    the scope copies and what they held, about 1 s of young collections per two quiet
+    minutes of 10,000 waiting devices."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -70,7 +74,7 @@ class RouteMiddleware:
         finally:
             cell = scope.get(_CELL)
             if cell is not None:
-                cell.append(scope)
+                cell.append(route_of(scope))
 
 
 class _Series:
@@ -143,7 +147,7 @@ class MetricsMiddleware:
         if start is None:
             start = time.perf_counter()
         code = 500  # an exception escaping the app is answered 500 further out
-        cell: list[Scope] = []
+        cell: list[str] = []
         scope[_CELL] = cell
 
         async def sending(message: Message) -> None:
@@ -156,7 +160,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, sending)
         finally:
             if not parked(scope):  # (a parked request is counted once, when answered)
-                self.stats.observe(route_of(cell[0]) if cell else _UNMATCHED,
+                self.stats.observe(cell[0] if cell else _UNMATCHED,
                                    scope["method"], code, time.perf_counter() - start)
 
 

@@ -48,6 +48,35 @@ def test_bundles_are_reproducible_and_order_independent() -> None:
     assert read_targz(a) == {"a.yaml": b"a\n", "b.yaml": b"b\n"}
 
 
+def _streamed_targz(files: dict[str, bytes]) -> bytes:
+    """The bundle as `tarfile` and `gzip.GzipFile` stream it (how bundles were built before
+    they were built in one buffer): every digest already served depends on these bytes."""
+    tar_bytes = io.BytesIO()
+    with tarfile.open(fileobj=tar_bytes, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in sorted(files):
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(files[name]), 0, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(files[name]))
+    out = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0, compresslevel=9) as gz:
+        gz.write(tar_bytes.getvalue())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("files", [
+    {},
+    {"a.yaml": b""},
+    {"a.yaml": b"x" * 511, "b.yaml": b"y" * 512, "c.yaml": b"z" * 513},
+    {"dir/b\u00e9.yaml": b"kind: ApplicationDeployment\n" * 300},
+    {f"{'d' * 90}/{'n' * 60}.yaml": b"long: name\n"},  # a USTAR prefix
+    {"big.yaml": bytes(range(256)) * 40_000, "zeros": b"\0" * 3_000_000},
+])
+def test_bundles_are_the_bytes_tarfile_and_gzipfile_write(files: dict[str, bytes]) -> None:
+    assert deterministic_targz(files) == _streamed_targz(files)
+
+
 @pytest.mark.parametrize("name", ["/abs.yaml", "../up.yaml", "a/../b", "", "a//b", "./a"])
 def test_unsafe_member_names_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="relative and normalised"):

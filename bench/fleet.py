@@ -84,6 +84,7 @@ from bench.serve import Connection, capabilities
 from tools.margoserver import MargoServer, margo_server
 from tools.postgres import running_postgres
 from tools.processes import cpu_seconds, stop
+from wfm.fleet.compiles import COLLECT_LATEST
 from wfm.identity.clients import ClientRegistry
 from wfm.store.database import Database
 from wfm.store.opening import open_database
@@ -616,9 +617,12 @@ async def measure_async(store: str, servers: list[MargoServer], postgres_pid: in
         quiet = None
         if args.quiet:
             seconds = waiting.quiet_seconds(args)
-            print(f"  steady state after {setup_seconds:.0f} s: {seconds:g} s with nothing "
-                  "changing", flush=True)
+            collections = await waiting.collected(servers, OPERATOR_TOKEN,
+                                                  COLLECT_LATEST + 15)
+            print(f"  steady state after {setup_seconds:.0f} s, the compile's collection "
+                  f"done: {seconds:g} s with nothing changing", flush=True)
             quiet = await waiting.quiet_window(servers, postgres_pid, seconds, stats, tree_cpu)
+            quiet.collections = collections
         print(f"  steady state after {setup_seconds:.0f} s: pushing the edit", flush=True)
         result = await push_and_wait(store, fleet, servers, postgres_pid, work, args, note,
                                      setup_seconds)

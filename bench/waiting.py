@@ -26,8 +26,8 @@ from typing import Any
 
 from tools.processes import cpu_seconds
 
-__all__ = ["QuietFigures", "RestartFigures", "held_polls", "pause", "prefer", "print_figures",
-           "quiet_seconds", "quiet_window", "reconnected"]
+__all__ = ["QuietFigures", "RestartFigures", "collected", "held_polls", "pause", "prefer",
+           "print_figures", "quiet_seconds", "quiet_window", "reconnected"]
 
 #: The first back-off window after a failure (seconds), doubled per failure in a row.
 BACKOFF_FIRST = 1.0
@@ -42,6 +42,8 @@ class QuietFigures:
     postgres_cpu: float | None
     requests: int
     server_rss: list[float]  # resident MiB of each server at the window's end (VmRSS)
+    #: The collections after the setup's compile, before the window (`collected`).
+    collections: list[float | None] = field(default_factory=list)
 
     def per_minute(self, cpu: float) -> float:
         return cpu * 60 / self.seconds
@@ -115,17 +117,59 @@ def _rss_mib(pid: int) -> float:
     return 0.0
 
 
-def held_polls(port: int, token: str) -> int | None:
-    """`margo_waiting_polls_held` of the server on `port` (None: it does not answer);
-    `token`: one that may read `/metrics`."""
+def _metrics(port: int, token: str) -> dict[str, float] | None:
+    """The unlabelled samples of the server on `port`'s `/metrics` (None: it does not
+    answer); `token`: one that may read them."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
                                      headers={"Authorization": f"Bearer {token}"})
     with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(
             request, timeout=5) as answer:
+        samples = {}
         for line in answer.read().decode().splitlines():
-            if line.startswith("margo_waiting_polls_held "):
-                return int(float(line.split()[1]))
+            name, _, value = line.partition(" ")
+            if value and "{" not in name and not name.startswith("#"):
+                samples[name] = float(value)
+        return samples
     return None
+
+
+def held_polls(port: int, token: str) -> int | None:
+    """`margo_waiting_polls_held` of the server on `port` (None: it does not answer);
+    `token`: one that may read `/metrics`."""
+    samples = _metrics(port, token)
+    held = samples.get("margo_waiting_polls_held") if samples is not None else None
+    return int(held) if held is not None else None
+
+
+def _collection_done(port: int, token: str) -> float | None:
+    """Seconds the server's collection after its last compile took, once it ran (None:
+    not yet, or no answer)."""
+    samples = _metrics(port, token)
+    if samples is None:
+        return None
+    collected = samples.get("margo_compile_collection_last_timestamp_seconds", 0.0)
+    if collected < samples.get("margo_compile_last_success_timestamp_seconds", 0.0):
+        return None
+    return samples.get("margo_compile_collection_duration_seconds_sum", 0.0)
+
+
+async def collected(servers: list[Any], token: str, limit: float) -> list[float | None]:
+    """Wait (at most `limit` seconds) until each server has run the full collection that
+    follows its last compile (`wfm.fleet.compiles`: once devices have taken the change up,
+    at most `COLLECT_LATEST` after it). Why: it walks the whole heap once per compile (about
+    a second at 10,000 devices), so a quiet window that starts as the setup ends would
+    count it as steady-state CPU. Returned: the seconds each server's collections took in
+    all (None: not done within the limit), printed beside the window's figures."""
+    deadline = time.monotonic() + limit
+    done: list[float | None] = [None] * len(servers)
+    while time.monotonic() < deadline:
+        for index, server in enumerate(servers):
+            if done[index] is None:
+                done[index] = await asyncio.to_thread(_collection_done, server.port, token)
+        if all(seconds is not None for seconds in done):
+            break
+        await asyncio.sleep(0.5)
+    return done
 
 
 async def reconnected(port: int, token: str, devices: int, started: float,
@@ -159,6 +203,11 @@ def print_figures(results: list[Any], args: Any) -> None:
             print(f"  {r.store}: {servers}{postgres}; "
                   f"{figures.requests * 60 / figures.seconds:,.0f} requests per minute "
                   f"(over {figures.seconds:g} s; {per_request:.0f} µs of server CPU each)")
+            if figures.collections:
+                took = ", ".join("not within the limit" if seconds is None
+                                 else f"{seconds:.2f} s" for seconds in figures.collections)
+                print(f"    before the window, the collection after the setup's compile: "
+                      f"{took}")
     for r in results:
         restart: RestartFigures | None = r.restart
         if restart is None:

@@ -19,6 +19,7 @@ from compiler.state import CompilerState
 from tools.polling import poll_until
 from wfm.fleet import compiles
 from wfm.fleet.compiles import CompileService, SourceConfig
+from wfm.telemetry.metrics import PROCESS
 
 
 def _fleet(root: Path) -> Fleet:
@@ -91,6 +92,7 @@ def test_the_collection_after_a_compile_waits_for_a_quiet_server(
 
     real_freeze = compiles.freeze_survivors
     monkeypatch.setattr(compiles, "freeze_survivors", freeze_survivors)
+    count_before = _value("margo_compile_collection_duration_seconds_count")
     fleet = _fleet(tmp_path / "fleet")
     busy_until = [float("inf")]
     service = CompileService(
@@ -106,6 +108,10 @@ def test_the_collection_after_a_compile_waits_for_a_quiet_server(
         busy_until[0] = time.monotonic()  # quiet from now on
         poll_until("the collection once quiet", lambda: collected, timeout=5, interval=0.02)
         assert collected[0] - compiled < 30  # (not at the latest: that is 60 s)
+        poll_until("the collection timed", lambda: _timed(count_before + 1), timeout=5,
+                   interval=0.02)
+        assert _value("margo_compile_collection_last_timestamp_seconds") >= \
+            _value("margo_compile_last_success_timestamp_seconds")
         busy_until[0] = float("inf")  # busy for good: collected at the latest anyway
         monkeypatch.setattr(compiles, "COLLECT_LATEST", 1.5)
         fleet.intents["web"]["spec"]["parameters"] = {"greeting": "again"}
@@ -118,3 +124,14 @@ def test_the_collection_after_a_compile_waits_for_a_quiet_server(
         assert collected[1] - compiled >= 1.2
     finally:
         service.stop()
+
+
+def _value(sample: str) -> float:
+    """One sample of this process's metrics (`wfm.telemetry.metrics.PROCESS`)."""
+    return PROCESS.get_sample_value(sample) or 0.0
+
+
+def _timed(count: float) -> bool:
+    """Whether `count` collections after compiles were timed (the gauge is set after)."""
+    return _value("margo_compile_collection_duration_seconds_count") >= count and \
+        _value("margo_compile_collection_last_timestamp_seconds") > 0

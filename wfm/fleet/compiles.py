@@ -29,10 +29,12 @@ from compiler.source import FleetSource, SourceError, load_source
 from compiler.state import CompilerState, is_damage, is_sound, set_aside
 from wfm.fleet.sourcecondition import SourceCondition
 from wfm.telemetry.metrics import (
+    COLLECTION_SECONDS,
     COMPILE_DEVICES,
     COMPILE_SECONDS,
     COMPILES,
     GIT_SECONDS,
+    LAST_COLLECTION,
     LAST_COMPILE,
 )
 
@@ -183,11 +185,7 @@ class CompileService:
                 if collect:
                     self._collect_at = None
             if collect:
-                started = time.monotonic()
-                release_frozen()  # what the compile froze, back to the collector (gcpause),
-                freeze_survivors()  # then what survives it is out of request-time collections
-                log.info("collected what the last compile left in %.2f s",
-                         time.monotonic() - started)
+                self._collect()
                 continue
             time.sleep(self._debounce)  # let a burst of triggers settle
             with self._wake:
@@ -271,6 +269,17 @@ class CompileService:
             self._on_condition(SourceCondition.not_compiled(
                 "unreadable", f"{exc}; the previous desired state stays in force"))
             return None
+
+    def _collect(self) -> None:
+        """The full collection after a compile, timed: it holds the interpreter, so every
+        request in flight waits for it (`margo_compile_collection_duration_seconds`)."""
+        started = time.monotonic()
+        release_frozen()  # what the compile froze, back to the collector (gcpause),
+        freeze_survivors()  # then what survives it is out of request-time collections
+        seconds = time.monotonic() - started
+        COLLECTION_SECONDS.observe(seconds)
+        LAST_COLLECTION.set(time.time())
+        log.info("collected what the last compile left in %.2f s", seconds)
 
     def _collection_due(self) -> bool:
         """Whether to collect now: `COLLECT_AFTER` seconds after the last compile, once

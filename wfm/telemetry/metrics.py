@@ -28,10 +28,10 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-__all__ = ["COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS", "DB_BATCH_SECONDS",
-           "DB_BATCH_WRITES", "DB_REQUEST_READS", "GIT_SECONDS", "HELD_POLLS",
-           "HELD_POLL_ENDS", "LAST_COMPILE", "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS",
-           "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
+__all__ = ["COLLECTION_SECONDS", "COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS",
+           "DB_BATCH_SECONDS", "DB_BATCH_WRITES", "DB_REQUEST_READS", "GIT_SECONDS",
+           "HELD_POLLS", "HELD_POLL_ENDS", "LAST_COLLECTION", "LAST_COMPILE", "LEAD_TIME",
+           "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `*_created` series: twice the series for nothing we use
 #: The text exposition format every Prometheus reads (2.x and 3.x; our names need nothing
@@ -56,6 +56,15 @@ COMPILE_DEVICES = Counter(
 LAST_COMPILE = Gauge("margo_compile_last_success_timestamp_seconds",
                      "When this process last compiled successfully (Unix time).",
                      registry=PROCESS)
+COLLECTION_SECONDS = Histogram(
+    "margo_compile_collection_duration_seconds", "The full garbage collection after a "
+    "compile (wfm.fleet.compiles): how long it held the interpreter, so how long every "
+    "request in flight waited.", buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                                          10.0), registry=PROCESS)
+LAST_COLLECTION = Gauge(
+    "margo_compile_collection_last_timestamp_seconds", "When the collection after a compile "
+    "last ended (Unix time): at or after margo_compile_last_success_timestamp_seconds once "
+    "the last compile's was done.", registry=PROCESS)
 WEBHOOKS = Counter(
     "margo_webhook_requests_total", "POST /hooks/git by outcome: fetched (the source was "
     "fetched and a compile asked for), ignored (another branch, or not a push), refused "

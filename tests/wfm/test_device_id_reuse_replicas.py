@@ -75,6 +75,11 @@ def test_a_deletion_on_one_replica_is_a_fresh_start_on_every_replica(
         deployment = next(d["deploymentId"] for d in manifest["deployments"]
                           if SECRET.encode() in alice.get(d["url"]).content)
         assert report(alice, deployment, manifest["manifestVersion"]).status_code == 200
+        # Replica 1 takes a report naming the device (it reads Alice's devices once for
+        # the generation it serves, not per report).
+        with client(replicas, "alice", 1) as alice_on_1:
+            assert report(alice_on_1, deployment, manifest["manifestVersion"],
+                          deviceId="reused-box").status_code == 200
         # Both replicas serve Alice's branch (a fetch through either syncs it first).
         old = git("ls-remote", remote(replicas, "alice", 1, "reused-box")).stdout.split()[0]
         assert tip(replicas["repos"][1], "reused-box") == old
@@ -90,6 +95,14 @@ def test_a_deletion_on_one_replica_is_a_fresh_start_on_every_replica(
                    interval=0.1)
         assert rows(replicas, "SELECT target FROM git_refs WHERE name = %s",
                     device_ref("reused-box")) == [(None,)]
+        assert rows(replicas, "SELECT client_id FROM statuses WHERE deployment_id = %s",
+                    deployment) == []
+        # ... and no longer takes one: the deletion was a generation, its list is read again.
+        with client(replicas, "alice", 1) as alice_on_1:
+            refused = report(alice_on_1, deployment, manifest["manifestVersion"],
+                             deviceId="reused-box")
+        assert refused.status_code == 422
+        assert "not one of this client's devices" in refused.json()["detail"]
         assert rows(replicas, "SELECT client_id FROM statuses WHERE deployment_id = %s",
                     deployment) == []
 

@@ -87,7 +87,7 @@ class StatusIntake:
         """The device a report is filed under: the one it names, else the one the
         deployment was assigned to; 422 unless that is one of the caller's devices."""
         named = status.device_id or path_device
-        if named is not None and named not in await self.api.devices_of(client):
+        if named is not None and not await self._is_clients_device(client, named):
             # Another client's device and an unknown id get the same answer (no oracle for
             # which ids other clients use), and a report is never filed under either.
             raise ProblemError(422, f"deviceId {named!r} is not one of this client's devices",
@@ -101,6 +101,18 @@ class StatusIntake:
             raise ProblemError(422, f"deployment {deployment_id} was never assigned to this "
                                "client's devices", margo_type="semantic-error")
         return named or owner
+
+    async def _is_clients_device(self, client: Client, device_id: str) -> bool:
+        """Whether the report's device is one of the client's: among its devices as its
+        served state is made of them (on replicas read once per generation served, as the
+        manifest reads them: `Api.served_devices`), else among those it has now (one
+        registered since that list was read). Why not read every time: `margo device run`
+        names its device in every report, and on replicas that was a PostgreSQL read per
+        report. A device deleted on another replica stays listed until this replica
+        syncs the deletion (itself a generation), as its branch stays served until then."""
+        if device_id in await self.api.served_devices(client):
+            return True
+        return device_id in await self.api.devices_of(client)
 
     async def _rollout_moving(self) -> bool:
         """Whether a staged rollout moves (read at most every second: asked per status; the

@@ -423,7 +423,9 @@ def _stored_status(conn: Connection, deployment_id: str, client_id: str) -> Any:
 
 def _stored_statuses(conn: Connection, keys: Sequence[tuple[str, str]]
                      ) -> dict[tuple[str, str], Any]:
-    """`_stored_status` of each (deployment, client), looked up by the primary key."""
+    """`_stored_status` of each (deployment, client): the rows of those deployments, read
+    through the primary key's first column (a deployment id names one device's deployment,
+    so a row or two each), keeping the asked clients' rows."""
     wanted = set(keys)
     deployments = sorted({deployment_id for deployment_id, _ in keys})
     found: dict[tuple[str, str], Any] = {}

@@ -1,9 +1,10 @@
-"""A held request waits outside the ASGI stack and goes back through it to be answered
+"""A held request waits outside the ASGI stack and is answered from there
 (`wfm.admission.parking`), on a real Starlette app driven in-process through httpx's ASGI
 transport: while it waits no middleware inside `Parking` keeps a frame; the answer goes
-through every middleware once; what the hold raises is answered by the app's exception
-handlers; a request that cannot wait never gets a slot. The server-level checks (rc.3 and
-rc.2 polls counted once, over their whole time, by `margo serve`'s request metrics) are in
+out through the middlewares outside it, once, and not again through those inside; what the
+hold raises goes back through the stack to the app's exception handlers; a request that
+cannot wait never gets a slot. The server-level checks (rc.3 and rc.2 polls counted once,
+over their whole time, by `margo serve`'s request metrics) are in
 tests/wfm/test_waiting_polls_server.py."""
 
 from __future__ import annotations
@@ -21,25 +22,27 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wfm.admission.parking import PARKED, PARKING_SCOPE_KEY, Parking, park, parked_answer
+from wfm.admission.parking import PARKED, PARKING_SCOPE_KEY, Parking, park, raise_parked_failure
 from wfm.problems import ProblemError, problem_response
 
 
 class _Counting:
-    """A middleware inside `Parking`: counts the answers it passes out, per status."""
+    """A middleware that counts the answers it passes out, by status, in `answers`."""
 
-    answers: list[int]
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, answers: list[int]) -> None:
+        self.app, self.answers = app, answers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
-                _Counting.answers.append(message["status"])
+                self.answers.append(message["status"])
             await send(message)
 
         await self.app(scope, receive, sending)
+
+
+class _Outside(_Counting):
+    """The same, outside `Parking` (as the request metrics are)."""
 
 
 class _Hold:
@@ -58,15 +61,20 @@ class _Hold:
         return PlainTextResponse("late", headers={"Preference-Applied": "wait=5"})
 
 
+#: What the middlewares outside and inside `Parking` passed out.
+OUTSIDE: list[int] = []
+INSIDE: list[int] = []
+
+
 def _app(hold: _Hold, *, parking: bool = True,
          mounted: bool = False) -> tuple[Starlette, list[dict[str, Any]]]:
     seen: list[dict[str, Any]] = []
+    OUTSIDE.clear()
+    INSIDE.clear()
 
     async def handler(request: Request) -> Response:
         seen.append({"slot": PARKING_SCOPE_KEY in request.scope})
-        answer = parked_answer(request.scope)
-        if answer is not None:
-            return answer
+        raise_parked_failure(request.scope)
         if park(request.scope, hold):
             return PARKED
         return await hold()
@@ -79,14 +87,18 @@ def _app(hold: _Hold, *, parking: bool = True,
     route = Route("/poll", handler, methods=["GET", "POST"])
     routes: list[BaseRoute] = [Mount("/git", routes=[route])] if mounted else [route]
     app = Starlette(routes=routes,
-                    middleware=[*middleware, Middleware(_Counting)],
+                    middleware=[Middleware(_Outside, answers=OUTSIDE), *middleware,
+                                Middleware(_Counting, answers=INSIDE)],
                     exception_handlers={ProblemError: problem})
     return app, seen
 
 
-def _coroutines(qualname: str) -> int:
+def _coroutines(qualname: str, answers: list[int] | None = None) -> int:
+    """Coroutines of that name alive now (of the `_Counting` that fills `answers`)."""
     return sum(1 for o in gc.get_objects()
-               if asyncio.iscoroutine(o) and getattr(o, "__qualname__", "") == qualname)
+               if asyncio.iscoroutine(o) and getattr(o, "__qualname__", "") == qualname
+               and (answers is None or getattr(o.cr_frame.f_locals.get("self"), "answers",
+                                               None) is answers))
 
 
 async def _during(app: Starlette, hold: _Hold, method: str, headers: dict[str, str],
@@ -103,26 +115,25 @@ async def _during(app: Starlette, hold: _Hold, method: str, headers: dict[str, s
 
 
 def test_a_parked_request_keeps_no_middleware_frame_while_it_waits() -> None:
-    _Counting.answers = []
     hold = _Hold()
     app, seen = _app(hold)
 
     async def frames() -> tuple[int, int]:
-        return _coroutines("_Counting.__call__"), _coroutines("Parking.__call__")
+        return (_coroutines("_Counting.__call__", INSIDE),
+                _coroutines("Parking.__call__"))
 
     response, (inner, outer) = asyncio.run(
         _during(app, hold, "GET", {"Prefer": "wait=5"}, frames))
     assert (inner, outer) == (0, 1)  # held: only `Parking` waits
     assert (response.status_code, response.text) == (200, "late")
     assert response.headers["preference-applied"] == "wait=5"
-    assert _Counting.answers == [200]  # answered through the stack, once
-    assert seen == [{"slot": True}, {"slot": True}]  # parked, then back to be answered
+    assert OUTSIDE == [200]  # answered through the middlewares outside, once,
+    assert INSIDE == []  # not again through those inside,
+    assert seen == [{"slot": True}]  # nor the handler: parked, then answered by `Parking`
 
 
 def test_a_parked_request_under_a_mount_comes_back_to_its_route() -> None:
-    """Routing writes into the scope it is given (a mount's root path): each pass gets its
-    own copy, so the second finds the same route (the Git ref advertisement is mounted)."""
-    _Counting.answers = []
+    """The Git ref advertisement is mounted: its held answer leaves from `Parking` too."""
     hold = _Hold()
     app, seen = _app(hold, mounted=True)
 
@@ -131,48 +142,50 @@ def test_a_parked_request_under_a_mount_comes_back_to_its_route() -> None:
 
     response, _ = asyncio.run(_during(app, hold, "GET", {"Prefer": "wait=5"}, nothing,
                                       "/git/poll"))
-    assert (response.status_code, response.text, _Counting.answers) == (200, "late", [200])
-    assert seen == [{"slot": True}, {"slot": True}]
+    assert (response.status_code, response.text, OUTSIDE, INSIDE) == (200, "late", [200], [])
+    assert seen == [{"slot": True}]
 
 
 def test_without_parking_the_handler_holds_the_request_itself() -> None:
     """Served without `Parking` (no slot), `park` declines and the handler awaits the hold
     inside the stack: the same answer, the middleware's frame kept meanwhile."""
-    _Counting.answers = []
     hold = _Hold()
     app, seen = _app(hold, parking=False)
 
     async def frames() -> int:
-        return _coroutines("_Counting.__call__")
+        return _coroutines("_Counting.__call__", INSIDE)
 
     response, inner = asyncio.run(_during(app, hold, "GET", {"Prefer": "wait=5"}, frames))
     assert inner == 1
-    assert (response.status_code, response.text, _Counting.answers) == (200, "late", [200])
+    assert (response.status_code, response.text, OUTSIDE, INSIDE) == (200, "late", [200],
+                                                                      [200])
     assert seen == [{"slot": False}]
 
 
 def test_what_the_hold_raises_is_answered_by_the_apps_exception_handlers() -> None:
-    _Counting.answers = []
+    """Routing writes into the scope it is given (a mount's root path): the second pass
+    gets a copy of its own, and finds the same route."""
     hold = _Hold(ProblemError(503, "the fleet's newest desired state is not here yet",
                               retry_after=1))
-    app, _ = _app(hold)
+    app, seen = _app(hold, mounted=True)
 
     async def nothing() -> None:
         return None
 
-    response, _ = asyncio.run(_during(app, hold, "GET", {"Prefer": "wait=5"}, nothing))
+    response, _ = asyncio.run(_during(app, hold, "GET", {"Prefer": "wait=5"}, nothing,
+                                      "/git/poll"))
     assert response.status_code == 503
     assert response.headers["content-type"] == "application/problem+json"
     assert response.headers["retry-after"] == "1"
     assert response.json()["detail"] == "the fleet's newest desired state is not here yet"
-    assert _Counting.answers == [503]
+    assert (OUTSIDE, INSIDE) == ([503], [503])  # back through the stack, answered once
+    assert seen == [{"slot": True}, {"slot": True}]
 
 
 def test_a_request_that_cannot_wait_gets_no_slot() -> None:
     """Only a GET asking for a wait is given a slot; any other request passes `Parking`
     untouched (and a handler's `park` declines, so it holds in place)."""
     for method, headers in (("GET", {}), ("POST", {"Prefer": "wait=5"})):
-        _Counting.answers = []
         hold = _Hold()
         app, seen = _app(hold)
 

@@ -4,8 +4,8 @@ drive the cyclic collector, whose collections stop the event loop for as long as
 (`wfm.server.gcpolicy`). The route cell of `RouteMiddleware` once held the scope that held
 it: ten cyclic objects a request (`bench/held_polls.py --renewals` under `gc.DEBUG_SAVEALL`).
 
-Starlette's own stack, `Parking` (a held request goes through twice) and the metrics
-middlewares, as `create_app` orders them, driven over ASGI on one event loop; the
+Starlette's own stack, `Parking` (a held request is answered from there) and the
+metrics middlewares, as `create_app` orders them, driven over ASGI on one event loop; the
 collector's own count of what it found unreachable is the measure."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
-from wfm.admission.parking import PARKED, Parking, park, parked_answer
+from wfm.admission.parking import PARKED, Parking, park
 from wfm.http.metrics_endpoint import HttpStats, MetricsMiddleware, RouteMiddleware
 
 
@@ -29,10 +29,7 @@ async def _plain(request: Request) -> Response:
 
 
 async def _held(request: Request) -> Response:
-    """Parks its request once (the waiting poll's way), then answers on the second pass."""
-    answer = parked_answer(request.scope)
-    if answer is not None:
-        return answer
+    """Parks its request (the waiting poll's way); `Parking` answers it."""
 
     async def hold() -> Response:
         await asyncio.sleep(0)
@@ -45,7 +42,7 @@ def _app(stats: HttpStats) -> Starlette:
     return Starlette(routes=[Route("/plain/{name}", _plain),
                              Route("/held", _held),
                              Mount("/mounted", routes=[Route("/{name}", _plain)])],
-                     middleware=[Middleware(Parking), Middleware(MetricsMiddleware, stats=stats),
+                     middleware=[Middleware(MetricsMiddleware, stats=stats), Middleware(Parking),
                                  Middleware(RouteMiddleware)])
 
 

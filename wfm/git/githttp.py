@@ -90,7 +90,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from compiler.gitstore import device_ref
 from compiler.recorded import recorded_branch
-from wfm.admission.parking import parked_answer
+from wfm.admission.parking import raise_parked_failure
 from wfm.fleet.desired import STATE_LOST_RETRY
 from wfm.fleet.waiters import Rewind
 from wfm.git.backend import BackendExchange, CgiRequest, Delivered, problem
@@ -171,9 +171,7 @@ class _GitServer:
         """The ref advertisement (v0) or capability advertisement (v2) of upload-pack."""
         if request.method != "GET":
             return _method_not_allowed("GET")
-        held = parked_answer(request.scope)  # a held advertisement back to be answered
-        if held is not None:
-            return held
+        raise_parked_failure(request.scope)  # a held advertisement whose hold failed
         service = request.query_params.get("service")
         if service != _UPLOAD_PACK:
             return await _read_only(request) if service else _dumb_refused()

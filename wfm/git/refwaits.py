@@ -81,7 +81,7 @@ class RefWaits:
         `fresh` serves), else the headers the advertisement gets. `applied`: this is the
         advertisement served after a held request, which is not held again. A held
         request waits outside the ASGI stack (`wfm.admission.parking`): its handler
-        returns `PARKED`, and hands back the answer (`parked_answer`) when it comes back."""
+        returns `PARKED`; `Parking` sends the answer the hold comes to."""
         etag = refs_etag(ref, tip)
         extra = {"Preference-Applied": applied} if applied else {}
         if not _matches(request.headers.get("if-none-match"), etag):

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from margo.digests import digest_of
-from wfm.admission.parking import parked_answer
+from wfm.admission.parking import raise_parked_failure
 from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, manifest_body
 from wfm.http.callers import Callers
 from wfm.http.device_api import Api, ServedManifest
@@ -36,9 +36,7 @@ class Manifests:
         self.api, self.callers = api, callers
 
     async def get_manifest(self, request: Request) -> Response:
-        answer = parked_answer(request.scope)  # a held poll back to be answered
-        if answer is not None:
-            return answer
+        raise_parked_failure(request.scope)  # a held poll whose hold failed, back here
         client, prefix = await self.callers.scoped(request)
         if not accepts(header(request, b"accept"), MANIFEST_MEDIA_TYPE):
             raise ProblemError(406, f"this server produces {MANIFEST_MEDIA_TYPE}",

@@ -25,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wfm.admission.parking import parked, started
 from wfm.identity.credentials import same_secret
 from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
@@ -143,9 +142,7 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start = started(scope)  # a held request counts from its beginning
-        if start is None:
-            start = time.perf_counter()
+        start = time.perf_counter()  # (a held request: its answer comes through here too)
         code = 500  # an exception escaping the app is answered 500 further out
         cell: list[str] = []
         scope[_CELL] = cell
@@ -159,9 +156,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, sending)
         finally:
-            if not parked(scope):  # (a parked request is counted once, when answered)
-                self.stats.observe(cell[0] if cell else _UNMATCHED,
-                                   scope["method"], code, time.perf_counter() - start)
+            self.stats.observe(cell[0] if cell else _UNMATCHED, scope["method"], code,
+                               time.perf_counter() - start)
 
 
 class _Registered(Collector):

@@ -263,11 +263,12 @@ def create_app(config: ServerConfig) -> Starlette:
     app = Starlette(
         routes=_routes(config, edge, fleet, metrics, late),
         lifespan=lifespan,
-        # Held requests wait outside the stack (`wfm.admission.parking`); requests are
-        # counted outermost (refusals too); then body limits and budgets: nothing below
+        # Requests are counted outermost (refusals too, and a held request once, over its
+        # whole time); held requests wait outside the rest of the stack and are answered
+        # from there (`wfm.admission.parking`); then body limits and budgets: nothing below
         # (signature checks buffer bodies) sees more.
-        middleware=[Middleware(Parking),
-                    Middleware(MetricsMiddleware, stats=stats),
+        middleware=[Middleware(MetricsMiddleware, stats=stats),
+                    Middleware(Parking),
                     Middleware(BodyLimitMiddleware, rules=body_limits(config),
                                ledger=Ledger(config.budgets, Trimmer())),
                     Middleware(SignatureMiddleware, identity=identity),

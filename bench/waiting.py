@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tools.processes import cpu_seconds
 
 __all__ = ["QuietFigures", "RestartFigures", "collected", "held_polls", "pause", "prefer",
@@ -124,12 +126,9 @@ def _metrics(port: int, token: str) -> dict[str, float] | None:
                                      headers={"Authorization": f"Bearer {token}"})
     with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(
             request, timeout=5) as answer:
-        samples = {}
-        for line in answer.read().decode().splitlines():
-            name, _, value = line.partition(" ")
-            if value and "{" not in name and not name.startswith("#"):
-                samples[name] = float(value)
-        return samples
+        text = answer.read().decode()
+        return {sample.name: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if not sample.labels}
     return None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import socket
 import socketserver
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -31,6 +32,8 @@ import httpx
 
 __all__ = ["Balancer", "TcpBalancer", "balancing", "tcp_balancing"]
 
+#: Seconds the balancer waits for a replica's answer to begin.
+READ_TIMEOUT = 120.0
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
                "trailer", "upgrade", "content-length", "host"}
 
@@ -89,8 +92,17 @@ class Balancer(ThreadingHTTPServer):
         self.preserve_host = preserve_host
         self._turn = itertools.cycle(range(len(self.upstreams)))
         self._lock = threading.Lock()
-        self.http = httpx.Client(timeout=60)
+        # Reads wait longer than the longest poll a replica holds (`Prefer: wait`, 60 s at
+        # most by default): what docs/server.md asks of a proxy in front of waiting polls.
+        self.http = httpx.Client(timeout=httpx.Timeout(60, read=READ_TIMEOUT))
         self.counts = [0] * len(self.upstreams)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that left before its answer (a device stopped while its poll was
+        held) is no error of the balancer's: it is dropped, as a balancer does; anything
+        else is printed as usual."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:

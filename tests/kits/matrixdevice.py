@@ -233,10 +233,11 @@ class MatrixDevice:
         view = self.view()
         return dict(view["freshness"]) if view else None
 
-    def wait_settled(self, change: Change, count: int = 1,
-                     state: str = "installed") -> list[dict[str, Any]]:
+    def wait_settled(self, change: Change, count: int = 1, state: str = "installed",
+                     timeout: float = SETTLE) -> list[dict[str, Any]]:
         """Until the read API lists `count` deployments of the device, each compiled anew
-        since `change` (another digest), in `state`, by a report received after it."""
+        since `change` (another digest), in `state`, by a report received after it (at
+        most `timeout` seconds)."""
         def settled() -> list[dict[str, Any]] | None:
             deployments = self.deployments()
             ok = len(deployments) == count and all(
@@ -246,7 +247,7 @@ class MatrixDevice:
             return deployments if ok else None
 
         return self._wait(f"{count} deployment(s) {state} since the change", settled,
-                          lambda: _summary(self.deployments()))
+                          lambda: _summary(self.deployments()), timeout=timeout)
 
     def adopted_documents(self) -> dict[str, bytes]:
         """The ApplicationDeployments the device adopted, by deployment id: its state's
@@ -343,7 +344,8 @@ def _summary(deployments: list[dict[str, Any]]) -> str:
 def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
                name: str = "", *, slot: int = 0, namespace: str | None = None,
                first_version: str | None = "1.0.0", sensitive: bool = False,
-               private: bool = False, **first: Any) -> MatrixDevice:
+               private: bool = False, schedule: dict[str, str] | None = None,
+               **first: Any) -> MatrixDevice:
     """A device of `cell` for one test of `feature` (id `<feature>[-<name>]-<cell>`): its
     credentials, engine, configuration and application version 1.0.0, published but not
     yet deployed (`deploy`); the client is not started yet (`start`).
@@ -353,7 +355,9 @@ def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
     application). `slot`: which control plane or Docker engine (`MatrixParts`);
     `namespace`: the one its engine view reads (default the device's own intent's).
     `sensitive`: its application's greeting is a sensitive parameter (a secret);
-    `private`: its packages are in the registry that requires credentials."""
+    `private`: its packages are in the registry that requires credentials. `schedule`: the
+    client's `schedule:` section (default: a one-second interval, so every change is
+    picked up by the next poll whether or not the server holds it)."""
     device_id = "-".join(part for part in (feature, name, cell.id) if part)
     home = workdir / device_id
     home.mkdir(parents=True)
@@ -370,7 +374,7 @@ def new_device(parts: MatrixParts, cell: Cell, feature: str, workdir: Path,
             "driver": device.engine.driver(),
             "dataDir": "data",
             "capabilities": device.engine.capabilities(),
-            "schedule": {"interval": "1s"}}
+            "schedule": schedule or {"interval": "1s"}}
         if cell.row.identity == "rc2":
             config["identity"] = {"rc2": {"key": "device.key",
                                           "certificate": "device-cert.pem"}}

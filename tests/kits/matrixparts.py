@@ -71,6 +71,16 @@ class FleetHost:
     def remove_application(self, app_id: str) -> None:
         shutil.rmtree(self.source / "apps" / app_id, ignore_errors=True)
 
+    def held_polls(self) -> int:
+        """How many waiting polls the server answering this request holds now
+        (`margo_waiting_polls_held`); behind the replicas' balancer each call reads the
+        next replica."""
+        response = self.http.get("/metrics")
+        assert response.status_code == 200, response.text
+        line = next(line for line in response.text.splitlines()
+                    if line.startswith("margo_waiting_polls_held "))
+        return int(float(line.split()[1]))
+
     def compiled_at(self) -> float:
         """When the server's last compile finished (`GET /api/fleet/source`, `checkedAt`;
         stored with the fleet state, so every replica answers the same); 0 before any."""

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -133,3 +134,32 @@ def test_writes_that_change_no_credential_leave_the_epoch_alone(
     registry.register_identity("edge-3", spiffe_id="spiffe://x/edge-3", certificate="-",
                                not_after=0.0, source="issued")
     assert registry.credentials_epoch() == start + 3  # edge-3 was never retired
+
+
+def test_whoever_waits_is_told_of_every_epoch_it_reads_anew(
+        registry: ClientRegistry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_change` (held polls authenticate again): at the first read (a request may have
+    been admitted by an SVID or a signature before any token lookup read it), at each move,
+    and not when the epoch is unchanged; `refresh` reads it no more than once a second."""
+    _, token = registry.add("edge-1")
+    told: list[int | None] = []
+    cache = CredentialCache(lambda: _async(registry.credentials_epoch()),
+                            lambda t: _async(registry.token_lookup(t)),
+                            on_change=lambda: told.append(cache.epoch))
+
+    async def run() -> None:
+        await cache.refresh()
+        await cache.client(token)  # read within the second: not again
+        monkeypatch.setattr(credentialcache, "EPOCH_CHECK_SECONDS", 0.0)
+        await cache.refresh()  # unchanged
+        registry.retire("edge-1")
+        found = await cache.client(token)
+        assert found is not None and found.retired
+
+    start = registry.credentials_epoch()
+    asyncio.run(run())
+    assert told == [start, start + 1]
+
+
+async def _async(value: Any) -> Any:
+    return value

@@ -15,6 +15,7 @@ import datetime as dt
 import hashlib
 import json
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -273,6 +274,36 @@ def test_a_retired_client_is_refused(http: httpx.Client, server: dict[str, Any],
     refused = device.send(http, "GET", f"{device.rc2}/deployments")
     assert refused.status_code == 403 and refused.json()["type"].endswith("#not-authorized")
     assert device.onboard(http).status_code == 403
+    capsys.readouterr()
+
+
+def test_a_retired_clients_held_poll_is_refused(http: httpx.Client, server: dict[str, Any],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A signed waiting poll (issue 34), held, then the client retired beside the server:
+    refused within seconds (403), not held to the end of its wait. Its signature was
+    verified once, with the client as it was then: the server reads the client afresh
+    (`wfm.http.callers.Callers.readmit`)."""
+    device = Device()
+    device.onboard(http)
+    etag = device.send(http, "GET", f"{device.rc2}/deployments").headers["etag"]
+    request = device.request(http, "GET", f"{device.rc2}/deployments")
+    request.headers.update({"If-None-Match": etag, "Prefer": "wait=50"})  # (not signed)
+    request.extensions["timeout"] = httpx.Timeout(70).as_dict()
+    answered: list[tuple[httpx.Response, float]] = []
+    with httpx.Client(timeout=70) as waiting:
+        thread = threading.Thread(target=lambda: answered.append(
+            (waiting.send(request), time.monotonic())), daemon=True)
+        thread.start()
+        poll_until("the signed poll held", lambda: any(
+            line.startswith("margo_waiting_polls_held ") and float(line.split()[1]) >= 1
+            for line in http.get("/metrics").text.splitlines()))
+        assert margo_main(["clients", "retire", device.client_id, "--data",
+                           str(server["data"])]) == 0
+        retired_at = time.monotonic()
+        thread.join(timeout=60)
+    [(response, at)] = answered
+    assert response.status_code == 403 and response.json()["type"].endswith("#not-authorized")
+    assert at - retired_at < 10, f"refused {at - retired_at:.1f} s after the retirement"
     capsys.readouterr()
 
 

@@ -96,6 +96,7 @@ from wfm.fleet.waiters import Rewind
 from wfm.git.backend import BackendExchange, CgiRequest, Delivered, problem
 from wfm.git.refwaits import RefWaits
 from wfm.git.upload_gate import Gate
+from wfm.problems import ProblemError
 
 __all__ = ["REALM", "Authorize", "Lost", "git_app"]
 
@@ -213,7 +214,8 @@ class _GitServer:
             answer = await self.waits.answer(
                 request, device_id, ref, tip, since=since, applied=applied,
                 tip_of=partial(asyncio.to_thread, _branch_tip, self.repository, ref),
-                fresh=partial(self._serve, request, service, query))
+                fresh=partial(self._serve, request, service, query),
+                authorized=partial(_still_authorized, self.authorize, request, device_id))
             if isinstance(answer, Response):
                 return answer
             extra = answer
@@ -231,6 +233,14 @@ class _GitServer:
             # (upload-pack is given the gate's plain rewrite instead: `_cgi_environment`)
             content_encoding="gzip" if gzipped else None, gate=gate),
             delivered=self.delivered if gate is not None else None, headers=extra)
+
+
+async def _still_authorized(authorize: Authorize, request: Request, device_id: str) -> None:
+    """A held advertisement's caller, authorized again (credentials changed meanwhile):
+    refused as a request arriving now would be."""
+    if not await _call_authorize(authorize, request, device_id):
+        raise ProblemError(401, f"credentials for device {device_id!r} are required",
+                           headers={"WWW-Authenticate": f'Basic realm="{REALM}"'})
 
 
 async def _call_authorize(authorize: Authorize, request: Request, device_id: str) -> bool:

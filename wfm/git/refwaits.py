@@ -45,6 +45,8 @@ TipOf = Callable[[], Awaitable[str | None]]
 #: The advertisement served afresh after a held request's branch moved, saying the wait
 #: was applied (the `Preference-Applied` value).
 Fresh = Callable[[str], Awaitable[Response]]
+#: Raises what the caller would be refused with now (a retired client, a replaced token).
+Authorized = Callable[[], Awaitable[None]]
 
 
 def refs_etag(ref: str, tip: str) -> str:
@@ -66,22 +68,27 @@ class RefWaits:
     """Conditional and waiting ref advertisements over one server's `Waiters`."""
 
     def __init__(self, waiters: Waiters | None = None, *,
-                 max_wait: float = DEFAULT_MAX_WAIT) -> None:
-        self.waiters, self.max_wait = waiters, max_wait
+                 max_wait: float = DEFAULT_MAX_WAIT,
+                 epoch: Callable[[], object] = lambda: None) -> None:
+        """`epoch()`: the server's credentials epoch (`wfm.identity.credentialcache`): a
+        held request's caller is authorized again after a wake that finds it moved."""
+        self.waiters, self.max_wait, self.epoch = waiters, max_wait, epoch
 
     def mark(self) -> int:
         """Before the tip is read (`Waiters.mark`: a move after it is not missed)."""
         return self.waiters.mark() if self.waiters is not None else 0
 
     async def answer(self, request: Request, device_id: str, ref: str, tip: str,
-                     tip_of: TipOf, fresh: Fresh, *, since: int,
+                     tip_of: TipOf, fresh: Fresh, *, since: int, authorized: Authorized,
                      applied: str | None = None) -> Response | Headers:
         """Before Git advertises `tip` (read after `since` was `mark`ed): a 304 when the
         caller holds it (after holding a waiting poll until the branch moves: then what
         `fresh` serves), else the headers the advertisement gets. `applied`: this is the
         advertisement served after a held request, which is not held again. A held
         request waits outside the ASGI stack (`wfm.admission.parking`): its handler
-        returns `PARKED`; `Parking` sends the answer the hold comes to."""
+        returns `PARKED`; `Parking` sends the answer the hold comes to. A
+        held request whose caller would now be refused (`authorized` raises, asked after
+        a wake once the credentials `epoch` moved) ends with that refusal."""
         etag = refs_etag(ref, tip)
         extra = {"Preference-Applied": applied} if applied else {}
         if not _matches(request.headers.get("if-none-match"), etag):
@@ -95,6 +102,7 @@ class RefWaits:
             return _not_modified(etag, extra)
         held = _HeldAdvertisement(self.waiters, device_id, tip, etag, wait, since, tip_of,
                                   fresh, request.receive, request.scope.get(CLOSING_SCOPE_KEY))
+        held.admission(self.epoch, authorized)
         if park(request.scope, held.answer):
             return PARKED
         return await held.answer()
@@ -104,8 +112,8 @@ class _HeldAdvertisement:
     """A waiting ref advertisement while it is held (one object: see
     `wfm.http.manifest_waits._HeldPoll`)."""
 
-    __slots__ = ("closing", "etag", "fresh", "keys", "receive", "since", "tip", "tip_of",
-                 "wait", "waiters")
+    __slots__ = ("authorized", "closing", "epoch", "epoch_of", "etag", "fresh", "keys",
+                 "receive", "since", "tip", "tip_of", "wait", "waiters")
 
     def __init__(self, waiters: Waiters, device_id: str, tip: str, etag: str, wait: int,
                  since: int, tip_of: TipOf, fresh: Fresh, receive: Receive,
@@ -114,7 +122,17 @@ class _HeldAdvertisement:
         self.tip, self.etag, self.wait, self.since = tip, etag, wait, since
         self.tip_of, self.fresh, self.receive, self.closing = tip_of, fresh, receive, closing
 
+    def admission(self, epoch_of: Callable[[], object], authorized: Authorized) -> None:
+        """Ask `authorized()` after a wake that finds `epoch_of()` moved since now."""
+        self.epoch_of, self.epoch, self.authorized = epoch_of, epoch_of(), authorized
+
     async def check(self) -> tuple[bool, frozenset[str]]:
+        """After a wake: whether the branch moved (the caller authorized again first, if
+        credentials changed since it was: its refusal is raised)."""
+        epoch = self.epoch_of()
+        if epoch != self.epoch:
+            self.epoch = epoch
+            await self.authorized()
         return await self.tip_of() != self.tip, self.keys
 
     async def answer(self) -> Response:

@@ -17,7 +17,7 @@ from wfm.identity.credentials import parse_basic, same_secret
 from wfm.problems import RETIRED, ProblemError
 from wfm.store import records
 
-__all__ = ["Callers"]
+__all__ = ["Admission", "Callers"]
 
 
 class Callers:
@@ -68,6 +68,22 @@ class Callers:
                                margo_type="not-authorized")
         return client, f"/api/v1/clients/{client.client_id}"
 
+    def admission(self, request: Request, client: Client) -> Admission:
+        """For a request that waits a while after it was authenticated (a held poll):
+        whether its caller is still admitted, asked at each wake (`Admission`)."""
+        return Admission(self, request, client)
+
+    async def readmit(self, request: Request, client: Client) -> None:
+        """`request`'s caller once more, after credentials changed since it was `client`:
+        the refusal a request arriving now would get, raised. An rc.2 request's signature
+        was verified once, with the client's row as it was then, so the row is read
+        afresh."""
+        again, _ = await self.scoped(request)
+        row = await self.api.db.offload(self.api.clients.get, again.client_id)
+        if again.client_id != client.client_id or row is None or row.retired:
+            raise ProblemError(403, "the client relationship has been retired",
+                               margo_type="not-authorized", title=RETIRED)
+
     async def may_fetch(self, request: Request, device_id: str) -> bool:
         """Git hosting: the caller (HTTP basic `<clientId>:<token>`, or a bearer token) may
         read this device's repository only if the device is one of its own. With replicas,
@@ -86,3 +102,25 @@ class Callers:
             self.api.polls.seen(client.client_id)
         await self.api.caught_up()
         return True
+
+
+class Admission:
+    """Whether a held request's caller is still admitted: `await admission()` raises what a
+    request arriving now would be refused with. Asked at every wake of a held poll, it costs
+    nothing until the credentials epoch moves (a client retired, a token replaced, by any
+    process: `wfm.identity.credentialcache`), and then authenticates the request again,
+    once per move. One object per held request (no closure: see
+    `wfm.http.manifest_waits._HeldPoll`)."""
+
+    __slots__ = ("callers", "client", "epoch", "request")
+
+    def __init__(self, callers: Callers, request: Request, client: Client) -> None:
+        self.callers, self.request, self.client = callers, request, client
+        self.epoch = callers.api.credentials.epoch
+
+    async def __call__(self) -> None:
+        epoch = self.callers.api.credentials.epoch
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        await self.callers.readmit(self.request, self.client)

@@ -15,6 +15,8 @@ themselves (`wfm.http.callers`, `.capabilities`, `.statuses`, `.manifests`,
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +29,7 @@ from wfm.fleet.desired import DesiredState
 from wfm.fleet.lastseen import PollClock
 from wfm.fleet.waiters import DEFAULT_MAX_WAIT, Waiters
 from wfm.identity.clients import Client, ClientRegistry
-from wfm.identity.credentialcache import CredentialCache
+from wfm.identity.credentialcache import EPOCH_CHECK_SECONDS, CredentialCache
 from wfm.identity.proofs import Identity, IdentitySettings
 from wfm.problems import ProblemError
 from wfm.store.database import Database
@@ -37,6 +39,8 @@ if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
     from wfm.fleet.leadtime import LeadTimes
 
 __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api", "ServedManifest"]
+
+log = logging.getLogger("margo.wfm.device_api")
 
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
@@ -100,9 +104,12 @@ class Api:
         #: Polls dominate the traffic: per (client, URL prefix), the manifest served at a
         #: generation (`wfm.http.manifests`).
         self.served_manifests: dict[tuple[str, str], ServedManifest] = {}
+        # A retired client or a replaced token wakes the polls held meanwhile, which are
+        # then refused as a poll arriving now would be (`Callers.admission`).
         self.credentials = CredentialCache(
             lambda: db.offload(clients.credentials_epoch),
-            lambda token: db.offload(clients.token_lookup, token))
+            lambda token: db.offload(clients.token_lookup, token),
+            on_change=lambda: self.waiters.wake_all())
         self.devices = ClientDevices(db, sole_writer=coordinator is None,
                                      on_change=lambda c: self.waiters.wake_clients((c,)))
         #: Replicas: per client, its devices at the generation served (`served_devices`).
@@ -110,6 +117,20 @@ class Api:
         self.polls = PollClock(db)
         self.attribution = Attribution(db, desired.deployments_at,
                                        sole_writer=coordinator is None)
+
+    async def watch_credentials(self) -> None:
+        """While polls are held, read the credentials epoch every `EPOCH_CHECK_SECONDS`:
+        requests read it as they authenticate, but a held poll may wait a minute while none
+        arrive, and a client retired or a token replaced meanwhile (by any process) must
+        not keep being served (`on_change` wakes the held polls). Runs until cancelled."""
+        while True:
+            await asyncio.sleep(EPOCH_CHECK_SECONDS)
+            if not len(self.waiters):
+                continue
+            try:
+                await self.credentials.refresh()
+            except Exception as exc:  # the store is failing: requests say so; try again
+                log.warning("credentials epoch not read: %s", exc)
 
     # --- for Git hosting ---------------------------------------------------------------
 

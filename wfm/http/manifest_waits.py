@@ -29,18 +29,22 @@ from wfm.http.device_api import Api
 from wfm.http.httpcache import etag_matches
 from wfm.identity.clients import Client
 
-__all__ = ["MANIFEST_MEDIA_TYPE", "Current", "manifest_answer"]
+__all__ = ["MANIFEST_MEDIA_TYPE", "Admitted", "Current", "manifest_answer"]
 
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 #: The client's manifest now: its exact bytes and ETag.
 Current = Callable[[], Awaitable[tuple[bytes, str]]]
+#: Raises what the caller would be refused with now (`wfm.http.callers.Admission`).
+Admitted = Callable[[], Awaitable[None]]
 
 
 async def manifest_answer(request: Request, api: Api, client: Client, *, since: int,
-                          condition: str | None, body: bytes, etag: str,
-                          current: Current) -> Response:
+                          condition: str | None, body: bytes, etag: str, current: Current,
+                          admitted: Admitted) -> Response:
     """The answer to a manifest poll whose manifest, when `since` was marked, was `body`
-    under `etag`: held first when it is a waiting poll (module docstring)."""
+    under `etag`: held first when it is a waiting poll (module docstring). `admitted()`
+    raises once the caller would be refused (a retired client, a replaced token): asked at
+    each wake, it ends the hold with that refusal."""
     if not etag_matches(condition, etag):
         return _manifest(body, etag)
     wait = requested_wait(prefer_values(request.scope["headers"]), limit=api.max_wait)
@@ -48,7 +52,7 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
         return _not_modified(etag)
     poll = _HeldPoll(api, client, condition, current, (body, etag), wait, since,
                      await _keys(api, client), request.receive,
-                     request.scope.get(CLOSING_SCOPE_KEY))
+                     request.scope.get(CLOSING_SCOPE_KEY), admitted)
     if park(request.scope, poll.answer):  # waits outside the stack (`wfm.admission.parking`)
         return PARKED
     return await poll.answer()
@@ -58,18 +62,21 @@ class _HeldPoll:
     """A waiting poll while it is held: one object, not a closure per callback (10,000 of
     them are held at once, and each container they keep is walked by the collector)."""
 
-    __slots__ = ("api", "client", "closing", "condition", "current", "keys", "latest",
-                 "receive", "since", "wait")
+    __slots__ = ("admitted", "api", "client", "closing", "condition", "current", "keys",
+                 "latest", "receive", "since", "wait")
 
     def __init__(self, api: Api, client: Client, condition: str | None, current: Current,
                  latest: tuple[bytes, str], wait: int, since: int, keys: frozenset[str],
-                 receive: Receive, closing: Closing | None) -> None:
+                 receive: Receive, closing: Closing | None, admitted: Admitted) -> None:
         self.api, self.client, self.condition, self.current = api, client, condition, current
         self.latest, self.wait, self.since, self.keys = latest, wait, since, keys
-        self.receive, self.closing = receive, closing
+        self.receive, self.closing, self.admitted = receive, closing, admitted
 
     async def check(self) -> tuple[bool, frozenset[str]]:
-        """After a wake: whether the manifest changed, and what wakes the poll now."""
+        """After a wake: whether the manifest changed, and what wakes the poll now; raises
+        the refusal the caller would get now, if it would be refused (then nothing
+        published after that is answered)."""
+        await self.admitted()
         self.latest = await self.current()
         return (not etag_matches(self.condition, self.latest[1]),
                 await _keys(self.api, self.client))

@@ -47,7 +47,8 @@ class Manifests:
         body, etag = await self._manifest(client, prefix, condition)
         return await manifest_answer(
             request, self.api, client, since=since, condition=condition, body=body,
-            etag=etag, current=partial(self._manifest, client, prefix, condition))
+            etag=etag, current=partial(self._manifest, client, prefix, condition),
+            admitted=self.callers.admission(request, client))
 
     async def _manifest(self, client: Client, prefix: str,
                         condition: str | None) -> tuple[bytes, str]:

@@ -13,9 +13,11 @@ replacing its token or accepting it again (`wfm.identity.clients.ClientRegistry`
 process writes it (a server, a replica, `margo clients` beside a running server). A server
 reads the counter at most every `EPOCH_CHECK_SECONDS` (one small query, however many
 devices) and forgets every lookup when it moved: a retired client or a replaced token is
-refused within that second. An entry is also dropped when its access token expires, and
-after `MAX_AGE_SECONDS` in any case (a bound on how long a fault in that bookkeeping could
-last).
+refused within that second. Requests authenticated before and still waiting (held polls)
+are told (`on_change`) and authenticate again; while they are held the server reads the
+counter itself every second (`wfm.http.device_api.Api.watch_credentials`). An entry is
+also dropped when its access token expires, and after `MAX_AGE_SECONDS` in any case (a
+bound on how long a fault in that bookkeeping could last).
 
 An entry remembers the epoch its lookup started under and counts only while that is still
 the epoch: a lookup that read the row just before a retirement committed, and finished
@@ -53,21 +55,40 @@ class CredentialCache:
     queries (on a worker thread for a remote store: `wfm.store.database.Database.offload`)."""
 
     def __init__(self, read_epoch: Callable[[], Awaitable[int]],
-                 lookup: Callable[[str], Awaitable[TokenLookup]]) -> None:
-        self._read_epoch, self._lookup = read_epoch, lookup
+                 lookup: Callable[[str], Awaitable[TokenLookup]], *,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """`on_change()`: told, on the event loop, each time the epoch read differs from
+        the one read before (the first read too: requests admitted by an SVID or a
+        signature may be held before any token lookup read it): requests authenticated
+        before may no longer be admitted."""
+        self._read_epoch, self._lookup, self._on_change = read_epoch, lookup, on_change
         self._entries: dict[str, _Entry] = {}
         self._epoch: int | None = None
         self._checked = -1e18
 
+    @property
+    def epoch(self) -> int | None:
+        """The credentials epoch as last read (None before the first read)."""
+        return self._epoch
+
+    async def refresh(self) -> None:
+        """Read the epoch if it was not read in the last `EPOCH_CHECK_SECONDS` (each lookup
+        does; a server holding requests while none arrive calls this itself), and forget
+        every lookup when it moved."""
+        now = time.monotonic()
+        if now - self._checked < EPOCH_CHECK_SECONDS:
+            return
+        self._checked = now
+        epoch = await self._read_epoch()
+        if epoch != self._epoch:
+            self._entries.clear()
+            self._epoch = epoch
+            self._on_change()
+
     async def client(self, token: str) -> Client | None:
         """The client `token` proves, or None."""
+        await self.refresh()
         now = time.monotonic()
-        if now - self._checked >= EPOCH_CHECK_SECONDS:
-            self._checked = now
-            epoch = await self._read_epoch()
-            if epoch != self._epoch:
-                self._entries.clear()
-                self._epoch = epoch
         entry = self._entries.get(token)
         if entry is not None and entry.epoch == self._epoch and entry.until > now:
             return entry.lookup.client

@@ -8,6 +8,7 @@ as RFC 9457 problem+json, including Starlette's own 404/405 and unexpected excep
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -252,9 +253,11 @@ def create_app(config: ServerConfig) -> Starlette:
         if oidc is not None:
             oidc.start()
         app.state.api = api
+        watch = asyncio.ensure_future(api.watch_credentials())
         try:
             yield
         finally:
+            watch.cancel()
             api.waiters.close()  # (`wfm.server.serving` did, before the connections closed)
             if oidc is not None:
                 oidc.stop()
@@ -316,7 +319,8 @@ def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
             Mount("/git", app=git_app(config.repos / REPOSITORY_NAME,
                                       edge.callers.may_fetch, lost=api.lost_branch,
                                       delivered=api.git_delivered,
-                                      waits=RefWaits(api.waiters, max_wait=config.max_wait)))]
+                                      waits=RefWaits(api.waiters, max_wait=config.max_wait,
+                                                     epoch=lambda: api.credentials.epoch)))]
 
 
 @dataclass

@@ -51,11 +51,16 @@ def retire(server: FleetServer) -> None:
     margo("clients", "retire", server.client_id, "--data", str(data), *store_args(data))
 
 
-def held(base: str) -> float:
+def figure(base: str, name: str) -> float:
+    """One sample of `GET /metrics` (behind the balancer: of the replica that answers)."""
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("margo_waiting_polls_held "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no margo_waiting_polls_held in /metrics")
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def held(base: str) -> float:
+    return figure(base, "margo_waiting_polls_held")
 
 
 def in_background(call: Callable[[], httpx.Response]) -> Callable[[], tuple[httpx.Response,
@@ -101,6 +106,9 @@ def test_retiring_a_client_refuses_the_poll_it_holds(server: FleetServer) -> Non
         retire(server)
         withdrawn_at = time.monotonic()
         assert_refused_promptly(answer(), withdrawn_at, 403)
+    # Counted as a hold that failed (on one of the replicas: the one holding it).
+    poll_until("the refusal counted", lambda: figure(
+        server.base, 'margo_waiting_polls_total{outcome="failed"}') >= 1)
 
 
 def test_a_replaced_token_refuses_the_poll_it_holds_before_a_newer_state(

@@ -109,6 +109,8 @@ class Outcome(enum.Enum):
 
 
 _ENDS = {outcome: HELD_POLL_ENDS.labels(outcome.value) for outcome in Outcome}
+#: Holds whose check raised (answered as that error, not as an `Outcome`).
+_FAILED = HELD_POLL_ENDS.labels("failed")
 
 
 def client_key(client_id: str) -> str:
@@ -314,6 +316,9 @@ class Waiters:
         watch = _watch_disconnect(ticket, receive, closing)
         try:
             outcome = await self._held(ticket, seconds, since=since, check=check)
+        except Exception:  # `check` refused the caller (or the store failed): theirs to answer
+            _FAILED.inc()
+            raise
         finally:
             _unwatch(ticket, watch, receive, closing)
             self._leave(ticket)

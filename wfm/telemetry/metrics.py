@@ -107,7 +107,9 @@ HELD_POLLS = Gauge("margo_waiting_polls_held", "Waiting polls (Prefer: wait) thi
 HELD_POLL_ENDS = Counter(
     "margo_waiting_polls_total", "Waiting polls by how they ended: changed (answered with "
     "the new state), timeout (304 after the wait), closed (304 as the server stopped), "
-    "shed (answered at once: too many held), gone (the client disconnected).", ["outcome"],
+    "shed (answered at once: too many held), gone (the client disconnected), failed (its "
+    "check raised: the caller's credentials withdrawn, or the store failing; answered as "
+    "that error).", ["outcome"],
     registry=PROCESS)
 
 # Every known label value from the start: a series that appears only when its first event

@@ -10,6 +10,7 @@ through the credentials epoch in the database (`wfm.identity.credentialcache`).
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,10 +20,14 @@ from typing import Any
 import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.pgkit import database_for
 from kits.serverkit import add_client, margo, store_args, use_store
 
 from tools.devices import intent
 from tools.polling import poll_until
+from wfm.identity.clients import token_hash
+from wfm.store.client_rows import store_access_token
+from wfm.store.opening import open_database
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
 REFS = "/info/refs?service=git-upload-pack"
@@ -81,11 +86,12 @@ def in_background(call: Callable[[], httpx.Response]) -> Callable[[], tuple[http
 
 
 @contextlib.contextmanager
-def held_manifest_poll(server: FleetServer
+def held_manifest_poll(server: FleetServer, token: str | None = None
                        ) -> Iterator[Callable[[], tuple[httpx.Response, float]]]:
-    """A waiting manifest poll, held by the server when the block starts."""
+    """A waiting manifest poll (with `token`, else the client's own), held by the server
+    when the block starts."""
     _, etag = server.manifest()
-    with server.client(timeout=WAIT + 20) as http:
+    with server.client(token=token, timeout=WAIT + 20) as http:
         answer = in_background(lambda: http.get("/api/v1/deployments", headers={
             "Accept": MANIFEST, "If-None-Match": etag, "Prefer": f"wait={WAIT}"}))
         poll_until("the poll held", lambda: held(server.base) >= 1)
@@ -127,6 +133,26 @@ def test_a_replaced_token_refuses_the_poll_it_holds_before_a_newer_state(
             for _ in range(4)))
         server.edit_intent(DEVICE, intent(DEVICE, greeting="After the withdrawal"))
         assert_refused_promptly(answer(), withdrawn_at, 401)
+
+
+def test_an_access_token_that_expires_while_held_is_never_handed_a_newer_state(
+        server: FleetServer) -> None:
+    """An access token (`/oauth/token`'s kind) expires while the poll it sent is held; the
+    client's state then changes: the poll wakes, and is refused (401) as a request sent
+    with that token now would be, not answered with the new manifest."""
+    token, lifetime = "short-lived-" + secrets.token_urlsafe(16), 3.0
+    db = open_database(database_for(server.data_dir) if store_args(server.data_dir)
+                       else server.data_dir / "wfm.sqlite")
+    try:
+        db.write_sync(lambda conn: store_access_token(
+            conn, token_hash(token), server.client_id, time.time() + lifetime, time.time()))
+    finally:
+        db.close()
+    with held_manifest_poll(server, token=token) as answer:
+        time.sleep(lifetime + 0.5)
+        expired_at = time.monotonic()
+        server.edit_intent(DEVICE, intent(DEVICE, greeting="After the expiry"))
+        assert_refused_promptly(answer(), expired_at, 401)
 
 
 def test_retiring_a_git_client_refuses_its_held_ref_advertisement(

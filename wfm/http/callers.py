@@ -106,11 +106,12 @@ class Callers:
 
 class Admission:
     """Whether a held request's caller is still admitted: `await admission()` raises what a
-    request arriving now would be refused with. Asked at every wake of a held poll, it costs
-    nothing until the credentials epoch moves (a client retired, a token replaced, by any
-    process: `wfm.identity.credentialcache`), and then authenticates the request again,
-    once per move. One object per held request (no closure: see
-    `wfm.http.manifest_waits._HeldPoll`)."""
+    request arriving now would be refused with. Asked at every wake of a held poll: the
+    request is authenticated again from what the server remembers (a few microseconds: an
+    access token or an SVID that expired meanwhile is refused), and once the credentials
+    epoch moved (a client retired, a token replaced, by any process:
+    `wfm.identity.credentialcache`) with the client's row read afresh (`Callers.readmit`).
+    One object per held request (no closure: see `wfm.http.manifest_waits._HeldPoll`)."""
 
     __slots__ = ("callers", "client", "epoch", "request")
 
@@ -121,6 +122,7 @@ class Admission:
     async def __call__(self) -> None:
         epoch = self.callers.api.credentials.epoch
         if epoch == self.epoch:
+            await self.callers.scoped(self.request)
             return
         self.epoch = epoch
         await self.callers.readmit(self.request, self.client)

@@ -16,6 +16,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,6 +272,37 @@ def test_the_accepted_client_policy(server: dict[str, Any], lab: Lab,
         assert "retired" in problem["detail"]
         assert problem["title"] == "Client Relationship Retired"
         assert problem["type"].endswith("#not-authorized")
+    capsys.readouterr()
+
+
+def test_a_retired_clients_held_poll_is_refused(server: dict[str, Any], lab: Lab,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A waiting poll (issue 34) over mutual TLS, held, then its client retired beside the
+    server: refused within seconds (403), not held to the end of its wait. Its SVID was
+    accepted once, on a connection that stays open, and the policy's decision is cached:
+    the server reads the client afresh (`wfm.http.callers.Callers.readmit`)."""
+    held_one = lab.client("held-one")
+    assert margo_main(["clients", "import", "held-one", "--cert", str(held_one[0]),
+                       "--data", str(server["data"])]) == 0
+    with tls_client(server["base"], *held_one, lab.bundle) as http:
+        eventually(lambda: http.get("/api/v1/deployments").status_code == 200)
+        etag = http.get("/api/v1/deployments").headers["etag"]
+        answered: list[tuple[httpx.Response, float]] = []
+        thread = threading.Thread(target=lambda: answered.append((http.get(
+            "/api/v1/deployments", headers={"If-None-Match": etag, "Prefer": "wait=50"},
+            timeout=70), time.monotonic())), daemon=True)
+        thread.start()
+        with device(server, lab, "site-a") as observer:
+            poll_until("the poll held", lambda: any(
+                line.startswith("margo_waiting_polls_held ") and float(line.split()[1]) >= 1
+                for line in observer.get("/metrics").text.splitlines()))
+        assert margo_main(["clients", "retire", "held-one", "--data",
+                           str(server["data"])]) == 0
+        retired_at = time.monotonic()
+        thread.join(timeout=60)
+    [(response, at)] = answered
+    assert response.status_code == 403 and response.json()["type"] == NOT_AUTHORIZED
+    assert at - retired_at < 10, f"refused {at - retired_at:.1f} s after the retirement"
     capsys.readouterr()
 
 

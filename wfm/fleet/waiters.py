@@ -24,9 +24,10 @@ Bounds. At most `limit` tickets at once (`margo serve --max-waiters`): past it a
 answered at once, as a plain poll (no `Preference-Applied`), which sheds the load onto the
 device's polling interval instead of the server's memory. Each held request costs its
 connection (about 10 KiB kept alive) and, held, what waits for it: outside the ASGI stack
-(`wfm.admission.parking`), its scope, a few frames, a ticket, a future and a timer, about
-6.3 KiB more (13 KiB while it waited inside the stack; bench/held_polls.py, the server's
-RSS with 10,000 idle connections, then with a held poll on each; docs/benchmarks.md).
+(`wfm.admission.parking`), its scope, a few frames, a ticket, a future, a timer and what
+authenticates it again at a wake, about 6.6 KiB more (13 KiB while it waited inside the
+stack; bench/held_polls.py, the server's RSS with 10,000 idle connections, then with a
+held poll on each; docs/benchmarks.md).
 A client that disconnects is released at once: its connection says so (`margo serve`
 gives each request its connection's `Closing`, `wfm.server.closing`), or,
 served without one, its request's `receive`, read by a task meanwhile. `close` (server

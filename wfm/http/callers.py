@@ -14,10 +14,16 @@ from wfm.http.device_api import Api
 from wfm.http.request_parts import header
 from wfm.identity.clients import Client
 from wfm.identity.credentials import parse_basic, same_secret
+from wfm.identity.proofs import SIGNED_SCOPE_KEY
 from wfm.problems import RETIRED, ProblemError
 from wfm.store import records
 
 __all__ = ["Admission", "Callers"]
+
+#: What authenticating a request reads of its scope: its headers (tokens, a proxy's
+#: Client-Cert), its path parameters (an rc.2 path's clientId), the TLS layer's client
+#: certificate, the peer (is it a trusted proxy) and the verified rc.2 signature.
+_ADMISSION_KEYS = ("type", "headers", "path_params", "extensions", "client", SIGNED_SCOPE_KEY)
 
 
 class Callers:
@@ -111,18 +117,24 @@ class Admission:
     access token or an SVID that expired meanwhile is refused), and once the credentials
     epoch moved (a client retired, a token replaced, by any process:
     `wfm.identity.credentialcache`) with the client's row read afresh (`Callers.readmit`).
-    One object per held request (no closure: see `wfm.http.manifest_waits._HeldPoll`)."""
+    One object per held request (no closure: see `wfm.http.manifest_waits._HeldPoll`),
+    keeping only what authenticating reads of the request's scope (`_ADMISSION_KEYS`), the
+    request made again from it at a wake: the handler's copy of the scope and its
+    `Request` would cost 1.4 KiB per held poll (`bench/held_polls.py`)."""
 
-    __slots__ = ("callers", "client", "epoch", "request")
+    __slots__ = ("callers", "client", "epoch", "parts")
 
     def __init__(self, callers: Callers, request: Request, client: Client) -> None:
-        self.callers, self.request, self.client = callers, request, client
+        self.callers, self.client = callers, client
+        self.parts = tuple(request.scope.get(key) for key in _ADMISSION_KEYS)
         self.epoch = callers.api.credentials.epoch
 
     async def __call__(self) -> None:
         epoch = self.callers.api.credentials.epoch
+        request = Request({key: value for key, value in zip(_ADMISSION_KEYS, self.parts,
+                                                            strict=True) if value is not None})
         if epoch == self.epoch:
-            await self.callers.scoped(self.request)
+            await self.callers.scoped(request)
             return
         self.epoch = epoch
-        await self.callers.readmit(self.request, self.client)
+        await self.callers.readmit(request, self.client)

@@ -163,3 +163,42 @@ def test_whoever_waits_is_told_of_every_epoch_it_reads_anew(
 
 async def _async(value: Any) -> Any:
     return value
+
+
+def test_watching_the_epoch_logs_a_store_that_fails_once_and_its_return(
+        registry: ClientRegistry, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """While requests are held, the epoch is read every second; a store that cannot be read
+    (a double: the real store cannot be made to fail on demand between two reads) is
+    logged once, not every second, and once more when it answers; the first read that
+    works tells `on_change`; nothing is read while nothing is held."""
+    monkeypatch.setattr(credentialcache, "EPOCH_CHECK_SECONDS", 0.01)
+    away, holding, reads, told = [True], [True], [0], [0]
+
+    async def epoch() -> int:
+        reads[0] += 1
+        if away[0]:
+            raise OSError("the store is away")
+        return registry.credentials_epoch()
+
+    cache = CredentialCache(epoch, lambda t: _async(registry.token_lookup(t)),
+                            on_change=lambda: told.__setitem__(0, told[0] + 1))
+
+    async def run() -> int:
+        watching = asyncio.ensure_future(credentialcache.watch_epoch(cache, lambda: holding[0]))
+        await asyncio.sleep(0.3)
+        away[0] = False
+        await asyncio.sleep(0.2)
+        holding[0] = False
+        await asyncio.sleep(0.05)
+        idle_from = reads[0]
+        await asyncio.sleep(0.2)
+        watching.cancel()
+        return reads[0] - idle_from
+
+    with caplog.at_level("INFO", logger="margo.wfm.credentials"):
+        read_while_idle = asyncio.run(run())
+    messages = [r.getMessage() for r in caplog.records if r.name == "margo.wfm.credentials"]
+    assert sum("not read" in m for m in messages) == 1, messages
+    assert sum("read again" in m for m in messages) == 1, messages
+    assert reads[0] > 10 and read_while_idle == 0 and told[0] == 1

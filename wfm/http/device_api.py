@@ -15,8 +15,6 @@ themselves (`wfm.http.callers`, `.capabilities`, `.statuses`, `.manifests`,
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,7 +27,7 @@ from wfm.fleet.desired import DesiredState
 from wfm.fleet.lastseen import PollClock
 from wfm.fleet.waiters import DEFAULT_MAX_WAIT, Waiters
 from wfm.identity.clients import Client, ClientRegistry
-from wfm.identity.credentialcache import EPOCH_CHECK_SECONDS, CredentialCache
+from wfm.identity.credentialcache import CredentialCache, watch_epoch
 from wfm.identity.proofs import Identity, IdentitySettings
 from wfm.problems import ProblemError
 from wfm.store.database import Database
@@ -39,8 +37,6 @@ if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
     from wfm.fleet.leadtime import LeadTimes
 
 __all__ = ["DEFAULT_MAX_DEVICES_PER_CLIENT", "Api", "ServedManifest"]
-
-log = logging.getLogger("margo.wfm.device_api")
 
 #: The most devices one client may hold unless `margo serve --max-devices-per-client` says
 #: otherwise: far above a site's gateway, far below what fills a disk with histories.
@@ -119,18 +115,11 @@ class Api:
                                        sole_writer=coordinator is None)
 
     async def watch_credentials(self) -> None:
-        """While polls are held, read the credentials epoch every `EPOCH_CHECK_SECONDS`:
-        requests read it as they authenticate, but a held poll may wait a minute while none
-        arrive, and a client retired or a token replaced meanwhile (by any process) must
-        not keep being served (`on_change` wakes the held polls). Runs until cancelled."""
-        while True:
-            await asyncio.sleep(EPOCH_CHECK_SECONDS)
-            if not len(self.waiters):
-                continue
-            try:
-                await self.credentials.refresh()
-            except Exception as exc:  # the store is failing: requests say so; try again
-                log.warning("credentials epoch not read: %s", exc)
+        """While polls are held, read the credentials epoch every second, so that a client
+        retired or a token replaced meanwhile (by any process) wakes them (`on_change`)
+        even when no request arrives (`wfm.identity.credentialcache.watch_epoch`). Runs
+        until cancelled."""
+        await watch_epoch(self.credentials, lambda: len(self.waiters) > 0)
 
     # --- for Git hosting ---------------------------------------------------------------
 

@@ -26,13 +26,17 @@ after the counter was read, is never kept.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from wfm.identity.clients import Client, TokenLookup
 
-__all__ = ["EPOCH_CHECK_SECONDS", "MAX_AGE_SECONDS", "CredentialCache"]
+__all__ = ["EPOCH_CHECK_SECONDS", "MAX_AGE_SECONDS", "CredentialCache", "watch_epoch"]
+
+log = logging.getLogger("margo.wfm.credentials")
 
 #: How often a server asks whether credentials changed (the bound on refusing a retired
 #: client or a replaced token).
@@ -102,3 +106,27 @@ class CredentialCache:
                 self._entries.clear()
             self._entries[token] = _Entry(found, started_under, until)
         return found.client
+
+
+async def watch_epoch(cache: CredentialCache, holding: Callable[[], bool]) -> None:
+    """While `holding()` (requests are held), read the epoch every `EPOCH_CHECK_SECONDS`
+    (`CredentialCache.refresh`): requests read it as they authenticate, but a held request
+    may wait a minute while none arrive. A store that cannot be read is logged once, and
+    once more when it answers again (held requests are not re-checked meanwhile; new
+    requests fail on the store as usual). Runs until cancelled."""
+    failing = False
+    while True:
+        await asyncio.sleep(EPOCH_CHECK_SECONDS)
+        if not holding():
+            continue
+        try:
+            await cache.refresh()
+        except Exception as exc:
+            if not failing:
+                log.warning("credentials epoch not read; held requests are not checked "
+                            "against withdrawn credentials until it is: %s", exc)
+            failing = True
+            continue
+        if failing:
+            log.info("credentials epoch read again")
+            failing = False

@@ -40,11 +40,12 @@ Admitted = Callable[[], Awaitable[None]]
 
 async def manifest_answer(request: Request, api: Api, client: Client, *, since: int,
                           condition: str | None, body: bytes, etag: str, current: Current,
-                          admitted: Admitted) -> Response:
+                          admission: Callable[[Request, Client], Admitted]) -> Response:
     """The answer to a manifest poll whose manifest, when `since` was marked, was `body`
-    under `etag`: held first when it is a waiting poll (module docstring). `admitted()`
-    raises once the caller would be refused (a retired client, a replaced token): asked at
-    each wake, it ends the hold with that refusal."""
+    under `etag`: held first when it is a waiting poll (module docstring). A held poll's
+    `admission(request, client)()` (made only for a poll that is held) raises once the
+    caller would be refused (a retired client, a replaced token): asked at each wake, it
+    ends the hold with that refusal."""
     if not etag_matches(condition, etag):
         return _manifest(body, etag)
     wait = requested_wait(prefer_values(request.scope["headers"]), limit=api.max_wait)
@@ -52,7 +53,7 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
         return _not_modified(etag)
     poll = _HeldPoll(api, client, condition, current, (body, etag), wait, since,
                      await _keys(api, client), request.receive,
-                     request.scope.get(CLOSING_SCOPE_KEY), admitted)
+                     request.scope.get(CLOSING_SCOPE_KEY), admission(request, client))
     if park(request.scope, poll.answer):  # waits outside the stack (`wfm.admission.parking`)
         return PARKED
     return await poll.answer()

@@ -48,7 +48,7 @@ class Manifests:
         return await manifest_answer(
             request, self.api, client, since=since, condition=condition, body=body,
             etag=etag, current=partial(self._manifest, client, prefix, condition),
-            admitted=self.callers.admission(request, client))
+            admission=self.callers.admission)
 
     async def _manifest(self, client: Client, prefix: str,
                         condition: str | None) -> tuple[bytes, str]:

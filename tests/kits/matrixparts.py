@@ -29,6 +29,7 @@ from kits.dockerkit import (
 from kits.fleetserver import FleetServer
 from kits.kubekit import DEVICE_RBAC, ControlPlane
 from kits.matrixcells import ROOT, SETTLE, Cell, Mix
+from kits.metricskit import held_polls
 from kits.registrykit import running_registry
 from kits.serverkit import add_client, running_replicas, running_server, use_store
 from tools.polling import poll_until
@@ -75,11 +76,7 @@ class FleetHost:
         """How many waiting polls the server answering this request holds now
         (`margo_waiting_polls_held`); behind the replicas' balancer each call reads the
         next replica."""
-        response = self.http.get("/metrics")
-        assert response.status_code == 200, response.text
-        line = next(line for line in response.text.splitlines()
-                    if line.startswith("margo_waiting_polls_held "))
-        return int(float(line.split()[1]))
+        return held_polls(self.http)
 
     def compiled_at(self) -> float:
         """When the server's last compile finished (`GET /api/fleet/source`, `checkedAt`;

@@ -24,6 +24,7 @@ import pytest
 from kits.chartkit import publish_example_charts
 from kits.devicekit import Device, intent, new_device
 from kits.fleetserver import FleetServer, fleet_server, write_fleet
+from kits.metricskit import held_polls
 from kits.netkit import cuttable_proxy
 from kits.serverkit import add_client, use_store
 
@@ -77,14 +78,6 @@ def installed(server: Server, devices: list[Device], timeout: float = 60.0) -> l
     """The digests each device has installed, once it has."""
     return [poll_until(f"{d.device_id} installed", lambda d=d: current(server, d.device_id),
                        timeout=timeout) for d in devices]
-
-
-def held_polls(base: str) -> int:
-    """How many polls the server at `base` holds now (`GET /metrics`)."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    line = next(line for line in text.splitlines()
-                if line.startswith("margo_waiting_polls_held "))
-    return int(float(line.split()[1]))
 
 
 def push_and_wait(server: Server, devices: list[Device], before: list[str],

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from kits.chartkit import publish_example_charts
 from kits.fleetserver import write_fleet
+from kits.metricskit import held_polls
 from kits.pkikit import Lab, make_lab, running_tls_server, tls_client
 
 from tools.devices import engine_environment, intent
@@ -101,13 +102,11 @@ def rendered_text(folder: Path) -> str:
                    if p.is_file()) if folder.exists() else ""
 
 
-def held_polls(base: str, lab: Lab) -> int:
+def held(base: str, lab: Lab) -> int:
+    """The polls the server holds (asked over mutual TLS, as an observer client)."""
     cert, key = lab.client("observer")
     with tls_client(base, cert, key, lab.bundle) as http:
-        text = http.get("/metrics").text
-    line = next(line for line in text.splitlines()
-                if line.startswith("margo_waiting_polls_held "))
-    return int(float(line.split()[1]))
+        return held_polls(http)
 
 
 def edit_intent(fleet: Path, greeting: str) -> None:
@@ -121,7 +120,7 @@ def test_a_device_with_its_svid_learns_of_each_push_through_its_held_poll(
         device_run: tuple[str, Path, Path], fleet: Path, lab: Lab) -> None:
     base, rendered, log = device_run
     for greeting in ("Hello from mTLS", "Bonjour from mTLS"):
-        poll_until("the device's poll held", lambda: held_polls(base, lab) >= 1,
+        poll_until("the device's poll held", lambda: held(base, lab) >= 1,
                    timeout=PROMPTLY, describe=lambda: log.read_text()[-2000:])
         edit_intent(fleet, greeting)
         poll_until(f"{greeting!r} rendered", lambda g=greeting: g in rendered_text(rendered),

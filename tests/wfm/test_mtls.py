@@ -26,6 +26,7 @@ import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from kits.metricskit import held_polls
 from kits.pkikit import (
     Lab,
     client_context,
@@ -293,9 +294,7 @@ def test_a_retired_clients_held_poll_is_refused(server: dict[str, Any], lab: Lab
             timeout=70), time.monotonic())), daemon=True)
         thread.start()
         with device(server, lab, "site-a") as observer:
-            poll_until("the poll held", lambda: any(
-                line.startswith("margo_waiting_polls_held ") and float(line.split()[1]) >= 1
-                for line in observer.get("/metrics").text.splitlines()))
+            poll_until("the poll held", lambda: held_polls(observer) >= 1)
         assert margo_main(["clients", "retire", "held-one", "--data",
                            str(server["data"])]) == 0
         retired_at = time.monotonic()

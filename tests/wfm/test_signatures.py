@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from http_message_signatures import HTTPMessageSigner
 from http_message_signatures.resolvers import MappingKeyResolver
+from kits.metricskit import held_polls
 from kits.pkikit import (
     PrivateKey,
     make_lab,
@@ -294,9 +295,7 @@ def test_a_retired_clients_held_poll_is_refused(http: httpx.Client, server: dict
         thread = threading.Thread(target=lambda: answered.append(
             (waiting.send(request), time.monotonic())), daemon=True)
         thread.start()
-        poll_until("the signed poll held", lambda: any(
-            line.startswith("margo_waiting_polls_held ") and float(line.split()[1]) >= 1
-            for line in http.get("/metrics").text.splitlines()))
+        poll_until("the signed poll held", lambda: held_polls(http) >= 1)
         assert margo_main(["clients", "retire", device.client_id, "--data",
                            str(server["data"])]) == 0
         retired_at = time.monotonic()

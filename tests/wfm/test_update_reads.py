@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.metricskit import figure
 from kits.serverkit import two_replicas, use_store
 
 from tools.devices import intent
@@ -93,10 +94,7 @@ def _one_update(base: str, http: httpx.Client, edit: Callable[[], None]) -> tupl
 
 
 def _held(base: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("margo_waiting_polls_held "):
-            return float(line.split()[1])
-    return 0.0
+    return figure(base, "margo_waiting_polls_held", default=0.0)
 
 
 def test_a_device_update_on_one_sqlite_server_reads_nothing(

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.metricskit import figure, held_polls
 from kits.pgkit import database_for
 from kits.serverkit import add_client, margo, store_args, use_store
 
@@ -56,18 +57,6 @@ def retire(server: FleetServer) -> None:
     margo("clients", "retire", server.client_id, "--data", str(data), *store_args(data))
 
 
-def figure(base: str, name: str) -> float:
-    """One sample of `GET /metrics` (behind the balancer: of the replica that answers)."""
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
-
-
-def held(base: str) -> float:
-    return figure(base, "margo_waiting_polls_held")
-
-
 def in_background(call: Callable[[], httpx.Response]) -> Callable[[], tuple[httpx.Response,
                                                                              float]]:
     """Send the request in a thread now; the returned function waits for its answer and
@@ -94,7 +83,7 @@ def held_manifest_poll(server: FleetServer, token: str | None = None
     with server.client(token=token, timeout=WAIT + 20) as http:
         answer = in_background(lambda: http.get("/api/v1/deployments", headers={
             "Accept": MANIFEST, "If-None-Match": etag, "Prefer": f"wait={WAIT}"}))
-        poll_until("the poll held", lambda: held(server.base) >= 1)
+        poll_until("the poll held", lambda: held_polls(server.base) >= 1)
         yield answer
 
 
@@ -162,7 +151,7 @@ def test_retiring_a_git_client_refuses_its_held_ref_advertisement(
         etag = git.get(REFS).headers["etag"]
         answer = in_background(lambda: git.get(REFS, headers={
             "If-None-Match": etag, "Prefer": f"wait={WAIT}"}))
-        poll_until("the advertisement held", lambda: held(server.base) >= 1)
+        poll_until("the advertisement held", lambda: held_polls(server.base) >= 1)
         retire(server)
         withdrawn_at = time.monotonic()
         response, at = answer()

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.metricskit import figure, held_polls
 from kits.serverkit import add_client, two_replicas, use_store
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,18 +49,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetServer]:
         running.edit_intent(DEVICE, intent(DEVICE))
         running.wait_for_deployments(1)
         yield running
-
-
-def figure(base: str, name: str) -> float:
-    """One sample of `GET /metrics` (name with its labels, as exposed)."""
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no {name} in /metrics")
-
-
-def held(base: str) -> float:
-    return figure(base, "margo_waiting_polls_held")
 
 
 def ended(base: str, outcome: str) -> float:
@@ -188,7 +177,7 @@ def test_a_held_poll_is_answered_when_the_state_changes(server: FleetServer) -> 
     _, etag = server.manifest()
     with server.client(timeout=30) as http:
         answer = in_background(lambda: poll(http, "/api/v1/deployments", etag, 'wait="100"'))
-        poll_until("the poll held", lambda: held(server.base) >= 1)
+        poll_until("the poll held", lambda: held_polls(server.base) >= 1)
         server.edit_intent(DEVICE, intent(DEVICE, greeting="Changed"))
         response, _ = answer()
     assert response.status_code == 200 and response.headers["etag"] != etag
@@ -204,7 +193,7 @@ def test_past_max_waiters_polls_are_answered_at_once_and_a_disconnect_frees_its_
         holding = [in_background(lambda h=h: poll(h, "/api/v1/deployments", etag, "wait=3"))
                    for h in (first,)]
         raw = _raw_waiting_poll(server, etag)
-        poll_until("two polls held", lambda: held(server.base) == 2)
+        poll_until("two polls held", lambda: held_polls(server.base) == 2)
         shed, _ = poll(extra, "/api/v1/deployments", etag, "wait=3")  # --max-waiters 2
         assert shed.status_code == 304 and "preference-applied" not in shed.headers
         raw.close()  # the client goes away: its place is free at once
@@ -242,7 +231,7 @@ def test_the_ref_advertisement_is_conditional_and_held_for_git_devices(
         assert time.monotonic() - started >= 0.9
         answer = in_background(lambda: git.get(
             REFS, headers={"If-None-Match": etag, "Prefer": "wait=10"}))
-        poll_until("the advertisement held", lambda: held(server.base) >= 1)
+        poll_until("the advertisement held", lambda: held_polls(server.base) >= 1)
         server.edit_intent(DEVICE, intent(DEVICE, greeting="Moved"))
         moved = answer()
     assert moved.status_code == 200 and moved.headers["etag"] != etag
@@ -261,7 +250,7 @@ def test_a_stopping_server_answers_its_held_polls_at_once(tmp_path: Path) -> Non
         etag = poll_until("a manifest", lambda: _manifest(http)).headers["etag"]
         answers = [in_background(lambda: poll(http, "/api/v1/deployments", etag, "wait=60"))
                    for _ in range(3)]
-        poll_until("three polls held", lambda: held(process.url) == 3)
+        poll_until("three polls held", lambda: held_polls(process.url) == 3)
         process.process.send_signal(signal.SIGTERM)
         for answer in answers:
             response, seconds = answer()
@@ -286,7 +275,7 @@ def test_a_replica_wakes_its_held_polls_for_a_device_registered_on_another(
             etag = answer.headers["etag"]
             held_poll = in_background(lambda: poll(first, "/api/v1/deployments", etag,
                                                    "wait=50"))
-            poll_until("the poll held", lambda: held(replicas["bases"][0]) == 1)
+            poll_until("the poll held", lambda: held_polls(replicas["bases"][0]) == 1)
             # (the intent first: the registration's compile reads it)
             (replicas["source"] / "deployments" / "late-1.yaml").write_text(intent("late-1"))
             doc = capabilities("k8s-single-amd64", "late-1")

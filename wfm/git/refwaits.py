@@ -101,8 +101,8 @@ class RefWaits:
         if not wait or self.waiters is None:
             return _not_modified(etag, extra)
         held = _HeldAdvertisement(self.waiters, device_id, tip, etag, wait, since, tip_of,
-                                  fresh, request.receive, request.scope.get(CLOSING_SCOPE_KEY))
-        held.admission(self.epoch, authorized)
+                                  fresh, request.receive, request.scope.get(CLOSING_SCOPE_KEY),
+                                  self.epoch, authorized)
         if park(request.scope, held.answer):
             return PARKED
         return await held.answer()
@@ -117,13 +117,12 @@ class _HeldAdvertisement:
 
     def __init__(self, waiters: Waiters, device_id: str, tip: str, etag: str, wait: int,
                  since: int, tip_of: TipOf, fresh: Fresh, receive: Receive,
-                 closing: Closing | None) -> None:
+                 closing: Closing | None, epoch_of: Callable[[], object],
+                 authorized: Authorized) -> None:
+        """`authorized()` is asked after a wake that finds `epoch_of()` moved since."""
         self.waiters, self.keys = waiters, frozenset((device_key(device_id),))
         self.tip, self.etag, self.wait, self.since = tip, etag, wait, since
         self.tip_of, self.fresh, self.receive, self.closing = tip_of, fresh, receive, closing
-
-    def admission(self, epoch_of: Callable[[], object], authorized: Authorized) -> None:
-        """Ask `authorized()` after a wake that finds `epoch_of()` moved since now."""
         self.epoch_of, self.epoch, self.authorized = epoch_of, epoch_of(), authorized
 
     async def check(self) -> tuple[bool, frozenset[str]]:

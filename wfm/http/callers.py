@@ -44,8 +44,7 @@ class Callers:
                                headers={"WWW-Authenticate": f"{identity.challenge} "
                                         'realm="margo-gitops"'})
         if client.retired:
-            raise ProblemError(403, "the client relationship has been retired",
-                               margo_type="not-authorized", title=RETIRED)
+            raise _retired()
         return identity.vouch(request, client)  # its body: the device API's budget
 
     async def _token_caller(self, request: Request) -> Client | None:
@@ -87,8 +86,7 @@ class Callers:
         again, _ = await self.scoped(request)
         row = await self.api.db.offload(self.api.clients.get, again.client_id)
         if again.client_id != client.client_id or row is None or row.retired:
-            raise ProblemError(403, "the client relationship has been retired",
-                               margo_type="not-authorized", title=RETIRED)
+            raise _retired()
 
     async def may_fetch(self, request: Request, device_id: str) -> bool:
         """Git hosting: the caller (HTTP basic `<clientId>:<token>`, or a bearer token) may
@@ -108,6 +106,12 @@ class Callers:
             self.api.polls.seen(client.client_id)
         await self.api.caught_up()
         return True
+
+
+def _retired() -> ProblemError:
+    """The refusal of a retired client's request."""
+    return ProblemError(403, "the client relationship has been retired",
+                        margo_type="not-authorized", title=RETIRED)
 
 
 class Admission:

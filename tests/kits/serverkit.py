@@ -14,9 +14,11 @@ import io
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -69,6 +71,23 @@ def use_store(store: str) -> Iterator[None]:
 def store_args(data: Path) -> list[str]:
     """The options that put a data directory's server on the current store."""
     return ["--database", database_for(data)] if STORE[0] == "replicas" else []
+
+
+def access_token(data: Path, client_id: str, lifetime: float) -> str:
+    """A new access token (the kind `/oauth/token` hands out) for `client_id`, expiring in
+    `lifetime` seconds, written to the store of the server(s) of `data` beside them."""
+    from wfm.identity.clients import token_hash
+    from wfm.store.client_rows import store_access_token
+    from wfm.store.opening import open_database
+
+    token = "short-lived-" + secrets.token_urlsafe(16)
+    db = open_database(database_for(data) if store_args(data) else data / "wfm.sqlite")
+    try:
+        db.write_sync(lambda conn: store_access_token(
+            conn, token_hash(token), client_id, time.time() + lifetime, time.time()))
+    finally:
+        db.close()
+    return token
 
 
 def margo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

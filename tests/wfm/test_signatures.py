@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from http_message_signatures import HTTPMessageSigner
 from http_message_signatures.resolvers import MappingKeyResolver
-from kits.metricskit import held_polls
+from kits.metricskit import figure, held_polls
 from kits.pkikit import (
     PrivateKey,
     make_lab,
@@ -327,3 +327,25 @@ def test_closed_onboarding_window_and_https(tmp_path: Path,
         stale = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(seconds=30)
         assert device.send(http, "GET", path, created=stale).status_code == 401
     capsys.readouterr()
+
+
+def test_a_signed_waiting_poll_is_never_renewed(http: httpx.Client) -> None:
+    """A signed poll answered 304 after its wait, sent again byte for byte on the same
+    connection, is verified again (`wfm.admission.parking` renews only unsigned requests):
+    once its signature has aged past the server's window, it is refused, never held again
+    as a renewal of the request it was."""
+    device = Device()
+    device.onboard(http)
+    etag = device.send(http, "GET", f"{device.rc2}/deployments").headers["etag"]
+    window = 300 + 5  # `IdentitySettings.signature_window`, and the clock skew allowed
+    created = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(seconds=window - 3)
+    request = device.request(http, "GET", f"{device.rc2}/deployments", created=created)
+    request.headers.update({"If-None-Match": etag, "Prefer": "wait=1"})  # (not signed)
+    renewed = figure(http, "margo_waiting_polls_renewed_total")
+    held = http.send(request)
+    assert (held.status_code, held.headers.get("preference-applied")) == (304, "wait=1")
+    time.sleep(max(0.0, (created + dt.timedelta(seconds=window + 1)
+                         - dt.datetime.now(dt.UTC)).total_seconds()))
+    again = http.send(request)
+    assert again.status_code == 401, again.text
+    assert figure(http, "margo_waiting_polls_renewed_total") == renewed

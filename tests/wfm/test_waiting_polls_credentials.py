@@ -10,7 +10,6 @@ through the credentials epoch in the database (`wfm.identity.credentialcache`).
 from __future__ import annotations
 
 import contextlib
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,14 +20,10 @@ import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
 from kits.metricskit import figure, held_polls
-from kits.pgkit import database_for
-from kits.serverkit import add_client, margo, store_args, use_store
+from kits.serverkit import access_token, add_client, margo, store_args, use_store
 
 from tools.devices import intent
 from tools.polling import poll_until
-from wfm.identity.clients import token_hash
-from wfm.store.client_rows import store_access_token
-from wfm.store.opening import open_database
 
 MANIFEST = "application/vnd.margo.manifest.v1+json"
 REFS = "/info/refs?service=git-upload-pack"
@@ -129,14 +124,8 @@ def test_an_access_token_that_expires_while_held_is_never_handed_a_newer_state(
     """An access token (`/oauth/token`'s kind) expires while the poll it sent is held; the
     client's state then changes: the poll wakes, and is refused (401) as a request sent
     with that token now would be, not answered with the new manifest."""
-    token, lifetime = "short-lived-" + secrets.token_urlsafe(16), 3.0
-    db = open_database(database_for(server.data_dir) if store_args(server.data_dir)
-                       else server.data_dir / "wfm.sqlite")
-    try:
-        db.write_sync(lambda conn: store_access_token(
-            conn, token_hash(token), server.client_id, time.time() + lifetime, time.time()))
-    finally:
-        db.close()
+    lifetime = 3.0
+    token = access_token(server.data_dir, server.client_id, lifetime)
     with held_manifest_poll(server, token=token) as answer:
         time.sleep(lifetime + 0.5)
         expired_at = time.monotonic()

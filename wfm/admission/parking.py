@@ -25,35 +25,94 @@ An exception the hold raises goes back through the stack: the handler raises it 
 (`raise_parked_failure`) where the app's exception handlers turn it into the same problem
 response as before; `answering` tells the middlewares inside that pass apart (a signature
 is checked once, on the way in).
+
+Renewals skip the stack too. A waiting device that was answered 304 after its wait sends
+the very same request again at once, on the same connection, and keeps doing so for as
+long as nothing changes: that renewal is all the server does for it. A hold that ends so
+may leave a `Renewal` in its slot (`ParkingSlot.renewal`); `Parking` keeps it on the
+request's `Connection` (`margo serve`'s HTTP protocol gives every request its connection:
+`wfm.server.closing`) with what the request was: its path, query, headers (its
+credentials among them), peer and TLS layer, and the route that answered it. The next
+request on that connection that may wait and is that same request, byte for byte, is
+offered to the renewal, which authenticates it again, looks whether its answer changed,
+and holds it again as its handler would have; or declines, and the request goes down the
+stack like any other (so does every request that is not the same). What the stack would
+have done to it was done to the identical request before: routing, the body guards (a
+request with a body is never kept), the signature check (a signed request leaves no
+renewal: its signature is checked on every request). MEASURED (`bench/fleet.py --polling
+waiting --quiet`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["PARKED", "PARKING_SCOPE_KEY", "Parking", "ParkingSlot", "answering", "park",
-           "raise_parked_failure"]
+from wfm.telemetry.routes import answered_by, answered_route
+
+__all__ = ["CONNECTION_SCOPE_KEY", "PARKED", "PARKING_SCOPE_KEY", "Connection", "Parking",
+           "ParkingSlot", "Renewal", "answering", "park", "parking_slot", "raise_parked_failure"]
 
 #: Where a request's scope holds its `ParkingSlot` (every copy of the scope shares it).
 PARKING_SCOPE_KEY = "margo.parking"
+#: Where a request's scope holds its `Connection`, when the server's HTTP protocol gives
+#: one (`wfm.server.closing`).
+CONNECTION_SCOPE_KEY = "margo.connection"
 
 #: What a parked request's hold resolves to: the answer `Parking` sends.
 Hold = Callable[[], Awaitable[Response]]
 
 
-class ParkingSlot:
-    """One request's way out of the stack: the hold its handler left, and what the hold
-    raised (taken back through the stack to be answered)."""
+class Renewal(Protocol):
+    """What a held request's hold leaves for the same request again on its connection
+    (module docstring)."""
 
-    __slots__ = ("failure", "hold")
+    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
+        """The hold for this request (`scope`, with its own `ParkingSlot`: where it may
+        leave the next renewal), the same request again, when its caller is still admitted
+        and its answer unchanged; None: it goes down the stack."""
+        ...
+
+
+#: What a request was, as far as a renewal must match it: path, query, headers, peer,
+#: TLS layer (the ASGI `extensions`).
+_Request = tuple[Any, ...]
+
+
+class _Kept:
+    """A renewal kept on a connection, with the request it renews and the route that
+    answered that request."""
+
+    __slots__ = ("renewal", "request", "route")
+
+    def __init__(self, renewal: Renewal, request: _Request, route: str | None) -> None:
+        self.renewal, self.request, self.route = renewal, request, route
+
+
+class Connection:
+    """One connection as its requests see it, from one to the next: the renewal the last
+    held answer on it left (module docstring)."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self) -> None:
+        self.kept: _Kept | None = None
+
+
+class ParkingSlot:
+    """One request's way out of the stack: the hold its handler left, what the hold raised
+    (taken back through the stack to be answered), and the renewal it left for the same
+    request again on its connection."""
+
+    __slots__ = ("failure", "hold", "renewal")
 
     def __init__(self) -> None:
         self.hold: Hold | None = None
         self.failure: Exception | None = None
+        self.renewal: Renewal | None = None
 
 
 class _Parked(Response):
@@ -76,15 +135,20 @@ def _slot(scope: MutableMapping[str, Any]) -> ParkingSlot | None:
     return slot if isinstance(slot, ParkingSlot) else None
 
 
-def park(scope: MutableMapping[str, Any], hold: Hold) -> bool:
-    """Leave `hold` to `Parking` (True: return `PARKED`), or False when this request
-    cannot park (no slot: served without `Parking`, or already answering): then the
-    caller awaits `hold` itself."""
+def park(scope: MutableMapping[str, Any], hold: Hold) -> ParkingSlot | None:
+    """Leave `hold` to `Parking` (its slot returned: return `PARKED`; the hold may leave a
+    `Renewal` there), or None when this request cannot park (no slot: served without
+    `Parking`, or already answering): then the caller awaits `hold` itself."""
     slot = _slot(scope)
     if slot is None or slot.hold is not None or answering(scope):
-        return False
+        return None
     slot.hold = hold
-    return True
+    return slot
+
+
+def parking_slot(scope: MutableMapping[str, Any]) -> ParkingSlot | None:
+    """The request's `ParkingSlot` (a renewed request's: where it leaves the next)."""
+    return _slot(scope)
 
 
 def answering(scope: MutableMapping[str, Any]) -> bool:
@@ -117,18 +181,58 @@ class Parking:
         if scope["type"] != "http" or not _may_wait(scope):
             await self.app(scope, receive, send)
             return
+        connection = scope.get(CONNECTION_SCOPE_KEY)
+        if not isinstance(connection, Connection):
+            connection = None
         slot = ParkingSlot()
         scope = {**scope, PARKING_SCOPE_KEY: slot}
-        # Each pass gets a copy: routing writes into the scope it is given (a mount's root
-        # path, its path parameters), which a second pass must not find there.
-        await self.app(dict(scope), receive, send)
-        if slot.hold is None:
-            return  # answered in place
-        hold, slot.hold = slot.hold, None
+        hold = await _renewed(connection, scope, receive)
+        if hold is None:
+            # Each pass gets a copy: routing writes into the scope it is given (a mount's
+            # root path, its path parameters), which a second pass must not find there.
+            await self.app(dict(scope), receive, send)
+            if slot.hold is None:
+                return  # answered in place
+            hold, slot.hold = slot.hold, None
         try:
             answer = await hold()
         except Exception as exc:  # raised again where the app's handlers answer it
             slot.failure = exc
             await self.app(dict(scope), receive, send)
             return
+        if connection is not None:
+            connection.kept = _kept(slot, scope)
         await answer(scope, receive, send)
+
+
+def _request(scope: Scope) -> _Request:
+    return (scope["path"], scope["query_string"], scope["headers"], scope.get("client"),
+            scope.get("extensions"))
+
+
+def _kept(slot: ParkingSlot, scope: Scope) -> _Kept | None:
+    """What the connection keeps of a request whose hold ended: the renewal the hold left
+    (taken from the slot), unless the request has a body (the body guards must see it)."""
+    renewal, slot.renewal = slot.renewal, None
+    if renewal is None:
+        return None
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+            return None
+    return _Kept(renewal, _request(scope), answered_route(scope))
+
+
+async def _renewed(connection: Connection | None, scope: Scope,
+                   receive: Receive) -> Hold | None:
+    """The hold the connection's renewal makes of this request, when it is the request the
+    renewal was kept for (module docstring); the renewal is taken either way: it serves
+    one request."""
+    if connection is None or connection.kept is None:
+        return None
+    kept, connection.kept = connection.kept, None
+    if _request(scope) != kept.request:
+        return None
+    hold = await kept.renewal.renew(scope, receive)
+    if hold is not None and kept.route is not None:
+        answered_by(scope, kept.route)  # counted under the route that answered it before
+    return hold

@@ -47,6 +47,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from wfm.admission.parking import CONNECTION_SCOPE_KEY
 from wfm.telemetry.metrics import HELD_POLL_ENDS, HELD_POLLS
 
 __all__ = ["CLOSING_SCOPE_KEY", "DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Closing", "Outcome",
@@ -78,8 +79,8 @@ _DIGITS = 9
 CONCURRENT_CHECKS = 64
 
 #: Where a request's scope holds its connection's `Closing`, when the server's HTTP protocol
-#: gives one (`wfm.server.closing`).
-CLOSING_SCOPE_KEY = "margo.closing"
+#: gives one (`wfm.server.closing`): the connection itself (`wfm.admission.parking`).
+CLOSING_SCOPE_KEY = CONNECTION_SCOPE_KEY
 
 #: What a woken request checks: whether its answer changed, and the keys it waits under now
 #: (a client's devices may have changed with it).

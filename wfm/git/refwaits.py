@@ -12,6 +12,10 @@ use it: Oct-2024 devices know only Git.
 
 A device without a branch has nothing to wait on (404, as before): it learns its first
 state at its next poll.
+
+An advertisement answered 304 after its wait leaves itself on its connection as the renewal
+of the same request (`wfm.admission.parking`): the device's next poll, byte for byte the
+same, is authorized again and held again without going through the request stack.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
-from wfm.admission.parking import PARKED, park
+from wfm.admission.parking import PARKED, Hold, ParkingSlot, park, parking_slot
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
     DEFAULT_MAX_WAIT,
@@ -35,6 +39,8 @@ from wfm.fleet.waiters import (
     requested_wait,
     wait_headers,
 )
+from wfm.identity.proofs import SIGNED_SCOPE_KEY
+from wfm.telemetry.metrics import HELD_POLL_RENEWALS
 
 __all__ = ["Fresh", "RefWaits", "refs_etag"]
 
@@ -103,17 +109,21 @@ class RefWaits:
         held = _HeldAdvertisement(self.waiters, device_id, tip, etag, wait, since, tip_of,
                                   fresh, request.receive, request.scope.get(CLOSING_SCOPE_KEY),
                                   self.epoch, authorized)
-        if park(request.scope, held.answer):
-            return PARKED
-        return await held.answer()
+        slot = park(request.scope, held.answer)
+        if slot is None:
+            return await held.answer()
+        if request.scope.get(SIGNED_SCOPE_KEY) is None:  # a signature is checked every time
+            held.parked = slot
+        return PARKED
 
 
 class _HeldAdvertisement:
     """A waiting ref advertisement while it is held (one object: see
-    `wfm.http.manifest_waits._HeldPoll`)."""
+    `wfm.http.manifest_waits._HeldPoll`); and, answered 304 after its wait, the renewal of
+    the same request (module docstring)."""
 
     __slots__ = ("authorized", "closing", "epoch", "epoch_of", "etag", "fresh", "keys",
-                 "receive", "since", "tip", "tip_of", "wait", "waiters")
+                 "parked", "receive", "since", "tip", "tip_of", "wait", "waiters")
 
     def __init__(self, waiters: Waiters, device_id: str, tip: str, etag: str, wait: int,
                  since: int, tip_of: TipOf, fresh: Fresh, receive: Receive,
@@ -124,6 +134,7 @@ class _HeldAdvertisement:
         self.tip, self.etag, self.wait, self.since = tip, etag, wait, since
         self.tip_of, self.fresh, self.receive, self.closing = tip_of, fresh, receive, closing
         self.epoch_of, self.epoch, self.authorized = epoch_of, epoch_of(), authorized
+        self.parked: ParkingSlot | None = None  # where a parked one leaves its renewal
 
     async def check(self) -> tuple[bool, frozenset[str]]:
         """After a wake: whether the branch moved (the caller authorized again first, if
@@ -142,7 +153,30 @@ class _HeldAdvertisement:
         applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return await self.fresh(applied["Preference-Applied"])
+        parked, self.parked = self.parked, None
+        if outcome is Outcome.TIMEOUT and parked is not None:
+            parked.renewal = self
         return _not_modified(self.etag, applied)
+
+    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
+        """This advertisement held again for `scope`, the same request again on its
+        connection, when its caller is still authorized (as a request arriving now: its
+        credentials, and the device still its own) and the branch has not moved: what
+        the handler would have done, without the stack (`wfm.admission.parking`). None
+        otherwise: the stack answers it, as any request."""
+        try:
+            epoch = self.epoch_of()
+            await self.authorized()
+            since = self.waiters.mark()
+            tip = await self.tip_of()
+        except Exception:  # answered by the stack, as the request would be without renewal
+            return None
+        if tip != self.tip:
+            return None
+        self.epoch, self.since, self.receive = epoch, since, receive
+        self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
+        HELD_POLL_RENEWALS.inc()
+        return self.answer
 
 
 def _not_modified(etag: str, extra: dict[str, str] | None = None) -> Response:

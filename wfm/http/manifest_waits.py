@@ -4,6 +4,10 @@ N seconds pass (`wfm.fleet.waiters` has the whole design), then answered exactly
 immediate poll: 200 with the new manifest, or 304; with `Preference-Applied: wait=N` when it
 was held. Every other request is answered as before, so a client that does not know the
 extension sees no difference.
+
+A poll answered 304 after its wait leaves itself on its connection as the renewal of the
+same request (`wfm.admission.parking`): the device's next poll, byte for byte the same, is
+authenticated again and held again without going through the request stack.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
-from wfm.admission.parking import PARKED, park
+from wfm.admission.parking import PARKED, Hold, ParkingSlot, park, parking_slot
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
     Closing,
@@ -25,22 +29,22 @@ from wfm.fleet.waiters import (
     requested_wait,
     wait_headers,
 )
+from wfm.http.callers import Admission
 from wfm.http.device_api import Api
 from wfm.http.httpcache import etag_matches
 from wfm.identity.clients import Client
+from wfm.telemetry.metrics import HELD_POLL_RENEWALS
 
-__all__ = ["MANIFEST_MEDIA_TYPE", "Admitted", "Current", "manifest_answer"]
+__all__ = ["MANIFEST_MEDIA_TYPE", "Current", "manifest_answer"]
 
 MANIFEST_MEDIA_TYPE = "application/vnd.margo.manifest.v1+json"
 #: The client's manifest now: its exact bytes and ETag.
 Current = Callable[[], Awaitable[tuple[bytes, str]]]
-#: Raises what the caller would be refused with now (`wfm.http.callers.Admission`).
-Admitted = Callable[[], Awaitable[None]]
 
 
 async def manifest_answer(request: Request, api: Api, client: Client, *, since: int,
                           condition: str | None, body: bytes, etag: str, current: Current,
-                          admission: Callable[[Request, Client], Admitted]) -> Response:
+                          admission: Callable[[Request, Client], Admission]) -> Response:
     """The answer to a manifest poll whose manifest, when `since` was marked, was `body`
     under `etag`: held first when it is a waiting poll (module docstring). A held poll's
     `admission(request, client)()` (made only for a poll that is held) raises once the
@@ -54,24 +58,28 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
     poll = _HeldPoll(api, client, condition, current, (body, etag), wait, since,
                      await _keys(api, client), request.receive,
                      request.scope.get(CLOSING_SCOPE_KEY), admission(request, client))
-    if park(request.scope, poll.answer):  # waits outside the stack (`wfm.admission.parking`)
-        return PARKED
-    return await poll.answer()
+    slot = park(request.scope, poll.answer)  # waits outside the stack (`wfm.admission.parking`)
+    if slot is None:
+        return await poll.answer()
+    poll.parked = slot
+    return PARKED
 
 
 class _HeldPoll:
     """A waiting poll while it is held: one object, not a closure per callback (10,000 of
-    them are held at once, and each container they keep is walked by the collector)."""
+    them are held at once, and each container they keep is walked by the collector); and,
+    answered 304 after its wait, the renewal of the same request (module docstring)."""
 
     __slots__ = ("admitted", "api", "client", "closing", "condition", "current", "keys",
-                 "latest", "receive", "since", "wait")
+                 "latest", "parked", "receive", "since", "wait")
 
     def __init__(self, api: Api, client: Client, condition: str | None, current: Current,
                  latest: tuple[bytes, str], wait: int, since: int, keys: frozenset[str],
-                 receive: Receive, closing: Closing | None, admitted: Admitted) -> None:
+                 receive: Receive, closing: Closing | None, admitted: Admission) -> None:
         self.api, self.client, self.condition, self.current = api, client, condition, current
         self.latest, self.wait, self.since, self.keys = latest, wait, since, keys
         self.receive, self.closing, self.admitted = receive, closing, admitted
+        self.parked: ParkingSlot | None = None  # where a parked poll leaves its renewal
 
     async def check(self) -> tuple[bool, frozenset[str]]:
         """After a wake: whether the manifest changed, and what wakes the poll now; raises
@@ -83,14 +91,39 @@ class _HeldPoll:
                 await _keys(self.api, self.client))
 
     async def answer(self) -> Response:
-        """Held until the manifest changes or the wait runs out; then answered."""
+        """Held until the manifest changes or the wait runs out; then answered (and, run
+        out, left as the renewal of the same request)."""
         outcome = await self.api.waiters.hold(self.keys, self.wait, since=self.since,
                                               receive=self.receive, check=self.check,
                                               closing=self.closing)
         applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return _manifest(*self.latest, extra=applied)
+        parked, self.parked = self.parked, None
+        if outcome is Outcome.TIMEOUT and parked is not None and not self.admitted.signed:
+            parked.renewal = self
         return _not_modified(self.latest[1], extra=applied)
+
+    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
+        """This poll held again for `scope`, the same request again on its connection, when
+        its caller is still admitted and its manifest unchanged: what its handler would
+        have done, without the stack (`wfm.admission.parking`). None otherwise: the stack
+        answers it, as any request (a refusal, a new manifest, a failing store: whatever
+        it comes to)."""
+        try:
+            await self.admitted()
+            self.api.polls.seen(self.client.client_id)
+            since = self.api.waiters.mark()
+            latest = await self.current()
+            if not etag_matches(self.condition, latest[1]):
+                return None
+            self.keys = await _keys(self.api, self.client)
+        except Exception:  # answered by the stack, as the request would be without renewal
+            return None
+        self.since, self.latest, self.receive = since, latest, receive
+        self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
+        HELD_POLL_RENEWALS.inc()
+        return self.answer
 
 
 async def _keys(api: Api, client: Client) -> frozenset[str]:

@@ -29,6 +29,7 @@ from wfm.identity.credentials import same_secret
 from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
 from wfm.telemetry.metrics import PROCESS, TEXT_FORMAT
+from wfm.telemetry.routes import ROUTE_CELL, UNMATCHED, answered_by, route_of
 
 __all__ = ["HttpStats", "MetricsEndpoint", "MetricsMiddleware", "RouteMiddleware", "route_of"]
 
@@ -36,23 +37,6 @@ __all__ = ["HttpStats", "MetricsEndpoint", "MetricsMiddleware", "RouteMiddleware
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
-_UNMATCHED = "unmatched"
-
-
-#: The scope key of the cell where `RouteMiddleware` leaves the route that answered.
-_CELL = "margo.metrics.route"
-
-
-def route_of(scope: Scope) -> str:
-    """The route template that answered (`/api/v1/deployments/{deploymentId}/status`),
-    with the mount's prefix for mounted apps (`/git` + `/{device}.git/info/refs`), or
-    `unmatched`: 404s (their paths are whatever a client sent) and requests refused
-    before routing (a body over its limit or budget)."""
-    route = scope.get("route")
-    path = getattr(route, "path", None)
-    if path is None:
-        return _UNMATCHED
-    return str(scope.get("root_path", "")) + str(path)
 
 
 class RouteMiddleware:
@@ -71,9 +55,7 @@ class RouteMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
-            cell = scope.get(_CELL)
-            if cell is not None:
-                cell.append(route_of(scope))
+            answered_by(scope, route_of(scope))
 
 
 class _Series:
@@ -145,7 +127,7 @@ class MetricsMiddleware:
         start = time.perf_counter()  # (a held request: its answer comes through here too)
         code = 500  # an exception escaping the app is answered 500 further out
         cell: list[str] = []
-        scope[_CELL] = cell
+        scope[ROUTE_CELL] = cell
 
         async def sending(message: Message) -> None:
             nonlocal code
@@ -156,7 +138,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, sending)
         finally:
-            self.stats.observe(cell[0] if cell else _UNMATCHED, scope["method"], code,
+            self.stats.observe(cell[0] if cell else UNMATCHED, scope["method"], code,
                                time.perf_counter() - start)
 
 

@@ -9,6 +9,7 @@ while nothing changes (at the fleet's scale the difference is within the noise o
 knows when the connection is lost; this mixin hands every request of the connection a
 `Closing` under `CLOSING_SCOPE_KEY`, which calls back whoever registered when it is.
 A request served without it (another server, a test client) watches `receive` as before.
+The same object is the connection `wfm.admission.parking` keeps a held answer's renewal on.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from wfm.admission.parking import Connection
 from wfm.fleet.waiters import CLOSING_SCOPE_KEY
 
 __all__ = ["ConnectionClosing", "closing_protocol"]
 
 
-class ConnectionClosing:
+class ConnectionClosing(Connection):
     """One connection's callbacks, called once when it closes (at once for one registered
     after it closed)."""
 
     __slots__ = ("_callbacks", "closed")
 
     def __init__(self) -> None:
+        super().__init__()
         self._callbacks: set[Callable[[], None]] = set()
         self.closed = False
 
@@ -43,6 +46,7 @@ class ConnectionClosing:
 
     def close(self) -> None:
         self.closed = True
+        self.kept = None
         callbacks, self._callbacks = self._callbacks, set()
         for callback in callbacks:
             callback()

@@ -30,8 +30,9 @@ from prometheus_client import (
 
 __all__ = ["COLLECTION_SECONDS", "COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS",
            "DB_BATCH_SECONDS", "DB_BATCH_WRITES", "DB_REQUEST_READS", "GIT_SECONDS",
-           "HELD_POLLS", "HELD_POLL_ENDS", "LAST_COLLECTION", "LAST_COMPILE", "LEAD_TIME",
-           "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT", "WEBHOOKS"]
+           "HELD_POLLS", "HELD_POLL_ENDS", "HELD_POLL_RENEWALS", "LAST_COLLECTION",
+           "LAST_COMPILE", "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT",
+           "WEBHOOKS"]
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # no `*_created` series: twice the series for nothing we use
 #: The text exposition format every Prometheus reads (2.x and 3.x; our names need nothing
@@ -111,6 +112,10 @@ HELD_POLL_ENDS = Counter(
     "check raised: the caller's credentials withdrawn, or the store failing; answered as "
     "that error).", ["outcome"],
     registry=PROCESS)
+HELD_POLL_RENEWALS = Counter(
+    "margo_waiting_polls_renewed_total", "Waiting polls held again as the renewal of the "
+    "same request on the same connection, after a 304 at the end of its wait, without "
+    "going through the request stack (wfm.admission.parking).", registry=PROCESS)
 
 # Every known label value from the start: a series that appears only when its first event
 # happens defeats rate() and absent() in alerts.

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from wfm.fleet.waiters import Outcome, Waiters, device_key
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wfm.fleet.waiters import Outcome, Waiters, _on_grid, device_key
 
 
 class _Checks:
@@ -79,3 +82,17 @@ def test_a_small_change_wakes_only_the_requests_held_for_its_devices() -> None:
         return sum(check.calls for check in others), target.calls
 
     assert asyncio.run(scenario()) == (0, 1)
+
+
+@given(now=st.floats(min_value=0, max_value=1e7, allow_nan=False),
+       seconds=st.integers(min_value=1, max_value=3600))  # waits are whole seconds
+def test_a_held_requests_deadline_is_brought_forward_onto_the_grid_never_later(
+        now: float, seconds: int) -> None:
+    """Held requests whose waits end within one step of the grid are answered together
+    (`wfm.fleet.waiters._on_grid`): never later than asked, earlier by at most a second
+    and at most a twentieth of the wait, on a multiple of the step."""
+    deadline = _on_grid(now + seconds, seconds)
+    step = min(1.0, seconds / 20)
+    assert deadline <= now + seconds
+    assert now + seconds - deadline <= step * (1 + 1e-9) + 1e-6
+    assert abs(deadline / step - round(deadline / step)) < 1e-3

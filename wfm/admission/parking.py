@@ -101,6 +101,10 @@ class Connection:
     def __init__(self) -> None:
         self.kept: _Kept | None = None
 
+    def keep(self, kept: _Kept | None) -> None:
+        """What the next request on this connection is offered (None: nothing)."""
+        self.kept = kept
+
 
 class ParkingSlot:
     """One request's way out of the stack: the hold its handler left, what the hold raised
@@ -201,7 +205,7 @@ class Parking:
             await self.app(dict(scope), receive, send)
             return
         if connection is not None:
-            connection.kept = _kept(slot, scope)
+            connection.keep(_kept(slot, scope))
         await answer(scope, receive, send)
 
 

@@ -44,6 +44,11 @@ class ConnectionClosing(Connection):
     def discard(self, callback: Callable[[], None]) -> None:
         self._callbacks.discard(callback)
 
+    def keep(self, kept: Any) -> None:
+        # Closed already (while the answer that keeps it was made): nothing comes next, and
+        # what it kept refers back to it (a held poll's `Closing`): a cycle for the collector.
+        super().keep(None if self.closed else kept)
+
     def close(self) -> None:
         self.closed = True
         self.kept = None

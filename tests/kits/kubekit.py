@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -65,6 +66,10 @@ REAL_TEST_IMAGES = (
                        " >&2; exit 3")),
 )
 
+
+
+class _UpgradeBroken(Exception):
+    """An exec's WebSocket upgrade failed before any byte of its stream (`pod_exec`)."""
 
 class KubeCluster:
     """The session's control plane, as one test sees it."""
@@ -178,13 +183,16 @@ class RealCluster(KubeCluster):
         """Run `command` in the pod's container through the API server (exec over
         WebSocket, `v5.channel.k8s.io`, as kubectl does): exit code, stdout, stderr.
 
-        Once more when the upgrade is not answered in time: on this 2-core machine, under
-        the whole suite, an exec's WebSocket upgrade has gone unanswered for 30 s (seen in
-        test_kube_real_nodes and test_telemetry_real_nodes); no byte of the stream had
-        arrived, and every command the tests run this way only reads."""
+        Once more when the upgrade is not answered in time, or its connection breaks
+        during it: on this 2-core machine, under the whole suite, an exec's WebSocket
+        upgrade has gone unanswered for 30 s (seen in test_kube_real_nodes and
+        test_telemetry_real_nodes), and once its TLS connection failed mid-handshake
+        (`SSLError: internal error`, then `ConnectionClosedError`, in
+        test_kube_real_nodes); no byte of the stream had arrived, and every command the
+        tests run this way only reads."""
         try:
             return self._exec_once(namespace, pod, command, timeout)
-        except TimeoutError:
+        except (TimeoutError, _UpgradeBroken):
             return self._exec_once(namespace, pod, command, timeout)
 
     def _exec_once(self, namespace: str, pod: str, command: Sequence[str],
@@ -197,9 +205,12 @@ class RealCluster(KubeCluster):
         url = (self.plane.server.replace("https://", "wss://")
                + f"/api/v1/namespaces/{namespace}/pods/{pod}/exec?{query}")
         streams = {1: b"", 2: b"", 3: b""}
-        with connect(url, ssl=tls_context(pki.ca_cert, admin.cert, admin.key),
-                     subprotocols=["v5.channel.k8s.io"], open_timeout=timeout) as socket, \
-                contextlib.suppress(ConnectionClosed):
+        try:
+            opened = connect(url, ssl=tls_context(pki.ca_cert, admin.cert, admin.key),
+                             subprotocols=["v5.channel.k8s.io"], open_timeout=timeout)
+        except (ConnectionClosed, ssl.SSLError) as exc:
+            raise _UpgradeBroken(f"exec upgrade broken: {exc}") from exc
+        with opened as socket, contextlib.suppress(ConnectionClosed):
             while True:
                 message = socket.recv(timeout)
                 data = message.encode() if isinstance(message, str) else message

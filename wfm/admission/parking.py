@@ -51,6 +51,7 @@ from typing import Any, Protocol
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from wfm.telemetry.metrics import HELD_POLL_RENEWALS
 from wfm.telemetry.routes import answered_by, answered_route
 
 __all__ = ["CONNECTION_SCOPE_KEY", "PARKED", "PARKING_SCOPE_KEY", "Connection", "Parking",
@@ -73,7 +74,8 @@ class Renewal(Protocol):
     async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
         """The hold for this request (`scope`, with its own `ParkingSlot`: where it may
         leave the next renewal), the same request again, when its caller is still admitted
-        and its answer unchanged; None: it goes down the stack."""
+        and its answer unchanged; None, or what refusing it raises: it goes down the stack
+        (which answers the refusal as it would for any request)."""
         ...
 
 
@@ -236,7 +238,12 @@ async def _renewed(connection: Connection | None, scope: Scope,
     kept, connection.kept = connection.kept, None
     if _request(scope) != kept.request:
         return None
-    hold = await kept.renewal.renew(scope, receive)
-    if hold is not None and kept.route is not None:
-        answered_by(scope, kept.route)  # counted under the route that answered it before
+    try:
+        hold = await kept.renewal.renew(scope, receive)
+    except Exception:  # a refusal, a failing store: the stack answers it, as any request
+        return None
+    if hold is not None:
+        HELD_POLL_RENEWALS.inc()
+        if kept.route is not None:
+            answered_by(scope, kept.route)  # counted under the route that answered it before
     return hold

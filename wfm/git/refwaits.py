@@ -40,7 +40,6 @@ from wfm.fleet.waiters import (
     wait_headers,
 )
 from wfm.identity.proofs import SIGNED_SCOPE_KEY
-from wfm.telemetry.metrics import HELD_POLL_RENEWALS
 
 __all__ = ["Fresh", "RefWaits", "refs_etag"]
 
@@ -163,19 +162,14 @@ class _HeldAdvertisement:
         connection, when its caller is still authorized (as a request arriving now: its
         credentials, and the device still its own) and the branch has not moved: what
         the handler would have done, without the stack (`wfm.admission.parking`). None
-        otherwise: the stack answers it, as any request."""
-        try:
-            epoch = self.epoch_of()
-            await self.authorized()
-            since = self.waiters.mark()
-            tip = await self.tip_of()
-        except Exception:  # answered by the stack, as the request would be without renewal
-            return None
-        if tip != self.tip:
+        otherwise (or the refusal raised): the stack answers it, as any request."""
+        epoch = self.epoch_of()
+        await self.authorized()
+        since = self.waiters.mark()
+        if await self.tip_of() != self.tip:
             return None
         self.epoch, self.since, self.receive = epoch, since, receive
         self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
-        HELD_POLL_RENEWALS.inc()
         return self.answer
 
 

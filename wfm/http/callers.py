@@ -133,13 +133,6 @@ class Admission:
         self.parts = tuple(request.scope.get(key) for key in _ADMISSION_KEYS)
         self.epoch = callers.api.credentials.epoch
 
-    @property
-    def signed(self) -> bool:
-        """Whether the request was signed (rc.2): its signature is checked on every request
-        (`wfm.identity.proofs`), so the same request again is never a renewal
-        (`wfm.admission.parking`)."""
-        return self.parts[-1] is not None
-
     async def __call__(self) -> None:
         epoch = self.callers.api.credentials.epoch
         request = Request({key: value for key, value in zip(_ADMISSION_KEYS, self.parts,

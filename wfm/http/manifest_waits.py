@@ -33,7 +33,7 @@ from wfm.http.callers import Admission
 from wfm.http.device_api import Api
 from wfm.http.httpcache import etag_matches
 from wfm.identity.clients import Client
-from wfm.telemetry.metrics import HELD_POLL_RENEWALS
+from wfm.identity.proofs import SIGNED_SCOPE_KEY
 
 __all__ = ["MANIFEST_MEDIA_TYPE", "Current", "manifest_answer"]
 
@@ -61,7 +61,8 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
     slot = park(request.scope, poll.answer)  # waits outside the stack (`wfm.admission.parking`)
     if slot is None:
         return await poll.answer()
-    poll.parked = slot
+    if request.scope.get(SIGNED_SCOPE_KEY) is None:  # a signature is checked every time
+        poll.parked = slot
     return PARKED
 
 
@@ -100,7 +101,7 @@ class _HeldPoll:
         if outcome is Outcome.CHANGED:
             return _manifest(*self.latest, extra=applied)
         parked, self.parked = self.parked, None
-        if outcome is Outcome.TIMEOUT and parked is not None and not self.admitted.signed:
+        if outcome is Outcome.TIMEOUT and parked is not None:
             parked.renewal = self
         return _not_modified(self.latest[1], extra=applied)
 
@@ -108,21 +109,17 @@ class _HeldPoll:
         """This poll held again for `scope`, the same request again on its connection, when
         its caller is still admitted and its manifest unchanged: what its handler would
         have done, without the stack (`wfm.admission.parking`). None otherwise: the stack
-        answers it, as any request (a refusal, a new manifest, a failing store: whatever
-        it comes to)."""
-        try:
-            await self.admitted()
-            self.api.polls.seen(self.client.client_id)
-            since = self.api.waiters.mark()
-            latest = await self.current()
-            if not etag_matches(self.condition, latest[1]):
-                return None
-            self.keys = await _keys(self.api, self.client)
-        except Exception:  # answered by the stack, as the request would be without renewal
+        answers it, as any request (a new manifest; a refusal or a failing store, raised
+        here, too)."""
+        await self.admitted()
+        self.api.polls.seen(self.client.client_id)
+        since = self.api.waiters.mark()
+        latest = await self.current()
+        if not etag_matches(self.condition, latest[1]):
             return None
+        self.keys = await _keys(self.api, self.client)
         self.since, self.latest, self.receive = since, latest, receive
         self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
-        HELD_POLL_RENEWALS.inc()
         return self.answer
 
 

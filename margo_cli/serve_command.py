@@ -243,10 +243,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from wfm.admission.bodylimit import head_deadline_protocol
     from wfm.identity.tls import ServerContexts, TlsHttpProtocol
     from wfm.server.app import ServerConfig, create_app
-    from wfm.server.closing import closing_protocol
     from wfm.server.datalock import DataDirBusy, DataDirLock
     from wfm.server.onewrite import one_write_protocol
     from wfm.server.serving import serve
+    from wfm.server.wire import wire_protocol
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,13 +284,12 @@ def run_serve(args: argparse.Namespace) -> int:
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
-    # uvicorn has no deadline for a request's head; this protocol adds one
-    # (wfm.admission.bodylimit).
-    # Each request is told when its connection closes (wfm.server.closing), and its
-    # answer's head leaves with its body (wfm.server.onewrite).
+    # A deadline for a request's head (wfm.admission.bodylimit), a waiting device's renewal
+    # answered below the request cycle (wfm.server.wire), an answer's head and body in one
+    # write (wfm.server.onewrite).
     protocol = head_deadline_protocol(transport.get("http"), args.header_timeout)
     if protocol is not None:
-        transport["http"] = one_write_protocol(closing_protocol(protocol))
+        transport["http"] = one_write_protocol(wire_protocol(protocol))
     # uvicorn answers 503 to a request once connections (this one included) or requests
     # in flight reach its limit: one more than ours lets exactly N connections be served.
     # Held waiting polls are answered first when it stops (wfm.server.serving).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-__all__ = ["figure", "held_polls"]
+__all__ = ["figure", "held_polls", "renewals"]
 
 
 def figure(source: str | httpx.Client, name: str, *, default: float | None = None) -> float:
@@ -27,3 +27,11 @@ def figure(source: str | httpx.Client, name: str, *, default: float | None = Non
 def held_polls(source: str | httpx.Client) -> int:
     """How many waiting polls the server at `source` holds now."""
     return int(figure(source, "margo_waiting_polls_held"))
+
+
+def renewals(source: str | httpx.Client, matched: str | None = None) -> float:
+    """Waiting polls renewed by the server at `source` (`wfm.admission.parking`): those
+    matched by their bytes (`wfm.server.wire`), by their parsed request, or (None) both."""
+    if matched is not None:
+        return figure(source, f'margo_waiting_polls_renewed_total{{matched="{matched}"}}')
+    return renewals(source, "bytes") + renewals(source, "request")

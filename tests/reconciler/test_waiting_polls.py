@@ -24,7 +24,7 @@ import pytest
 from kits.chartkit import publish_example_charts
 from kits.devicekit import Device, intent, new_device
 from kits.fleetserver import FleetServer, fleet_server, write_fleet
-from kits.metricskit import figure, held_polls
+from kits.metricskit import held_polls, renewals
 from kits.netkit import cuttable_proxy
 from kits.serverkit import add_client, use_store
 
@@ -165,13 +165,14 @@ def test_a_waiting_devices_renewals_skip_the_request_stack(sqlite: FleetServer,
     """The real client's poll after a 304 (its manifest, or its ref advertisement) is the
     same request again, byte for byte, on the same connection: the server holds it again
     as a renewal (`wfm.admission.parking`), which is what a waiting fleet costs while
-    nothing changes."""
+    nothing changes; its requests arrive whole, so their bytes are matched, unparsed
+    (`wfm.server.wire`)."""
     device = new_device(sqlite, f"renewing-{source}", source=source, interval=INTERVAL,
                         wait="1s")
-    before = figure(sqlite.base, "margo_waiting_polls_renewed_total")
+    before = renewals(sqlite.base, "bytes")
     with running([device]) as logs:
         installed(sqlite, [device])
-        poll_until("three renewals", lambda: figure(
-            sqlite.base, "margo_waiting_polls_renewed_total") >= before + 3, timeout=30)
+        poll_until("three renewals", lambda: renewals(
+            sqlite.base, "bytes") >= before + 3, timeout=30)
     text = logs[0].read_text()
     assert "Traceback" not in text and "stopped holding" not in text, text

@@ -13,6 +13,7 @@ its poll, a push reaches it only through that held poll, and must be rendered wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 from kits.chartkit import publish_example_charts
 from kits.fleetserver import write_fleet
-from kits.metricskit import held_polls
+from kits.metricskit import held_polls, renewals
 from kits.pkikit import Lab, make_lab, running_tls_server, tls_client
 
 from tools.devices import engine_environment, intent
@@ -50,9 +51,9 @@ def fleet(registry: str, tmp_path: Path) -> Path:
     return write_fleet(tmp_path / "fleet", registry=registry, intents={})
 
 
-def write_device(home: Path, lab: Lab, base: str) -> Path:
+def write_device(home: Path, lab: Lab, base: str, wait: str) -> Path:
     """The device's directory: its SVID, the trust bundle, capabilities and configuration
-    (rc.3, margo-rest source, render driver, waiting polls)."""
+    (rc.3, margo-rest source, render driver, waiting polls of `wait`)."""
     home.mkdir(parents=True)
     cert, key = lab.client(DEVICE)
     shutil.copy(cert, home / "svid.pem")
@@ -70,20 +71,28 @@ def write_device(home: Path, lab: Lab, base: str) -> Path:
         "identity": {"svid": {"cert": "svid.pem", "key": "svid-key.pem"},
                      "trustBundle": "bundle.pem"},
         "capabilities": {"file": "capabilities.json"},
-        "schedule": {"interval": INTERVAL, "wait": "60s"},
+        "schedule": {"interval": INTERVAL, "wait": wait},
     }))
     return config
 
 
 @pytest.fixture
 def device_run(lab: Lab, fleet: Path, tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
-    """`margo serve` over mTLS on the fleet and `margo device run` with its SVID: (the
-    server's base URL, the device's rendered folder, its log)."""
+    """`margo serve` over mTLS on the fleet and `margo device run` with its SVID, waiting
+    60 s at a time: (the server's base URL, the device's rendered folder, its log)."""
+    with device_running(lab, fleet, tmp_path, "60s") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def device_running(lab: Lab, fleet: Path, tmp_path: Path,
+                   wait: str) -> Iterator[tuple[str, Path, Path]]:
+    """`device_run`, the device's polls waiting `wait` at a time."""
     cert, key = lab.client("readiness")
     with running_tls_server(tmp_path / "data", lab, "--accept-clients", "*", "--source",
                             str(fleet), "--watch-source", ready=(cert, key)) as base:
         home = tmp_path / DEVICE
-        config = write_device(home, lab, base)
+        config = write_device(home, lab, base, wait)
         log_path = home / "device.log"
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
@@ -109,6 +118,13 @@ def held(base: str, lab: Lab) -> int:
         return held_polls(http)
 
 
+def renewed_unparsed(base: str, lab: Lab) -> float:
+    """The renewals the server matched by their bytes (`wfm.server.wire`)."""
+    cert, key = lab.client("observer")
+    with tls_client(base, cert, key, lab.bundle) as http:
+        return renewals(http, "bytes")
+
+
 def edit_intent(fleet: Path, greeting: str) -> None:
     path = fleet / "deployments" / f"{DEVICE}.yaml"
     temporary = path.with_name(f".{path.name}.tmp")
@@ -125,5 +141,21 @@ def test_a_device_with_its_svid_learns_of_each_push_through_its_held_poll(
         edit_intent(fleet, greeting)
         poll_until(f"{greeting!r} rendered", lambda g=greeting: g in rendered_text(rendered),
                    timeout=PROMPTLY, describe=lambda: log.read_text()[-2000:])
+    text = log.read_text()
+    assert "Traceback" not in text and "stopped holding polls" not in text, text
+
+
+def test_a_device_with_its_svid_has_its_renewals_matched_unparsed(
+        lab: Lab, fleet: Path, tmp_path: Path) -> None:
+    """Through the TLS layer too, the device's poll after a 304 arrives whole, byte for
+    byte the one before, and is held again without being parsed (`wfm.server.wire`)."""
+    edit_intent(fleet, "Hello from mTLS")
+    with device_running(lab, fleet, tmp_path, "1s") as (base, rendered, log):
+        poll_until("rendered", lambda: "Hello from mTLS" in rendered_text(rendered),
+                   timeout=PROMPTLY, describe=lambda: log.read_text()[-2000:])
+        before = renewed_unparsed(base, lab)
+        poll_until("three renewals matched by their bytes",
+                   lambda: renewed_unparsed(base, lab) >= before + 3, timeout=30,
+                   describe=lambda: log.read_text()[-2000:])
     text = log.read_text()
     assert "Traceback" not in text and "stopped holding polls" not in text, text

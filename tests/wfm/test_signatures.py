@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 from http_message_signatures import HTTPMessageSigner
 from http_message_signatures.resolvers import MappingKeyResolver
-from kits.metricskit import figure, held_polls
+from kits.metricskit import held_polls, renewals
 from kits.pkikit import (
     PrivateKey,
     make_lab,
@@ -341,11 +341,11 @@ def test_a_signed_waiting_poll_is_never_renewed(http: httpx.Client) -> None:
     created = dt.datetime.now(dt.UTC).replace(microsecond=0) - dt.timedelta(seconds=window - 3)
     request = device.request(http, "GET", f"{device.rc2}/deployments", created=created)
     request.headers.update({"If-None-Match": etag, "Prefer": "wait=1"})  # (not signed)
-    renewed = figure(http, "margo_waiting_polls_renewed_total")
+    renewed = renewals(http)
     held = http.send(request)
     assert (held.status_code, held.headers.get("preference-applied")) == (304, "wait=1")
     time.sleep(max(0.0, (created + dt.timedelta(seconds=window + 1)
                          - dt.datetime.now(dt.UTC)).total_seconds()))
     again = http.send(request)
     assert again.status_code == 401, again.text
-    assert figure(http, "margo_waiting_polls_renewed_total") == renewed
+    assert renewals(http) == renewed

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
-from kits.metricskit import figure
+from kits.metricskit import figure, renewals
 from kits.serverkit import access_token, add_client, margo, store_args, use_store
 
 from tools.devices import intent
@@ -41,7 +41,7 @@ def server(tmp_path: Path) -> Iterator[FleetServer]:
 
 
 def renewed(server: FleetServer) -> float:
-    return figure(server.base, "margo_waiting_polls_renewed_total")
+    return renewals(server.base)
 
 
 def waiting(http: httpx.Client, etag: str, path: str = RC3,

@@ -41,21 +41,36 @@ have done to it was done to the identical request before: routing, the body guar
 request with a body is never kept), the signature check (a signed request leaves no
 renewal: its signature is checked on every request). MEASURED (`bench/fleet.py --polling
 waiting --quiet`, docs/benchmarks.md).
+
+Below the stack, too. A renewal that arrives on its connection in one read, byte for byte
+the bytes of the request it renews (`Connection.arrived`, told by `margo serve`'s HTTP
+protocol: `wfm.server.wire`), is not parsed again nor sent through uvicorn's request
+cycle, Starlette and the middlewares at all: `renew_on_wire` holds it again and answers it
+(counted in the request metrics under the route that answered it before: `counts_of`), or,
+declined, hands it to the whole stack as any request.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
+from prometheus_client import Counter
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from wfm.telemetry.metrics import HELD_POLL_RENEWALS
-from wfm.telemetry.routes import answered_by, answered_route
+from wfm.telemetry.routes import (
+    UNMATCHED,
+    answered_by,
+    answered_route,
+    counts_of,
+)
 
 __all__ = ["CONNECTION_SCOPE_KEY", "PARKED", "PARKING_SCOPE_KEY", "Connection", "Parking",
-           "ParkingSlot", "Renewal", "answering", "park", "parking_slot", "raise_parked_failure"]
+           "ParkingSlot", "Renewal", "answering", "park", "parking_slot", "raise_parked_failure",
+           "renew_on_wire"]
 
 #: Where a request's scope holds its `ParkingSlot` (every copy of the scope shares it).
 PARKING_SCOPE_KEY = "margo.parking"
@@ -82,29 +97,44 @@ class Renewal(Protocol):
 #: What a request was, as far as a renewal must match it: path, query, headers, peer,
 #: TLS layer (the ASGI `extensions`).
 _Request = tuple[Any, ...]
+#: What a kept request's scope keeps: what uvicorn makes a request's scope of, its TLS
+#: layer and its connection (a renewal on the wire is answered, or handed to the stack,
+#: with a scope made of them).
+_SCOPE_KEPT = ("type", "asgi", "http_version", "server", "client", "scheme", "root_path",
+               "headers", "method", "path", "raw_path", "query_string", "extensions",
+               CONNECTION_SCOPE_KEY)
 
 
 class _Kept:
-    """A renewal kept on a connection, with the request it renews and the route that
-    answered that request."""
+    """A renewal kept on a connection, with the request it renews (what its scope was,
+    and its bytes when they arrived in one read), the route that answered that request
+    and the request counts it was counted in."""
 
-    __slots__ = ("renewal", "request", "route")
+    __slots__ = ("counts", "raw", "renewal", "route", "scope")
 
-    def __init__(self, renewal: Renewal, request: _Request, route: str | None) -> None:
-        self.renewal, self.request, self.route = renewal, request, route
+    def __init__(self, renewal: Renewal, scope: Scope) -> None:
+        self.renewal = renewal
+        self.scope = {key: scope[key] for key in _SCOPE_KEPT if key in scope}
+        self.route, self.counts = answered_route(scope), counts_of(scope)
+        self.raw: bytes | None = None
 
 
 class Connection:
     """One connection as its requests see it, from one to the next: the renewal the last
-    held answer on it left (module docstring)."""
+    held answer on it left, and the bytes of its last request when they arrived whole in
+    one read (module docstring)."""
 
-    __slots__ = ("kept",)
+    __slots__ = ("arrived", "kept")
 
     def __init__(self) -> None:
         self.kept: _Kept | None = None
+        self.arrived: bytes | None = None
 
     def keep(self, kept: _Kept | None) -> None:
-        """What the next request on this connection is offered (None: nothing)."""
+        """What the next request on this connection is offered (None: nothing); it renews
+        the bytes that arrived last, when they did in one read."""
+        if kept is not None and kept.raw is None:
+            kept.raw = self.arrived
         self.kept = kept
 
 
@@ -131,6 +161,10 @@ class _Parked(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         return None
 
+
+#: Renewals taken, by how the request was told to be the same (`HELD_POLL_RENEWALS`).
+_MATCHED_REQUEST = HELD_POLL_RENEWALS.labels("request")
+_MATCHED_BYTES = HELD_POLL_RENEWALS.labels("bytes")
 
 #: What a handler returns once it parked its request.
 PARKED: Response = _Parked()
@@ -225,7 +259,7 @@ def _kept(slot: ParkingSlot, scope: Scope) -> _Kept | None:
     for name, value in scope["headers"]:
         if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
             return None
-    return _Kept(renewal, _request(scope), answered_route(scope))
+    return _Kept(renewal, scope)
 
 
 async def _renewed(connection: Connection | None, scope: Scope,
@@ -236,14 +270,54 @@ async def _renewed(connection: Connection | None, scope: Scope,
     if connection is None or connection.kept is None:
         return None
     kept, connection.kept = connection.kept, None
-    if _request(scope) != kept.request:
+    if _request(scope) != _request(kept.scope):
         return None
+    hold = await _renewal_hold(kept, scope, receive, _MATCHED_REQUEST)
+    if hold is not None and kept.route is not None:
+        answered_by(scope, kept.route)  # counted under the route that answered it before
+    return hold
+
+
+async def _renewal_hold(kept: _Kept, scope: Scope, receive: Receive,
+                        matched: Counter) -> Hold | None:
+    """The hold `kept`'s renewal makes of the same request again (counted in `matched`),
+    or None."""
     try:
         hold = await kept.renewal.renew(scope, receive)
     except Exception:  # a refusal, a failing store: the stack answers it, as any request
         return None
     if hold is not None:
-        HELD_POLL_RENEWALS.inc()
-        if kept.route is not None:
-            answered_by(scope, kept.route)  # counted under the route that answered it before
+        matched.inc()
     return hold
+
+
+async def renew_on_wire(kept: _Kept, scope: Scope, receive: Receive, send: Send,
+                        app: ASGIApp) -> None:
+    """Answer the same request again as `kept` renews, arrived on its connection byte for
+    byte as before (`Connection.arrived`; `scope` made of `kept.scope` by the HTTP protocol
+    that saw it, `wfm.server.wire`): held again and answered from here, counted where the
+    request was counted, under the route that answered it; or, when the renewal declines
+    or its hold raises, handed to `app` (the whole stack, which counts it itself) as any
+    request, which answers it as it would have without a renewal."""
+    start = time.perf_counter()
+    slot = ParkingSlot()
+    hold = await _renewal_hold(kept, {**scope, PARKING_SCOPE_KEY: slot}, receive,
+                               _MATCHED_BYTES)
+    answer = None
+    if hold is not None:
+        try:
+            answer = await hold()
+        except Exception:  # a refusal at a wake, a failing store: answered by the stack
+            answer = None
+    if answer is None:
+        await app(scope, receive, send)
+        return
+    renewal, slot.renewal = slot.renewal, None
+    connection = scope.get(CONNECTION_SCOPE_KEY)
+    if renewal is not None and isinstance(connection, Connection):
+        kept.renewal = renewal  # (the same request again: the same `_Kept`)
+        connection.keep(kept)
+    await answer(scope, receive, send)
+    if kept.counts is not None:
+        kept.counts.observe(kept.route or UNMATCHED, scope["method"], answer.status_code,
+                            time.perf_counter() - start)

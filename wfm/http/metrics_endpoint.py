@@ -29,7 +29,13 @@ from wfm.identity.credentials import same_secret
 from wfm.identity.operators import OperatorAuth, Role, bearer_token, refusal
 from wfm.problems import ProblemError
 from wfm.telemetry.metrics import PROCESS, TEXT_FORMAT
-from wfm.telemetry.routes import ROUTE_CELL, UNMATCHED, answered_by, route_of
+from wfm.telemetry.routes import (
+    COUNTS_SCOPE_KEY,
+    ROUTE_CELL,
+    UNMATCHED,
+    answered_by,
+    route_of,
+)
 
 __all__ = ["HttpStats", "MetricsEndpoint", "MetricsMiddleware", "RouteMiddleware", "route_of"]
 
@@ -128,6 +134,7 @@ class MetricsMiddleware:
         code = 500  # an exception escaping the app is answered 500 further out
         cell: list[str] = []
         scope[ROUTE_CELL] = cell
+        scope[COUNTS_SCOPE_KEY] = self.stats  # (what a renewal on the wire is counted in)
 
         async def sending(message: Message) -> None:
             nonlocal code

@@ -75,6 +75,11 @@ class _OneWrite:
         cycle = self.cycle
         if cycle is None or cycle is before:  # an upgrade: no new cycle
             return
+        self.cycle_made(cycle)
+
+    def cycle_made(self, cycle: Any) -> None:
+        """Each request cycle made (by uvicorn, or a renewal's: `wfm.server.wire`) writes
+        through a `_HeadWithBody` (but HEAD's, and one expecting `100 Continue`)."""
         if cycle.scope["method"] != "HEAD" and not cycle.waiting_for_100_continue:
             cycle.transport = _HeadWithBody(self.transport)
 

@@ -113,9 +113,11 @@ HELD_POLL_ENDS = Counter(
     "that error).", ["outcome"],
     registry=PROCESS)
 HELD_POLL_RENEWALS = Counter(
-    "margo_waiting_polls_renewed_total", "Waiting polls held again as the renewal of the "
+    "margo_waiting_polls_renewed", "Waiting polls held again as the renewal of the "
     "same request on the same connection, after a 304 at the end of its wait, without "
-    "going through the request stack (wfm.admission.parking).", registry=PROCESS)
+    "going through the request stack (wfm.admission.parking), by how they were matched: "
+    "`bytes` (the same bytes, not parsed: wfm.server.wire) or `request` (parsed first).",
+    labelnames=["matched"], registry=PROCESS)
 
 # Every known label value from the start: a series that appears only when its first event
 # happens defeats rate() and absent() in alerts.

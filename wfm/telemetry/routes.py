@@ -10,15 +10,30 @@ route that answered the same request before (`answered_route`, then `answered_by
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["ROUTE_CELL", "UNMATCHED", "answered_by", "answered_route", "route_of"]
+__all__ = ["COUNTS_SCOPE_KEY", "ROUTE_CELL", "UNMATCHED", "RequestCounts", "answered_by",
+           "answered_route", "counts_of", "route_of"]
 
 #: The scope key of the cell (a list, shared by every copy of the scope) where the route
 #: that answered is left.
 ROUTE_CELL = "margo.metrics.route"
 #: The label of a request no route answered.
 UNMATCHED = "unmatched"
+#: The scope key of the request counts `MetricsMiddleware` adds to: a renewal answered
+#: below the request stack (`wfm.server.wire`) is counted there by whoever answers it.
+COUNTS_SCOPE_KEY = "margo.metrics.counts"
+
+
+class RequestCounts(Protocol):
+    """Where answered requests are counted (`wfm.http.metrics_endpoint.HttpStats`)."""
+
+    def observe(self, route: str, method: str, code: int, seconds: float) -> None: ...
+
+
+def counts_of(scope: Mapping[str, Any]) -> RequestCounts | None:
+    """The request counts this request is counted in, if it is counted."""
+    return scope.get(COUNTS_SCOPE_KEY)
 
 
 def route_of(scope: Mapping[str, Any]) -> str:

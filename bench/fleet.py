@@ -612,15 +612,18 @@ async def measure_async(store: str, servers: list[MargoServer], postgres_pid: in
     tasks = [asyncio.create_task(fleet.live(d)) for d in fleet.devices]
     try:
         await wait_for_steady_state(fleet, tasks, servers, args.setup_timeout)
-        setup_seconds = time.monotonic() - setup
+        steady = time.monotonic()
+        setup_seconds = steady - setup
         await asyncio.sleep(args.settle)
         quiet = None
         if args.quiet:
             seconds = waiting.quiet_seconds(args)
             collections = await waiting.collected(servers, OPERATOR_TOKEN,
                                                   COLLECT_LATEST + 15)
+            await waiting.first_holds_over(args, steady)
+            first = ", the first held polls over" if args.polling == "waiting" else ""
             print(f"  steady state after {setup_seconds:.0f} s, the compile's collection "
-                  f"done: {seconds:g} s with nothing changing", flush=True)
+                  f"done{first}: {seconds:g} s with nothing changing", flush=True)
             quiet = await waiting.quiet_window(servers, postgres_pid, seconds, stats, tree_cpu)
             quiet.collections = collections
         print(f"  steady state after {setup_seconds:.0f} s: pushing the edit", flush=True)

@@ -98,6 +98,16 @@ def pause(args: Any, device: Any, retry: float | None) -> float:
         random.uniform(args.period / 2, args.period)
 
 
+async def first_holds_over(args: Any, steady: float) -> None:
+    """In waiting mode, until every device's first held poll (sent as the setup ended, at
+    `steady`, a `time.monotonic()`) has run out. Why: that first poll was parsed and taken
+    through the request stack, and its renewals are not (docs/server.md, "Renewals skip the
+    request stack"): a window that starts at the steady state spends its first wait
+    answering the first polls, and reads more than the steady state costs."""
+    if args.polling == "waiting":
+        await asyncio.sleep(max(0.0, steady + args.wait + 2 - time.monotonic()))
+
+
 async def quiet_window(servers: list[Any], postgres_pid: int | None, seconds: float,
                        stats: Any, tree_cpu: Any) -> QuietFigures:
     """Measure `seconds` of steady state: nothing is pushed meanwhile."""

@@ -300,9 +300,8 @@ async def renew_on_wire(kept: _Kept, scope: Scope, receive: Receive, send: Send,
     or its hold raises, handed to `app` (the whole stack, which counts it itself) as any
     request, which answers it as it would have without a renewal."""
     start = time.perf_counter()
-    slot = ParkingSlot()
-    hold = await _renewal_hold(kept, {**scope, PARKING_SCOPE_KEY: slot}, receive,
-                               _MATCHED_BYTES)
+    slot = scope[PARKING_SCOPE_KEY] = ParkingSlot()  # (`Parking` puts its own on the stack's)
+    hold = await _renewal_hold(kept, scope, receive, _MATCHED_BYTES)
     answer = None
     if hold is not None:
         try:

@@ -13,7 +13,7 @@ So this mixin for uvicorn's httptools protocol looks at what arrives before the 
 does. When a connection holds a kept renewal (`Connection.kept`), nothing is half-parsed or
 in flight on it, and the bytes that arrive in one read are exactly those of the request
 the renewal renews (`Connection.arrived`, which this mixin records: the bytes of a read
-that held exactly one whole request), the request is already known: its scope is the one
+that held exactly one whole GET), the request is already known: its scope is the one
 kept, and `renew_on_wire` holds it again on a request cycle of uvicorn's own, which writes
 the answer as it writes any (its headers, the date, keep-alive, the access log, the
 server's graceful stop). A renewal declined (the caller refused now, the answer changed)
@@ -32,6 +32,10 @@ from wfm.admission.parking import Connection, renew_on_wire
 from wfm.server.closing import closing_protocol
 
 __all__ = ["wire_protocol"]
+
+#: Only a GET is ever renewed: the bytes of any other request are not kept (a connection
+#: would hold its last status report's until its next request).
+_GET = b"GET "
 
 
 class _Renewing:
@@ -74,7 +78,7 @@ class _WireRenewals:
         self._begun = self._completed = 0
         super().data_received(data)  # type: ignore[misc]
         whole = idle and self._begun == 1 and self._completed == 1
-        connection.arrived = data if whole else None
+        connection.arrived = data if whole and data.startswith(_GET) else None
 
     def on_message_begin(self) -> None:
         self._in_message = True

@@ -27,9 +27,10 @@ Polling (issue 34): `interval` (the default) is the above; `waiting` makes every
 `Prefer: wait=N` (`--wait`) with its conditional polls, each over a connection of its own,
 and pace itself as the real client does (bench/waiting.py). `--quiet S` measures S seconds
 of steady state before the push (nothing changes; with waiting polls, once every device's
-first held poll has run out): each server's CPU per minute, and PostgreSQL's. `--restart` (SQLite, waiting devices) restarts the server after the push
-(SIGTERM, then a new process on the same port and data) and measures how long until it
-holds every device's poll again, with the errors the devices met meanwhile.
+first held poll has run out): each server's CPU per minute, and PostgreSQL's. `--restart`
+(SQLite, waiting devices) restarts the server after the push (SIGTERM, then a new process
+on the same port and data) and measures how long until it holds every device's poll
+again, with the errors the devices met meanwhile.
 
 Stores: `sqlite` is one server process on its SQLite file; `replicas` is two server
 processes on one PostgreSQL database (tools/postgres.py: a private server, fsync=off).

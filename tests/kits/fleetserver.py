@@ -15,8 +15,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kits.serverkit import add_client, running_server
+from kits.serverkit import add_client, running_server, use_store
 from tools import fleetserver as _kit
+from tools.devices import intent
 from tools.fleetserver import (
     CAPABILITIES,
     EXAMPLE_FLEET,
@@ -27,7 +28,7 @@ from tools.fleetserver import (
 )
 
 __all__ = ["CAPABILITIES", "EXAMPLE_FLEET", "MANIFEST", "FleetServer", "capabilities",
-           "fleet_server", "write_fleet"]
+           "fleet_server", "one_device_server", "write_fleet"]
 
 
 @contextmanager
@@ -37,3 +38,18 @@ def fleet_server(workdir: Path, *, fleet: Path | None = None, client_id: str = "
     with _kit.fleet_server(workdir, fleet=fleet, client_id=client_id, extra_args=extra_args,
                            start=running_server, register=add_client) as server:
         yield server
+
+
+@contextmanager
+def one_device_server(workdir: Path, device: str, *, store: str = "sqlite",
+                      extra_args: Sequence[str] = ()) -> Iterator[FleetServer]:
+    """`fleet_server` on `store` (`kits.serverkit.use_store`), its fleet one intent for
+    `device` (a single-node k8s device that reported its capabilities), once its
+    deployment is compiled: what the waiting-poll tests poll."""
+    with use_store(store), fleet_server(
+            workdir, fleet=write_fleet(workdir / "fleet", intents={}),
+            extra_args=extra_args) as running:
+        running.put_capabilities(capabilities("k8s-single-amd64", device))
+        running.edit_intent(device, intent(device))
+        running.wait_for_deployments(1)
+        yield running

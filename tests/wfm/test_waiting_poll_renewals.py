@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.fleetserver import FleetServer, one_device_server
 from kits.metricskit import figure, renewals
-from kits.serverkit import access_token, add_client, margo, store_args, use_store
+from kits.serverkit import access_token, add_client, margo, store_args
 
 from tools.devices import intent
 from tools.polling import poll_until
@@ -32,11 +32,7 @@ REFS = "/info/refs?service=git-upload-pack"
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[FleetServer]:
-    with use_store("sqlite"), fleet_server(
-            tmp_path, fleet=write_fleet(tmp_path / "fleet", intents={})) as running:
-        running.put_capabilities(capabilities("k8s-single-amd64", DEVICE))
-        running.edit_intent(DEVICE, intent(DEVICE))
-        running.wait_for_deployments(1)
+    with one_device_server(tmp_path, DEVICE) as running:
         yield running
 
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.fleetserver import FleetServer, one_device_server
 from kits.metricskit import figure, held_polls
-from kits.serverkit import access_token, add_client, margo, store_args, use_store
+from kits.serverkit import access_token, add_client, margo, store_args
 
 from tools.devices import intent
 from tools.polling import poll_until
@@ -38,11 +38,7 @@ PROMPTLY = 10.0
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FleetServer]:
     """One server, or two replicas behind the round-robin balancer (the withdrawal reaches
     each through PostgreSQL; the held request may be on either)."""
-    with use_store(request.param), fleet_server(
-            tmp_path, fleet=write_fleet(tmp_path / "fleet", intents={})) as running:
-        running.put_capabilities(capabilities("k8s-single-amd64", DEVICE))
-        running.edit_intent(DEVICE, intent(DEVICE))
-        running.wait_for_deployments(1)
+    with one_device_server(tmp_path, DEVICE, store=request.param) as running:
         yield running
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.fleetserver import FleetServer, capabilities, one_device_server
 from kits.metricskit import figure, held_polls
 from kits.serverkit import add_client, two_replicas, use_store
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,13 +41,8 @@ DEVICE = "waiting-1"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetServer]:
-    workdir = tmp_path_factory.mktemp("waiting")
-    with use_store("sqlite"), fleet_server(
-            workdir, fleet=write_fleet(workdir / "fleet", intents={}),
-            extra_args=("--max-wait", "10", "--max-waiters", "2")) as running:
-        running.put_capabilities(capabilities("k8s-single-amd64", DEVICE))
-        running.edit_intent(DEVICE, intent(DEVICE))
-        running.wait_for_deployments(1)
+    with one_device_server(tmp_path_factory.mktemp("waiting"), DEVICE, extra_args=(
+            "--max-wait", "10", "--max-waiters", "2")) as running:
         yield running
 
 

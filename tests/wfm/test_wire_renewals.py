@@ -19,11 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kits.fleetserver import FleetServer, capabilities, fleet_server, write_fleet
+from kits.fleetserver import FleetServer, one_device_server
 from kits.metricskit import figure, held_polls
 from kits.serverkit import add_client, use_store
 
-from tools.devices import intent
 from tools.margoserver import margo_server
 from tools.polling import poll_until
 
@@ -36,13 +35,8 @@ KEEP_ALIVE = 3
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetServer]:
-    workdir = tmp_path_factory.mktemp("wire")
-    with use_store("sqlite"), fleet_server(
-            workdir, fleet=write_fleet(workdir / "fleet", intents={}),
-            extra_args=("--keep-alive", str(KEEP_ALIVE))) as running:
-        running.put_capabilities(capabilities("k8s-single-amd64", DEVICE))
-        running.edit_intent(DEVICE, intent(DEVICE))
-        running.wait_for_deployments(1)
+    with one_device_server(tmp_path_factory.mktemp("wire"), DEVICE,
+                           extra_args=("--keep-alive", str(KEEP_ALIVE))) as running:
         yield running
 
 

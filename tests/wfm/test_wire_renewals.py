@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from kits.fleetserver import FleetServer, one_device_server
 from kits.metricskit import figure, held_polls
-from kits.serverkit import add_client, use_store
+from kits.serverkit import add_client, margo, store_args, use_store
 
 from tools.margoserver import margo_server
 from tools.polling import poll_until
@@ -185,6 +185,59 @@ def test_a_connection_idle_after_a_renewal_is_closed_after_the_keep_alive_timeou
         assert renewed(server.base, "bytes") == bytes_before + 1
         assert wire.closed_by_server()
     assert KEEP_ALIVE - 0.5 <= time.monotonic() - answered < 20
+
+
+def test_a_request_sent_while_a_renewal_is_held_is_answered_after_its_whole_wait(
+        server: FleetServer) -> None:
+    """A renewal held on the wire (no request cycle) goes on in one when more arrives on its
+    connection: held to the same deadline (neither answered early nor held anew), then
+    the request that came meanwhile answered, in order."""
+    _, etag = server.manifest()
+    with held_once(server, wait=3) as (wire, request, first):
+        bytes_before, _ = counts(server.base)
+        wire.send(request)
+        sent = time.monotonic()
+        poll_until("the renewal held", lambda: held_polls(server.base) == 1)
+        wire.send(plain_poll(server.token, etag))
+        assert held_304(wire, wait=3) == first
+        assert 3 * (1 - 1 / 20) - 0.5 <= time.monotonic() - sent < 3 + 2
+        status, headers, _ = wire.answer()
+        assert (status, headers["etag"], "preference-applied" in headers) == (304, etag, False)
+        assert renewed(server.base, "bytes") == bytes_before + 1
+
+
+def test_a_change_while_a_renewal_is_held_is_answered_on_its_connection(
+        server: FleetServer) -> None:
+    """A push wakes a renewal held on the wire: answered 200 with the new manifest at once,
+    and the connection serves on."""
+    with held_once(server, wait=15) as (wire, request, first):
+        bytes_before, _ = counts(server.base)
+        wire.send(request)
+        poll_until("the renewal held", lambda: held_polls(server.base) == 1)
+        assert renewed(server.base, "bytes") == bytes_before + 1
+        changed = time.monotonic()
+        server.set_parameter(DEVICE, "greeting", f"wire {changed}")
+        status, headers, body = wire.answer()  # (before its wait ran out: else a 304)
+        assert (status, headers["preference-applied"]) == (200, "wait=15"), body
+        assert headers["etag"] != first["etag"]
+        wire.send(plain_poll(server.token, headers["etag"]))
+        assert wire.answer()[0] == 304
+
+
+def test_a_client_retired_while_its_renewal_is_held_is_refused(tmp_path: Path) -> None:
+    """Retiring the client (`margo clients retire`, another process) refuses the renewal
+    it holds on the wire, as the stack refuses a request arriving now (before its wait ran
+    out: else a 304)."""
+    with one_device_server(tmp_path, DEVICE) as running, held_once(running, wait=10) as (
+            wire, request, _):
+        wire.send(request)
+        poll_until("the renewal held", lambda: held_polls(running.base) == 1)
+        assert renewed(running.base, "bytes") == 1
+        data = running.data_dir
+        margo("clients", "retire", running.client_id, "--data", str(data),
+              *store_args(data))
+        status, headers, _ = wire.answer()
+        assert (status, headers["content-type"]) == (403, "application/problem+json")
 
 
 def test_a_stopping_server_answers_a_renewal_it_holds_at_once(tmp_path: Path) -> None:

@@ -45,9 +45,10 @@ waiting --quiet`, docs/benchmarks.md).
 Below the stack, too. A renewal that arrives on its connection in one read, byte for byte
 the bytes of the request it renews (`Connection.arrived`, told by `margo serve`'s HTTP
 protocol: `wfm.server.wire`), is not parsed again nor sent through uvicorn's request
-cycle, Starlette and the middlewares at all: `renew_on_wire` holds it again and answers it
-(counted in the request metrics under the route that answered it before: `counts_of`), or,
-declined, hands it to the whole stack as any request.
+cycle, Starlette and the middlewares at all: the protocol renews it and holds it itself,
+and `renew_on_wire` answers what goes on in a request cycle (counted in the request metrics
+under the route that answered it before: `counts_of`, `observe_renewal`), or, declined,
+hands it to the whole stack as any request.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ from wfm.telemetry.routes import (
     counts_of,
 )
 
-__all__ = ["CONNECTION_SCOPE_KEY", "PARKED", "PARKING_SCOPE_KEY", "Connection", "Parking",
-           "ParkingSlot", "Renewal", "answering", "park", "parking_slot", "raise_parked_failure",
-           "renew_on_wire"]
+__all__ = ["CONNECTION_SCOPE_KEY", "PARKED", "PARKING_SCOPE_KEY", "Connection", "Held",
+           "Parking", "ParkingSlot", "Renewal", "answering", "observe_renewal", "park",
+           "parking_slot", "raise_parked_failure", "renew_on_wire", "renewed_on_wire"]
 
 #: Where a request's scope holds its `ParkingSlot` (every copy of the scope shares it).
 PARKING_SCOPE_KEY = "margo.parking"
@@ -82,12 +83,20 @@ CONNECTION_SCOPE_KEY = "margo.connection"
 Hold = Callable[[], Awaitable[Response]]
 
 
+class Held(Protocol):
+    """A renewal's request, held again: its `answer` holds it, then answers it."""
+
+    async def answer(self) -> Response:
+        """Held until its answer changes or its wait runs out; then its answer."""
+        ...
+
+
 class Renewal(Protocol):
     """What a held request's hold leaves for the same request again on its connection
     (module docstring)."""
 
-    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
-        """The hold for this request (`scope`, with its own `ParkingSlot`: where it may
+    async def renew(self, scope: Scope, receive: Receive) -> Held | None:
+        """This request held again (`scope`, with its own `ParkingSlot`: where it may
         leave the next renewal), the same request again, when its caller is still admitted
         and its answer unchanged; None, or what refusing it raises: it goes down the stack
         (which answers the refusal as it would for any request)."""
@@ -278,30 +287,37 @@ async def _renewed(connection: Connection | None, scope: Scope,
     return hold
 
 
-async def _renewal_hold(kept: _Kept, scope: Scope, receive: Receive,
-                        matched: Counter) -> Hold | None:
+async def _renewal_hold(kept: _Kept, scope: Scope, receive: Receive, matched: Counter,
+                        renewing: Awaitable[Held | None] | None = None) -> Hold | None:
     """The hold `kept`'s renewal makes of the same request again (counted in `matched`),
-    or None."""
+    or None. `renewing`: its `renew` of this request, already begun (`wfm.server.wire`)."""
     try:
-        hold = await kept.renewal.renew(scope, receive)
+        held = await (renewing or kept.renewal.renew(scope, receive))
     except Exception:  # a refusal, a failing store: the stack answers it, as any request
         return None
-    if hold is not None:
-        matched.inc()
-    return hold
+    if held is None:
+        return None
+    matched.inc()
+    return held.answer
 
 
 async def renew_on_wire(kept: _Kept, scope: Scope, receive: Receive, send: Send,
-                        app: ASGIApp) -> None:
+                        app: ASGIApp, *, renewing: Awaitable[Held | None] | None = None,
+                        held: Held | None = None, start: float | None = None) -> None:
     """Answer the same request again as `kept` renews, arrived on its connection byte for
     byte as before (`Connection.arrived`; `scope` made of `kept.scope` by the HTTP protocol
     that saw it, `wfm.server.wire`): held again and answered from here, counted where the
     request was counted, under the route that answered it; or, when the renewal declines
     or its hold raises, handed to `app` (the whole stack, which counts it itself) as any
-    request, which answers it as it would have without a renewal."""
-    start = time.perf_counter()
-    slot = scope[PARKING_SCOPE_KEY] = ParkingSlot()  # (`Parking` puts its own on the stack's)
-    hold = await _renewal_hold(kept, scope, receive, _MATCHED_BYTES)
+    request, which answers it as it would have without a renewal. The wire may have begun
+    the renewal (`renewing`), or renewed it already and held it (`held`, whose `answer`
+    continues that hold), since `start`."""
+    start = time.perf_counter() if start is None else start
+    slot = scope.setdefault(PARKING_SCOPE_KEY, ParkingSlot())  # (the stack's has its own)
+    if held is not None:
+        hold: Hold | None = held.answer
+    else:
+        hold = await _renewal_hold(kept, scope, receive, _MATCHED_BYTES, renewing)
     answer = None
     if hold is not None:
         try:
@@ -317,6 +333,18 @@ async def renew_on_wire(kept: _Kept, scope: Scope, receive: Receive, send: Send,
         kept.renewal = renewal  # (the same request again: the same `_Kept`)
         connection.keep(kept)
     await answer(scope, receive, send)
+    observe_renewal(kept, scope["method"], answer.status_code, start)
+
+
+def observe_renewal(kept: _Kept, method: str, status: int, start: float) -> None:
+    """Count a renewal answered where its request was counted, under the route that
+    answered it (`counts_of`), over its time since `start`."""
     if kept.counts is not None:
-        kept.counts.observe(kept.route or UNMATCHED, scope["method"], answer.status_code,
+        kept.counts.observe(kept.route or UNMATCHED, method, status,
                             time.perf_counter() - start)
+
+
+def renewed_on_wire() -> None:
+    """Count a renewal the wire held again itself (`wfm.server.wire`), as `renew_on_wire`
+    counts its own."""
+    _MATCHED_BYTES.inc()

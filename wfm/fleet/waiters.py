@@ -27,7 +27,9 @@ connection (about 10 KiB kept alive) and, held, what waits for it: outside the A
 (`wfm.admission.parking`), its scope, a few frames, a ticket, a future, a timer and what
 authenticates it again at a wake, about 6.6 KiB more (13 KiB while it waited inside the
 stack; bench/held_polls.py, the server's RSS with 10,000 idle connections, then with a
-held poll on each; docs/benchmarks.md).
+held poll on each; docs/benchmarks.md). A waiting device's renewal held on the wire
+(`wfm.server.wire`) is held by `hold_soon` instead: its ticket and its connection's
+callback, nothing more, and one timer for all that run out in the same second.
 A client that disconnects is released at once: its connection says so (`margo serve`
 gives each request its connection's `Closing`, `wfm.server.closing`), or,
 served without one, its request's `receive`, read by a task meanwhile. `close` (server
@@ -52,8 +54,8 @@ from wfm.admission.parking import CONNECTION_SCOPE_KEY
 from wfm.telemetry.metrics import HELD_POLL_ENDS, HELD_POLLS
 
 __all__ = ["CLOSING_SCOPE_KEY", "DEFAULT_MAX_WAIT", "DEFAULT_MAX_WAITERS", "Closing", "Outcome",
-           "Rewind", "Waiters", "client_key", "device_key", "prefer_values", "requested_wait",
-           "wait_headers"]
+           "Rewind", "SoonHold", "Waiters", "client_key", "device_key", "prefer_values",
+           "requested_wait", "wait_headers"]
 
 log = logging.getLogger("margo.wfm.waiters")
 
@@ -182,6 +184,7 @@ class Waiters:
         self._tickets: set[_Ticket] = set()
         self._closing = False
         self._lookups: set[asyncio.Future[None]] = set()  # owner look-ups under way
+        self._due: dict[float, list[SoonHold]] = {}  # `hold_soon`s by when they run out
         self._checks = asyncio.Semaphore(CONCURRENT_CHECKS)  # (bound to the loop on use)
         self._lock = threading.Lock()  # `_loop` is set once, read from any thread
 
@@ -306,13 +309,14 @@ class Waiters:
 
     async def hold(self, keys: frozenset[str], seconds: float, *, since: int,
                    receive: Callable[[], Awaitable[Any]], check: Check,
-                   closing: Closing | None = None) -> Outcome:
+                   closing: Closing | None = None, until: float | None = None) -> Outcome:
         """Hold a request whose answer, checked when `since` was `mark`ed, is unchanged:
-        until `check` finds it changed (after a wake), `seconds` pass, the client
-        disconnects or the server stops. The disconnect is told by `closing`, the
-        request's connection (`CLOSING_SCOPE_KEY`), else by `receive`, the request's ASGI
-        receive, read meanwhile: the body messages it gives first are given back when it
-        is a `Rewind` (whoever answers after the hold may need them)."""
+        until `check` finds it changed (after a wake), `seconds` pass (or the loop's clock
+        reaches `until`: the rest of a hold begun by `hold_soon`), the client disconnects
+        or the server stops. The disconnect is told by `closing`, the request's connection
+        (`CLOSING_SCOPE_KEY`), else by `receive`, the request's ASGI receive, read
+        meanwhile: the body messages it gives first are given back when it is a `Rewind`
+        (whoever answers after the hold may need them)."""
         if self._closing:
             _ENDS[Outcome.CLOSED].inc()
             return Outcome.CLOSED
@@ -322,7 +326,8 @@ class Waiters:
             return Outcome.SHED
         watch = _watch_disconnect(ticket, receive, closing)
         try:
-            outcome = await self._held(ticket, seconds, since=since, check=check)
+            outcome = await self._held(ticket, seconds, since=since, check=check,
+                                       until=until)
         except Exception:  # `check` refused the caller (or the store failed): theirs to answer
             _FAILED.inc()
             raise
@@ -333,11 +338,11 @@ class Waiters:
         return outcome
 
     async def _held(self, ticket: _Ticket, seconds: float, *, since: int,
-                    check: Check) -> Outcome:
+                    check: Check, until: float | None) -> Outcome:
         """`hold` once the ticket is had and its disconnect watched. (One coroutine: each
         held request keeps its frames for up to a minute.)"""
         loop = asyncio.get_running_loop()
-        deadline = _on_grid(loop.time() + seconds, seconds)
+        deadline = until if until is not None else _on_grid(loop.time() + seconds, seconds)
         if self.changes != since:
             ticket.outcome = Outcome.CHANGED  # woken between the check and now
         while True:
@@ -372,6 +377,71 @@ class Waiters:
         if loop.time() >= deadline:
             return Outcome.TIMEOUT
         return None
+
+
+    def hold_soon(self, keys: frozenset[str], seconds: float, *, since: int,
+                  closing: Closing, then: Callable[[Outcome], None]) -> SoonHold | None:
+        """`hold` without a coroutine: the held request is a ticket (its timer shared by
+        those due together) and `closing`'s callback, and `then(outcome)` is called on the
+        event loop once its wait ran out (`TIMEOUT`), its client went away (`GONE`), or a
+        wake or the server's stop came (`CHANGED`, `CLOSED`: not answers yet; the caller
+        continues with `hold(..., until=SoonHold.deadline)`, which checks or answers them
+        as it would have). None when it cannot be held so now (the server stops, too many
+        are held, or a wake came since `since`): the caller holds it with `hold`, which
+        answers those cases. Why (`wfm.server.wire`): a waiting device's renewal held as a
+        task of a few coroutines cost more than the renewal's bytes on the wire; held so,
+        it costs a ticket."""
+        loop = self._loop
+        if (self._closing or since != self.changes or loop is None
+                or len(self._tickets) >= self.limit):
+            return None
+        held = SoonHold(keys, self, closing, then)
+        self._tickets.add(held)
+        self._index_ticket(held)
+        HELD_POLLS.set(len(self._tickets))
+        held.deadline = deadline = _on_grid(loop.time() + seconds, seconds)
+        due = self._due.get(deadline)
+        if due is None:  # one timer for all that run out together (`_on_grid`)
+            due = self._due[deadline] = []
+            loop.call_at(deadline, self._run_out, deadline)
+        due.append(held)
+        closing.add(held.gone)
+        return held
+
+    def _run_out(self, deadline: float) -> None:
+        """The waits of the `hold_soon`s due at `deadline` ran out (those still held)."""
+        for held in self._due.pop(deadline, ()):
+            held.resolve(Outcome.TIMEOUT)
+
+
+class SoonHold(_Ticket):
+    """A request held by `Waiters.hold_soon`: its own ticket, ending in a call to `then`."""
+
+    __slots__ = ("closing", "deadline", "then", "waiters")
+
+    def __init__(self, keys: frozenset[str], waiters: Waiters, closing: Closing,
+                 then: Callable[[Outcome], None]) -> None:
+        super().__init__(keys)
+        self.waiters, self.closing = waiters, closing
+        self.then: Callable[[Outcome], None] | None = then
+        self.deadline = 0.0  # (`Waiters._run_out` ends it then)
+
+    def resolve(self, outcome: Outcome) -> None:
+        then = self.then
+        if then is None:
+            return  # ended already
+        self.release()
+        if outcome is Outcome.TIMEOUT or outcome is Outcome.GONE:
+            _ENDS[outcome].inc()  # (the others end in the `hold` that continues it)
+        then(outcome)
+
+    def release(self) -> None:
+        """No longer held (its wait ended, or a `hold` continues it): `then` not called."""
+        if self.then is None:
+            return
+        self.then = None
+        self.closing.discard(self.gone)
+        self.waiters._leave(self)
 
 
 def _on_grid(deadline: float, seconds: float) -> float:

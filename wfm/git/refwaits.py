@@ -27,12 +27,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from wfm.admission.parking import PARKED, Hold, ParkingSlot, park, parking_slot
+from wfm.admission.parking import PARKED, ParkingSlot, park, parking_slot
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
     DEFAULT_MAX_WAIT,
     Closing,
     Outcome,
+    SoonHold,
     Waiters,
     device_key,
     prefer_values,
@@ -122,7 +123,7 @@ class _HeldAdvertisement:
     the same request (module docstring)."""
 
     __slots__ = ("authorized", "closing", "epoch", "epoch_of", "etag", "fresh", "keys",
-                 "parked", "receive", "since", "tip", "tip_of", "wait", "waiters")
+                 "parked", "receive", "since", "tip", "tip_of", "until", "wait", "waiters")
 
     def __init__(self, waiters: Waiters, device_id: str, tip: str, etag: str, wait: int,
                  since: int, tip_of: TipOf, fresh: Fresh, receive: Receive,
@@ -134,6 +135,7 @@ class _HeldAdvertisement:
         self.tip_of, self.fresh, self.receive, self.closing = tip_of, fresh, receive, closing
         self.epoch_of, self.epoch, self.authorized = epoch_of, epoch_of(), authorized
         self.parked: ParkingSlot | None = None  # where a parked one leaves its renewal
+        self.until: float | None = None  # the next hold's end, when it continues one
 
     async def check(self) -> tuple[bool, frozenset[str]]:
         """After a wake: whether the branch moved (the caller authorized again first, if
@@ -146,9 +148,10 @@ class _HeldAdvertisement:
 
     async def answer(self) -> Response:
         """Held until the branch moves (then served afresh) or the wait runs out (304)."""
+        until, self.until = self.until, None
         outcome = await self.waiters.hold(self.keys, self.wait, since=self.since,
                                           receive=self.receive, check=self.check,
-                                          closing=self.closing)
+                                          closing=self.closing, until=until)
         applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return await self.fresh(applied["Preference-Applied"])
@@ -157,7 +160,18 @@ class _HeldAdvertisement:
             parked.renewal = self
         return _not_modified(self.etag, applied)
 
-    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
+    def hold_soon(self, then: Callable[[Outcome], None]) -> SoonHold | None:
+        """Held again as `answer` would, without a coroutine (`Waiters.hold_soon`)."""
+        if self.closing is None:
+            return None
+        return self.waiters.hold_soon(self.keys, self.wait, since=self.since,
+                                      closing=self.closing, then=then)
+
+    def timed_out(self) -> Response:
+        """The answer once its wait ran out unchanged (what `answer` answers then)."""
+        return _not_modified(self.etag, wait_headers(self.wait, Outcome.TIMEOUT))
+
+    async def renew(self, scope: Scope, receive: Receive) -> _HeldAdvertisement | None:
         """This advertisement held again for `scope`, the same request again on its
         connection, when its caller is still authorized (as a request arriving now: its
         credentials, and the device still its own) and the branch has not moved: what
@@ -170,7 +184,7 @@ class _HeldAdvertisement:
             return None
         self.epoch, self.since, self.receive = epoch, since, receive
         self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
-        return self.answer
+        return self
 
 
 def _not_modified(etag: str, extra: dict[str, str] | None = None) -> Response:

@@ -18,11 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from wfm.admission.parking import PARKED, Hold, ParkingSlot, park, parking_slot
+from wfm.admission.parking import PARKED, ParkingSlot, park, parking_slot
 from wfm.fleet.waiters import (
     CLOSING_SCOPE_KEY,
     Closing,
     Outcome,
+    SoonHold,
     client_key,
     device_key,
     prefer_values,
@@ -72,7 +73,7 @@ class _HeldPoll:
     answered 304 after its wait, the renewal of the same request (module docstring)."""
 
     __slots__ = ("admitted", "api", "client", "closing", "condition", "current", "keys",
-                 "latest", "parked", "receive", "since", "wait")
+                 "latest", "parked", "receive", "since", "until", "wait")
 
     def __init__(self, api: Api, client: Client, condition: str | None, current: Current,
                  latest: tuple[bytes, str], wait: int, since: int, keys: frozenset[str],
@@ -81,6 +82,7 @@ class _HeldPoll:
         self.latest, self.wait, self.since, self.keys = latest, wait, since, keys
         self.receive, self.closing, self.admitted = receive, closing, admitted
         self.parked: ParkingSlot | None = None  # where a parked poll leaves its renewal
+        self.until: float | None = None  # the next hold's end, when it continues one
 
     async def check(self) -> tuple[bool, frozenset[str]]:
         """After a wake: whether the manifest changed, and what wakes the poll now; raises
@@ -94,9 +96,10 @@ class _HeldPoll:
     async def answer(self) -> Response:
         """Held until the manifest changes or the wait runs out; then answered (and, run
         out, left as the renewal of the same request)."""
+        until, self.until = self.until, None
         outcome = await self.api.waiters.hold(self.keys, self.wait, since=self.since,
                                               receive=self.receive, check=self.check,
-                                              closing=self.closing)
+                                              closing=self.closing, until=until)
         applied = wait_headers(self.wait, outcome)
         if outcome is Outcome.CHANGED:
             return _manifest(*self.latest, extra=applied)
@@ -105,7 +108,18 @@ class _HeldPoll:
             parked.renewal = self
         return _not_modified(self.latest[1], extra=applied)
 
-    async def renew(self, scope: Scope, receive: Receive) -> Hold | None:
+    def hold_soon(self, then: Callable[[Outcome], None]) -> SoonHold | None:
+        """Held again as `answer` would, without a coroutine (`Waiters.hold_soon`)."""
+        if self.closing is None:
+            return None
+        return self.api.waiters.hold_soon(self.keys, self.wait, since=self.since,
+                                          closing=self.closing, then=then)
+
+    def timed_out(self) -> Response:
+        """The answer once its wait ran out unchanged (what `answer` answers then)."""
+        return _not_modified(self.latest[1], extra=wait_headers(self.wait, Outcome.TIMEOUT))
+
+    async def renew(self, scope: Scope, receive: Receive) -> _HeldPoll | None:
         """This poll held again for `scope`, the same request again on its connection, when
         its caller is still admitted and its manifest unchanged: what its handler would
         have done, without the stack (`wfm.admission.parking`). None otherwise: the stack
@@ -120,7 +134,7 @@ class _HeldPoll:
         self.keys = await _keys(self.api, self.client)
         self.since, self.latest, self.receive = since, latest, receive
         self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
-        return self.answer
+        return self
 
 
 async def _keys(api: Api, client: Client) -> frozenset[str]:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
 
-from wfm.admission.parking import CONNECTION_SCOPE_KEY, PARKED, Hold, Parking, park, parking_slot
+from wfm.admission.parking import CONNECTION_SCOPE_KEY, PARKED, Parking, park, parking_slot
 from wfm.http.metrics_endpoint import HttpStats, MetricsMiddleware, RouteMiddleware
 from wfm.server.closing import ConnectionClosing
 
@@ -48,22 +48,22 @@ class _Renewing:
     def __init__(self, scope: dict[str, Any]) -> None:
         self.slot, self.connection = parking_slot(scope), scope.get(CONNECTION_SCOPE_KEY)
 
-    async def hold(self) -> Response:
+    async def answer(self) -> Response:
         await asyncio.sleep(0)
         slot, self.slot = self.slot, None
         if slot is not None:
             slot.renewal = self
         return Response(status_code=304)
 
-    async def renew(self, scope: dict[str, Any], receive: Any) -> Hold | None:
+    async def renew(self, scope: dict[str, Any], receive: Any) -> _Renewing:
         self.slot = parking_slot(scope)
         _Renewing.renewed += 1
-        return self.hold
+        return self
 
 
 async def _renewing(request: Request) -> Response:
     renewing = _Renewing(request.scope)
-    return PARKED if park(request.scope, renewing.hold) else await renewing.hold()
+    return PARKED if park(request.scope, renewing.answer) else await renewing.answer()
 
 
 def _app(stats: HttpStats) -> Starlette:

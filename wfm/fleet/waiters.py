@@ -275,14 +275,14 @@ class Waiters:
         for ticket in tuple(self._tickets):
             ticket.resolve(Outcome.CLOSED)
 
-    def _enter(self, keys: frozenset[str]) -> _Ticket | None:
+    def _enter(self, ticket: _Ticket) -> bool:
+        """Hold `ticket`, unless as many as `limit` are held."""
         if len(self._tickets) >= self.limit:
-            return None
-        ticket = _Ticket(keys)
+            return False
         self._tickets.add(ticket)
         self._index_ticket(ticket)
         HELD_POLLS.set(len(self._tickets))
-        return ticket
+        return True
 
     def _index_ticket(self, ticket: _Ticket) -> None:
         for key in ticket.keys:
@@ -320,8 +320,8 @@ class Waiters:
         if self._closing:
             _ENDS[Outcome.CLOSED].inc()
             return Outcome.CLOSED
-        ticket = self._enter(keys)
-        if ticket is None:
+        ticket = _Ticket(keys)
+        if not self._enter(ticket):
             _ENDS[Outcome.SHED].inc()
             return Outcome.SHED
         watch = _watch_disconnect(ticket, receive, closing)
@@ -378,7 +378,6 @@ class Waiters:
             return Outcome.TIMEOUT
         return None
 
-
     def hold_soon(self, keys: frozenset[str], seconds: float, *, since: int,
                   closing: Closing, then: Callable[[Outcome], None]) -> SoonHold | None:
         """`hold` without a coroutine: the held request is a ticket (its timer shared by
@@ -392,13 +391,11 @@ class Waiters:
         task of a few coroutines cost more than the renewal's bytes on the wire; held so,
         it costs a ticket."""
         loop = self._loop
-        if (self._closing or since != self.changes or loop is None
-                or len(self._tickets) >= self.limit):
+        if self._closing or since != self.changes or loop is None:
             return None
         held = SoonHold(keys, self, closing, then)
-        self._tickets.add(held)
-        self._index_ticket(held)
-        HELD_POLLS.set(len(self._tickets))
+        if not self._enter(held):
+            return None
         held.deadline = deadline = _on_grid(loop.time() + seconds, seconds)
         due = self._due.get(deadline)
         if due is None:  # one timer for all that run out together (`_on_grid`)

@@ -251,7 +251,7 @@ class _WireRenewals:
         scope = on.scope
         response = on.held.timed_out()
         self._closing.keep(on.kept)  # (the same request again: the same `_Kept`)
-        keep_alive = scope["http_version"] != "1.0" and self.parser.should_keep_alive()
+        keep_alive = self._keep_alive(scope)
         if this.access_log:
             _log_access(this.access_logger, scope, response.status_code)
         this.transport.write(_head(response, this.server_state.default_headers, keep_alive))
@@ -275,6 +275,11 @@ class _WireRenewals:
         this: Any = self
         this._start_asgi_task(self._cycle(scope), app)
 
+    def _keep_alive(self, scope: Any) -> bool:
+        """Whether the connection is kept alive after this request's answer (as uvicorn
+        tells it when it makes a request cycle)."""
+        return bool(scope.get("http_version") != "1.0" and self.parser.should_keep_alive())
+
     def _cycle(self, scope: Any) -> Any:
         """A request cycle of uvicorn's for the request `scope` is, all of it arrived."""
         this: Any = self
@@ -283,8 +288,7 @@ class _WireRenewals:
             access_logger=this.access_logger, access_log=this.access_log,
             default_headers=this.server_state.default_headers,
             message_event=asyncio.Event(), expect_100_continue=False,
-            keep_alive=scope.get("http_version") != "1.0" and self.parser.should_keep_alive(),
-            on_response=this.on_response_complete)
+            keep_alive=self._keep_alive(scope), on_response=this.on_response_complete)
         cycle.more_body = False  # (a request without a body, all of it arrived)
         cycle.message_event.set()
         self.cycle_made(cycle)

@@ -13,7 +13,8 @@ import json
 import re
 from typing import Any
 
-__all__ = ["DigestError", "data_digest", "digest_of", "parse_digest", "verify_digest"]
+__all__ = ["DigestError", "data_digest", "digest_of", "parse_digest", "sorted_json",
+           "verify_digest"]
 
 _GRAMMAR = re.compile(r"^([a-z0-9_-]+):([0-9a-f]+)\Z")
 _SUPPORTED = {"sha256": 64}
@@ -28,12 +29,17 @@ def digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def sorted_json(doc: Any) -> str:
+    """JSON data's sorted-key compact serialization (what `data_digest` is over), for a
+    caller that stores the text as well as its digest and serializes once."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def data_digest(doc: Any) -> str:
     """`sha256:` of JSON data's sorted-key compact serialization: equal exactly when the
     content is equal. An internal identity (change detection, caches), not a wire digest:
     wire digests are always over the bytes sent (`digest_of`)."""
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return digest_of(text.encode("utf-8"))
+    return digest_of(sorted_json(doc).encode("utf-8"))
 
 
 def parse_digest(text: str) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from margo.digests import sorted_json
 from wfm.identity.clients import ClientRegistry
 from wfm.store import records
 from wfm.store.coalesced import Coalesced, CoalescedWrites
@@ -125,12 +126,14 @@ def _report(deployment: str, state: str, *, client: str = "plant-0",
 
 
 def _stored(store: Database, prefix: str) -> list[tuple[Any, ...]]:
-    """The statuses and their history under deployments named `prefix`..., without times
-    and with the prefix cut off."""
+    """The statuses (their documents as stored) and their history under deployments named
+    `prefix`..., without times and with the prefix cut off."""
     def read(conn: Any) -> list[tuple[Any, ...]]:
-        rows = [("status", r[0][len(prefix):], *r[1:]) for r in conn.execute(
-            "SELECT deployment_id, state, digest, history_count, meaning FROM statuses "
-            "WHERE deployment_id LIKE ? ORDER BY deployment_id", (prefix + "%",))]
+        rows = [("status", r[0][len(prefix):], *r[1:5], r[5].replace(f'"{prefix}', '"'))
+                for r in conn.execute(
+                    "SELECT deployment_id, state, digest, history_count, meaning, document "
+                    "FROM statuses WHERE deployment_id LIKE ? ORDER BY deployment_id",
+                    (prefix + "%",))]
         return rows + [("history", r[0][len(prefix):], *r[1:]) for r in conn.execute(
             "SELECT deployment_id, state FROM status_reports WHERE deployment_id LIKE ? "
             "ORDER BY id", (prefix + "%",))]
@@ -139,7 +142,8 @@ def _stored(store: Database, prefix: str) -> list[tuple[Any, ...]]:
 
 def test_reports_written_together_store_what_one_at_a_time_would(store: Database) -> None:
     """New, repeated (same bytes), re-asserted (same meaning, other bytes) and changed
-    reports, one deployment reported twice in one write: the same answers and rows."""
+    reports, one deployment reported twice in one write: the same answers and rows (the
+    reports written together carry their serialized text, as the status intake's do)."""
     ClientRegistry(store).add("plant-0")
 
     def reports(prefix: str) -> list[list[records.StatusReport]]:
@@ -147,7 +151,8 @@ def test_reports_written_together_store_what_one_at_a_time_would(store: Database
             report = _report(prefix + name, state, error=error)
             return records.StatusReport(**{**{f: getattr(report, f) for f in (
                 "client_id", "deployment_id", "device_id", "state", "document", "adopted",
-                "applied")}, "digest": report.digest.removeprefix(prefix)})
+                "applied")}, "digest": report.digest.removeprefix(prefix),
+                "text": sorted_json(report.document) if prefix == "all-" else None})
         return [[r("a", "installing"), r("b", "installing"), r("c", "failed", "x")],
                 [r("a", "installing"), r("b", "installed"), r("b", "installed"),
                  r("c", "failed", "y"), r("d", "installing"), r("d", "installed")]]

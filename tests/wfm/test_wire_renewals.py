@@ -271,3 +271,18 @@ def _etag(base: str, token: str) -> str | None:
                    f"Accept: {MANIFEST}\r\n\r\n").encode())
         status, headers, _ = wire.answer()
     return headers["etag"] if status == 200 else None
+
+
+def test_a_renewal_answered_on_the_wire_is_in_the_access_log(tmp_path: Path) -> None:
+    """At `--log-level info` a renewal answered on the wire is logged as uvicorn logs the
+    answers of its request cycles (the wire builds the line only when it is kept)."""
+    with one_device_server(tmp_path, DEVICE, extra_args=("--log-level", "info")) as server:
+        before = counts(server.base)
+        with held_once(server) as (wire, request, _):
+            wire.send(request)
+            held_304(wire)
+        assert counts(server.base)[0] == before[0] + 1  # the renewal was answered on the wire
+        log = server.data_dir.parent / f"server-{server.base.rsplit(':', 1)[1]}.log"
+        answered = f'"GET {RC3} HTTP/1.1" 304'
+        poll_until("both 304s in the access log",
+                   lambda: log.read_text(errors="replace").count(answered) >= 2, timeout=10)

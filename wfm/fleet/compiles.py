@@ -1,7 +1,9 @@
 """Compiles triggered by the server: at start, on capability changes, on source changes.
 
 Triggers are debounced (a burst of capability reports from a rebooting site is one
-compile) and compiles never overlap: one background thread runs them, with its own Git
+compile), except those that are one event by nature (a push to the hosted source, a
+webhook's fetch, an operator's rollout action: `trigger(settle=False)`), whose compile
+starts at once; compiles never overlap: one background thread runs them, with its own Git
 store and compiler state, reading the capability snapshot from the database. After each
 compile the REST view is told that the branches may have changed.
 
@@ -120,6 +122,8 @@ class CompileService:
         self._rollouts, self._lead = rollouts, lead_times
         self._wake = threading.Condition()
         self._pending = False
+        #: Whether the compile now pending starts without the debounce (`trigger`).
+        self._hurry = False
         #: When the compile now pending was first asked for (a lead time's clock, when no
         #: push or webhook started it).
         self._requested: float | None = None
@@ -139,17 +143,21 @@ class CompileService:
         self._thread = threading.Thread(target=self._loop, name="margo-compiles", daemon=True)
         self._thread.start()
 
-    def trigger(self) -> None:
+    def trigger(self, *, settle: bool = True) -> None:
         """Something the desired state depends on changed: compile (here, or on the replica
-        that holds the compile lease)."""
+        that holds the compile lease). `settle=False`: the change is one event, not the
+        first of a burst (a push, a webhook, an operator's action), so the compile here
+        starts without waiting for more triggers; the lease holder of replicas still
+        waits its debounce (the request reaches it as a count in the database)."""
         if self._coordinator is not None:
             self._coordinator.request_compile()
             return
-        self.compile_soon()
+        self.compile_soon(settle=settle)
 
-    def compile_soon(self) -> None:
+    def compile_soon(self, *, settle: bool = True) -> None:
         with self._wake:
             self._pending = True
+            self._hurry = self._hurry or not settle
             if self._requested is None:
                 self._requested = time.time()
             self._wake.notify()
@@ -187,9 +195,12 @@ class CompileService:
             if collect:
                 self._collect()
                 continue
-            time.sleep(self._debounce)  # let a burst of triggers settle
+            self._settle()
             with self._wake:
-                self._pending = False
+                if self._stopping:
+                    self._running = False
+                    return
+                self._pending = self._hurry = False
                 requested, self._requested = self._requested or time.time(), None
             try:
                 self._compile(requested)
@@ -201,6 +212,17 @@ class CompileService:
                 with self._wake:
                     self._running = False
                     self._wake.notify_all()
+
+    def _settle(self) -> None:
+        """Let a burst of triggers settle for the debounce, cut short by one that should
+        not wait (`trigger(settle=False)`) or by the server stopping."""
+        deadline = time.monotonic() + self._debounce
+        with self._wake:
+            while not (self._hurry or self._stopping):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._wake.wait(left)
 
     @property
     def unready(self) -> str | None:

@@ -291,7 +291,7 @@ class FleetApi:
             raise ProblemError(status, str(exc)) from None
         await self.audit.record(caller, f"rollout.{action}", name, outcome=OK,
                                 address=address)
-        self.api.compiles.trigger()
+        self.api.compiles.trigger(settle=False)
         [view] = await run_in_threadpool(self.rollout_views, name)
         return view
 
@@ -426,7 +426,7 @@ class FleetApi:
         WEBHOOKS.labels("fetched").inc()
         if self.lead is not None:
             self.lead.received("webhook", arrived)
-        self.api.compiles.trigger()
+        self.api.compiles.trigger(settle=False)
         return JSONResponse({"fetched": commit, "compiling": True}, status_code=202)
 
     def routes(self) -> list[Route]:

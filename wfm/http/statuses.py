@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from margo.digests import data_digest
+from margo.digests import digest_of, sorted_json
 from margo.errors import DocumentError
 from margo.identifiers import DEPLOYMENT_ID, DEVICE_ID
 from margo.kinds import Kind, Shape
@@ -69,9 +69,10 @@ class StatusIntake:
             client_id=client.client_id, device_id=device_id,
             deployment_id=deployment_id, claim=claim_of(doc))
 
+        text = sorted_json(doc)  # serialized once: digested here, stored by the writer
         written = await self._writes.write(records.StatusReport(
             client.client_id, deployment_id, device_id, str(status.state), doc,
-            data_digest(doc), status.adopted_manifest_version, applied))
+            digest_of(text.encode("utf-8")), status.adopted_manifest_version, applied, text))
         self.api.last_status_at = time.monotonic()
         if self.api.lead_times is not None:  # (queues an installed report; never waits)
             self.api.lead_times.reported(client.client_id, device_id, deployment_id,

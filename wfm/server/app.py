@@ -305,7 +305,7 @@ def _routes(config: ServerConfig, edge: DeviceEdge, fleet: FleetApi,
     def pushed(arrived: float) -> None:
         if late.lead is not None:
             late.lead.received("push", arrived)
-        api.compiles.trigger()
+        api.compiles.trigger(settle=False)  # one event: no burst to wait for
 
     hosted: list[BaseRoute] = [Mount("/git/source.git", app=source_app(
         config.hosted_source, fleet.auth, pushed, replicas=lambda: api.coordinator,

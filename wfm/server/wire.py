@@ -30,6 +30,7 @@ always.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, Protocol
@@ -252,7 +253,7 @@ class _WireRenewals:
         response = on.held.timed_out()
         self._closing.keep(on.kept)  # (the same request again: the same `_Kept`)
         keep_alive = self._keep_alive(scope)
-        if this.access_log:
+        if this.access_log and this.access_logger.isEnabledFor(logging.INFO):
             _log_access(this.access_logger, scope, response.status_code)
         this.transport.write(_head(response, this.server_state.default_headers, keep_alive))
         if not keep_alive:
@@ -310,7 +311,9 @@ def _head(response: Response, default_headers: list[tuple[bytes, bytes]],
 
 
 def _log_access(logger: Any, scope: Any, status: int) -> None:
-    """The access log's line for an answer, as uvicorn's request cycle logs it."""
+    """The access log's line for an answer, as uvicorn's request cycle logs it (asked only
+    when the line is kept: under `margo serve --log-level warning` its client address and
+    path would be built for nothing, at every renewal)."""
     logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
                 get_path_with_query_string(scope), scope["http_version"], status)
 

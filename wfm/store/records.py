@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compiler.snapshot import ReportedDocuments
-from margo.digests import data_digest
+from margo.digests import data_digest, sorted_json
 from wfm.store.database import Connection
 from wfm.store.fleet_rows import id_lists
 
@@ -382,6 +382,8 @@ class StatusReport:
     digest: str
     adopted: int | None
     applied: Applied = UNKNOWN
+    #: `document`'s `sorted_json`, when the caller made it for `digest` (else made here).
+    text: str | None = None
 
 
 def store_status(conn: Connection, *, client_id: str, deployment_id: str,
@@ -447,7 +449,7 @@ def _store(conn: Connection, report: StatusReport, existing: Any, history: int) 
         return StatusWrite(created=False, changed=False)
     now = time.time()
     meaning = report_meaning(document, applied)
-    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = report.text if report.text is not None else sorted_json(document)
     if existing is not None and existing[2] == meaning:
         conn.execute("UPDATE statuses SET document = ?, digest = ?, "
                      "adopted_manifest_version = ?, applied_via = ?, reported_at = ? "

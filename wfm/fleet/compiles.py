@@ -116,6 +116,7 @@ class CompileService:
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
+            coordinator.on_compile_now = lambda: self.compile_soon(settle=False)
         self._on_compiled, self._debounce = on_compiled, debounce
         self._on_condition = on_condition
         self._quiet = quiet
@@ -146,11 +147,11 @@ class CompileService:
     def trigger(self, *, settle: bool = True) -> None:
         """Something the desired state depends on changed: compile (here, or on the replica
         that holds the compile lease). `settle=False`: the change is one event, not the
-        first of a burst (a push, a webhook, an operator's action), so the compile here
-        starts without waiting for more triggers; the lease holder of replicas still
-        waits its debounce (the request reaches it as a count in the database)."""
+        first of a burst (a push, a webhook, an operator's action), so the compile starts
+        without waiting for more triggers (with replicas, when the holder hears the
+        request as news; seen only at its periodic look, it waits the debounce)."""
         if self._coordinator is not None:
-            self._coordinator.request_compile()
+            self._coordinator.request_compile(settle=settle)
             return
         self.compile_soon(settle=settle)
 

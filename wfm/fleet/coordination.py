@@ -64,12 +64,14 @@ from wfm.store.pack_rows import PackData
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
 
-__all__ = ["Coordinator", "LeaseLost", "SourceUpdate"]
+__all__ = ["COMPILE_NOW", "Coordinator", "LeaseLost", "SourceUpdate"]
 
 log = logging.getLogger("margo.wfm.replicas")
 
 #: The advisory lock key of the compile lease ("compile" in ASCII, as a bigint).
 LEASE_KEY = 0x636F6D70696C65
+#: The news of a compile request that asks for a compile at once (`request_compile`).
+COMPILE_NOW = "compile-now"
 #: Seconds between two repairs of the served repository (`request_repair`).
 REPAIR_EVERY = 5.0
 #: How often a compile's publication starts over after devices were deleted meanwhile.
@@ -124,6 +126,8 @@ class Coordinator:
         #: differed from a published list, `wfm.store.ref_lists`).
         self.on_synced: Callable[[frozenset[str]], None] = lambda devices: None
         self.on_compile_due: Callable[[], None] = lambda: None
+        #: Called instead when the request was for a compile at once (`request_compile`).
+        self.on_compile_now: Callable[[], None] = lambda: None
         self._lease: PgConnection | None = None
         #: The lease is not taken again before this (monotonic clock): after a compile that
         #: failed here, another replica gets its turn (`give_up_lease`).
@@ -179,11 +183,11 @@ class Coordinator:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._news.wait(self.poll, self._stopping)  # news, or the periodic look
+            heard = self._news.wait(self.poll, self._stopping)  # or the periodic look
             if self._stopping.is_set():
                 return
             try:
-                self._tick()
+                self._tick(now=COMPILE_NOW in heard)
             except _ERRORS as exc:
                 self._reached = float("-inf")
                 log.warning("replica coordination: %s", exc)
@@ -191,7 +195,10 @@ class Coordinator:
                 self._reached = float("-inf")
                 log.exception("replica coordination failed; trying again")
 
-    def _tick(self) -> None:
+    def _tick(self, *, now: bool = False) -> None:
+        """One look at the database: the lease, a newer generation to serve, compile
+        requests to answer (`now`: one of them, heard of as news, asked for a compile at
+        once; a request seen only at the periodic look waits the debounce)."""
         self._repair_if_asked()
         self._keep_lease()
         generation, requests = self.db.read(replica_rows.compile_state)
@@ -204,11 +211,12 @@ class Coordinator:
             self._prefetch.clear()
         if self.holding and requests != self._requests_seen:
             self._requests_seen = requests
-            self.on_compile_due()
+            (self.on_compile_now if now else self.on_compile_due)()
 
-    def request_compile(self) -> None:
-        """Ask the holder (whichever replica it is) to compile; does not wait."""
-        self.db.submit(_request_compile)
+    def request_compile(self, *, settle: bool = True) -> None:
+        """Ask the holder (whichever replica it is) to compile, after its debounce or
+        (`settle=False`: a single event, `wfm.fleet.compiles`) at once; does not wait."""
+        self.db.submit(_request_compile if settle else _request_compile_now)
 
     # --- the lease ---------------------------------------------------------------------
 
@@ -668,3 +676,9 @@ def _request_compile(conn: Any) -> None:
     """A compile request, announced to the holder (`wfm.fleet.news`)."""
     replica_rows.request_compile(conn)
     replica_rows.announce(conn, "compile")
+
+
+def _request_compile_now(conn: Any) -> None:
+    """A compile request for a compile at once, announced so to the holder."""
+    replica_rows.request_compile(conn)
+    replica_rows.announce(conn, COMPILE_NOW)

@@ -1,0 +1,55 @@
+"""Compile requests between replicas (`wfm.fleet.coordination`, real PostgreSQL): one made
+for a single event (a push, a webhook's fetch, a rollout action: `request_compile(settle=
+False)`) reaches the lease holder as `compile-now` news and starts its compile without the
+debounce; any other request goes through the debounce. Each request is checked by which of
+the holder's two callbacks it ends in, so a request that lost its urgency fails here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from kits.replicakit import lease_holder
+
+from tools.polling import poll_until
+
+if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
+    from wfm.fleet.coordination import Coordinator
+
+
+@pytest.fixture
+def holder(pg_url: str, tmp_path: Path) -> Iterator[Coordinator]:
+    with lease_holder(pg_url, tmp_path / "data") as (_, coordinator):
+        yield coordinator
+
+
+def _calls(coordinator: Coordinator) -> list[str]:
+    """Which callback each compile request the holder answers from now on ends in (after
+    the compile a new holder asks for once, at its first look: `poll` is 0.05 s)."""
+    calls: list[str] = []
+    coordinator.on_compile_due = lambda: calls.append("debounced")
+    coordinator.on_compile_now = lambda: calls.append("now")
+    time.sleep(0.5)
+    calls.clear()
+    return calls
+
+
+@pytest.mark.parametrize("settle, expected", [(False, "now"), (True, "debounced")])
+def test_a_request_reaches_the_holder_with_its_urgency(holder: Coordinator, settle: bool,
+                                                       expected: str) -> None:
+    calls = _calls(holder)
+    holder.request_compile(settle=settle)
+    poll_until("the holder answered the request", lambda: calls, timeout=10)
+    assert calls == [expected]
+
+
+def test_requests_in_turn_each_keep_their_own_urgency(holder: Coordinator) -> None:
+    calls = _calls(holder)
+    for settle, count in ((True, 1), (False, 2), (True, 3)):
+        holder.request_compile(settle=settle)
+        poll_until("the holder answered the request", lambda n=count: len(calls) >= n,
+                   timeout=10)
+    assert calls == ["debounced", "now", "debounced"]

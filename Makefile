@@ -132,6 +132,7 @@ bench: venv
 	$(BIN)/python -m bench.fleet
 	$(BIN)/python -m bench.fleet --polling waiting --quiet 120 --restart
 	$(BIN)/python -m bench.held_polls --connections 10000
+	$(BIN)/python -m bench.request_costs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -16,10 +16,8 @@ what each of a device update's requests costs there, without 10,000 devices arou
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +28,7 @@ from typing import Any
 from tools.devices import intent
 from tools.fleetserver import MANIFEST, capabilities, fleet_server, write_fleet
 from tools.margoserver import margo_server
-from tools.processes import cpu_seconds
+from tools.processes import cpu_seconds, thread_cpu_seconds
 
 DEVICE = "cost-1"
 STATES = ("installing", "installed")
@@ -51,17 +49,6 @@ def _server(work: Path, pids: list[int]) -> Iterator[tuple[str, str, int]]:
         server.edit_intent(DEVICE, intent(DEVICE))
         server.wait_for_deployments(1)
         yield server.base, server.token, pids[0]
-
-
-def _thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each of the process's threads, by thread id."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    found = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rpartition(")")[2].split()
-            found[tid] = (int(fields[11]) + int(fields[12])) / ticks
-    return found
 
 
 class Device:
@@ -116,14 +103,15 @@ def measure(device: Device, pid: int, requests: int) -> None:
           "   (µs per request)")
     for name, send in device.kinds().items():
         statuses = {send(index) for index in range(100)}  # (warm: caches, connection)
-        threads, before, started = _thread_cpu(pid), sum(cpu_seconds(pid)), time.monotonic()
+        threads = thread_cpu_seconds(pid)
+        before, started = sum(cpu_seconds(pid)), time.monotonic()
         for index in range(requests):
             send(index)
         spent = sum(cpu_seconds(pid)) - before
-        after = _thread_cpu(pid)
-        by_thread = sorted(((after[t] - threads.get(t, 0.0), t) for t in after), reverse=True)
-        loop = next(c for c, t in by_thread if t == str(pid))
-        writer = max((c for c, t in by_thread if t != str(pid)), default=0.0)
+        by_thread = {tid: cpu - threads.get(tid, 0.0)
+                     for tid, cpu in thread_cpu_seconds(pid).items()}
+        loop = by_thread.pop(str(pid))  # (the main thread's id is the process's)
+        writer = max(by_thread.values(), default=0.0)
         per = 1e6 / requests
         print(f"{name:<28} {'/'.join(map(str, sorted(statuses))):>6} {spent * per:>11.0f} "
               f"{loop * per:>7.0f} {writer * per:>7.0f}   "

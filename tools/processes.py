@@ -20,8 +20,8 @@ import httpx
 
 from tools.polling import poll_until
 
-__all__ = ["cpu_seconds", "die_with_parent", "free_port", "stop", "unanswered_port",
-           "wait_until_ready"]
+__all__ = ["cpu_seconds", "die_with_parent", "free_port", "stop", "thread_cpu_seconds",
+           "unanswered_port", "wait_until_ready"]
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -112,7 +112,22 @@ def unanswered_port() -> Iterator[int]:
 def cpu_seconds(pid: int, *, children: bool = True) -> tuple[float, float]:
     """(user, sys) CPU seconds of a process (Linux /proc), with its waited-for children's
     by default."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return _stat_cpu(Path(f"/proc/{pid}/stat"), children=children)
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """User and system CPU seconds of each of a process's threads, by thread id (a thread
+    that ends while they are read is left out)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            found[task.name] = sum(_stat_cpu(task / "stat", children=False))
+    return found
+
+
+def _stat_cpu(stat: Path, *, children: bool) -> tuple[float, float]:
+    """(user, sys) CPU seconds from a /proc `stat` file."""
+    fields = stat.read_text().rpartition(")")[2].split()
     user, system = int(fields[11]), int(fields[12])
     if children:
         user, system = user + int(fields[13]), system + int(fields[14])

@@ -30,8 +30,8 @@ def _calls(coordinator: Coordinator) -> list[str]:
     """Which callback each compile request the holder answers from now on ends in (after
     the compile a new holder asks for once, at its first look: `poll` is 0.05 s)."""
     calls: list[str] = []
-    coordinator.on_compile_due = lambda: calls.append("debounced")
-    coordinator.on_compile_now = lambda: calls.append("now")
+    coordinator.on_compile_due = lambda *, settle=True: calls.append(
+        "debounced" if settle else "now")
     time.sleep(0.5)
     calls.clear()
     return calls

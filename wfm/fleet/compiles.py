@@ -116,7 +116,6 @@ class CompileService:
         self._coordinator = coordinator
         if coordinator is not None:
             coordinator.on_compile_due = self.compile_soon
-            coordinator.on_compile_now = lambda: self.compile_soon(settle=False)
         self._on_compiled, self._debounce = on_compiled, debounce
         self._on_condition = on_condition
         self._quiet = quiet

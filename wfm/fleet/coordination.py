@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from compiler.gitformat import device_ids_from_refs
 from compiler.gitstore import REPOSITORY_NAME, device_id_from_ref, device_ref
@@ -99,6 +99,12 @@ class _DeletedMeanwhile(RuntimeError):
     repository must drop their branches before anything of this compile is published."""
 
 
+class CompileDue(Protocol):
+    """What the holder calls to compile (`wfm.fleet.compiles.CompileService.compile_soon`)."""
+
+    def __call__(self, *, settle: bool = True) -> None: ...
+
+
 class Coordinator:
     def __init__(self, db: PostgresDatabase, data: Path, *, poll: float = 0.25,
                  name: str | None = None, source_repo: Path | None = None) -> None:
@@ -125,9 +131,9 @@ class Coordinator:
         #: which devices' branches moved (after a repair: all of them, or those that
         #: differed from a published list, `wfm.store.ref_lists`).
         self.on_synced: Callable[[frozenset[str]], None] = lambda devices: None
-        self.on_compile_due: Callable[[], None] = lambda: None
-        #: Called instead when the request was for a compile at once (`request_compile`).
-        self.on_compile_now: Callable[[], None] = lambda: None
+        #: Told of compile requests to answer (`settle=False`: one asked for a compile at
+        #: once, `request_compile`).
+        self.on_compile_due: CompileDue = lambda *, settle=True: None
         self._lease: PgConnection | None = None
         #: The lease is not taken again before this (monotonic clock): after a compile that
         #: failed here, another replica gets its turn (`give_up_lease`).
@@ -211,7 +217,7 @@ class Coordinator:
             self._prefetch.clear()
         if self.holding and requests != self._requests_seen:
             self._requests_seen = requests
-            (self.on_compile_now if now else self.on_compile_due)()
+            self.on_compile_due(settle=not now)
 
     def request_compile(self, *, settle: bool = True) -> None:
         """Ask the holder (whichever replica it is) to compile, after its debounce or

@@ -105,6 +105,11 @@ def _observability_options(serve: argparse.ArgumentParser) -> None:
                        help="how long one computation of the fleet's gauges on GET /metrics "
                             "answers scrapes (default 5; it reads the whole fleet: about 30 "
                             "ms of CPU per 1,000 devices)")
+    serve.add_argument("--compile-debounce", type=float, default=0.3, metavar="SECONDS",
+                       help="how long a compile waits for more of a burst of changes, "
+                            "such as a rebooting site's capability reports (default 0.3); "
+                            "a push to the hosted source, a webhook's fetch and an "
+                            "operator's rollout action never wait it")
 
 
 #: `margo serve --max-wait` and `--max-waiters` defaults (wfm.fleet.waiters).
@@ -280,7 +285,8 @@ def run_serve(args: argparse.Namespace) -> int:
         body_timeout=args.body_timeout, budgets=_budgets(args),
         metrics_token=_secret(args.metrics_token_file), otlp_endpoint=_otlp(args.otlp_endpoint),
         oidc=oidc, audit_retention_days=args.audit_retention_days,
-        max_wait=args.max_wait, max_waiters=args.max_waiters))
+        max_wait=args.max_wait, max_waiters=args.max_waiters,
+        debounce=args.compile_debounce))
     transport: dict[str, Any] = {}
     if contexts is not None:
         transport = {"http": TlsHttpProtocol, "ssl_context_factory": contexts.uvicorn_factory()}
@@ -313,6 +319,8 @@ def _check_limits(args: argparse.Namespace) -> None:
         raise SystemExit("margo serve: --keep-alive must be at least 1 second")
     if not 0 <= args.metrics_cache_seconds <= 3600:  # (NaN is neither)
         raise SystemExit("margo serve: --metrics-cache-seconds must be 0 to 3600 seconds")
+    if not 0 <= args.compile_debounce <= 600:
+        raise SystemExit("margo serve: --compile-debounce must be 0 to 600 seconds")
 
 
 def identity_settings(args: argparse.Namespace,

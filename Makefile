@@ -55,9 +55,11 @@ lint: venv
 	$(BIN)/mypy
 	$(BIN)/python -m margo.schemas --check
 
-# One pytest worker per core (TEST_WORKERS=0 runs in this process); the tests of the control
+# One pytest worker per core and one more (TEST_WORKERS=0 runs in this process): many tests
+# wait on real processes (servers starting, nodes, containers), and with one worker a core
+# the cores sat half idle (docs/benchmarks.md, "The test suite"). The tests of the control
 # plane and of the Docker engine stay on one worker each (tests/conftest.py).
-TEST_WORKERS ?= auto
+TEST_WORKERS ?= $(shell expr $$(nproc) + 1)
 
 test: lint kube otel
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15

@@ -1,8 +1,10 @@
 """Compile requests between replicas (`wfm.fleet.coordination`, real PostgreSQL): one made
 for a single event (a push, a webhook's fetch, a rollout action: `request_compile(settle=
 False)`) reaches the lease holder as `compile-now` news and starts its compile without the
-debounce; any other request goes through the debounce. Each request is checked by which of
-the holder's two callbacks it ends in, so a request that lost its urgency fails here."""
+debounce; any other request goes through the debounce. A request for a compile at once
+whose news was lost (written without it, as when the holder's listening session dropped)
+is still answered at once, from its count. Each request is checked by the urgency the
+holder's callback is given, so a request that lost its urgency fails here."""
 
 from __future__ import annotations
 
@@ -15,15 +17,22 @@ import pytest
 from kits.replicakit import lease_holder
 
 from tools.polling import poll_until
+from wfm.store import replica_rows
 
 if TYPE_CHECKING:  # psycopg loads only when PostgreSQL is there
     from wfm.fleet.coordination import Coordinator
+    from wfm.store.pgdb import PostgresDatabase
 
 
 @pytest.fixture
-def holder(pg_url: str, tmp_path: Path) -> Iterator[Coordinator]:
-    with lease_holder(pg_url, tmp_path / "data") as (_, coordinator):
-        yield coordinator
+def held(pg_url: str, tmp_path: Path) -> Iterator[tuple[PostgresDatabase, Coordinator]]:
+    with lease_holder(pg_url, tmp_path / "data") as (db, coordinator):
+        yield db, coordinator
+
+
+@pytest.fixture
+def holder(held: tuple[PostgresDatabase, Coordinator]) -> Coordinator:
+    return held[1]
 
 
 def _calls(coordinator: Coordinator) -> list[str]:
@@ -53,3 +62,14 @@ def test_requests_in_turn_each_keep_their_own_urgency(holder: Coordinator) -> No
         poll_until("the holder answered the request", lambda n=count: len(calls) >= n,
                    timeout=10)
     assert calls == ["debounced", "now", "debounced"]
+
+
+@pytest.mark.parametrize("at_once, expected", [(True, "now"), (False, "debounced")])
+def test_a_request_whose_news_was_lost_keeps_its_urgency(
+        held: tuple[PostgresDatabase, Coordinator], at_once: bool, expected: str) -> None:
+    db, coordinator = held
+    calls = _calls(coordinator)
+    # Counted, never announced: the holder sees it only at its periodic look.
+    db.write_sync(lambda conn: replica_rows.request_compile(conn, at_once=at_once))
+    poll_until("the holder answered the request", lambda: calls, timeout=10)
+    assert calls == [expected]

@@ -147,8 +147,8 @@ class CompileService:
         """Something the desired state depends on changed: compile (here, or on the replica
         that holds the compile lease). `settle=False`: the change is one event, not the
         first of a burst (a push, a webhook, an operator's action), so the compile starts
-        without waiting for more triggers (with replicas, when the holder hears the
-        request as news; seen only at its periodic look, it waits the debounce)."""
+        without waiting for more triggers (with replicas, when the lease holder hears the
+        request as news or sees it counted among the urgent ones at its periodic look)."""
         if self._coordinator is not None:
             self._coordinator.request_compile(settle=settle)
             return

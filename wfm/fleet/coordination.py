@@ -139,7 +139,10 @@ class Coordinator:
         #: failed here, another replica gets its turn (`give_up_lease`).
         self._lease_cooldown = 0.0
         self.epoch: int | None = None
+        #: The compile requests counted at the last look, all and urgent ones (None: look
+        #: as if new: the lease was just taken).
         self._requests_seen: int | None = None
+        self._urgent_seen: int | None = None
         self._before: dict[str, str] = {}
         #: The work repository's packs before the compile (`RepoReplica.compiled_pack`);
         #: None: publish with `git pack-objects`.
@@ -203,11 +206,12 @@ class Coordinator:
 
     def _tick(self, *, now: bool = False) -> None:
         """One look at the database: the lease, a newer generation to serve, compile
-        requests to answer (`now`: one of them, heard of as news, asked for a compile at
-        once; a request seen only at the periodic look waits the debounce)."""
+        requests to answer: at once when one of them asked so (`now`: heard of as news; or
+        counted among the urgent ones since the last look, its news lost), else after the
+        debounce."""
         self._repair_if_asked()
         self._keep_lease()
-        generation, requests = self.db.read(replica_rows.compile_state)
+        generation, requests, urgent = self.db.read(replica_rows.compile_state)
         self._reached = time.monotonic()
         if generation > self.serving.generation:
             self.sync()
@@ -216,7 +220,9 @@ class Coordinator:
         else:
             self._prefetch.clear()
         if self.holding and requests != self._requests_seen:
-            self._requests_seen = requests
+            # (after the lease was taken, the first look compiles as taking it did)
+            now = now or self._urgent_seen not in (None, urgent)
+            self._requests_seen, self._urgent_seen = requests, urgent
             self.on_compile_due(settle=not now)
 
     def request_compile(self, *, settle: bool = True) -> None:
@@ -246,7 +252,8 @@ class Coordinator:
             conn.close()
             raise
         self._lease = conn
-        self._requests_seen = None  # compile once now: requests may have gone unanswered
+        # Compile once now: requests may have gone unanswered.
+        self._requests_seen = self._urgent_seen = None
         log.info("%s holds the compile lease (epoch %d)", self.name, self.epoch)
         self.on_compile_due()
 
@@ -686,5 +693,5 @@ def _request_compile(conn: Any) -> None:
 
 def _request_compile_now(conn: Any) -> None:
     """A compile request for a compile at once, announced so to the holder."""
-    replica_rows.request_compile(conn)
+    replica_rows.request_compile(conn, at_once=True)
     replica_rows.announce(conn, COMPILE_NOW)

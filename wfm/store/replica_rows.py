@@ -217,15 +217,20 @@ def published_ref(conn: Connection, repo: str, name: str) -> tuple[str | None, i
     return found if found is not None and found[0] is None else None
 
 
-def compile_state(conn: Connection) -> tuple[int, int]:
-    """(published generation, compile requests counted so far)."""
-    row = conn.execute("SELECT generation, compile_requests FROM fleet_state "
+def compile_state(conn: Connection) -> tuple[int, int, int]:
+    """(published generation, compile requests counted so far, and of those the ones for a
+    compile at once)."""
+    row = conn.execute("SELECT generation, compile_requests, urgent_requests FROM fleet_state "
                        "WHERE id = 1").fetchone()
-    return int(row[0]), int(row[1])
+    return int(row[0]), int(row[1]), int(row[2])
 
 
-def request_compile(conn: Connection) -> None:
-    conn.execute("UPDATE fleet_state SET compile_requests = compile_requests + 1 WHERE id = 1")
+def request_compile(conn: Connection, *, at_once: bool = False) -> None:
+    """Count a compile request (`at_once`: for a compile without the debounce, counted
+    apart too)."""
+    urgent = ", urgent_requests = urgent_requests + 1" if at_once else ""
+    conn.execute(f"UPDATE fleet_state SET compile_requests = compile_requests + 1{urgent} "
+                 "WHERE id = 1")
 
 
 def lease_alive(conn: Connection) -> None:

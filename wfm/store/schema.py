@@ -254,6 +254,12 @@ _REF_LISTS = [_both(s) for s in (
 #: Object ids and ref names, compressed by half at best: stored as they are, out of line.
 _REF_LISTS_STORAGE = "ALTER TABLE git_ref_lists ALTER COLUMN data SET STORAGE EXTERNAL"
 
+#: Compile requests for a compile at once (a push, a webhook's fetch, a rollout action),
+#: counted apart from all of them: a lease holder that sees one only at its periodic look
+#: (its `compile-now` news lost with the listening session) still compiles at once.
+_URGENT_REQUESTS = _both(
+    "ALTER TABLE fleet_state ADD COLUMN urgent_requests {int} NOT NULL DEFAULT 0")
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "clients, devices, capabilities, statuses",
               tuple(s for s, _ in _BASE), tuple(p for _, p in _BASE)),
@@ -290,6 +296,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(15, "replicas: a publication of most refs stores their whole list",
               tuple(s for s, _ in _REF_LISTS),
               (*(p for _, p in _REF_LISTS), _REF_LISTS_STORAGE)),
+    Migration(16, "replicas: compile requests for a compile at once, counted apart",
+              (_URGENT_REQUESTS[0],), (_URGENT_REQUESTS[1],)),
 )
 
 _TABLE = ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "

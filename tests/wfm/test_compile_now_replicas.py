@@ -1,7 +1,7 @@
 """Compile requests between replicas (`wfm.fleet.coordination`, real PostgreSQL): one made
 for a single event (a push, a webhook's fetch, a rollout action: `request_compile(settle=
-False)`) reaches the lease holder as `compile-now` news and starts its compile without the
-debounce; any other request goes through the debounce. A request for a compile at once
+False)`) is counted as urgent, and the lease holder its news wakes starts its compile
+without the debounce; any other request goes through the debounce. A request for a compile at once
 whose news was lost (written without it, as when the holder's listening session dropped)
 is still answered at once, from its count. Each request is checked by the urgency the
 holder's callback is given, so a request that lost its urgency fails here."""

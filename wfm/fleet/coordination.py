@@ -64,14 +64,12 @@ from wfm.store.pack_rows import PackData
 from wfm.store.pgdb import PgConnection, PostgresDatabase
 from wfm.telemetry.metrics import GIT_SECONDS
 
-__all__ = ["COMPILE_NOW", "Coordinator", "LeaseLost", "SourceUpdate"]
+__all__ = ["Coordinator", "LeaseLost", "SourceUpdate"]
 
 log = logging.getLogger("margo.wfm.replicas")
 
 #: The advisory lock key of the compile lease ("compile" in ASCII, as a bigint).
 LEASE_KEY = 0x636F6D70696C65
-#: The news of a compile request that asks for a compile at once (`request_compile`).
-COMPILE_NOW = "compile-now"
 #: Seconds between two repairs of the served repository (`request_repair`).
 REPAIR_EVERY = 5.0
 #: How often a compile's publication starts over after devices were deleted meanwhile.
@@ -139,8 +137,9 @@ class Coordinator:
         #: failed here, another replica gets its turn (`give_up_lease`).
         self._lease_cooldown = 0.0
         self.epoch: int | None = None
-        #: The compile requests counted at the last look, all and urgent ones (None: look
-        #: as if new: the lease was just taken).
+        #: The compile requests counted at the last look (None: the lease was just taken)
+        #: and, of all requests, those for a compile at once (read at every look, holding
+        #: the lease or not: one answered by another holder is not answered again here).
         self._requests_seen: int | None = None
         self._urgent_seen: int | None = None
         self._before: dict[str, str] = {}
@@ -192,11 +191,11 @@ class Coordinator:
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            heard = self._news.wait(self.poll, self._stopping)  # or the periodic look
+            self._news.wait(self.poll, self._stopping)  # news, or the periodic look
             if self._stopping.is_set():
                 return
             try:
-                self._tick(now=COMPILE_NOW in heard)
+                self._tick()
             except _ERRORS as exc:
                 self._reached = float("-inf")
                 log.warning("replica coordination: %s", exc)
@@ -204,11 +203,11 @@ class Coordinator:
                 self._reached = float("-inf")
                 log.exception("replica coordination failed; trying again")
 
-    def _tick(self, *, now: bool = False) -> None:
+    def _tick(self) -> None:
         """One look at the database: the lease, a newer generation to serve, compile
-        requests to answer: at once when one of them asked so (`now`: heard of as news; or
-        counted among the urgent ones since the last look, its news lost), else after the
-        debounce."""
+        requests to answer: at once when the urgent ones moved since the last look (a
+        request for a compile at once, whether its news woke this look or was lost), else
+        after the debounce."""
         self._repair_if_asked()
         self._keep_lease()
         generation, requests, urgent = self.db.read(replica_rows.compile_state)
@@ -219,11 +218,11 @@ class Coordinator:
             self._prefetch.look()
         else:
             self._prefetch.clear()
+        at_once = self._urgent_seen not in (None, urgent)
+        self._urgent_seen = urgent
         if self.holding and requests != self._requests_seen:
-            # (after the lease was taken, the first look compiles as taking it did)
-            now = now or self._urgent_seen not in (None, urgent)
-            self._requests_seen, self._urgent_seen = requests, urgent
-            self.on_compile_due(settle=not now)
+            self._requests_seen = requests
+            self.on_compile_due(settle=not at_once)
 
     def request_compile(self, *, settle: bool = True) -> None:
         """Ask the holder (whichever replica it is) to compile, after its debounce or
@@ -252,8 +251,7 @@ class Coordinator:
             conn.close()
             raise
         self._lease = conn
-        # Compile once now: requests may have gone unanswered.
-        self._requests_seen = self._urgent_seen = None
+        self._requests_seen = None  # compile once now: requests may have gone unanswered
         log.info("%s holds the compile lease (epoch %d)", self.name, self.epoch)
         self.on_compile_due()
 
@@ -692,6 +690,7 @@ def _request_compile(conn: Any) -> None:
 
 
 def _request_compile_now(conn: Any) -> None:
-    """A compile request for a compile at once, announced so to the holder."""
+    """A compile request for a compile at once (counted so: `Coordinator._tick`), announced
+    to the holder."""
     replica_rows.request_compile(conn, at_once=True)
-    replica_rows.announce(conn, COMPILE_NOW)
+    replica_rows.announce(conn, "compile")

@@ -45,23 +45,24 @@ class News:
         self._next_attempt = 0.0
         self._lock = threading.Lock()
 
-    def wait(self, timeout: float, stopping: threading.Event) -> frozenset[str]:
-        """Until news arrive (what they say: every notification already queued is taken
-        with the first), `timeout` seconds pass or `stopping` is set (nothing heard)."""
+    def wait(self, timeout: float, stopping: threading.Event) -> bool:
+        """Until news arrive (True; every notification already queued is taken with it),
+        `timeout` seconds pass or `stopping` is set (False)."""
         conn = self._session()
         if conn is None:
             stopping.wait(timeout)
-            return frozenset()
+            return False
         try:
-            heard = [note.payload for note in conn.raw.notifies(timeout=timeout, stop_after=1)]
+            heard = any(True for _ in conn.raw.notifies(timeout=timeout, stop_after=1))
             if heard:
-                heard += [note.payload for note in conn.raw.notifies(timeout=0.0)]
-            return frozenset(heard)
+                for _ in conn.raw.notifies(timeout=0.0):
+                    pass
+            return heard
         except _LOST as exc:
             log.warning("replica news: the listening session was lost (%s); looking at the "
                         "database on schedule until it is back", exc)
             self._drop()
-            return frozenset()
+            return False
 
     def _session(self) -> PgConnection | None:
         with self._lock:

@@ -256,7 +256,7 @@ _REF_LISTS_STORAGE = "ALTER TABLE git_ref_lists ALTER COLUMN data SET STORAGE EX
 
 #: Compile requests for a compile at once (a push, a webhook's fetch, a rollout action),
 #: counted apart from all of them: a lease holder that sees one only at its periodic look
-#: (its `compile-now` news lost with the listening session) still compiles at once.
+#: (its news lost with the listening session) still compiles at once.
 _URGENT_REQUESTS = _both(
     "ALTER TABLE fleet_state ADD COLUMN urgent_requests {int} NOT NULL DEFAULT 0")
 

@@ -155,6 +155,12 @@ class _FaultyConnection:
             raise fault
         return self._conn.execute(sql, parameters)
 
+    def executemany(self, sql: str, rows: Any) -> sqlite3.Cursor:
+        fault = self._faults.pop(sql, None)
+        if fault is not None:
+            raise fault
+        return self._conn.executemany(sql, rows)
+
     def close(self) -> None:
         self.closed = True
         self._conn.close()

@@ -61,6 +61,32 @@ def test_the_record_functions_read_back_what_they_wrote(store: Database) -> None
     assert store.write_sync(lambda c: records.forget_device(c, client_id, "edge-1")) is True
 
 
+def test_polls_and_git_handouts_are_stored_a_batch_at_a_time(store: Database) -> None:
+    """One statement per batch (`executemany`), and on PostgreSQL inside the writer's
+    pipeline: each row is written, an unknown interval keeps the stored one, a handout
+    replaces the device's previous one, and a batch beside them keeps its own outcome."""
+    clients = ClientRegistry(store)
+    ids = [clients.add(f"plant-{n}")[0] for n in range(3)]
+    store.write_sync(lambda c: records.record_polls(
+        c, {ids[0]: (100.0, 15.0), ids[1]: (101.0, 60.0)}))
+    store.write_sync(lambda c: records.record_polls(
+        c, {ids[0]: (200.0, None), ids[2]: (202.0, 30.0)}))
+    polls = store.read(records.client_polls)
+    assert [polls[i] for i in ids] == [(200.0, 15.0), (101.0, 60.0), (202.0, 30.0)]
+    store.write_sync(lambda c: records.record_git_handouts(
+        c, {"edge-1": ("a" * 40, 10.0), "edge-2": ("b" * 40, 11.0)}))
+    writes = [store.submit(lambda c: records.record_git_handouts(
+        c, {"edge-1": ("c" * 40, 12.0), "edge-3": ("d" * 40, 13.0)}))]
+    writes.append(store.submit(lambda c: c.execute("SELECT * FROM no_such_table")))
+    assert writes[0].result(timeout=30) is None
+    with pytest.raises(Exception, match="no_such_table"):
+        writes[1].result(timeout=30)
+    handouts = store.read(lambda c: {d: records.git_handout_at(c, d)
+                                     for d in ("edge-1", "edge-2", "edge-3")})
+    assert handouts == {"edge-1": ("c" * 40, 12.0), "edge-2": ("b" * 40, 11.0),
+                        "edge-3": ("d" * 40, 13.0)}
+
+
 def test_manifest_history_is_read_for_many_clients_at_once(store: Database) -> None:
     """`manifest_contents_of`: one query for the fleet-wide views, the same answers as one
     `manifest_contents` per client; the history is trimmed to the last HISTORY_VERSIONS

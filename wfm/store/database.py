@@ -59,6 +59,8 @@ class Connection(Protocol):
 
     def execute(self, sql: str, parameters: Any = ...) -> Cursor: ...
 
+    def executemany(self, sql: str, rows: Any, /) -> Any: ...
+
 
 class DatabaseUnavailable(RuntimeError):
     """The store cannot be reached now; the request may be retried later."""

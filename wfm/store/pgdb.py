@@ -117,6 +117,17 @@ class PgConnection:
     def execute(self, sql: str, parameters: Any = ()) -> psycopg.Cursor[Any] | _Pending:
         return self._sent(lambda: self.raw.execute(translate(sql), tuple(parameters)))
 
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        """`sql` once for each of `rows` (psycopg sends them pipelined: one round trip)."""
+        statement, cursor = translate(sql), self.raw.cursor()
+        values = [tuple(row) for row in rows]
+
+        def send() -> psycopg.Cursor[Any]:
+            cursor.executemany(statement, values)
+            return cursor
+
+        self._sent(send)
+
     def _sent(self, send: Callable[[], psycopg.Cursor[Any]]) -> psycopg.Cursor[Any] | _Pending:
         """`send()`'s cursor; in pipeline mode, one whose answers are waited for on use."""
         if self._pipeline is None:

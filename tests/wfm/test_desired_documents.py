@@ -1,5 +1,6 @@
 """The served-document reader: ids read from our emitter's first lines are exactly what a
-YAML reader finds, for every shape we emit, and anything else is read in full."""
+YAML reader finds, for every shape we emit, and anything else is read in full; and the
+manifest's bytes are JCS."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from margo.canonical import canonical_yaml
+from margo.canonical import canonical_json, canonical_yaml
 from margo.emit import deployment_yaml
 from margo.kinds import Shape
 from margo.models import ApplicationDeployment
 from margo.validation import validate_document
-from wfm.fleet.desired import _Document
+from wfm.fleet.desired import BUNDLE_MEDIA_TYPE, ClientState, _Document, manifest_body
 
 OCT_2024 = {"apiVersion": "application.margo.org/v1alpha1", "kind": "ApplicationDeployment",
             "metadata": {"annotations": {"id": "a3e2f5dc-912e-494f-8395-52cf3769bc06",
@@ -80,3 +81,34 @@ def test_what_is_not_a_deployment_document_is_not_served() -> None:
     assert _Document.read(b"id: [unclosed\n") is None
     assert _Document.read(b"metadata: {}\n") is None
     assert _Document.read(b"id: 7\n") is None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What `manifest_body` reads of a served deployment."""
+
+    deployment_id: str
+    digest: str
+    data: bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(version=st.integers(min_value=1, max_value=2**64 - 1), prefix=st.text(max_size=20),
+       deployments=st.lists(st.tuples(st.text(max_size=12), st.text(max_size=12),
+                                      st.binary(max_size=40)), max_size=4),
+       bundle=st.one_of(st.none(), st.tuples(st.binary(max_size=40), st.text(max_size=12))))
+def test_a_manifest_is_its_canonical_json(version: int, prefix: str,
+                                          deployments: list[tuple[str, str, bytes]],
+                                          bundle: tuple[bytes, str] | None) -> None:
+    """`manifest_body` writes the manifest with one `json.dumps`; the bytes are JCS
+    (`canonical_json`) for any ids, digests and prefix (escapes, non-ASCII, astral
+    characters), manifest versions past 2^53, with and without a bundle."""
+    state = ClientState(tuple(_Served(*d) for d in deployments), "sha256:s",  # type: ignore[arg-type]
+                        bundle[0] if bundle else None, bundle[1] if bundle else None)
+    bundle_doc = None if bundle is None else {
+        "mediaType": BUNDLE_MEDIA_TYPE, "digest": bundle[1],
+        "url": f"{prefix}/bundles/{bundle[1]}", "sizeBytes": len(bundle[0])}
+    expected = canonical_json({"manifestVersion": version, "bundle": bundle_doc, "deployments": [
+        {"deploymentId": i, "digest": d, "url": f"{prefix}/deployments/{i}/{d}",
+         "sizeBytes": len(data)} for i, d, data in deployments]})
+    assert manifest_body(version, state, prefix) == expected

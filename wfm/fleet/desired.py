@@ -27,7 +27,7 @@ from compiler.recorded import recorded_branch
 from compiler.state import STATE_FILE_NAME, CompilerState
 from margo.archive import deterministic_targz
 from margo.canonical import canonical_json
-from margo.digests import digest_of
+from margo.digests import digest_of, sorted_json
 from wfm.problems import ProblemError
 
 __all__ = ["BUNDLE_MEDIA_TYPE", "STATE_LOST_RETRY", "ClientState", "DesiredState",
@@ -227,8 +227,12 @@ def manifest_body(version: int, state: ClientState, prefix: str) -> bytes:
     deployments = [{"deploymentId": d.deployment_id, "digest": d.digest,
                     "url": f"{prefix}/deployments/{d.deployment_id}/{d.digest}",
                     "sizeBytes": len(d.data)} for d in state.deployments]
-    return canonical_json({"manifestVersion": version, "bundle": bundle,
-                           "deployments": deployments})
+    # The JCS of this document (`canonical_json`) is its sorted-key compact JSON: JCS
+    # differs from that only in the order of non-ASCII keys and in how floats are written,
+    # and its keys are ASCII and its numbers integers. One C call, where the walk in
+    # Python was a tenth of a held poll's answer when a change reaches every device.
+    return sorted_json({"manifestVersion": version, "bundle": bundle,
+                        "deployments": deployments}).encode("utf-8")
 
 
 class DesiredState:

@@ -103,7 +103,7 @@ class Api:
         # A retired client or a replaced token wakes the polls held meanwhile, which are
         # then refused as a poll arriving now would be (`Callers.admission`).
         self.credentials = CredentialCache(
-            lambda: db.offload(clients.credentials_epoch),
+            lambda: db.offload(clients.credentials_epoch, periodic=True),
             lambda token: db.offload(clients.token_lookup, token),
             on_change=lambda: self.waiters.wake_all())
         self.devices = ClientDevices(db, sole_writer=coordinator is None,

@@ -121,7 +121,8 @@ class StatusIntake:
         now = time.monotonic()
         if now - self._rollouts_checked > 1:
             self._rollouts_checked = now
-            self._rollouts_moving = await self.api.db.aread(records.rollout_progressing)
+            self._rollouts_moving = await self.api.db.aread(records.rollout_progressing,
+                                                            periodic=True)
         return self._rollouts_moving
 
     async def _deployment_device(self, client: Client, deployment_id: str) -> str | None:

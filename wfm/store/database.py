@@ -37,7 +37,12 @@ from typing import Any, Protocol, TypeVar
 
 import anyio.to_thread
 
-from wfm.telemetry.metrics import DB_BATCH_SECONDS, DB_BATCH_WRITES, DB_REQUEST_READS
+from wfm.telemetry.metrics import (
+    DB_BATCH_SECONDS,
+    DB_BATCH_WRITES,
+    DB_PERIODIC_READS,
+    DB_REQUEST_READS,
+)
 
 __all__ = ["Connection", "Cursor", "Database", "DatabaseUnavailable"]
 
@@ -177,14 +182,17 @@ class Database:
     #: a local SQLite read takes microseconds and is cheaper run where it is.
     remote_reads = False
 
-    async def aread(self, fn: Callable[[Any], T]) -> T:
-        """`read`, for code on the event loop."""
-        return await self.offload(self.read, fn)
+    async def aread(self, fn: Callable[[Any], T], *, periodic: bool = False) -> T:
+        """`read`, for code on the event loop (`periodic`: see `offload`)."""
+        return await self.offload(self.read, fn, periodic=periodic)
 
-    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+    async def offload(self, fn: Callable[..., T], *args: Any, periodic: bool = False) -> T:
         """Run `fn(*args)`, a call that reads this store (a registry lookup, say), from the
-        event loop: in place for a local store, on a worker thread for a remote one."""
-        DB_REQUEST_READS.inc()
+        event loop: in place for a local store, on a worker thread for a remote one.
+        Counted as a request's read, or with `periodic` as a check made at most once a
+        second per process (what a device update costs is then the first count alone,
+        however long the update took)."""
+        (DB_PERIODIC_READS if periodic else DB_REQUEST_READS).inc()
         if not self.remote_reads:
             return fn(*args)
         return await anyio.to_thread.run_sync(fn, *args)

@@ -29,7 +29,8 @@ from prometheus_client import (
 )
 
 __all__ = ["COLLECTION_SECONDS", "COMPILES", "COMPILE_DEVICES", "COMPILE_SECONDS",
-           "DB_BATCH_SECONDS", "DB_BATCH_WRITES", "DB_REQUEST_READS", "GIT_SECONDS",
+           "DB_BATCH_SECONDS", "DB_BATCH_WRITES", "DB_PERIODIC_READS", "DB_REQUEST_READS",
+           "GIT_SECONDS",
            "HELD_POLLS", "HELD_POLL_ENDS", "HELD_POLL_RENEWALS", "LAST_COLLECTION",
            "LAST_COMPILE", "LEAD_TIME", "LEAD_TIME_DROPPED", "PROCESS", "PUSHES", "TEXT_FORMAT",
            "WEBHOOKS"]
@@ -85,8 +86,13 @@ DB_BATCH_WRITES = Histogram(
     buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000), registry=PROCESS)
 DB_REQUEST_READS = Counter(
     "margo_db_request_reads_total", "Reads of the database made while answering requests "
-    "(from the event loop; on PostgreSQL each is a round trip, from a worker thread).",
+    "(from the event loop; on PostgreSQL each is a round trip, from a worker thread), "
+    "other than the checks counted in margo_db_periodic_reads_total.",
     registry=PROCESS)
+DB_PERIODIC_READS = Counter(
+    "margo_db_periodic_reads_total", "Reads of the database made on a request's way at most "
+    "once a second per process, however many requests come (the credentials epoch; whether "
+    "a staged rollout moves).", registry=PROCESS)
 GIT_SECONDS = Histogram(
     "margo_git_operation_duration_seconds", "Git work outside requests, by operation: "
     "source_fetch (a mirrored source), publish and sync (replicas).", ["operation"],

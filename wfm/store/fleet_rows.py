@@ -9,7 +9,7 @@ that knows the tables. Functions run inside the database's reader or writer thre
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from wfm.store.database import Connection
@@ -123,6 +123,19 @@ def id_lists(ids: list[str]) -> Iterator[tuple[list[str], str]]:
     for start in range(0, len(ids), _IDS_PER_STATEMENT):
         chunk = ids[start:start + _IDS_PER_STATEMENT]
         yield chunk, ", ".join("?" * len(chunk))
+
+
+def value_rows(rows: Sequence[Sequence[Any]], per_statement: int
+               ) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """`rows` (all of one width) in parts of at most `per_statement`, each as the
+    ``(?, ?), (?, ?)`` of a multi-row ``VALUES`` and its parameters, flat: one statement
+    writes a part, where a statement per row cost its own step (and round trip)."""
+    if not rows:
+        return
+    row = "(" + ", ".join("?" * len(rows[0])) + ")"
+    for start in range(0, len(rows), per_statement):
+        chunk = rows[start:start + per_statement]
+        yield ", ".join([row] * len(chunk)), tuple(value for values in chunk for value in values)
 
 
 def device_owners(conn: Connection, device_ids: list[str]) -> list[str]:

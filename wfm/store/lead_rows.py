@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from wfm.store.database import Connection
+from wfm.store.fleet_rows import value_rows
 
 __all__ = ["consume_marks", "manifest_served_at", "marks_of", "pending_origins",
            "record_origin", "store_marks"]
@@ -48,11 +49,9 @@ def store_marks(conn: Connection, rows: Sequence[tuple[Any, ...]], last_origin: 
     if copy_rows is not None and len(rows) > _CHUNK:
         _copy_marks(conn, copy_rows, rows)
     else:
-        for start in range(0, len(rows), _CHUNK):
-            chunk = rows[start:start + _CHUNK]
+        for values, parameters in value_rows(rows, _CHUNK):
             conn.execute("INSERT INTO lead_marks (" + ", ".join(_MARK_COLUMNS) + ") VALUES "
-                         + ", ".join("(?, ?, ?, ?, ?, ?, ?)" for _ in chunk) + _UPSERT,
-                         tuple(value for row in chunk for value in row))
+                         + values + _UPSERT, parameters)
     if last_origin:
         conn.execute("DELETE FROM change_origins WHERE id <= ?", (last_origin,))
 

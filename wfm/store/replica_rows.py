@@ -16,6 +16,7 @@ from typing import Any
 
 from wfm.store import pack_rows, ref_lists
 from wfm.store.database import Connection
+from wfm.store.fleet_rows import value_rows
 
 __all__ = ["COUNTERS", "LISTED", "NEWS_CHANNEL", "PublishedPack", "Snapshot", "announce",
            "compile_state", "deleted_at", "lease_alive", "listen", "lock_counter",
@@ -141,17 +142,14 @@ def publish_rows(conn: Connection, repo: str, generation: int, pack: pack_rows.P
         refs = {**{n: t for n, t in refs.items() if t is None}, LISTED[0]: LISTED[1]}
     elif compact or discarded:
         ref_lists.drop_unnamed_lists(conn, repo)
-    moved = sorted(refs.items())
+    rows = [(repo, name, target, generation) for name, target in sorted(refs.items())]
     copy = getattr(conn, "copy_rows", None)
-    if copy is not None and len(moved) > _REFS_PER_STATEMENT:
-        _copy_refs(conn, copy, [(repo, name, target, generation) for name, target in moved])
+    if copy is not None and len(rows) > _REFS_PER_STATEMENT:
+        _copy_refs(conn, copy, rows)
         return
-    for start in range(0, len(moved), _REFS_PER_STATEMENT):
-        chunk = moved[start:start + _REFS_PER_STATEMENT]
+    for values, parameters in value_rows(rows, _REFS_PER_STATEMENT):
         conn.execute("INSERT INTO git_refs (repo, name, target, generation) VALUES "
-                     + ", ".join("(?, ?, ?, ?)" for _ in chunk) + _REFS_UPSERT,
-                     tuple(value for name, target in chunk
-                           for value in (repo, name, target, generation)))
+                     + values + _REFS_UPSERT, parameters)
 
 
 def _copy_refs(conn: Connection, copy: Any, rows: list[tuple[str, str, str | None, int]]

@@ -132,6 +132,7 @@ def test_replicas_time_a_report_that_came_before_its_mark(
     (it writes them after publishing): they are looked at again, and timed once."""
     fleet, report = compiled
     monkeypatch.setattr(leadtime, "RECHECK_AFTER", (0.2, 0.4, 0.8))
+    monkeypatch.setattr(leadtime, "GATHER", 0.0)  # checked as they come: the sleep below
     lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None), recheck=True)
     try:
         before = observed()
@@ -157,6 +158,7 @@ def test_one_server_does_not_look_again_and_replicas_give_up(
     fleet, report = compiled
     monkeypatch.setattr(leadtime, "RECHECK_AFTER", (0.1, 0.2))
     monkeypatch.setattr(leadtime, "RECHECK_LIMIT", 2)
+    monkeypatch.setattr(leadtime, "GATHER", 0.0)  # checked as they come: the sleeps below
     for recheck in (False, True):
         lead = LeadTimes(db, DesiredState(fleet.store), Tracing(None), recheck=recheck)
         try:

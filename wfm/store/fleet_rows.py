@@ -29,6 +29,7 @@ __all__ = [
     "save_source_condition",
     "source_condition",
     "status_verdicts",
+    "value_rows",
 ]
 
 

@@ -89,6 +89,20 @@ def test_the_poll_clock_learns_the_interval_and_writes_in_batches(db: SqliteData
     assert interval == pytest.approx(15.0)
 
 
+def test_what_this_process_reads_back_includes_the_polls_not_written_yet(
+        db: SqliteDatabase) -> None:
+    """The fleet API, the dashboard and `/metrics` see a poll at once, though it is written
+    only at the next flush; a newer time stored by another replica is kept."""
+    clock = PollClock(db, flush_every=3600)
+    clock.seen("edge", now=NOW)
+    clock.seen("edge", now=NOW + 15)
+    stored = db.read(records.client_polls)
+    assert stored["edge"] == (None, None)
+    assert clock.up_to_date(stored)["edge"] == (NOW + 15, 15.0)
+    assert clock.up_to_date({"edge": (NOW + 40, 20.0), "other": (NOW, 60.0)}) == {
+        "edge": (NOW + 40, 20.0), "other": (NOW, 60.0)}
+
+
 def test_manifest_history_records_each_new_version_only(db: SqliteDatabase) -> None:
     first = db.write_sync(lambda c: records.advance_manifest_version(
         c, "edge", "sha256:a", 0, {"d1": "sha256:x"}))

@@ -96,3 +96,29 @@ def test_a_held_requests_deadline_is_brought_forward_onto_the_grid_never_later(
     assert deadline <= now + seconds
     assert now + seconds - deadline <= step * (1 + 1e-9) + 1e-6
     assert abs(deadline / step - round(deadline / step)) < 1e-3
+
+
+def test_the_held_polls_gauge_counts_what_every_waiters_holds_when_it_is_read() -> None:
+    """`margo_waiting_polls_held` is read from the held requests at scrape time (not set at
+    every hold and release), over every `Waiters` of the process."""
+    from wfm.telemetry.metrics import HELD_POLLS
+
+    def gauge() -> float:
+        [sample] = HELD_POLLS.collect()[0].samples
+        return sample.value
+
+    async def scenario() -> tuple[float, float, float]:
+        one, two = Waiters(), Waiters()
+        before = gauge()
+        held = [_held(one, "a", _Checks("device:a"), one.mark()),
+                _held(two, "b", _Checks("device:b"), two.mark()),
+                _held(two, "c", _Checks("device:c"), two.mark())]
+        await asyncio.sleep(0.05)
+        during = gauge()
+        two.close()
+        await asyncio.gather(*held[1:])
+        after_close = gauge()
+        held[0].cancel()
+        return during - before, after_close - before, len(one)
+
+    assert asyncio.run(scenario()) == (3.0, 1.0, 1)

@@ -31,6 +31,7 @@ from margo.kinds import Shape
 from margo.models import DeploymentState
 from wfm.fleet.desired import DesiredState
 from wfm.fleet.freshness import STALE_POLLS, device_freshness
+from wfm.fleet.lastseen import PollClock
 from wfm.fleet.sourcecondition import load_condition
 from wfm.store import fleet_rows, records
 from wfm.store.database import Connection, Database
@@ -74,8 +75,9 @@ class FleetCollector:
 
     def __init__(self, db: Database, desired: DesiredState, *,
                  stale_polls: float = STALE_POLLS, coordinator: Coordinator | None = None,
-                 cache_seconds: float = CACHE_SECONDS) -> None:
+                 cache_seconds: float = CACHE_SECONDS, polls: PollClock | None = None) -> None:
         self._db, self._desired, self._stale_polls = db, desired, stale_polls
+        self._polls = polls  # this process's polls not written yet (`PollClock.up_to_date`)
         self._coordinator, self._cache_seconds = coordinator, cache_seconds
         self._lock = threading.Lock()
         self._cached: tuple[float, list[Any]] | None = None
@@ -100,6 +102,8 @@ class FleetCollector:
         if self._coordinator is not None:
             self._coordinator.sync()  # the branches as published, as every replica sees them
         rows = self._db.read(_fleet_rows)
+        if self._polls is not None:
+            rows["polls"] = self._polls.up_to_date(rows["polls"])
         now = time.time()
         devices: Counter[tuple[str, str]] = Counter()
         deployments: Counter[str] = Counter()

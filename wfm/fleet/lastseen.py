@@ -2,10 +2,13 @@
 
 A manifest poll is a read, often answered 304 from memory; writing a row for each would
 make polling cost a write (10,000 devices at 15 s are 667 a second). So polls are kept in
-memory and written in one batch at most every `FLUSH_EVERY` seconds (and at shutdown): a
-last-seen time is at most that much late, which freshness (minutes) does not notice. A
-flush the database refuses (locked, unreachable) is kept for the next one, unless a newer
-poll of the same client replaced it: an outage must not make devices look silent.
+memory and written in one batch at most every `FLUSH_EVERY` seconds (and at shutdown).
+What this process reads back (the fleet API, the dashboard, `/metrics`) is the stored
+times brought up to date with its own (`up_to_date`), so on one server a last-seen time is
+exact; what another replica stored is at most `FLUSH_EVERY` late, which freshness
+(`wfm.fleet.freshness`: a minute at least) does not notice. A flush the database refuses
+(locked, unreachable) is kept for the next one, unless a newer poll of the same client
+replaced it: an outage must not make devices look silent.
 
 The polling interval is observed, not configured: a moving average of the gaps between a
 client's polls on this replica, ignoring gaps far from it (a device that was switched off).
@@ -26,7 +29,11 @@ from wfm.store.database import Database, DatabaseUnavailable
 
 __all__ = ["FLUSH_EVERY", "PollClock"]
 
-FLUSH_EVERY = 5.0
+#: Seconds between two writes of the polls seen. MEASURED (`bench/fleet.py --polling waiting
+#: --quiet`, docs/benchmarks.md): with 10,000 waiting devices, a write every 5 s updated
+#: about 830 rows spread over most of the table's pages each time, a tenth of a quiet
+#: server's CPU; every 30 s each page is written about once per write.
+FLUSH_EVERY = 30.0
 #: Weight of the newest gap in the moving average.
 _ALPHA = 0.3
 #: A gap this many times the current estimate is an outage, not a polling interval.
@@ -62,6 +69,19 @@ class PollClock:
             self._interval[client_id] = gap
         elif gap <= _OUTAGE * estimate:
             self._interval[client_id] = (1 - _ALPHA) * estimate + _ALPHA * gap
+
+    def up_to_date(self, stored: dict[str, tuple[float | None, float | None]]
+                   ) -> dict[str, tuple[float | None, float | None]]:
+        """`stored` (`records.client_polls`: client -> last poll, interval) with this
+        process's newer polls and intervals, including those not written yet."""
+        with self._lock:
+            last, interval = dict(self._last), dict(self._interval)
+        merged = dict(stored)
+        for client_id, when in last.items():
+            stored_when, stored_interval = merged.get(client_id, (None, None))
+            if stored_when is None or when > stored_when:
+                merged[client_id] = (when, interval.get(client_id, stored_interval))
+        return merged
 
     def flush(self) -> None:
         """Queue the pending polls as one write (the database's writer commits it)."""

@@ -575,7 +575,7 @@ class Dashboard:
             return session
         await self.fleet.api.catch_up()
         statuses, rows, deployments = self._fleet_now()
-        polls = self.fleet.api.db.read(records.client_polls)
+        polls = self.fleet.api.client_polls()
         devices = [device_view(row, self.fleet.device_summary(row, statuses, polls))
                    for row in rows]
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -30,6 +30,7 @@ from wfm.identity.clients import Client, ClientRegistry
 from wfm.identity.credentialcache import CredentialCache, watch_epoch
 from wfm.identity.proofs import Identity, IdentitySettings
 from wfm.problems import ProblemError
+from wfm.store import records
 from wfm.store.database import Database
 
 if TYPE_CHECKING:  # psycopg loads only where PostgreSQL is used
@@ -135,6 +136,11 @@ class Api:
         return None if lost is None else lost.detail
 
     # --- shared reads ------------------------------------------------------------------
+
+    def client_polls(self) -> dict[str, tuple[float | None, float | None]]:
+        """Every client's last poll and polling interval: as stored, brought up to date
+        with this process's polls not written yet (`PollClock.up_to_date`)."""
+        return self.polls.up_to_date(self.db.read(records.client_polls))
 
     async def devices_of(self, client: Client) -> tuple[str, ...]:
         return await self.devices.of(client.client_id)

@@ -161,7 +161,7 @@ class FleetApi:
                    statuses: dict[str, dict[str, Any]],
                    polls: dict[str, tuple[float | None, float | None]] | None) -> Freshness:
         if polls is None:
-            polls = self.api.db.read(records.client_polls)
+            polls = self.api.client_polls()
         held = {d.deployment_id: d.digest for d in deployments}
         mine = {i: statuses[i] for i in held if i in statuses}
         last_poll, interval = polls.get(row.client_id, (None, None))
@@ -179,7 +179,7 @@ class FleetApi:
         self._authorize(request)
         await self.api.catch_up()
         statuses = self.statuses()
-        polls = self.api.db.read(records.client_polls)
+        polls = self.api.client_polls()
         return JSONResponse({"devices": [self.device_summary(r, statuses, polls)
                                          for r in self.device_rows()]})
 

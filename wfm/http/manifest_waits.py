@@ -56,8 +56,9 @@ async def manifest_answer(request: Request, api: Api, client: Client, *, since: 
     wait = requested_wait(prefer_values(request.scope["headers"]), limit=api.max_wait)
     if not wait:
         return _not_modified(etag)
+    devices = await api.served_devices(client)
     poll = _HeldPoll(api, client, condition, current, (body, etag), wait, since,
-                     await _keys(api, client), request.receive,
+                     devices, request.receive,
                      request.scope.get(CLOSING_SCOPE_KEY), admission(request, client))
     slot = park(request.scope, poll.answer)  # waits outside the stack (`wfm.admission.parking`)
     if slot is None:
@@ -72,17 +73,20 @@ class _HeldPoll:
     them are held at once, and each container they keep is walked by the collector); and,
     answered 304 after its wait, the renewal of the same request (module docstring)."""
 
-    __slots__ = ("admitted", "api", "client", "closing", "condition", "current", "keys",
-                 "latest", "parked", "receive", "since", "until", "wait")
+    __slots__ = ("admitted", "api", "client", "closing", "condition", "current", "devices",
+                 "keys", "latest", "parked", "receive", "since", "unchanged", "until", "wait")
 
     def __init__(self, api: Api, client: Client, condition: str | None, current: Current,
-                 latest: tuple[bytes, str], wait: int, since: int, keys: frozenset[str],
+                 latest: tuple[bytes, str], wait: int, since: int, devices: tuple[str, ...],
                  receive: Receive, closing: Closing | None, admitted: Admission) -> None:
         self.api, self.client, self.condition, self.current = api, client, condition, current
-        self.latest, self.wait, self.since, self.keys = latest, wait, since, keys
+        self.latest, self.wait, self.since = latest, wait, since
+        self.devices, self.keys = devices, _keys(client, devices)
         self.receive, self.closing, self.admitted = receive, closing, admitted
         self.parked: ParkingSlot | None = None  # where a parked poll leaves its renewal
         self.until: float | None = None  # the next hold's end, when it continues one
+        #: The 304 a wait that ran out answers, for the ETag it names (`timed_out`).
+        self.unchanged: tuple[str, Response] | None = None
 
     async def check(self) -> tuple[bool, frozenset[str]]:
         """After a wake: whether the manifest changed, and what wakes the poll now; raises
@@ -91,7 +95,16 @@ class _HeldPoll:
         await self.admitted()
         self.latest = await self.current()
         return (not etag_matches(self.condition, self.latest[1]),
-                await _keys(self.api, self.client))
+                await self._served_keys())
+
+    async def _served_keys(self) -> frozenset[str]:
+        """What wakes this poll now: made again only when the client's devices changed
+        (the served list is the same tuple until they do, `Api.served_devices`), as a
+        renewal asks every minute for each waiting device."""
+        devices = await self.api.served_devices(self.client)
+        if devices is not self.devices:
+            self.devices, self.keys = devices, _keys(self.client, devices)
+        return self.keys
 
     async def answer(self) -> Response:
         """Held until the manifest changes or the wait runs out; then answered (and, run
@@ -116,8 +129,14 @@ class _HeldPoll:
                                           closing=self.closing, then=then)
 
     def timed_out(self) -> Response:
-        """The answer once its wait ran out unchanged (what `answer` answers then)."""
-        return _not_modified(self.latest[1], extra=wait_headers(self.wait, Outcome.TIMEOUT))
+        """The answer once its wait ran out unchanged (what `answer` answers then): made
+        once for each ETag, since a waiting device's renewals answer the same 304 each
+        minute until its manifest changes (only its headers are read: `wfm.server.wire`)."""
+        etag = self.latest[1]
+        if self.unchanged is None or self.unchanged[0] != etag:
+            self.unchanged = etag, _not_modified(
+                etag, extra=wait_headers(self.wait, Outcome.TIMEOUT))
+        return self.unchanged[1]
 
     async def renew(self, scope: Scope, receive: Receive) -> _HeldPoll | None:
         """This poll held again for `scope`, the same request again on its connection, when
@@ -131,15 +150,14 @@ class _HeldPoll:
         latest = await self.current()
         if not etag_matches(self.condition, latest[1]):
             return None
-        self.keys = await _keys(self.api, self.client)
+        await self._served_keys()
         self.since, self.latest, self.receive = since, latest, receive
         self.closing, self.parked = scope.get(CLOSING_SCOPE_KEY), parking_slot(scope)
         return self
 
 
-async def _keys(api: Api, client: Client) -> frozenset[str]:
+def _keys(client: Client, devices: tuple[str, ...]) -> frozenset[str]:
     """What wakes the client's held poll: the client itself and each of its devices."""
-    devices = await api.served_devices(client)
     return frozenset((client_key(client.client_id), *map(device_key, devices)))
 
 

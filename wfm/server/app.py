@@ -374,7 +374,8 @@ def _start(config: ServerConfig, api: Api, identity: Identity, fleet: FleetApi,
     fleet.audit.open(db, replica=coordinator.name if coordinator is not None else None)
     late.source = FleetCollector(db, desired, stale_polls=config.stale_polls,
                                  coordinator=coordinator,
-                                 cache_seconds=config.metrics_cache_seconds)
+                                 cache_seconds=config.metrics_cache_seconds,
+                                 polls=api.polls)
     if coordinator is not None:
         coordinator.on_synced = lambda moved: _published(desired, api.waiters, moved)
         api.waiters.owners = lambda ids: db.aread(lambda c: fleet_rows.device_owners(c, ids))

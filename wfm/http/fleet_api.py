@@ -144,7 +144,7 @@ class FleetApi:
     def device_summary(self, row: records.DeviceRow, statuses: dict[str, dict[str, Any]],
                        polls: dict[str, tuple[float | None, float | None]] | None = None,
                        ) -> dict[str, Any]:
-        """`polls`: every client's last poll and interval (`records.client_polls`), when the
+        """`polls`: every client's last poll and interval (`Api.client_polls`), when the
         caller summarises many devices; read here otherwise."""
         deployments = self.api.desired.device_deployments(row.device_id)
         states = Counter(statuses.get(d.deployment_id, {}).get("state", "pending")
